@@ -1,0 +1,5 @@
+import sys
+
+from automap.cli import main
+
+sys.exit(main())

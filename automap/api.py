@@ -1,0 +1,103 @@
+"""The front doors: :func:`plan` and :func:`dispatch` connect profile -> plan -> dispatch."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from automap.devices import MaxMemory, detect_devices
+from automap.dispatch import dispatch_plan, state_of
+from automap.errors import DeviceMapError, DispatchError, PlanError
+from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
+from automap.profile import ExampleInputs, Profile, profile
+
+DeviceMap = str | Mapping[str, int | str] | Plan
+
+
+def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
+         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
+         dtype: torch.dtype | None = None, offload_dir: str | Path | None = None) -> Plan:
+    """Decide where each placement unit of ``model`` goes.
+
+    Args:
+        model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
+        device_map: a strategy (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
+            ``"sequential"``), a dict in the Hugging Face form, or a :class:`Plan`.
+        max_memory: per-device budgets, e.g. ``{0: "20GiB", "cpu": "64GiB"}``; devices this
+            machine lacks are fine for planning. Detected when None.
+        no_split, example_inputs, dtype: passed to :func:`automap.profile`.
+        offload_dir: where disk offload would go (its free space bounds "disk").
+
+    Returns:
+        A :class:`Plan`; ``plan.device_map`` is the Hugging Face / accelerate form.
+
+    Raises:
+        PlanError: unknown strategy, or the model cannot fit.
+        DeviceMapError: a dict map names unknown modules or leaves tensors without a device.
+
+    Example:
+        >>> p = automap.plan(torchvision.models.resnet50(), max_memory={0: "60MB", 1: "60MB"})
+        >>> print(p.report())
+    """
+    if isinstance(device_map, Plan):
+        return device_map
+    devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None)
+    if isinstance(device_map, str):
+        if device_map not in STRATEGIES:
+            raise PlanError(f"unknown strategy {device_map!r}; use one of {', '.join(STRATEGIES)}, a dict, or a Plan")
+        prof = model if isinstance(model, Profile) else profile(model, example_inputs, no_split=no_split, dtype=dtype)
+        return make_plan(prof, devices, device_map)
+    if isinstance(device_map, Mapping):
+        if isinstance(model, Profile):
+            raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
+        return _plan_user_map(model, device_map, devices, example_inputs, dtype)
+    raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
+
+
+def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple,
+                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None) -> Plan:
+    modules = {name for name, _ in model.named_modules()}
+    tensors = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
+    tensors.update(dict.fromkeys(n for n, _ in model.named_buffers(remove_duplicate=False)))
+    # The map's module keys are the units: whatever it keeps together stays together.
+    units = [k for k in device_map if isinstance(k, str) and k in modules]
+    plan_units = [u for u in units if any(t == u or t.startswith(u + ".") or u == "" for t in tensors)]
+    unknown = [k for k in device_map if k not in modules and k not in tensors]
+    if unknown:
+        plan_units = units  # let the validator name the unknown key
+    prof = profile(model, example_inputs, dtype=dtype, units=plan_units or [""])
+    return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
+             offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
+             example_inputs: ExampleInputs | None = None,
+             output_device: str | torch.device | None = None) -> nn.Module:
+    """Place ``model`` across devices and hook it so that it runs there transparently.
+
+    Units placed on ``"disk"`` (or on ``"cpu"`` while a GPU executes) are offloaded: their
+    weights live in ``offload_dir`` and stream to the execution device when the unit runs.
+
+    Args:
+        model: the model to place; returned hooked (the same object).
+        device_map, max_memory, no_split, example_inputs: as for :func:`plan`.
+        offload_dir: directory for disk-offloaded weights; required when anything goes to disk.
+        output_device: move the model's outputs here (default: where they were produced).
+
+    Returns:
+        ``model``, placed and hooked. :func:`undispatch` undoes it.
+
+    Raises:
+        AutomapError: bad map, missing device, unwritable offload_dir; the model is unchanged.
+
+    Example:
+        >>> model = automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="offload")
+        >>> model(x)  # same outputs as before
+    """
+    if state_of(model) is not None:
+        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
+                  offload_dir=offload_dir)
+    return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)

@@ -1,0 +1,219 @@
+"""Devices a plan can use: real ones detected on this machine, or hypothetical ones from
+``max_memory``. Nothing here places anything; it only describes capacity, speed and links.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, replace
+from typing import Mapping, Union
+
+import torch
+
+from automap.errors import DeviceError
+from automap.units import parse_size
+
+MaxMemory = Mapping[Union[int, str], Union[int, float, str]]
+
+# Sustained compute (FLOP/s) and the bandwidth (bytes/s) of the link that feeds the device.
+# They are deliberately round numbers: what matters to the balancer is their ratio, and a
+# measured profile (Profile.calibrate) replaces them when precision matters.
+DEFAULT_FLOPS = {"cuda": 100e12, "xpu": 50e12, "mps": 10e12, "cpu": 2e11, "disk": 0.0}
+DEFAULT_LINK = {"cuda": 25e9, "xpu": 25e9, "mps": 50e9, "cpu": 25e9, "disk": 2e9}
+ACCELERATORS = ("cuda", "xpu", "mps")
+_KIND_ORDER = {"cuda": 0, "xpu": 1, "mps": 2, "cpu": 3, "disk": 4}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One place a unit's weights can live.
+
+    Attributes:
+        name: canonical name: ``"cuda:0"``, ``"xpu:0"``, ``"mps"``, ``"cpu"`` or ``"disk"``.
+        kind: ``"cuda"``, ``"xpu"``, ``"mps"``, ``"cpu"`` or ``"disk"``.
+        capacity_bytes: how many bytes of weights, activations and reserve may live there.
+        flops_per_second: sustained compute; 0 for disk, which never computes.
+        link_bytes_per_second: bandwidth of the link to the other devices (PCIe/NVLink for a
+            GPU, host-to-device for CPU RAM, read bandwidth for disk).
+    """
+
+    name: str
+    kind: str
+    capacity_bytes: int
+    flops_per_second: float
+    link_bytes_per_second: float
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind in ACCELERATORS
+
+    @property
+    def index(self) -> int | None:
+        return int(self.name.split(":")[1]) if ":" in self.name else None
+
+    @property
+    def map_value(self) -> int | str:
+        """The value Hugging Face / accelerate device maps use: ``0`` for cuda:0, else the name."""
+        return self.index if self.kind == "cuda" and self.index is not None else self.name
+
+    def sort_key(self) -> tuple[int, int]:
+        return (_KIND_ORDER[self.kind], self.index or 0)
+
+
+def canonical_name(key: int | str) -> str:
+    """Return the canonical device name of a ``max_memory`` / device-map key.
+
+    Raises:
+        DeviceError: the key names no kind of device automap knows.
+    """
+    if isinstance(key, bool):
+        raise DeviceError(f"device key {key!r} is a bool; use 0, 'cuda:0', 'mps', 'cpu' or 'disk'")
+    if isinstance(key, int):
+        if key < 0:
+            raise DeviceError(f"device index {key} is negative; GPU indices start at 0")
+        return f"cuda:{key}"
+    if isinstance(key, torch.device):
+        key = str(key)
+    if not isinstance(key, str):
+        raise DeviceError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
+    text = key.strip().lower()
+    if text.isdigit():
+        return f"cuda:{int(text)}"
+    if text in ("cpu", "disk", "mps", "meta"):
+        if text == "meta":
+            raise DeviceError("'meta' holds no data and cannot be a placement; use 'cpu' or 'disk'")
+        return text
+    if text in ("cuda", "xpu"):
+        return f"{text}:0"
+    match = re.fullmatch(r"(cuda|xpu|mps):(\d+)", text)
+    if match:
+        return "mps" if match.group(1) == "mps" else f"{match.group(1)}:{int(match.group(2))}"
+    raise DeviceError(
+        f"unknown device {key!r}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', 'cpu' or 'disk'"
+    )
+
+
+def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
+    """Normalise a ``max_memory`` mapping to ``{canonical name: bytes}``.
+
+    Example:
+        >>> parse_max_memory({0: "10GiB", "cpu": "500MB"})
+        {'cuda:0': 10737418240, 'cpu': 500000000}
+    """
+    if not isinstance(max_memory, Mapping):
+        raise DeviceError(
+            f"max_memory must be a dict such as {{0: '20GiB', 'cpu': '64GiB'}}, got {type(max_memory).__name__}"
+        )
+    result: dict[str, int] = {}
+    for key, value in max_memory.items():
+        name = canonical_name(key)
+        if name in result:
+            raise DeviceError(f"max_memory names {name!r} twice (as {key!r} and another key); keep one")
+        result[name] = parse_size(value)
+    return result
+
+
+def _kind(name: str) -> str:
+    return name.split(":")[0]
+
+
+def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | None = None,
+                link_bytes_per_second: float | None = None) -> DeviceSpec:
+    """Build a :class:`DeviceSpec` with per-kind default speeds unless given."""
+    kind = _kind(canonical_name(name))
+    return DeviceSpec(
+        name=canonical_name(name),
+        kind=kind,
+        capacity_bytes=int(capacity_bytes),
+        flops_per_second=DEFAULT_FLOPS[kind] if flops_per_second is None else float(flops_per_second),
+        link_bytes_per_second=DEFAULT_LINK[kind] if link_bytes_per_second is None else float(link_bytes_per_second),
+    )
+
+
+def available_ram_bytes() -> int:
+    """Memory this process can still use without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def free_disk_bytes(path: str | os.PathLike[str] | None = None) -> int:
+    """Free space on the file system holding ``path`` (the working directory when None)."""
+    target = os.fspath(path) if path is not None else os.getcwd()
+    while target and not os.path.exists(target):
+        target = os.path.dirname(target)
+    return shutil.disk_usage(target or ".").free
+
+
+def _detect_accelerators() -> dict[str, int]:
+    found: dict[str, int] = {}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            # mem_get_info needs a context on the device; total memory from the properties
+            # does not, and is what a fresh process can count on minus a safety margin.
+            found[f"cuda:{i}"] = int(torch.cuda.get_device_properties(i).total_memory * 0.9)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        for i in range(torch.xpu.device_count()):
+            found[f"xpu:{i}"] = int(torch.xpu.get_device_properties(i).total_memory * 0.9)
+    if torch.backends.mps.is_available():
+        found["mps"] = int(available_ram_bytes() * 0.7)
+    return found
+
+
+def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | None = None,
+                   speeds: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
+    """The devices a plan may use, fastest tier first.
+
+    With ``max_memory`` the devices are exactly the ones it names (they need not exist on
+    this machine: that is how hypothetical hardware is planned), plus ``"disk"`` with the
+    free space of ``offload_dir`` unless ``max_memory`` sets it. Without it, the real GPUs,
+    CPU RAM and disk of this machine are detected.
+
+    Args:
+        max_memory: ``{0: "20GiB", "cpu": "64GiB", "disk": "1TB"}`` in the accelerate form.
+        offload_dir: where disk offload would go (for its free space).
+        speeds: optional FLOP/s per device name or kind, e.g. ``{"cuda": 300e12}``.
+    """
+    if max_memory is not None:
+        budget = parse_max_memory(max_memory)
+    else:
+        budget = _detect_accelerators()
+        budget["cpu"] = available_ram_bytes()
+    budget.setdefault("disk", free_disk_bytes(offload_dir))
+    devices = [make_device(name, cap) for name, cap in budget.items()]
+    if speeds:
+        devices = [_with_speed(d, speeds) for d in devices]
+    return tuple(sorted(devices, key=DeviceSpec.sort_key))
+
+
+def _with_speed(device: DeviceSpec, speeds: Mapping[str, float]) -> DeviceSpec:
+    for key in (device.name, device.kind):
+        if key in speeds:
+            return replace(device, flops_per_second=float(speeds[key]))
+    return device
+
+
+def check_present(name: str) -> None:
+    """Raise :class:`DeviceError` unless the device ``name`` exists on this machine."""
+    kind, index = _kind(name), (int(name.split(":")[1]) if ":" in name else 0)
+    if kind in ("cpu", "disk"):
+        return
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    elif kind == "xpu":
+        count = torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0
+    else:
+        count = 1 if torch.backends.mps.is_available() else 0
+    if index >= count:
+        raise DeviceError(
+            f"the plan places weights on {name!r} but this machine has {count} {kind} device(s); "
+            f"plan for the devices present (omit max_memory to detect them) or run where {name} exists"
+        )

@@ -1,0 +1,45 @@
+"""The exceptions automap raises. Every one subclasses :class:`AutomapError`.
+
+Messages name the thing that failed, the numbers involved, and what to do about it.
+"""
+from __future__ import annotations
+
+
+class AutomapError(Exception):
+    """Base class of every error automap raises on purpose."""
+
+
+class SizeError(AutomapError, ValueError):
+    """A memory size (``"10GiB"``, ``500_000_000``) could not be parsed or is negative."""
+
+
+class DeviceError(AutomapError):
+    """A device is unknown, missing on this machine, or described inconsistently."""
+
+
+class ProfileError(AutomapError):
+    """The model could not be profiled (bad example inputs, unknown no-split classes)."""
+
+
+class PlanError(AutomapError):
+    """No valid placement exists, or a strategy name is unknown."""
+
+
+class DeviceMapError(PlanError):
+    """A user-given device map names unknown modules or leaves tensors without a device."""
+
+
+class DispatchError(AutomapError):
+    """The model could not be dispatched; it was left exactly as it was."""
+
+
+class OffloadError(AutomapError):
+    """The offload store is unwritable, missing, changed or truncated."""
+
+
+class CheckpointError(AutomapError):
+    """A checkpoint is missing, corrupt, unsafe, or does not match the model."""
+
+
+class PipelineError(AutomapError):
+    """Pipelined execution was asked for with inconsistent settings."""

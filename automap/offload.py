@@ -1,0 +1,239 @@
+"""The offload store: weights kept on disk in safetensors files, read back through mmap.
+
+Layout of an offload directory::
+
+    automap-index.json          # written last: name -> file, key, dtype, shape, nbytes, crc32
+    <unit>.safetensors          # one file per unit, written to a temporary name then renamed
+
+A store can also *reference* tensors inside an existing safetensors checkpoint instead of
+copying them (the index then names the checkpoint file). Reads are zero-copy: a tensor is a
+view of a private memory map, so its pages are file-backed and the kernel may drop them.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors.torch import save_file
+
+from automap.errors import OffloadError
+
+INDEX_NAME = "automap-index.json"
+INDEX_VERSION = 1
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lives: a safetensors ``file`` (absolute or relative to the store),
+    the ``key`` inside it, and what it must look like when read back."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32: int | None = None
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes (contiguous, on CPU)."""
+    data = tensor.detach().cpu().contiguous()
+    return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[int, dict]:
+    """Return ``(data_start, header)`` of a safetensors file, checking its framing.
+
+    Raises:
+        OffloadError: the file is missing, too short, or its header is not valid JSON.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise OffloadError(f"{path} is not a safetensors file: shorter than its 8-byte header size")
+            (size,) = struct.unpack("<Q", raw)
+            if size > 100_000_000:
+                raise OffloadError(f"{path} has a corrupted safetensors header (claims {size} bytes)")
+            header = json.loads(f.read(size))
+    except FileNotFoundError as exc:
+        raise OffloadError(f"{path} is missing") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OffloadError(f"{path} has a corrupted safetensors header: {exc}") from exc
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+class OffloadStore:
+    """A directory of offloaded weights with an index, read zero-copy through mmap.
+
+    Example:
+        >>> store = OffloadStore.write("offload", {"fc.weight": torch.ones(2, 2)}, files={"fc.weight": "fc"})
+        >>> store.get("fc.weight").sum()
+        tensor(4.)
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], entries: Mapping[str, Entry]):
+        self.directory = Path(directory)
+        self.entries = dict(entries)
+        self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
+
+    # ---------------------------------------------------------------- reading
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> OffloadStore:
+        """Open an existing store, checking that every file has the size its index promises."""
+        index_path = Path(directory) / INDEX_NAME
+        try:
+            data = json.loads(index_path.read_text())
+        except FileNotFoundError as exc:
+            raise OffloadError(f"no offload index at {index_path}; dispatch again to rewrite the store") from exc
+        except json.JSONDecodeError as exc:
+            raise OffloadError(f"offload index {index_path} is corrupted ({exc}); delete the directory and dispatch again") from exc
+        entries = {name: Entry(e["file"], e["key"], e["dtype"], tuple(e["shape"]), e["nbytes"], e.get("crc32"))
+                   for name, e in data["tensors"].items()}
+        store = cls(directory, entries)
+        store.check_files()
+        return store
+
+    def path_of(self, entry: Entry) -> Path:
+        return Path(entry.file) if os.path.isabs(entry.file) else self.directory / entry.file
+
+    def check_files(self) -> None:
+        """Raise :class:`OffloadError` if a file is missing, truncated or lacks a tensor."""
+        for file in sorted({e.file for e in self.entries.values()}):
+            self._mapped(file)
+
+    def _mapped(self, file: str) -> tuple[mmap.mmap, int, dict]:
+        if file not in self._maps:
+            path = self.path_of(Entry(file, "", "", (), 0))
+            start, header = read_header(path)
+            end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+            size = path.stat().st_size
+            if size < start + end:
+                raise OffloadError(
+                    f"offload file {path} is truncated: {size} bytes, its header needs {start + end}; "
+                    "delete the offload directory and dispatch (or load) again"
+                )
+            with open(path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            self._maps[file] = (mapping, start, header)  # type: ignore[assignment]
+        return self._maps[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a zero-copy CPU view of its file."""
+        entry = self.entries[name]
+        mapping, start, header = self._mapped(entry.file)
+        info = header.get(entry.key)
+        if info is None:
+            raise OffloadError(f"offload file {self.path_of(entry)} has no tensor {entry.key!r}; it was changed after writing")
+        begin, end = (int(x) for x in info["data_offsets"])
+        if info["dtype"] != entry.dtype or tuple(info["shape"]) != entry.shape or end - begin != entry.nbytes:
+            raise OffloadError(
+                f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
+                f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
+            )
+        dtype = _DTYPES[entry.dtype]
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=start + begin)
+        return flat.view(dtype).view(entry.shape)
+
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Recompute checksums and raise :class:`OffloadError` on the first mismatch."""
+        for name in names if names is not None else self.entries:
+            entry = self.entries[name]
+            if entry.crc32 is not None and checksum(self.get(name)) != entry.crc32:
+                raise OffloadError(
+                    f"offload tensor {name!r} in {self.path_of(entry)} does not match its checksum; "
+                    "the file was changed after writing: delete the offload directory and dispatch again"
+                )
+
+    def close(self) -> None:
+        self._maps.clear()  # the maps close when the last tensor viewing them is gone
+
+    # ---------------------------------------------------------------- writing
+
+    @classmethod
+    def write(cls, directory: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
+              files: Mapping[str, str], *, references: Mapping[str, Entry] | None = None) -> OffloadStore:
+        """Write ``tensors`` (grouped into files by ``files[name]``) and the index, atomically.
+
+        Files whose contents already match the index on disk are reused, not rewritten.
+        ``references`` adds entries that point into existing safetensors files (no copy).
+
+        Raises:
+            OffloadError: the directory cannot be created or written.
+        """
+        root = Path(directory)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".automap-probe-")
+            probe.close()
+        except OSError as exc:
+            raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
+        old = cls._previous_entries(root)
+        entries: dict[str, Entry] = dict(references or {})
+        groups: dict[str, list[str]] = {}
+        for name in tensors:
+            groups.setdefault(files[name], []).append(name)
+        written: list[Path] = []
+        try:
+            for group, names in groups.items():
+                entries.update(cls._write_group(root, group, {n: tensors[n] for n in names}, old, written))
+            cls._write_index(root, entries)
+        except OSError as exc:
+            for path in written:
+                path.unlink(missing_ok=True)
+            raise OffloadError(f"writing the offload store in {root} failed ({exc}); nothing was kept") from exc
+        return cls(root, entries)
+
+    @staticmethod
+    def _previous_entries(root: Path) -> dict[str, Entry]:
+        try:
+            return OffloadStore.open(root).entries
+        except OffloadError:
+            return {}
+
+    @staticmethod
+    def _write_group(root: Path, group: str, tensors: Mapping[str, torch.Tensor],
+                     old: Mapping[str, Entry], written: list[Path]) -> dict[str, Entry]:
+        file = re.sub(r"[^A-Za-z0-9_.-]", "_", group or "root") + ".safetensors"
+        cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        entries = {
+            n: Entry(file, n, _DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
+            for n, t in cpu.items()
+        }
+        if all(old.get(n) == e for n, e in entries.items()) and (root / file).exists():
+            return entries  # same tensors, same bytes: reuse
+        tmp = root / f".{file}.tmp"
+        written.append(tmp)
+        save_file(cpu, str(tmp))
+        os.replace(tmp, root / file)
+        written.append(root / file)
+        return entries
+
+    @staticmethod
+    def _write_index(root: Path, entries: Mapping[str, Entry]) -> None:
+        payload = {"version": INDEX_VERSION,
+                   "tensors": {n: {"file": e.file, "key": e.key, "dtype": e.dtype, "shape": list(e.shape),
+                                   "nbytes": e.nbytes, "crc32": e.crc32} for n, e in entries.items()}}
+        tmp = root / f".{INDEX_NAME}.tmp"
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, root / INDEX_NAME)

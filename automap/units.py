@@ -1,0 +1,70 @@
+"""Memory sizes at the edges: parsing ``"10GiB"`` / ``"500MB"`` / ints, and formatting bytes.
+
+Inside automap every size is an ``int`` number of bytes; strings exist only here.
+"""
+from __future__ import annotations
+
+import re
+
+from automap.errors import SizeError
+
+# Decimal and binary suffixes, as transformers and accelerate read them ("GB" = 10**9,
+# "GiB" = 2**30). Matching is case-insensitive so "10gib" works too.
+_FACTORS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    Args:
+        value: bytes as an int (or integral float), or a string such as ``"10GiB"``,
+            ``"500MB"``, ``"1.5GB"``, ``"2048"``.
+
+    Returns:
+        The size in bytes, rounded down.
+
+    Raises:
+        SizeError: the value is negative, not a number, or has an unknown suffix.
+
+    Example:
+        >>> parse_size("1.5GB")
+        1500000000
+    """
+    if isinstance(value, bool):
+        raise SizeError(f"size {value!r} is a bool; give bytes as an int or a string like '10GiB'")
+    if isinstance(value, (int, float)):
+        number, factor = float(value), 1
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise SizeError(f"cannot read {value!r} as a size; write e.g. '10GiB', '500MB' or 1073741824")
+        suffix = match.group(2).lower()
+        if suffix not in _FACTORS:
+            raise SizeError(
+                f"unknown size unit {match.group(2)!r} in {value!r}; "
+                "use B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"
+            )
+        number, factor = float(match.group(1)), _FACTORS[suffix]
+    else:
+        raise SizeError(f"size {value!r} has type {type(value).__name__}; give an int or a string like '10GiB'")
+    if number != number or number in (float("inf"), float("-inf")):
+        raise SizeError(f"size {value!r} is not a finite number")
+    if number < 0:
+        raise SizeError(f"size {value!r} is negative; memory budgets must be >= 0")
+    return int(number * factor)
+
+
+def format_bytes(n: int | float) -> str:
+    """Return ``n`` bytes in a short human form with binary units, e.g. ``'1.50 GiB'``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

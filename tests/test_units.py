@@ -1,0 +1,37 @@
+import pytest
+
+from automap import SizeError, format_bytes, parse_size
+from automap.devices import parse_max_memory
+from automap.errors import AutomapError, DeviceError
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("10GiB", 10 * 2**30), ("500MB", 500 * 10**6), ("1.5GB", 1_500_000_000), ("2048", 2048),
+    (4096, 4096), ("3 KiB", 3072), ("1tb", 10**12), ("0", 0), ("2G", 2 * 2**30),
+])
+def test_sizes_parse(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["-1GB", -5, "ten GB", "10 XB", "", "1.2.3GB", None, True, float("nan")])
+def test_bad_sizes_are_refused_with_a_fix(bad):
+    with pytest.raises(SizeError) as info:
+        parse_size(bad)
+    assert isinstance(info.value, AutomapError)
+    assert "GiB" in str(info.value) or "negative" in str(info.value) or "finite" in str(info.value)
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_max_memory_accepts_the_accelerate_forms():
+    parsed = parse_max_memory({0: "10GiB", "cuda:1": 100, "mps": "1GB", "cpu": "2GiB", "disk": "1TB"})
+    assert parsed == {"cuda:0": 10 * 2**30, "cuda:1": 100, "mps": 10**9, "cpu": 2 * 2**30, "disk": 10**12}
+
+
+@pytest.mark.parametrize("bad", [{"gpu0": "1GB"}, {-1: "1GB"}, {0: "1GB", "cuda:0": "2GB"}, ["cpu"]])
+def test_bad_max_memory_keys(bad):
+    with pytest.raises(DeviceError):
+        parse_max_memory(bad)
