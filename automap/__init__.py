@@ -15,6 +15,18 @@ from automap.units import format_bytes, parse_size
 
 __version__ = "0.1.0"
 
+# Names that live in heavier modules are imported on first use.
+_LAZY = {"load": "automap.load", "empty_model": "automap.load", "placement": "automap.report",
+         "pipeline": "automap.pipeline"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'automap' has no attribute {name!r}")
+
 __all__ = [
     "AutomapError", "CheckpointError", "DeviceError", "DeviceMapError", "DeviceSpec", "DispatchError",
     "OffloadError", "PipelineError", "Plan", "PlanError", "Profile", "ProfileError", "SizeError", "Unit",

@@ -111,7 +111,27 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     """What an offloaded tensor holds between uses: no elements, so any use outside its unit
     fails loudly with a shape error instead of computing with stale or zero weights. (``meta``
     would be clearer but ``.data`` cannot switch a CPU tensor to meta.)"""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    device = tensor.device if tensor.device.type != "meta" else torch.device("cpu")
+    return torch.empty(0, dtype=tensor.dtype, device=device)
+
+
+def _off_meta(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give every meta tensor a CPU object of its own (``.data`` cannot leave meta), replacing
+    it in every module that refers to it so ties survive. Only skeletons built on meta
+    reach this, so no outside reference to the old objects exists."""
+    fresh: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, old in table.items():
+                if old is None or old.device.type != "meta":
+                    continue
+                if id(old) not in fresh:
+                    new = torch.empty(old.shape, dtype=old.dtype)
+                    fresh[id(old)] = nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new
+                table[key] = fresh[id(old)]
+    for name, tensor in list(tensors.items()):
+        if id(tensor) in fresh:
+            tensors[name] = fresh[id(tensor)]
 
 
 def _stream_out(items: list[_Streamed]) -> Callable:
@@ -127,8 +147,14 @@ def _stream_out(items: list[_Streamed]) -> Callable:
 
 
 def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
-                  output_device: str | torch.device | None = None) -> nn.Module:
+                  output_device: str | torch.device | None = None,
+                  store: OffloadStore | None = None) -> nn.Module:
     """Place ``model`` as ``plan`` says and install the hooks that run it there.
+
+    Args:
+        store: an offload store that already holds every offloaded tensor (under its name in
+            the plan), e.g. built by :func:`automap.load` from checkpoint references. The
+            model's offloaded tensors may then be on meta; nothing is written.
 
     On any failure the model is left exactly as it was and the error is an
     :class:`~automap.errors.AutomapError`.
@@ -140,7 +166,9 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
         check_present(name)
     state = DispatchState(plan=plan)
     disk_units = [u for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)]
-    if disk_units:
+    if store is not None:
+        state.store = store
+    elif disk_units:
         state.store = _write_store(model, plan, disk_units, offload_dir)
     try:
         _apply(model, plan, state, output_device)

@@ -19,6 +19,36 @@ JSON_VERSION = 1
 
 
 @dataclass(frozen=True)
+class DeviceSummary:
+    """One device's share of a plan (what the report and the JSON show per device)."""
+
+    device: DeviceSpec
+    units: tuple[str, ...]
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    flops: int
+    flops_share: float
+    stage_seconds: float
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A boundary between consecutive units on different devices and what crosses it."""
+
+    before: str
+    after: str
+    src_device: str
+    dst_device: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where every placement unit lives.
 
@@ -97,6 +127,60 @@ class Plan:
 
     def flops_on(self, device_name: str) -> int:
         return sum(u.flops for u, d in zip(self.units, self.placement) if d == device_name)
+
+    def link_seconds(self, nbytes: int, src: str, dst: str) -> float:
+        """Predicted time to move ``nbytes`` between two devices (the slower link bounds it)."""
+        if src == dst or nbytes == 0:
+            return 0.0
+        bandwidth = min(self.device(src).link_bytes_per_second, self.device(dst).link_bytes_per_second)
+        return nbytes / max(bandwidth, 1.0)
+
+    def compute_device(self, device_name: str) -> str:
+        """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
+        return self.execution_device if self.is_offloaded(device_name) else device_name
+
+    def cuts(self) -> tuple[Cut, ...]:
+        """Every boundary where consecutive units compute on different devices."""
+        result = []
+        for i in range(1, len(self.units)):
+            src, dst = self.compute_device(self.placement[i - 1]), self.compute_device(self.placement[i])
+            if src != dst:
+                nbytes = self.cut_bytes[i] if i < len(self.cut_bytes) else self.units[i - 1].output_bytes
+                result.append(Cut(self.units[i - 1].name, self.units[i].name, src, dst, nbytes,
+                                  self.link_seconds(nbytes, src, dst)))
+        return tuple(result)
+
+    def summary(self) -> tuple[DeviceSummary, ...]:
+        """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
+        streaming of offloaded weights, plus the transfers into it)."""
+        total_flops = sum(u.flops for u in self.units) or 1
+        incoming: dict[str, float] = {}
+        for cut in self.cuts():
+            incoming[cut.dst_device] = incoming.get(cut.dst_device, 0.0) + cut.seconds
+        rows = []
+        for device in self.devices:
+            units = [u for u, d in zip(self.units, self.placement) if d == device.name]
+            flops = sum(u.flops for u in units)
+            compute = self.device(self.compute_device(device.name))
+            seconds = flops / max(compute.flops_per_second, 1.0)
+            if self.is_offloaded(device.name):
+                seconds += self.link_seconds(sum(u.weight_bytes for u in units), device.name, compute.name)
+            seconds += incoming.get(device.name, 0.0) if units else 0.0
+            activations = max((u.peak_activation_bytes for u in units), default=0)
+            rows.append(DeviceSummary(device, tuple(u.name for u in units), sum(u.weight_bytes for u in units),
+                                      0 if self.is_offloaded(device.name) else activations, 0, flops,
+                                      flops / total_flops, seconds))
+        return tuple(rows)
+
+    @property
+    def bottleneck_seconds(self) -> float:
+        """The slowest stage's predicted time: the pipeline's steady-state period."""
+        return max((s.stage_seconds for s in self.summary()), default=0.0)
+
+    @property
+    def forward_seconds(self) -> float:
+        """Predicted time of one unpipelined forward: every stage in turn."""
+        return sum(s.stage_seconds for s in self.summary())
 
     # -------------------------------------------------------------- rendering
 
