@@ -8,6 +8,9 @@ Layout of an offload directory::
 A store can also *reference* tensors inside an existing safetensors checkpoint instead of
 copying them (the index then names the checkpoint file). Reads are zero-copy: a tensor is a
 view of a private memory map, so its pages are file-backed and the kernel may drop them.
+Before a unit's weights are read, :meth:`OffloadStore.check_unchanged` checks that its files are
+still the ones that were mapped (inode, size, mtime): a file changed or truncated under a live
+map would otherwise give wrong weights, or kill the process with SIGBUS.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -36,6 +39,24 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_PAGE = mmap.PAGESIZE
+# MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
+# compute thread takes no page faults; Python 3.11 lacks the constant.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+class _Mapped(NamedTuple):
+    """One open file of the store: its map, where its data starts, its header, its identity."""
+
+    mapping: mmap.mmap | None
+    start: int
+    header: dict
+    signature: tuple[int, int, int]
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -92,7 +113,7 @@ class OffloadStore:
     def __init__(self, directory: str | os.PathLike[str], entries: Mapping[str, Entry]):
         self.directory = Path(directory)
         self.entries = dict(entries)
-        self._maps: dict[str, tuple[mmap.mmap, int, dict]] = {}
+        self._maps: dict[str, _Mapped] = {}
 
     # ---------------------------------------------------------------- reading
 
@@ -113,16 +134,19 @@ class OffloadStore:
         return store
 
     def path_of(self, entry: Entry) -> Path:
-        return Path(entry.file) if os.path.isabs(entry.file) else self.directory / entry.file
+        return self._path(entry.file)
+
+    def _path(self, file: str) -> Path:
+        return Path(file) if os.path.isabs(file) else self.directory / file
 
     def check_files(self) -> None:
         """Raise :class:`OffloadError` if a file is missing, truncated or lacks a tensor."""
         for file in sorted({e.file for e in self.entries.values()}):
             self._mapped(file)
 
-    def _mapped(self, file: str) -> tuple[mmap.mmap, int, dict]:
+    def _mapped(self, file: str) -> _Mapped:
         if file not in self._maps:
-            path = self.path_of(Entry(file, "", "", (), 0))
+            path = self._path(file)
             start, header = read_header(path)
             end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
             size = path.stat().st_size
@@ -133,14 +157,31 @@ class OffloadStore:
                 )
             with open(path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-            self._maps[file] = (mapping, start, header)  # type: ignore[assignment]
+                self._maps[file] = _Mapped(mapping, start, header, _signature(path))
         return self._maps[file]
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as a zero-copy CPU view of its file."""
+    def check_unchanged(self, names: Iterable[str]) -> None:
+        """Raise :class:`OffloadError` if a file holding one of ``names`` was replaced,
+        truncated or rewritten since it was mapped (one ``stat`` per file)."""
+        for file in {self.entries[n].file for n in names}:
+            mapped, path = self._mapped(file), self._path(file)
+            try:
+                now = _signature(path)
+            except FileNotFoundError as exc:
+                raise OffloadError(f"offload file {path} was deleted after it was written; "
+                                   "call automap.undispatch(model) and dispatch again") from exc
+            if now != mapped.signature:
+                raise OffloadError(
+                    f"offload file {path} changed after it was written (size {mapped.signature[1]} -> {now[1]} "
+                    "bytes, or rewritten); its weights can no longer be trusted: call automap.undispatch(model), "
+                    "delete the offload directory and dispatch again"
+                )
+
+    def _span(self, name: str) -> tuple[mmap.mmap | None, int, int]:
+        """The map holding ``name`` and the byte range of its data."""
         entry = self.entries[name]
-        mapping, start, header = self._mapped(entry.file)
-        info = header.get(entry.key)
+        mapped = self._mapped(entry.file)
+        info = mapped.header.get(entry.key)
         if info is None:
             raise OffloadError(f"offload file {self.path_of(entry)} has no tensor {entry.key!r}; it was changed after writing")
         begin, end = (int(x) for x in info["data_offsets"])
@@ -149,11 +190,42 @@ class OffloadStore:
                 f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
                 f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
             )
+        return mapped.mapping, mapped.start + begin, mapped.start + end
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a zero-copy CPU view of its file."""
+        entry = self.entries[name]
+        mapping, begin, end = self._span(name)
         dtype = _DTYPES[entry.dtype]
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtype)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=start + begin)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=begin)  # type: ignore[arg-type]
         return flat.view(dtype).view(entry.shape)
+
+    def advise(self, names: Iterable[str], populate: bool = True) -> None:
+        """Ask the kernel to bring the pages of ``names`` into memory now (a prefetch: the
+        caller does not wait for the read unless ``populate``, which maps the pages in)."""
+        for name in names:
+            mapping, begin, end = self._span(name)
+            if mapping is None or end <= begin:
+                continue
+            first = begin - begin % _PAGE
+            try:
+                mapping.madvise(_MADV_POPULATE_READ if populate else mmap.MADV_WILLNEED, first, end - first)
+            except OSError:  # kernels before 5.14 lack POPULATE_READ: readahead is still a hint
+                mapping.madvise(mmap.MADV_WILLNEED, first, end - first)
+
+    def drop_pages(self) -> None:
+        """Unmap every page of the store from this process and ask the kernel to evict the
+        files from the page cache (the next read comes from the disk: a cold start)."""
+        for file, mapped in self._maps.items():
+            if mapped.mapping is not None:
+                mapped.mapping.madvise(mmap.MADV_DONTNEED)
+            fd = os.open(self._path(file), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def verify(self, names: Iterable[str] | None = None) -> None:
         """Recompute checksums and raise :class:`OffloadError` on the first mismatch."""
@@ -237,3 +309,30 @@ class OffloadStore:
         tmp = root / f".{INDEX_NAME}.tmp"
         tmp.write_text(json.dumps(payload, indent=1))
         os.replace(tmp, root / INDEX_NAME)
+
+
+def checkpoint_entries(path: str | os.PathLike[str], keys: Mapping[str, str]) -> dict[str, Entry]:
+    """Entries that reference tensors inside an existing safetensors checkpoint in place.
+
+    Args:
+        path: the checkpoint file (stored as an absolute path in the index).
+        keys: store name -> key inside the checkpoint (often the same string).
+
+    Raises:
+        OffloadError: the file is not safetensors, or lacks one of ``keys``.
+
+    Example:
+        >>> refs = checkpoint_entries("model.safetensors", {"fc.weight": "fc.weight"})
+        >>> store = OffloadStore.write("offload", {}, {}, references=refs)
+    """
+    absolute = Path(path).resolve()
+    _, header = read_header(absolute)
+    entries = {}
+    for name, key in keys.items():
+        info = header.get(key)
+        if info is None:
+            raise OffloadError(f"checkpoint {absolute} has no tensor {key!r} (wanted for {name!r}); "
+                               "pass the file that holds it")
+        begin, end = (int(x) for x in info["data_offsets"])
+        entries[name] = Entry(str(absolute), key, info["dtype"], tuple(info["shape"]), end - begin)
+    return entries
