@@ -7,19 +7,27 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from automap.devices import MaxMemory, detect_devices
+from automap.devices import MaxMemory, Reserve, detect_devices, parse_reserve
 from automap.dispatch import dispatch_plan, state_of
 from automap.errors import DeviceMapError, DispatchError, PlanError
 from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
-from automap.profile import ExampleInputs, Profile, profile
+from automap.profile import ExampleInputs, Profile, default_example_inputs, profile
 
 DeviceMap = str | Mapping[str, int | str] | Plan
 
 
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         dtype: torch.dtype | None = None, offload_dir: str | Path | None = None) -> Plan:
+         dtype: torch.dtype | None = None, offload_dir: str | Path | None = None,
+         reserve: Reserve = None, batch: int | None = None, speeds: Mapping[str, float] | None = None,
+         links: Mapping[str, float] | None = None) -> Plan:
     """Decide where each placement unit of ``model`` goes.
+
+    ``"auto"``/``"balanced"`` keep everything on the accelerators when they can hold it
+    (weights, activations of the planned batch, ``reserve``) and split it there so the slowest
+    stage (compute plus incoming transfers) is as fast as possible; otherwise the accelerators
+    hold as much as they can, then CPU RAM, then disk. ``"balanced_low_0"`` keeps GPU 0 light;
+    ``"sequential"`` fills GPU 0, 1, ..., then CPU, then disk.
 
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
@@ -29,6 +37,12 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
             machine lacks are fine for planning. Detected when None.
         no_split, example_inputs, dtype: passed to :func:`automap.profile`.
         offload_dir: where disk offload would go (its free space bounds "disk").
+        reserve: bytes to keep free for KV cache or optimizer state: one size for every
+            computing device (``"2GiB"``) or per device (``{0: "4GiB", 1: "1GiB"}``).
+        batch: profile at this batch size (default example inputs only) so that activations
+            are reserved for the batch you will run.
+        speeds, links: FLOP/s and link bytes/s per device name or kind, replacing defaults
+            (e.g. ``speeds={"cuda": 300e12}, links={"cuda": 300e9}`` for NVLink H100s).
 
     Returns:
         A :class:`Plan`; ``plan.device_map`` is the Hugging Face / accelerate form.
@@ -43,12 +57,18 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     """
     if isinstance(device_map, Plan):
         return device_map
-    devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None)
+    devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
+                             speeds=speeds, links=links)
     if isinstance(device_map, str):
         if device_map not in STRATEGIES:
             raise PlanError(f"unknown strategy {device_map!r}; use one of {', '.join(STRATEGIES)}, a dict, or a Plan")
-        prof = model if isinstance(model, Profile) else profile(model, example_inputs, no_split=no_split, dtype=dtype)
-        return make_plan(prof, devices, device_map)
+        if isinstance(model, Profile):
+            prof = model
+        else:
+            if example_inputs is None and batch is not None:
+                example_inputs, _ = default_example_inputs(model, batch=batch)
+            prof = profile(model, example_inputs, no_split=no_split, dtype=dtype)
+        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")

@@ -3,18 +3,23 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, replace
-from typing import Mapping, Union
+from typing import Mapping, Sequence, Union
 
 import torch
 
 from automap.errors import DeviceError
 from automap.units import parse_size
 
+log = logging.getLogger(__name__)
+
 MaxMemory = Mapping[Union[int, str], Union[int, float, str]]
+Reserve = Union[int, str, Mapping[Union[int, str], Union[int, float, str]], None]
 
 # Sustained compute (FLOP/s) and the bandwidth (bytes/s) of the link that feeds the device.
 # They are deliberately round numbers: what matters to the balancer is their ratio, and a
@@ -153,23 +158,37 @@ def free_disk_bytes(path: str | os.PathLike[str] | None = None) -> int:
     return shutil.disk_usage(target or ".").free
 
 
+# Share of a GPU's total memory a fresh process can count on (the CUDA context, the caching
+# allocator's fragmentation and cuDNN workspaces take the rest).
+_FRESH_GPU_SHARE = 0.9
+
+
+def _cuda_budget(index: int) -> int:
+    """Free memory of one GPU: measured when CUDA is already initialised (mem_get_info needs
+    a context, and creating one would cost this process ~300 MiB on every GPU), else a share
+    of the total from the device properties."""
+    if torch.cuda.is_initialized():
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free * _FRESH_GPU_SHARE)
+    return int(torch.cuda.get_device_properties(index).total_memory * _FRESH_GPU_SHARE)
+
+
 def _detect_accelerators() -> dict[str, int]:
     found: dict[str, int] = {}
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
-            # mem_get_info needs a context on the device; total memory from the properties
-            # does not, and is what a fresh process can count on minus a safety margin.
-            found[f"cuda:{i}"] = int(torch.cuda.get_device_properties(i).total_memory * 0.9)
+            found[f"cuda:{i}"] = _cuda_budget(i)
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         for i in range(torch.xpu.device_count()):
-            found[f"xpu:{i}"] = int(torch.xpu.get_device_properties(i).total_memory * 0.9)
+            found[f"xpu:{i}"] = int(torch.xpu.get_device_properties(i).total_memory * _FRESH_GPU_SHARE)
     if torch.backends.mps.is_available():
         found["mps"] = int(available_ram_bytes() * 0.7)
     return found
 
 
 def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | None = None,
-                   speeds: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
+                   speeds: Mapping[str, float] | None = None,
+                   links: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
     """The devices a plan may use, fastest tier first.
 
     With ``max_memory`` the devices are exactly the ones it names (they need not exist on
@@ -181,6 +200,11 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
         max_memory: ``{0: "20GiB", "cpu": "64GiB", "disk": "1TB"}`` in the accelerate form.
         offload_dir: where disk offload would go (for its free space).
         speeds: optional FLOP/s per device name or kind, e.g. ``{"cuda": 300e12}``.
+        links: optional link bandwidth (bytes/s) per device name or kind, e.g. ``{"cuda": 300e9}``
+            for NVLink.
+
+    Example:
+        >>> detect_devices({0: "20GiB", 1: "20GiB", "cpu": "64GiB"}, speeds={"cuda": 300e12})
     """
     if max_memory is not None:
         budget = parse_max_memory(max_memory)
@@ -189,16 +213,76 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
         budget["cpu"] = available_ram_bytes()
     budget.setdefault("disk", free_disk_bytes(offload_dir))
     devices = [make_device(name, cap) for name, cap in budget.items()]
-    if speeds:
-        devices = [_with_speed(d, speeds) for d in devices]
+    devices = [_override(d, "flops_per_second", speeds) for d in devices]
+    devices = [_override(d, "link_bytes_per_second", links) for d in devices]
     return tuple(sorted(devices, key=DeviceSpec.sort_key))
 
 
-def _with_speed(device: DeviceSpec, speeds: Mapping[str, float]) -> DeviceSpec:
+def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, float] | None) -> DeviceSpec:
+    """``device`` with ``field_name`` taken from ``values`` by device name, else by kind."""
+    if not values:
+        return device
+    by_name = {(k if k in _KIND_ORDER else canonical_name(k)): float(v) for k, v in values.items()}
     for key in (device.name, device.kind):
-        if key in speeds:
-            return replace(device, flops_per_second=float(speeds[key]))
+        if key in by_name:
+            if by_name[key] < 0:
+                raise DeviceError(f"{field_name} for {key!r} is {by_name[key]}; it must be >= 0")
+            return replace(device, **{field_name: by_name[key]})
     return device
+
+
+def calibrate(devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | str, float]) -> tuple[DeviceSpec, ...]:
+    """Replace default speeds by measured ones: ``flops`` of work took ``seconds[name]`` there.
+
+    Args:
+        devices: the devices to update (others in ``seconds`` are an error).
+        flops: the work measured, e.g. ``profile.total_flops`` of one forward.
+        seconds: measured time per device name (``{"cuda:0": 0.012, "cpu": 0.9}``).
+
+    Example:
+        >>> devices = calibrate(devices, prof.total_flops, {"cpu": median_forward_seconds})
+    """
+    measured = {canonical_name(k): float(v) for k, v in seconds.items()}
+    unknown = sorted(set(measured) - {d.name for d in devices})
+    if unknown:
+        raise DeviceError(f"calibration names {unknown}, which are not among the devices "
+                          f"{[d.name for d in devices]}")
+    bad = {k: v for k, v in measured.items() if not v > 0}
+    if bad:
+        raise DeviceError(f"calibration times must be > 0 seconds, got {bad}")
+    return tuple(replace(d, flops_per_second=flops / measured[d.name]) if d.name in measured else d
+                 for d in devices)
+
+
+def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
+    """Sustained float32 matmul FLOP/s of this machine's CPU (median of ``repeats``)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    median = sorted(times)[len(times) // 2]
+    return 2 * size**3 / max(median, 1e-9)
+
+
+def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, int]:
+    """Normalise the ``reserve`` option to ``{device name: bytes}``.
+
+    A single size applies to every device that computes (each accelerator, else the CPU);
+    a mapping names devices as ``max_memory`` does.
+
+    Example:
+        >>> parse_reserve("2GiB", devices)            # KV cache on every GPU
+        >>> parse_reserve({0: "4GiB"}, devices)      # generation's extras on GPU 0
+    """
+    if reserve is None:
+        return {}
+    if isinstance(reserve, Mapping):
+        return parse_max_memory(reserve)
+    size = parse_size(reserve)
+    runners = [d for d in devices if d.is_accelerator] or [d for d in devices if d.kind == "cpu"]
+    return {d.name: size for d in runners}
 
 
 def check_present(name: str) -> None:

@@ -1,0 +1,270 @@
+"""The :class:`Plan`: where every placement unit lives, what each device holds and does, and
+what it is predicted to cost. Built by :mod:`automap.plan.strategies` or from a user map.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from automap.devices import DeviceSpec
+from automap.errors import PlanError
+from automap.profile import Unit
+
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    """One device's share of a plan (what the report and the JSON show per device)."""
+
+    device: DeviceSpec
+    units: tuple[str, ...]
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    flops: int
+    flops_share: float
+    stage_seconds: float
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A boundary between consecutive units on different devices and what crosses it."""
+
+    before: str
+    after: str
+    src_device: str
+    dst_device: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every placement unit lives.
+
+    Attributes:
+        units: the profile's units, in execution order.
+        devices: the devices the plan could use, fastest tier first.
+        placement: the device name of each unit (aligned with ``units``).
+        strategy: the strategy that made it (``"user"`` for a given device map).
+        tie_groups: tensor names that share storage (kept on one device).
+        cut_bytes: bytes crossing the boundary before each unit (``cut_bytes[0]`` is the input).
+        example: how the profile's example inputs were chosen ("" = bytes only).
+        warnings: things the user should know (units offloaded, tied weights split, ...).
+        reserves: ``(device name, bytes)`` kept free on a device beyond weights and
+            activations: the largest offloaded unit on the execution device, plus the user's
+            ``reserve`` (KV cache, optimizer state).
+    """
+
+    units: tuple[Unit, ...]
+    devices: tuple[DeviceSpec, ...]
+    placement: tuple[str, ...]
+    strategy: str
+    tie_groups: tuple[tuple[str, ...], ...] = ()
+    cut_bytes: tuple[int, ...] = ()
+    example: str = ""
+    warnings: tuple[str, ...] = field(default=())
+    reserves: tuple[tuple[str, int], ...] = ()
+
+    # -------------------------------------------------------------- lookups
+
+    def device(self, name: str) -> DeviceSpec:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def device_of(self, unit_name: str) -> str:
+        for unit, where in zip(self.units, self.placement):
+            if unit.name == unit_name:
+                return where
+        raise KeyError(unit_name)
+
+    @property
+    def used_devices(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices if d.name in set(self.placement))
+
+    @property
+    def execution_device(self) -> str:
+        """Where offloaded units compute: the first accelerator in the plan, else the CPU."""
+        for name in self.used_devices:
+            if self.device(name).is_accelerator:
+                return name
+        return "cpu"
+
+    def is_offloaded(self, device_name: str) -> bool:
+        """True when units placed on ``device_name`` are streamed to the execution device."""
+        return device_name == "disk" or (device_name == "cpu" and self.execution_device != "cpu")
+
+    @property
+    def offloaded_units(self) -> tuple[str, ...]:
+        return tuple(u.name for u, d in zip(self.units, self.placement) if self.is_offloaded(d))
+
+    @property
+    def device_map(self) -> dict[str, int | str]:
+        """The Hugging Face / accelerate form: ``{"model.layers.0": 0, ..., "lm_head": "cpu"}``.
+
+        Keys are unit names, plus the full names of tensors held by non-unit modules; together
+        they cover every parameter and buffer. Accepted as-is by ``from_pretrained(device_map=)``
+        and ``accelerate.dispatch_model``.
+        """
+        result: dict[str, int | str] = {}
+        for unit, where in zip(self.units, self.placement):
+            value = self.device(where).map_value
+            result[unit.name] = value
+            for tensor in unit.loose:
+                result[tensor] = value
+        return result
+
+    def bytes_on(self, device_name: str) -> int:
+        return sum(u.weight_bytes for u, d in zip(self.units, self.placement) if d == device_name)
+
+    def flops_on(self, device_name: str) -> int:
+        return sum(u.flops for u, d in zip(self.units, self.placement) if d == device_name)
+
+    def link_seconds(self, nbytes: int, src: str, dst: str) -> float:
+        """Predicted time to move ``nbytes`` between two devices (the slower link bounds it)."""
+        if src == dst or nbytes == 0:
+            return 0.0
+        bandwidth = min(self.device(src).link_bytes_per_second, self.device(dst).link_bytes_per_second)
+        return nbytes / max(bandwidth, 1.0)
+
+    def compute_device(self, device_name: str) -> str:
+        """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
+        return self.execution_device if self.is_offloaded(device_name) else device_name
+
+    def cuts(self) -> tuple[Cut, ...]:
+        """Every boundary where consecutive units compute on different devices."""
+        result = []
+        for i in range(1, len(self.units)):
+            src, dst = self.compute_device(self.placement[i - 1]), self.compute_device(self.placement[i])
+            if src != dst:
+                nbytes = self.cut_bytes[i] if i < len(self.cut_bytes) else self.units[i - 1].output_bytes
+                result.append(Cut(self.units[i - 1].name, self.units[i].name, src, dst, nbytes,
+                                  self.link_seconds(nbytes, src, dst)))
+        return tuple(result)
+
+    def summary(self) -> tuple[DeviceSummary, ...]:
+        """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
+        streaming of offloaded weights, plus the transfers into it). Activations of offloaded
+        units count on the execution device, where they run."""
+        total_flops = sum(u.flops for u in self.units) or 1
+        incoming: dict[str, float] = {}
+        for cut in self.cuts():
+            incoming[cut.dst_device] = incoming.get(cut.dst_device, 0.0) + cut.seconds
+        reserves = dict(self.reserves)
+        peak: dict[str, int] = {}
+        for unit, where in zip(self.units, self.placement):
+            compute = self.compute_device(where)
+            peak[compute] = max(peak.get(compute, 0), unit.peak_activation_bytes)
+        rows = []
+        for device in self.devices:
+            units = [u for u, d in zip(self.units, self.placement) if d == device.name]
+            flops = sum(u.flops for u in units)
+            weights = sum(u.weight_bytes for u in units)
+            compute = self.device(self.compute_device(device.name))
+            seconds = flops / max(compute.flops_per_second, 1.0)
+            if self.is_offloaded(device.name):
+                seconds += self.link_seconds(weights, device.name, compute.name)
+            seconds += incoming.get(device.name, 0.0) if units else 0.0
+            activations = 0 if self.is_offloaded(device.name) else peak.get(device.name, 0)
+            rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
+                                      reserves.get(device.name, 0), flops, flops / total_flops, seconds))
+        return tuple(rows)
+
+    def compute_seconds(self) -> dict[str, float]:
+        """Predicted seconds per forward on each computing device: its own stage plus the
+        offloaded stages it runs."""
+        totals: dict[str, float] = {}
+        for row in self.summary():
+            if row.units:
+                where = self.compute_device(row.device.name)
+                totals[where] = totals.get(where, 0.0) + row.stage_seconds
+        return totals
+
+    @property
+    def bottleneck_seconds(self) -> float:
+        """The busiest computing device's predicted time per forward: the steady-state period
+        of a pipeline over the plan's stages."""
+        return max(self.compute_seconds().values(), default=0.0)
+
+    @property
+    def forward_seconds(self) -> float:
+        """Predicted time of one unpipelined forward: every stage in turn."""
+        return sum(s.stage_seconds for s in self.summary())
+
+    # -------------------------------------------------------------- rendering
+
+    def report(self) -> str:
+        """A human-readable table: per device bytes, share of FLOPs and unit range."""
+        from automap.report import render_text
+
+        return render_text(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialise to JSON with a top-level ``"device_map"`` key (stable schema)."""
+        return json.dumps(plan_to_dict(self), indent=indent)
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Rebuild a plan written by :meth:`to_json`."""
+        return plan_from_dict(json.loads(text))
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    total_flops = sum(u.flops for u in plan.units) or 1
+    return {
+        "version": JSON_VERSION,
+        "strategy": plan.strategy,
+        "example": plan.example,
+        "execution_device": plan.execution_device,
+        "device_map": plan.device_map,
+        "devices": [
+            {**asdict(row.device), "used_bytes": row.used_bytes, "weight_bytes": row.weight_bytes,
+             "activation_bytes": row.activation_bytes, "reserve_bytes": row.reserve_bytes,
+             "flops_share": row.flops / total_flops, "stage_seconds": row.stage_seconds}
+            for row in plan.summary()
+        ],
+        "bottleneck_seconds": plan.bottleneck_seconds,
+        "forward_seconds": plan.forward_seconds,
+        "cuts": [asdict(c) for c in plan.cuts()],
+        "units": [{**asdict(u), "device": d} for u, d in zip(plan.units, plan.placement)],
+        "tie_groups": [list(g) for g in plan.tie_groups],
+        "cut_bytes": list(plan.cut_bytes),
+        "warnings": list(plan.warnings),
+        "reserves": {name: nbytes for name, nbytes in plan.reserves},
+    }
+
+
+def plan_from_dict(data: Mapping[str, Any]) -> Plan:
+    if data.get("version") != JSON_VERSION:
+        raise PlanError(f"plan JSON has version {data.get('version')!r}; this automap reads version {JSON_VERSION}")
+    devices = tuple(
+        DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
+                   float(d["link_bytes_per_second"]))
+        for d in data["devices"]
+    )
+    fields = set(Unit.__dataclass_fields__)
+    units = tuple(
+        Unit(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in u.items() if k in fields})
+        for u in data["units"]
+    )
+    return Plan(
+        units=units,
+        devices=devices,
+        placement=tuple(u["device"] for u in data["units"]),
+        strategy=data["strategy"],
+        tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
+        cut_bytes=tuple(int(c) for c in data.get("cut_bytes", [])),
+        example=data.get("example", ""),
+        warnings=tuple(data.get("warnings", [])),
+        reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
+    )
+
+

@@ -1,0 +1,208 @@
+"""Contiguous partition of a chain of items over devices in a fixed order.
+
+The pure algorithm behind the balancer, on plain arrays: no torch, no profile, no devices.
+A *chain* is a sequence of items (placement units) with work, weight bytes, activation bytes
+and the bytes crossing the cut before each item. A *slot* is one device as the partitioner
+sees it: room in bytes, speed, link bandwidth and seconds of work it already has.
+
+``min_bottleneck`` finds the contiguous split (each slot takes one range, possibly empty, in
+slot order) that minimises the slowest stage, where a stage costs its work over the slot's
+speed, plus the transfer of the cut it receives, plus the slot's fixed work. It bisects on the
+bottleneck ``T``; each probe is a forward sweep over slots in which the prefixes a slot can end
+are a union of intervals (costs and memory grow with the range, so for a fixed start the
+feasible ends are ``start+1 .. E(start)``), computed with prefix sums and ``searchsorted``.
+Each probe costs O(k n log n) in numpy; memory limits are precomputed once per slot with two
+pointers and a monotone queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+Range = tuple[int, int]
+# Bisection stops when the bracket is this small relative to the bottleneck; far below any
+# difference a cost model of FLOP/s and bytes/s can resolve.
+_RELATIVE_TOLERANCE = 1e-12
+_MAX_PROBES = 200
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Items in execution order. ``cut[i]`` is the bytes crossing into item ``i`` from the
+    items before it (``cut[0]`` is ignored: the model's input is not a cut)."""
+
+    work: Sequence[float]
+    weight: Sequence[int]
+    activation: Sequence[int]
+    cut: Sequence[float]
+
+    def __len__(self) -> int:
+        return len(self.work)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One device: ``room`` bytes for weights + activations, ``speed`` work/s, ``link``
+    bytes/s (a cut between two slots moves at the slower one), ``base`` seconds already
+    committed there (offloaded units it runs)."""
+
+    room: int
+    speed: float
+    link: float
+    base: float = 0.0
+
+
+def memory_reach(chain: Chain, room: int, with_activations: bool = True) -> list[int]:
+    """``reach[s]``: the largest ``e`` such that items ``s..e-1`` fit in ``room`` bytes
+    (weights summed, activations as the largest one); ``reach[s] == s`` when item ``s``
+    alone does not fit. Non-decreasing in ``s``, computed in O(n)."""
+    n = len(chain)
+    act = chain.activation if with_activations else [0] * n
+    reach = [0] * (n + 1)
+    window: deque[int] = deque()  # indices of the range, activations decreasing
+    end, total = 0, 0
+    for start in range(n + 1):
+        if end < start:
+            end, total = start, 0
+            window.clear()
+        while end < n:
+            peak = max(act[window[0]] if window else 0, act[end])
+            if total + chain.weight[end] + peak > room:
+                break
+            total += chain.weight[end]
+            while window and act[window[-1]] <= act[end]:
+                window.pop()
+            window.append(end)
+            end += 1
+        reach[start] = end
+        if end > start:
+            total -= chain.weight[start]
+            if window and window[0] == start:
+                window.popleft()
+    return reach
+
+
+def fill(chain: Chain, rooms: Sequence[int], start: int = 0,
+         with_activations: bool = True) -> tuple[list[Range], int]:
+    """Greedy fill: each room in turn takes as many items as fit. Returns the ranges and the
+    end reached; no contiguous split reaches further (feasibility shrinks with the range)."""
+    ranges: list[Range] = []
+    position = start
+    for room in rooms:
+        end = memory_reach(chain, room, with_activations)[position]
+        ranges.append((position, end))
+        position = end
+    return ranges, position
+
+
+@dataclass
+class _Sweep:
+    """One probe's state per slot, kept to rebuild the split."""
+
+    start_ok: list[np.ndarray]
+    end_max: list[np.ndarray]
+    reach: list[np.ndarray]
+    feasible: bool
+
+
+class _Probe:
+    """Evaluates "can every stage finish within T?" for one chain and slot list."""
+
+    def __init__(self, chain: Chain, slots: Sequence[Slot]) -> None:
+        self.n = len(chain)
+        self.slots = list(slots)
+        self.prefix = np.concatenate([[0.0], np.cumsum(np.asarray(chain.work, dtype=np.float64))])
+        cut = np.zeros(self.n + 1)
+        cut[1:self.n] = np.asarray(chain.cut, dtype=np.float64)[1:self.n]
+        self.cut = cut
+        self.memory = [np.asarray(memory_reach(chain, s.room)) for s in slots]
+        self.index = np.arange(self.n + 1)
+
+    def run(self, limit: float) -> _Sweep:
+        n = self.n
+        before = np.zeros(n + 1, dtype=bool)
+        before[0] = True
+        best_link = np.full(n + 1, np.inf)
+        sweep = _Sweep([], [], [], False)
+        for slot, memory in zip(self.slots, self.memory):
+            link = np.minimum(best_link, slot.link)
+            transfer = np.where(self.cut > 0, self.cut / np.maximum(link, 1.0), 0.0)
+            budget = (limit - slot.base - transfer) * slot.speed
+            ends = np.searchsorted(self.prefix, self.prefix + budget, side="right") - 1
+            ends = np.minimum(ends, memory)
+            ok = before & (budget >= 0) & (ends > self.index)
+            reach = self._cover(self.index[ok] + 1, ends[ok] + 1)
+            sweep.start_ok.append(ok)
+            sweep.end_max.append(ends)
+            sweep.reach.append(reach)
+            best_link = np.where(reach, np.maximum(best_link, slot.link), best_link)
+            before = before | reach
+        sweep.feasible = bool(before[n]) and n > 0
+        return sweep
+
+    def _cover(self, lows: np.ndarray, highs: np.ndarray) -> np.ndarray:
+        """Boolean mask of positions covered by the half-open intervals [low, high)."""
+        diff = np.zeros(self.n + 2, dtype=np.int64)
+        np.add.at(diff, lows, 1)
+        np.add.at(diff, highs, -1)
+        return np.cumsum(diff)[: self.n + 1] > 0
+
+
+def _upper_bound(chain: Chain, slots: Sequence[Slot]) -> float:
+    """A bottleneck every memory-feasible split meets: all work on the slowest slot, the
+    largest cut over the slowest link, plus the largest fixed work."""
+    speed = min(max(s.speed, 1e-300) for s in slots)
+    link = min(max(s.link, 1.0) for s in slots)
+    return (float(sum(chain.work)) / speed + float(max(chain.cut, default=0)) / link
+            + max(s.base for s in slots)) * (1 + 1e-9) + 1e-300
+
+
+def min_bottleneck(chain: Chain, slots: Sequence[Slot]) -> list[Range | None] | None:
+    """The contiguous split of ``chain`` over ``slots`` (in order) with the smallest
+    bottleneck, or None when no split fits in memory.
+
+    Ties are broken deterministically: later slots take as much as the optimum allows, so
+    the first slot (GPU 0, where inputs and outputs live) is the lightest.
+
+    Returns:
+        For each slot, its ``(start, end)`` range, or None when it takes nothing.
+    """
+    if len(chain) == 0:
+        return [None] * len(slots)
+    probe = _Probe(chain, slots)
+    high = _upper_bound(chain, slots)
+    best = probe.run(high)
+    if not best.feasible:
+        return None
+    low = 0.0
+    for _ in range(_MAX_PROBES):
+        if high - low <= _RELATIVE_TOLERANCE * high:
+            break
+        middle = (low + high) / 2
+        sweep = probe.run(middle)
+        if sweep.feasible:
+            high, best = middle, sweep
+        else:
+            low = middle
+    return _rebuild(best, probe)
+
+
+def _rebuild(sweep: _Sweep, probe: _Probe) -> list[Range | None]:
+    """Walk back from the last slot that ends the chain, giving each slot the longest
+    feasible range and the predecessor with the fastest link (the one the probe assumed)."""
+    n, k = probe.n, len(probe.slots)
+    ranges: list[Range | None] = [None] * k
+    slot = max(j for j in range(k) if sweep.reach[j][n])
+    end = n
+    while True:
+        ok = sweep.start_ok[slot] & (sweep.end_max[slot] >= end) & (probe.index < end)
+        start = int(np.flatnonzero(ok)[0])
+        ranges[slot] = (start, end)
+        if start == 0:
+            return ranges
+        link = max(probe.slots[j].link for j in range(slot) if sweep.reach[j][start])
+        slot = max(j for j in range(slot) if sweep.reach[j][start] and probe.slots[j].link == link)
+        end = start

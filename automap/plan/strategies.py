@@ -1,0 +1,304 @@
+"""Strategies: from a profile and devices to a :class:`Plan`.
+
+Units become *items* (a unit plus the units tied to it, which must share its device), items
+form a chain in execution order, and the chain is split over tiers: accelerators first, then
+CPU RAM, then disk. When the accelerators can hold every item (weights, activations of the
+profiled batch, and the user's reserve) nothing goes to CPU or disk. Otherwise they hold the
+longest prefix they can (keeping room on the execution device for the largest offloaded unit),
+CPU RAM the next stretch and disk the rest. Within the accelerator tier, ``"balanced"`` takes
+the split that minimises the slowest stage (:func:`~automap.plan.partition.min_bottleneck`),
+``"sequential"`` fills device after device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from automap.devices import DeviceSpec
+from automap.errors import PlanError
+from automap.plan.model import Plan
+from automap.plan.partition import Chain, Range, Slot, fill, min_bottleneck
+from automap.profile import Profile
+from automap.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# Under "balanced_low_0" GPU 0 is balanced as if half as fast: generate() runs its logits
+# processing, sampling and the model's inputs and outputs there, as transformers expects.
+LOW_0_SPEED_FACTOR = 0.5
+
+
+@dataclass(frozen=True)
+class Items:
+    """The chain the partitioner sees: ``members[i]`` are the unit indices of item ``i``
+    (its first member runs first; the others are tied to it)."""
+
+    members: tuple[tuple[int, ...], ...]
+    chain: Chain
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Device name per item, and the bytes reserved per device beyond weights/activations."""
+
+    devices: tuple[str, ...]
+    reserves: dict[str, int]
+
+
+def all_cut_bytes(profile: Profile) -> tuple[int, ...]:
+    """``profile.cut_bytes(i)`` for every ``i`` in one pass over the graph's edges."""
+    order = {u.name: i for i, u in enumerate(profile.units)}
+    diff = [0] * (len(profile.units) + 1)
+    for src, dst, data in profile.graph.edges(data=True):
+        first, last = order.get(src, -1), order.get(dst, -1)
+        if first < last:
+            diff[first + 1] += int(data.get("bytes", 0))
+            diff[last + 1] -= int(data.get("bytes", 0))
+    cuts, running = [], 0
+    for delta in diff[:-1]:
+        running += delta
+        cuts.append(running)
+    return tuple(cuts)
+
+
+def _holder(name: str, owner: Mapping[str, int], by_name: Mapping[str, int]) -> int | None:
+    """The unit holding tensor ``name``: its owner, else the unit with the longest prefix."""
+    if name in owner:
+        return owner[name]
+    probe = name
+    while probe:
+        probe = probe.rpartition(".")[0]
+        if probe in by_name:
+            return by_name[probe]
+    return None
+
+
+def tie_roots(profile: Profile) -> list[int]:
+    """For each unit, the first unit (execution order) it must share a device with."""
+    owner = {t: i for i, u in enumerate(profile.units) for t in u.tensors}
+    by_name = {u.name: i for i, u in enumerate(profile.units)}
+    root = list(range(len(profile.units)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for group in profile.tie_groups:
+        holders = {h for h in (_holder(t, owner, by_name) for t in group) if h is not None}
+        for other in holders:
+            a, b = find(min(holders)), find(other)
+            root[max(a, b)] = min(a, b)
+    return [find(i) for i in range(len(root))]
+
+
+def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
+    """Merge tied units into items; work is FLOPs, or bytes when the profile has no FLOPs."""
+    roots = tie_roots(profile)
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(roots):
+        groups.setdefault(r, []).append(i)
+    members = tuple(tuple(groups[r]) for r in sorted(groups))
+    units = profile.units
+    by_flops = profile.has_compute
+    work = [float(sum(units[i].flops if by_flops else units[i].weight_bytes for i in m)) for m in members]
+    return Items(members, Chain(
+        work=work,
+        weight=[sum(units[i].weight_bytes for i in m) for m in members],
+        activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
+        cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
+    ))
+
+
+def _sub(chain: Chain, start: int, end: int) -> Chain:
+    return Chain(chain.work[start:end], chain.weight[start:end], chain.activation[start:end],
+                 chain.cut[start:end])
+
+
+def _tiers(devices: Sequence[DeviceSpec]) -> tuple[list[DeviceSpec], list[DeviceSpec]]:
+    """Computing devices (accelerators, else the CPU) and storage tiers (CPU RAM, disk)."""
+    accelerators = [d for d in devices if d.is_accelerator]
+    hosts = [d for d in devices if d.kind == "cpu"]
+    disks = [d for d in devices if d.kind == "disk"]
+    return (accelerators, hosts + disks) if accelerators else (hosts, disks)
+
+
+def _room(device: DeviceSpec, reserve: Mapping[str, int]) -> int:
+    return max(device.capacity_bytes - reserve.get(device.name, 0), 0)
+
+
+def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], strategy: str,
+            base: float) -> list[Range | None]:
+    """Split ``chain`` (known to fit) over the computing devices."""
+    if strategy == "sequential":
+        ranges, _ = fill(chain, rooms)
+        return [r if r[1] > r[0] else None for r in ranges]
+    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0)
+             for i, (d, room) in enumerate(zip(compute, rooms))]
+    if strategy == "balanced_low_0" and len(slots) > 1:
+        slots[0] = Slot(slots[0].room, slots[0].speed * LOW_0_SPEED_FACTOR, slots[0].link, slots[0].base)
+    ranges = min_bottleneck(chain, slots)
+    assert ranges is not None, "the chain was checked to fit before balancing"
+    return ranges
+
+
+def _offload_point(chain: Chain, rooms: Sequence[int]) -> tuple[int, int]:
+    """The longest prefix the computing devices hold while the first of them keeps room for
+    the largest offloaded item (weights + activations). Returns (prefix end, that reserve)."""
+    extra = 0
+    while True:
+        _, end = fill(chain, [rooms[0] - extra, *rooms[1:]])
+        tail = range(end, len(chain))
+        need = max((chain.weight[i] for i in tail), default=0) + max((chain.activation[i] for i in tail), default=0)
+        if need <= extra:
+            return end, extra
+        extra = need
+
+
+def _offload_seconds(chain: Chain, spans: Sequence[tuple[DeviceSpec, Range]], executor: DeviceSpec) -> float:
+    """Seconds the execution device spends running offloaded items: compute plus streaming."""
+    total = 0.0
+    for store, (start, end) in spans:
+        link = max(min(store.link_bytes_per_second, executor.link_bytes_per_second), 1.0)
+        total += sum(chain.work[start:end]) / max(executor.flops_per_second, 1.0)
+        total += sum(chain.weight[start:end]) / link
+    return total
+
+
+def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: Mapping[str, int]) -> Layout:
+    """Device per item: everything on the computing devices when it fits, else tiers."""
+    compute, storage = _tiers(devices)
+    if not compute:
+        raise PlanError(f"nothing can run the model: the plan's devices are {[d.name for d in devices]}; "
+                        "add CPU memory (max_memory={'cpu': '16GiB', ...}) or a GPU")
+    rooms = [_room(d, reserve) for d in compute]
+    _, end = fill(chain, rooms)
+    if end == len(chain):
+        return _assign(_stages(chain, compute, rooms, strategy, 0.0), compute, len(chain), dict(reserve))
+    point, extra = _offload_point(chain, rooms)
+    if point == 0 and compute[0].is_accelerator:
+        if not any(d.kind == "cpu" for d in storage):
+            raise PlanError(f"{compute[0].name} cannot hold the first unit while streaming offloaded ones "
+                            f"({format_bytes(extra)} to keep free, {format_bytes(rooms[0])} available) and "
+                            "there is no CPU to run on; raise max_memory for it or add 'cpu'")
+        log.debug("the accelerators hold no unit; the CPU runs the model")
+        return layout(chain, [d for d in devices if not d.is_accelerator], strategy, reserve)
+    spans, stored_end = fill(chain, [_room(d, reserve) for d in storage], point, with_activations=False)
+    if stored_end < len(chain):
+        raise _does_not_fit(chain, compute, storage, reserve, extra)
+    base = _offload_seconds(chain, list(zip(storage, spans)), compute[0])
+    head = _stages(_sub(chain, 0, point), compute, [rooms[0] - extra, *rooms[1:]], strategy, base)
+    placed = _assign(head + [s if s[1] > s[0] else None for s in spans], [*compute, *storage],
+                     len(chain), dict(reserve))
+    placed.reserves[compute[0].name] = placed.reserves.get(compute[0].name, 0) + extra
+    return placed
+
+
+def _assign(ranges: Sequence[Range | None], devices: Sequence[DeviceSpec], n: int,
+            reserves: dict[str, int]) -> Layout:
+    names = [""] * n
+    for device, span in zip(devices, ranges):
+        if span is not None:
+            for i in range(*span):
+                names[i] = device.name
+    assert all(names), "every item is placed"
+    return Layout(tuple(names), reserves)
+
+
+def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence[DeviceSpec],
+                  reserve: Mapping[str, int], extra: int) -> PlanError:
+    weights = sum(chain.weight)
+    peak = max(chain.activation, default=0)
+    tiers = ", ".join(f"{d.name} {format_bytes(_room(d, reserve))}" for d in [*compute, *storage])
+    available = sum(_room(d, reserve) for d in [*compute, *storage])
+    short = weights + peak + extra - available
+    has_disk = any(d.kind == "disk" for d in storage)
+    return PlanError(
+        f"the model does not fit even with offloading: it needs {format_bytes(weights)} of weights "
+        f"+ {format_bytes(peak)} of activations + {format_bytes(extra)} to stream offloaded units, "
+        f"but the devices hold {tiers} (total {format_bytes(available)}, about {format_bytes(max(short, 0))} "
+        f"short); raise max_memory"
+        + (", free space where offload_dir points" if has_disk else ", allow 'disk' in max_memory")
+        + ", or load the weights in a smaller dtype (dtype=torch.float16 halves float32 weights)"
+    )
+
+
+def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec],
+                    reserve: Mapping[str, int]) -> None:
+    """Every item must fit, weights plus activations, on some device that can run it."""
+    runners = [d for d in devices if d.kind != "disk"]
+    if not runners:
+        return
+    best = max(runners, key=lambda d: (_room(d, reserve), -d.sort_key()[0]))
+    room = _room(best, reserve)
+    for members, weight, act in zip(items.members, items.chain.weight, items.chain.activation):
+        if weight + act > room:
+            names = [profile.units[i].name or "<model>" for i in members]
+            what = f"unit {names[0]!r}" + (f" (tied to {names[1:]})" if len(names) > 1 else "")
+            raise PlanError(
+                f"{what} needs {format_bytes(weight + act)} ({format_bytes(weight)} of weights + "
+                f"{format_bytes(act)} of activations) but the largest device that can run it, {best.name}, "
+                f"has {format_bytes(room)}; raise max_memory for one device, use a smaller batch or dtype, "
+                "or let automap split it (no_split without its class)"
+            )
+
+
+def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
+              reserve: Mapping[str, int] | None = None) -> Plan:
+    """Place ``profile``'s units on ``devices`` with a named strategy.
+
+    Args:
+        profile: the model's units in execution order.
+        devices: where units may go (hypothetical devices are fine), fastest tier first.
+        strategy: ``"auto"`` / ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+        reserve: bytes to keep free per device name (KV cache, optimizer state).
+
+    Returns:
+        A deterministic :class:`Plan`.
+
+    Raises:
+        PlanError: unknown strategy, no devices, a unit larger than every device, or a model
+            that does not fit even on disk (the message gives the numbers per tier).
+
+    Example:
+        >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
+    """
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)} or a dict")
+    if not devices:
+        raise PlanError("no devices to place on; give max_memory={'cpu': '8GiB'} or similar")
+    devices = tuple(sorted(devices, key=DeviceSpec.sort_key))
+    reserve = dict(reserve or {})
+    cuts = all_cut_bytes(profile)
+    items = make_items(profile, cuts)
+    check_items_fit(profile, items, devices, reserve)
+    placed = layout(items.chain, devices, strategy, reserve)
+    placement = [""] * len(profile.units)
+    for members, where in zip(items.members, placed.devices):
+        for i in members:
+            placement[i] = where
+    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts)
+
+
+def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
+               reserves: Mapping[str, int], cuts: Sequence[int] | None = None,
+               notes: Sequence[str] = ()) -> Plan:
+    """Assemble a :class:`Plan` and the notes a user should read."""
+    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy,
+                tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
+                example=profile.example,
+                reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)))
+    found = list(notes)
+    if plan.offloaded_units:
+        found.append(f"{len(plan.offloaded_units)} unit(s) offloaded "
+                     f"({format_bytes(sum(plan.bytes_on(d.name) for d in devices if plan.is_offloaded(d.name)))}), "
+                     f"streamed to {plan.execution_device} when they run")
+    if not profile.example:
+        found.append("no example inputs: balanced by bytes, not FLOPs")
+    if profile.uncalled:
+        found.append(f"{len(profile.uncalled)} unit(s) never called in the traced forward: "
+                     f"{', '.join(profile.uncalled[:3])}")
+    return Plan(**{**plan.__dict__, "warnings": tuple(found)})

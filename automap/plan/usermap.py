@@ -1,0 +1,112 @@
+"""User device maps (the Hugging Face / accelerate dict form), validated and turned into a Plan."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from automap.devices import DeviceSpec, canonical_name, make_device
+from automap.errors import DeviceError, DeviceMapError
+from automap.plan.model import Plan
+from automap.plan.strategies import build_plan, tie_roots
+from automap.profile import Profile
+from automap.units import format_bytes
+
+
+def _lookup(device_map: Mapping[str, str], name: str) -> str | None:
+    """Longest dotted-prefix match, as transformers and accelerate read device maps."""
+    probe = name
+    while True:
+        if probe in device_map:
+            return device_map[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+def _normalise(device_map: Mapping[str, int | str], tensor_names: set[str],
+               module_names: set[str]) -> dict[str, str]:
+    normalised: dict[str, str] = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise DeviceMapError(f"device_map key {key!r} is not a module name string")
+        if key not in module_names and key not in tensor_names:
+            close = sorted(n for n in module_names if n and (n.startswith(key) or key.startswith(n)))[:3]
+            raise DeviceMapError(
+                f"device_map names {key!r}, which is not a module or tensor of the model"
+                + (f"; did you mean {close}?" if close else "; list names with model.named_modules()")
+            )
+        try:
+            normalised[key] = canonical_name(value)
+        except DeviceError as exc:
+            raise DeviceMapError(f"device_map[{key!r}] = {value!r} is not a device: {exc}") from exc
+    return normalised
+
+
+def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
+    unit = profile.units[index]
+    spots = {_lookup(normalised, t) for t in unit.tensors} or {_lookup(normalised, unit.name + ".x")}
+    spots.discard(None)
+    if len(spots) > 1:
+        raise DeviceMapError(
+            f"device_map splits unit {unit.name!r} over {sorted(s for s in spots if s)}; automap keeps units "
+            f"whole. Map {unit.name!r} to one device, or pass no_split=[] to make its children units"
+        )
+    found = spots.pop() if spots else None
+    return found or default
+
+
+def _split_ties(plan: Plan, profile: Profile) -> list[str]:
+    """Notes for tie groups whose units the map puts on different devices, with their cost."""
+    notes = []
+    roots = tie_roots(profile)
+    for i, root in enumerate(roots):
+        if i == root or plan.placement[i] == plan.placement[root]:
+            continue
+        owner, user = profile.units[root], profile.units[i]
+        nbytes = owner.weight_bytes  # the tied tensor is among the owner's; Unit keeps no per-tensor sizes
+        seconds = plan.link_seconds(nbytes, plan.placement[root], plan.placement[i])
+        notes.append(
+            f"tied weights split: {user.name!r} on {plan.placement[i]} shares weights with {owner.name!r} on "
+            f"{plan.placement[root]}; up to {format_bytes(nbytes)} cross devices each forward "
+            f"(~{seconds * 1e3:.2f} ms); map both to one device to avoid it"
+        )
+    return notes
+
+
+def _over_capacity(plan: Plan) -> list[str]:
+    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
+            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
+            for row in plan.summary()
+            if row.units and row.device.capacity_bytes and row.used_bytes > row.device.capacity_bytes]
+
+
+def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
+                         device_map: Mapping[str, int | str], tensor_names: Iterable[str],
+                         module_names: set[str]) -> Plan:
+    """Turn a user device map (HF/accelerate form) into a :class:`Plan` after validating it.
+
+    Args:
+        profile: the model's profile, with the map's module keys as units.
+        devices: the known devices; devices the map names beyond them are added with no budget.
+        device_map: ``{"module.name": 0 | "cuda:0" | "cpu" | "disk"}``.
+        tensor_names, module_names: every tensor and module name of the model.
+
+    Raises:
+        DeviceMapError: a key names no module or tensor, a value names no device, a tensor
+            is left without a device, or one unit is split over several devices.
+    """
+    tensors: Sequence[str] = list(tensor_names)
+    normalised = _normalise(device_map, set(tensors), module_names)
+    missing = [t for t in tensors if _lookup(normalised, t) is None]
+    if missing:
+        raise DeviceMapError(
+            f"device_map leaves {len(missing)} tensor(s) without a device, first {missing[:5]}; "
+            "add their modules (or a parent such as '') to the map"
+        )
+    known = {d.name: d for d in devices}
+    extra = [make_device(n, 0) for n in sorted(set(normalised.values())) if n not in known]
+    all_devices = tuple(sorted(devices + tuple(extra), key=DeviceSpec.sort_key))
+    default = all_devices[0].name
+    placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
+    plan = build_plan(profile, all_devices, placement, "user", {})
+    notes = _split_ties(plan, profile) + _over_capacity(plan)
+    return Plan(**{**plan.__dict__, "warnings": plan.warnings + tuple(notes)})
