@@ -1,0 +1,149 @@
+"""Loading checkpoints larger than memory: plan on meta, then stream each tensor to its place.
+
+    with automap.empty_model():
+        model = LlamaForCausalLM(config)
+    model = automap.load(model, "llama-checkpoint/", max_memory={"cpu": "8GiB"}, offload_dir="off")
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+import types
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from automap.api import DeviceMap, plan
+from automap.devices import MaxMemory
+from automap.dispatch import dispatch_plan, state_of
+from automap.errors import CheckpointError, DispatchError
+from automap.load.checkpoint import Checkpoint, open_checkpoint
+from automap.load.empty import empty_model
+from automap.load.keys import match_keys
+from automap.load.materialise import Loaded, Task, install, materialise, plan_tasks
+from automap.profile import ExampleInputs
+from automap.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpoint", "empty_model", "load", "open_checkpoint"]
+
+
+def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: DeviceMap = "auto",
+         max_memory: MaxMemory | None = None, *, offload_dir: str | os.PathLike[str] | None = None,
+         dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
+         example_inputs: ExampleInputs | None = None, quiet: bool = False) -> nn.Module:
+    """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
+
+    The model is planned on meta first; then every tensor is read on its own (never a whole
+    shard) to its GPU or to CPU RAM, or kept in the offload store. Offloaded tensors of a
+    safetensors checkpoint already in the target dtype are referenced in place: nothing is
+    copied or written. Tied weights stay tied; buffers missing from the checkpoint keep the
+    values computed at init (build the model in :func:`empty_model`).
+
+    Args:
+        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
+        checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
+            shards (with or without ``model.safetensors.index.json``).
+        device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`.
+        offload_dir: where offloaded tensors that need writing go (converted dtype, or a
+            pickled source). Not needed when the source is safetensors in the target dtype.
+        dtype: convert floating-point weights to this dtype on the way.
+        quiet: no progress bar (it only appears for loads longer than a second).
+
+    Returns:
+        ``model``, loaded and dispatched; :func:`automap.undispatch` brings it back to CPU.
+
+    Raises:
+        CheckpointError: missing, corrupt, truncated or unsafe checkpoint; missing, unexpected
+            or mis-shaped keys. Nothing is left half-written in ``offload_dir``.
+        PlanError, DispatchError: as for :func:`automap.dispatch`.
+
+    Example:
+        >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
+    """
+    if state_of(model) is not None:
+        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    start = time.perf_counter()
+    with open_checkpoint(checkpoint) as ckpt:
+        match = match_keys(model, ckpt)
+        chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
+                      dtype=dtype, offload_dir=offload_dir)
+        tasks = plan_tasks(model, chosen, match, dtype)
+        with _clean_on_failure(offload_dir):
+            loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)
+            on_purpose = _offloaded_names(model, tasks)
+            install(model, loaded.fresh)
+            _verify(model, on_purpose)
+            dispatch_plan(model, chosen, store=loaded.store)
+    _log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
+    return model
+
+
+def _offloaded_names(model: nn.Module, tasks: list[Task]) -> set[str]:
+    """Every name (tied aliases too) of a tensor that stays in the offload store."""
+    offloaded = {id(t.tensor) for t in tasks if t.device is None}
+    return {n for n, t in _named_tensors(model).items() if id(t) in offloaded}
+
+
+def _verify(model: nn.Module, on_purpose: set[str]) -> None:
+    """Every tensor holds data, except the ones offloaded on purpose."""
+    left = [n for n, t in _named_tensors(model).items() if t.device.type == "meta" and n not in on_purpose]
+    if left:
+        raise CheckpointError(f"{len(left)} tensor(s) are still on meta after loading, first {left[:3]}; "
+                              "the plan does not cover them: plan this model again")
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+@contextmanager
+def _clean_on_failure(offload_dir: str | os.PathLike[str] | None) -> Iterator[None]:
+    """On any error, remove what this load created in ``offload_dir`` (and the folder itself
+    when the load created it), so no half-written store is left behind."""
+    if offload_dir is None:
+        yield
+        return
+    root = Path(offload_dir)
+    existed = root.exists()
+    before = set(os.listdir(root)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
+        elif root.is_dir():
+            for name in set(os.listdir(root)) - before:
+                path = root / name
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise
+
+
+def _log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, how: str, seconds: float) -> None:
+    by_device: dict[str, int] = {}
+    for task in tasks:
+        where = str(task.device) if task.device is not None else "offload store"
+        by_device[where] = by_device.get(where, 0) + task.nbytes
+    placed = ", ".join(f"{format_bytes(n)} to {d}" for d, n in by_device.items())
+    log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d",
+             type(model).__name__, seconds, how, placed, loaded.referenced, loaded.written)
+
+
+class _CallableModule(types.ModuleType):
+    """``automap.load`` is both this package and the function: importing a submodule sets the
+    package attribute to the module, so the module forwards calls to :func:`load`."""
+
+    def __call__(self, *args, **kwargs) -> nn.Module:  # type: ignore[no-untyped-def]
+        return load(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

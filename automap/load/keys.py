@@ -1,0 +1,123 @@
+"""Which checkpoint key fills which tensor of the model, and what does not fit.
+
+Checkpoints are often saved from a wrapper or a part of the model, so their keys carry one
+leading component more or less than the model's names (``model.``, ``transformer.``,
+``module.``). The rename that matches the most names wins; then every tensor must be
+filled, every key used, every shape equal.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from automap.errors import CheckpointError
+from automap.load.checkpoint import Checkpoint
+
+Rename = tuple[str, Callable[[str], str]]
+
+
+@dataclass(frozen=True)
+class Match:
+    """How a checkpoint fills a model.
+
+    Attributes:
+        sources: every model tensor name (tied aliases included) -> its checkpoint key.
+        how: the rename applied to the checkpoint's keys, for messages.
+    """
+
+    sources: dict[str, str]
+    how: str
+
+
+def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
+    """Pair the model's parameters and persistent buffers with the checkpoint's keys.
+
+    Raises:
+        CheckpointError: tensors missing from the checkpoint, keys the model lacks, or
+            shapes that differ (counts and the first names of each).
+    """
+    expected = dict(model.state_dict(keep_vars=True))
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    how, rename = _best_rename(expected, checkpoint.tensors)
+    renamed = {rename(k): k for k in checkpoint.tensors}
+    sources: dict[str, str] = {}
+    missing = []
+    for names in _groups(expected):
+        key = next((renamed[n] for n in names if n in renamed), None)
+        if key is None:
+            missing.append(names[0])
+        else:
+            sources.update(dict.fromkeys(names, key))
+    missing = _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
+    unexpected = _drop([k for n, k in renamed.items() if n not in known],
+                       getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    shapes = _shape_mismatches(expected, sources, checkpoint)
+    if missing or unexpected or shapes:
+        raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes))
+    return Match(sources, how)
+
+
+def _groups(expected: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names grouped by the tensor object they refer to (tied weights share one group)."""
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_id.setdefault(id(tensor), []).append(name)
+    return list(by_id.values())
+
+
+def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
+    def first(names: Iterable[str]) -> set[str]:
+        return {n.split(".", 1)[0] for n in names if "." in n}
+
+    def strip(p: str) -> Callable[[str], str]:
+        return lambda k: k[len(p) + 1:] if k.startswith(p + ".") else k
+
+    def add(p: str) -> Callable[[str], str]:
+        return lambda k: f"{p}.{k}"
+
+    options: list[Rename] = [("as saved", lambda k: k)]
+    options += [(f"without the prefix '{p}.'", strip(p)) for p in sorted(first(keys))]
+    options += [(f"with the prefix '{p}.'", add(p)) for p in sorted(first(model_names))]
+    return options
+
+
+def _best_rename(expected: Mapping[str, torch.Tensor], keys: Mapping[str, object]) -> Rename:
+    names = set(expected)
+    scored = [(sum(rename(k) in names for k in keys), -i, (how, rename))
+              for i, (how, rename) in enumerate(_renames(names, keys))]
+    return max(scored, key=lambda s: (s[0], s[1]))[2]
+
+
+def _drop(names: list[str], patterns: Sequence[str] | None) -> list[str]:
+    if not patterns:
+        return names
+    return [n for n in names if not any(re.search(p, n) for p in patterns)]
+
+
+def _shape_mismatches(expected: Mapping[str, torch.Tensor], sources: Mapping[str, str],
+                      checkpoint: Checkpoint) -> list[str]:
+    found = []
+    for name, key in sources.items():
+        stored, model_shape = checkpoint.tensors[key].shape, tuple(expected[name].shape)
+        if stored != model_shape and all(not f.startswith(f"'{key}'") for f in found):
+            found.append(f"'{key}' is {list(stored)} in the checkpoint, {list(model_shape)} in the model")
+    return found
+
+
+def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missing: list[str],
+                      unexpected: list[str], shapes: list[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the model are missing from it, first {missing[:3]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} key(s) in it are not in the model, first {unexpected[:3]}")
+    if shapes:
+        parts.append(f"{len(shapes)} tensor(s) have another shape, first {'; '.join(shapes[:3])}")
+    return (f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
+            + "; ".join(parts) + ". Build the model from the config the checkpoint was saved with, "
+            "or load a checkpoint of this architecture")

@@ -1,0 +1,202 @@
+"""Sending each tensor of a checkpoint where the plan puts it: a device, or the offload store.
+
+Offloaded tensors that a safetensors checkpoint already holds in the target dtype are not
+read at all: the store references them in place. Everything else is read one tensor at a
+time; an offloaded tensor that needs converting is written to ``offload_dir`` one unit at a
+time. The model itself is only changed by :func:`install`, once everything was read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from automap.errors import CheckpointError
+from automap.load.checkpoint import DTYPE_NAMES, Checkpoint
+from automap.load.keys import Match
+from automap.offload import Entry, OffloadStore
+from automap.plan import Plan
+
+log = logging.getLogger(__name__)
+
+# Loads shorter than this show no progress bar at all.
+PROGRESS_DELAY_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Task:
+    """One tensor to load: its plan name, the meta (or computed) object in the model, the
+    checkpoint key (None: keep the value computed at init), target dtype and device
+    (None: the offload store), and the unit whose store file it goes to."""
+
+    name: str
+    tensor: torch.Tensor
+    key: str | None
+    dtype: torch.dtype
+    device: torch.device | None
+    unit: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.dtype.itemsize
+
+
+@dataclass
+class Loaded:
+    """What the load produced: new objects by id of the old ones, and the offload store."""
+
+    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
+    store: OffloadStore | None = None
+    referenced: int = 0
+    written: int = 0
+
+
+def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
+    """Every tensor of the model once, in execution order, with where it goes."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    execution = torch.device(plan.execution_device)
+    tasks = []
+    for unit, where in zip(plan.units, plan.placement):
+        for name in unit.tensors:
+            tensor = tensors[name]
+            target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            tasks.append(Task(name, tensor, match.sources.get(name), target,
+                              _destination(plan, where, name in unit.loose, execution), unit.name))
+    return tasks
+
+
+def _destination(plan: Plan, where: str, loose: bool, execution: torch.device) -> torch.device | None:
+    """None for the offload store (disk); else the device whose memory holds the tensor:
+    units offloaded to "cpu" (a GPU executes) live in host RAM, loose tensors where they run."""
+    if loose and plan.is_offloaded(where):
+        return execution
+    return None if where == "disk" else torch.device(where)
+
+
+def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
+                *, quiet: bool = False) -> Loaded:
+    """Read every task's tensor to its device, and build the offload store for the rest.
+
+    Raises:
+        CheckpointError: a tensor needs writing to disk but no ``offload_dir`` was given, or
+            a buffer is neither computed nor in the checkpoint.
+    """
+    loaded = Loaded()
+    total = sum(t.nbytes for t in tasks)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="automap.load", file=sys.stderr,
+              disable=quiet, delay=PROGRESS_DELAY_SECONDS) as bar:
+        progress = _Progress(bar, len(tasks))
+        for task in tasks:
+            if task.device is not None:
+                loaded.fresh[id(task.tensor)] = _fetch(task, checkpoint).to(task.device)
+                progress.step(task.nbytes)
+        offloaded = [t for t in tasks if t.device is None]
+        for task in offloaded:
+            loaded.fresh[id(task.tensor)] = torch.empty(task.tensor.shape, dtype=task.dtype, device="meta")
+        if offloaded:
+            loaded.store = _build_store(offloaded, checkpoint, offload_dir, progress, loaded)
+    return loaded
+
+
+class _Progress:
+    def __init__(self, bar: tqdm, count: int):
+        self.bar, self.count, self.done = bar, count, 0
+
+    def step(self, nbytes: int) -> None:
+        self.done += 1
+        self.bar.set_postfix_str(f"{self.done}/{self.count} tensors", refresh=False)
+        self.bar.update(nbytes)
+
+
+def _fetch(task: Task, checkpoint: Checkpoint) -> torch.Tensor:
+    if task.key is not None:
+        return checkpoint.read(task.key).to(task.dtype)
+    if task.tensor.device.type == "meta":
+        raise CheckpointError(
+            f"buffer {task.name!r} is not in the checkpoint and has no value (it is on meta); build the model "
+            "inside automap.empty_model(), which keeps the buffers computed at init"
+        )
+    return task.tensor.detach().to(task.dtype)
+
+
+def _reference(task: Task, checkpoint: Checkpoint) -> Entry | None:
+    """An entry pointing into the checkpoint itself, when its bytes are already right."""
+    stored = checkpoint.tensors[task.key] if task.key is not None else None
+    if stored is None or not stored.is_safetensors or stored.dtype != task.dtype:
+        return None
+    return Entry(file=str(stored.file.resolve()), key=stored.key, dtype=DTYPE_NAMES[stored.dtype],
+                 shape=stored.shape, nbytes=stored.nbytes, crc32=None)
+
+
+def _build_store(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
+                 progress: _Progress, loaded: Loaded) -> OffloadStore:
+    references: dict[str, Entry] = {}
+    to_write: dict[str, Task] = {}
+    for task in tasks:
+        entry = _reference(task, checkpoint)
+        if entry is None:
+            to_write[task.name] = task
+        else:
+            references[task.name] = entry
+            progress.step(task.nbytes)
+    loaded.referenced, loaded.written = len(references), len(to_write)
+    if not to_write:
+        # Nothing to write: the store lives in memory and reads the checkpoint's own files.
+        return OffloadStore(Path(offload_dir) if offload_dir is not None else checkpoint.path, references)
+    if offload_dir is None:
+        first = next(iter(to_write))
+        raise CheckpointError(
+            f"the plan offloads {len(to_write)} tensor(s) (first {first!r}) that must be written to disk "
+            "(converted dtype, or a .bin source) but no offload_dir was given; pass offload_dir='path', "
+            "or raise max_memory so that they fit in memory"
+        )
+    lazy = _ReadOnDemand(to_write, checkpoint, progress)
+    return OffloadStore.write(offload_dir, lazy, {n: t.unit for n, t in to_write.items()}, references=references)
+
+
+class _ReadOnDemand(Mapping[str, torch.Tensor]):
+    """Tensors read from the checkpoint only when the store writes them (one unit at a time)."""
+
+    def __init__(self, tasks: Mapping[str, Task], checkpoint: Checkpoint, progress: _Progress):
+        self.tasks, self.checkpoint, self.progress = tasks, checkpoint, progress
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        task = self.tasks[name]
+        value = _fetch(task, self.checkpoint)
+        self.progress.step(task.nbytes)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def install(model: nn.Module, fresh: Mapping[int, torch.Tensor]) -> None:
+    """Put the new tensors in place of the old, in every module that refers to them, so
+    that tied weights stay one object (``.data`` cannot move a tensor off meta)."""
+    wrapped: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, old in table.items():
+                if old is None or id(old) not in fresh:
+                    continue
+                if id(old) not in wrapped:
+                    wrapped[id(old)] = _like(old, fresh[id(old)])
+                table[key] = wrapped[id(old)]
+
+
+def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    if not isinstance(old, nn.Parameter):
+        return new
+    cls = type(old) if type(old) is not nn.Parameter else nn.Parameter
+    return cls(new, requires_grad=old.requires_grad and new.is_floating_point())
