@@ -47,6 +47,7 @@ class _Group:
     where: str
     items: list[_Streamed]
     next: _Group | None = None
+    saving: Any = None  # the saved-tensor hooks active while the unit runs with grad enabled
 
 
 @dataclass
@@ -155,9 +156,47 @@ def _stream_in(state: DispatchState, group: _Group) -> Callable:
         for item in group.items:
             item.users += 1
         state.live += len(group.items)
+        if torch.is_grad_enabled() and group.saving is None:
+            group.saving = torch.autograd.graph.saved_tensors_hooks(*_save_by_name(state, group))
+            group.saving.__enter__()
         ahead = group.next
         if ahead is not None and ahead is not group:
             state.loader.prefetch(ahead.key, [i.name for i in ahead.items if i.users == 0])
+    return hook
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """What autograd keeps of an offloaded weight a unit used: its name and the view's layout,
+    not its data (which leaves when the unit ends). Backward reads it again from the store."""
+
+    name: str
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def _save_by_name(state: DispatchState, group: _Group) -> tuple[Callable, Callable]:
+    loaded = {i.tensor.data_ptr(): i.name for i in group.items if i.tensor.numel()}
+
+    def pack(tensor: torch.Tensor) -> Any:
+        name = loaded.get(tensor.data_ptr()) if tensor.numel() else None
+        return tensor if name is None else _SavedWeight(name, tensor.shape, tensor.stride())
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        assert state.loader is not None
+        source = state.loader.take(f"{saved.name}@backward", [saved.name])[saved.name]
+        return source.as_strided(saved.shape, saved.stride, source.storage_offset())
+    return pack, unpack
+
+
+def _refuse_grad(name: str) -> Callable:
+    def hook(grad: torch.Tensor) -> None:
+        raise DispatchError(
+            f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
+            "weights. Freeze it (requires_grad_(False)) or keep its unit resident (raise max_memory)"
+        )
     return hook
 
 
@@ -166,8 +205,15 @@ def _release(item: _Streamed) -> None:
     item.tensor.data = _placeholder(item.tensor, item.tensor.device)
 
 
+def _end_saving(group: _Group) -> None:
+    if group.saving is not None:
+        group.saving.__exit__(None, None, None)
+        group.saving = None
+
+
 def _stream_out(state: DispatchState, group: _Group) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        _end_saving(group)
         for item in group.items:
             item.users -= 1
             if item.users == 0:
@@ -182,6 +228,8 @@ def _reset_stale(state: DispatchState) -> Callable:
     def hook(module: nn.Module, args: tuple) -> None:
         if state.live:
             log.debug("releasing %d streamed tensor(s) left by an interrupted forward", state.live)
+            for group in reversed(state.groups):
+                _end_saving(group)
             for item in state.streamed.values():
                 if item.users:
                     _release(item)
@@ -258,17 +306,19 @@ def _streamed_names(plan: Plan) -> set[str]:
 
 def _check_meta(model: nn.Module, plan: Plan, store: OffloadStore | None) -> None:
     """A tensor may be on meta only when it is streamed and ``store`` holds it."""
-    streamed = _streamed_names(plan)
+    tensors = _named_tensors(model)
+    streamed = {id(tensors[n]): n for n in _streamed_names(plan)}
     entries = store.entries if store is not None else {}
-    for name, tensor in _named_tensors(model).items():
+    for name, tensor in tensors.items():
         if tensor.device.type != "meta":
             continue
-        if name not in streamed:
+        if id(tensor) not in streamed:
             raise DispatchError(f"tensor {name!r} is on meta (no data) but the plan keeps it resident; "
                                 "load its weights first (automap.load does) or plan it onto 'disk'")
-        if name not in entries:
+        if streamed[id(tensor)] not in entries:
             raise DispatchError(f"tensor {name!r} is on meta and offloaded, but the offload store has no "
-                                f"entry {name!r}; load it with automap.load, or give the model real weights")
+                                f"entry {streamed[id(tensor)]!r}; load it with automap.load, or give the model "
+                                "real weights")
 
 
 def _write_store(model: nn.Module, units: list[Unit], offload_dir: str | Path | None) -> OffloadStore:
@@ -365,6 +415,8 @@ def _offload_tensors(state: DispatchState, unit: Unit, where: str, tensors: dict
             raise DispatchError(f"unit {unit.name!r} is placed on disk but the offload store has no tensor "
                                 f"{name!r}; pass a store that holds it, or an offload_dir to write one")
         items.append(state.streamed.setdefault(id(tensor), _Streamed(tensor, name)))
+        if tensor.requires_grad:
+            state.handles.append(tensor.register_hook(_refuse_grad(name)))
         tensor.data = _placeholder(tensor)
     return items
 
@@ -414,6 +466,7 @@ def _read_back(state: DispatchState, item: _Streamed, device: torch.device) -> t
     if item.name in state.host:
         return state.host[item.name].to(device)
     assert state.store is not None
+    state.store.check_unchanged([item.name])
     source = state.store.get(item.name)
     return torch.empty_like(source, device=device).copy_(source)
 

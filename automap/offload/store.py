@@ -15,6 +15,7 @@ map would otherwise give wrong weights, or kill the process with SIGBUS.
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
@@ -39,6 +40,7 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 # MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
 # compute thread takes no page faults; Python 3.11 lacks the constant.
@@ -153,7 +155,7 @@ class OffloadStore:
             if size < start + end:
                 raise OffloadError(
                     f"offload file {path} is truncated: {size} bytes, its header needs {start + end}; "
-                    "delete the offload directory and dispatch (or load) again"
+                    "restore it, or delete the offload directory and dispatch (or load) again"
                 )
             with open(path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
@@ -162,20 +164,33 @@ class OffloadStore:
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         """Raise :class:`OffloadError` if a file holding one of ``names`` was replaced,
-        truncated or rewritten since it was mapped (one ``stat`` per file)."""
+        truncated or rewritten since it was mapped (one ``stat`` per file). A file that changed
+        but still matches its index and checksums (touched, or restored from a copy) is
+        mapped again and used."""
         for file in {self.entries[n].file for n in names}:
             mapped, path = self._mapped(file), self._path(file)
             try:
                 now = _signature(path)
             except FileNotFoundError as exc:
                 raise OffloadError(f"offload file {path} was deleted after it was written; "
-                                   "call automap.undispatch(model) and dispatch again") from exc
+                                   "restore it, or call automap.undispatch(model) and dispatch again") from exc
             if now != mapped.signature:
-                raise OffloadError(
-                    f"offload file {path} changed after it was written (size {mapped.signature[1]} -> {now[1]} "
-                    "bytes, or rewritten); its weights can no longer be trusted: call automap.undispatch(model), "
-                    "delete the offload directory and dispatch again"
-                )
+                self._remap(file, mapped, now)
+
+    def _remap(self, file: str, old: _Mapped, now: tuple[int, int, int]) -> None:
+        del self._maps[file]
+        path, names = self._path(file), [n for n, e in self.entries.items() if e.file == file]
+        hint = "restore the file, or delete the offload directory and dispatch (or load) again"
+        try:
+            self._mapped(file)
+            if any(self.entries[n].crc32 is None for n in names):
+                raise OffloadError(f"offload file {path} changed after it was written (size {old.signature[1]} -> "
+                                   f"{now[1]} bytes) and has no checksums to check it against; {hint}")
+            self.verify(names)
+        except OffloadError:
+            self._maps[file] = old  # keep failing loudly until the file is put right
+            raise
+        log.warning("offload file %s changed on disk but still matches its checksums; using it", path)
 
     def _span(self, name: str) -> tuple[mmap.mmap | None, int, int]:
         """The map holding ``name`` and the byte range of its data."""
@@ -274,7 +289,9 @@ class OffloadStore:
             for path in written:
                 path.unlink(missing_ok=True)
             raise OffloadError(f"writing the offload store in {root} failed ({exc}); nothing was kept") from exc
-        return cls(root, entries)
+        store = cls(root, entries)
+        store.check_files()  # map now: a change from here on is caught by check_unchanged
+        return store
 
     @staticmethod
     def _previous_entries(root: Path) -> dict[str, Entry]:
@@ -292,8 +309,8 @@ class OffloadStore:
             n: Entry(file, n, _DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
             for n, t in cpu.items()
         }
-        if all(old.get(n) == e for n, e in entries.items()) and (root / file).exists():
-            return entries  # same tensors, same bytes: reuse
+        if all(old.get(n) == e for n, e in entries.items()) and _intact(root, entries):
+            return entries  # same tensors, same bytes on disk: reuse
         tmp = root / f".{file}.tmp"
         written.append(tmp)
         save_file(cpu, str(tmp))
@@ -336,3 +353,14 @@ def checkpoint_entries(path: str | os.PathLike[str], keys: Mapping[str, str]) ->
         begin, end = (int(x) for x in info["data_offsets"])
         entries[name] = Entry(str(absolute), key, info["dtype"], tuple(info["shape"]), end - begin)
     return entries
+
+
+def _intact(root: Path, entries: Mapping[str, Entry]) -> bool:
+    """True when the files of ``entries`` exist and hold bytes matching their checksums."""
+    try:
+        store = OffloadStore(root, entries)
+        store.check_files()
+        store.verify()
+        return True
+    except OffloadError:
+        return False

@@ -1,0 +1,348 @@
+"""Dispatch transparency on real architectures with 30-70% of their weights on disk, generate(),
+training through the map, the meta-skeleton path the loader uses, and bad input."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import automap
+from automap.dispatch import dispatch_plan, state_of
+from automap.errors import DispatchError, OffloadError
+from automap.offload import OffloadStore, checkpoint_entries
+from conftest import tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+
+
+def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
+    """A plan with about ``disk_share`` of the weights on disk, taken from the middle of the
+    model (so the forward crosses RAM -> disk -> RAM), checked to be within 30-70%."""
+    base = automap.plan(model, max_memory={"cpu": "64GB"})
+    total = sum(u.weight_bytes for u in base.units)
+    start, on_disk, device_map = 0, 0, {}
+    for unit in base.units:
+        fits = on_disk + unit.weight_bytes <= 0.7 * total and on_disk < disk_share * total
+        where = "disk" if start >= 0.15 * total and fits else "cpu"
+        on_disk += unit.weight_bytes if where == "disk" else 0
+        start += unit.weight_bytes
+        device_map.update({unit.name: where, **{t: where for t in unit.loose}})
+    plan = automap.plan(model, device_map)
+    share = plan.bytes_on("disk") / total
+    assert 0.3 <= share <= 0.7, f"{share:.2f} of the weights on disk"
+    return plan
+
+
+def _released(model: nn.Module) -> bool:
+    """Every offloaded tensor holds its 0-element placeholder again."""
+    state = state_of(model)
+    return all(item.tensor.numel() == 0 for item in state.streamed.values())
+
+
+def _vision(name: str) -> tuple[nn.Module, tuple]:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().eval()
+    return model, (torch.randn(1, 3, 224, 224) if name == "vit_b_16" else torch.randn(2, 3, 96, 96),)
+
+
+def _text(name: str) -> tuple[nn.Module, dict]:
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    if name == "t5":
+        return tiny_t5(), {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    return (tiny_gpt2() if name == "gpt2" else tiny_llama()), {"input_ids": ids}
+
+
+def _logits(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit_b_16", "swin_t", "gpt2", "llama", "t5"])
+def test_outputs_identical_with_part_on_disk(name, tmp_path):
+    model, inputs = _vision(name) if name in ("resnet50", "vit_b_16", "swin_t") else _text(name)
+    call = (lambda m: m(*inputs)) if isinstance(inputs, tuple) else (lambda m: m(**inputs))
+    with torch.no_grad():
+        expected = _logits(call(model))
+    automap.dispatch(model, _disk_plan(model), offload_dir=tmp_path)
+    with torch.no_grad():
+        got = _logits(call(model))
+    assert torch.equal(got, expected)
+    assert _released(model)
+    automap.undispatch(model)
+    with torch.no_grad():
+        assert torch.equal(_logits(call(model)), expected)
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_generate_gives_the_same_tokens(build, tmp_path):
+    model = build(layers=4)
+    ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
+                   attention_mask=torch.ones_like(ids))
+    expected = model.generate(ids, **options)
+    automap.dispatch(model, _disk_plan(model, 0.4), offload_dir=tmp_path)
+    assert torch.equal(model.generate(ids, **options), expected)
+    assert expected.shape[1] == ids.shape[1] + 20
+
+
+def test_tied_weights_stay_one_parameter(tmp_path):
+    model = tiny_gpt2(layers=2)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+                  "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
+    automap.dispatch(model, device_map, offload_dir=tmp_path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert _released(model)
+    automap.undispatch(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_inference_mode_leaves_parameters_usable(tmp_path):
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    automap.dispatch(model, _disk_plan(model), offload_dir=tmp_path)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(model(ids).logits.detach(), expected)  # grad mode after inference mode
+    automap.undispatch(model)
+    assert not any(p.is_inference() for p in model.parameters())
+
+
+def test_next_offloaded_unit_is_prefetched(tmp_path):
+    model = tiny_llama(layers=4)
+    plan = _disk_plan(model)
+    automap.dispatch(model, plan, offload_dir=tmp_path)
+    loader, calls = state_of(model).loader, []
+    real = loader.prefetch
+    loader.prefetch = lambda key, names: (calls.append(key), real(key, names))
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 8)))
+    offloaded = list(plan.offloaded_units)
+    assert calls == offloaded[1:] + offloaded[:1]
+
+
+def test_interrupted_forward_releases_weights_on_the_next(tmp_path):
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+    automap.dispatch(model, device_map, offload_dir=tmp_path)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        model(inputs_embeds=torch.randn(1, 8, 63))  # fails inside model.layers.0
+    assert not _released(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert _released(model)
+
+
+# ------------------------------------------------------------------ training
+
+
+class ToyModel(nn.Module):
+    """The model of PyTorch's distributed tutorials."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+def _train_step(model: nn.Module, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss = loss_of(model)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return loss.detach(), grads
+
+
+def _assert_same_training(plain: nn.Module, placed: nn.Module, loss_of) -> None:
+    loss, grads = _train_step(plain, loss_of)
+    loss2, grads2 = _train_step(placed, loss_of)
+    assert torch.equal(loss, loss2)
+    assert grads.keys() == grads2.keys() and grads
+    for name in grads:
+        assert torch.equal(grads[name], grads2[name]), name
+    with torch.no_grad():
+        assert torch.equal(loss_of(plain), loss_of(placed)), "the optimizer step must update the same weights"
+
+
+def test_toy_model_training_step_matches(tmp_path):
+    torch.manual_seed(0)
+    plain = ToyModel()
+    placed = copy.deepcopy(plain)
+    plan = automap.plan(placed, {"net1": "cpu", "relu": "cpu", "net2": "cpu"})
+    dispatch_plan(placed, plan, always_hook=True)
+    x, y = torch.randn(20, 10), torch.randn(20, 5)
+    _assert_same_training(plain, placed, lambda m: nn.functional.mse_loss(m(x), y))
+
+
+def _lm_loss(ids: torch.Tensor):
+    return lambda m: m(ids, labels=ids).loss
+
+
+def test_llama_training_step_matches_resident():
+    plain = tiny_llama(layers=2).train()
+    placed = copy.deepcopy(plain)
+    dispatch_plan(placed, automap.plan(placed, max_memory={"cpu": "1GB"}), always_hook=True)
+    _assert_same_training(plain, placed, _lm_loss(torch.randint(0, 256, (2, 10))))
+
+
+def test_llama_training_with_frozen_offloaded_units_matches(tmp_path):
+    plain = tiny_llama(layers=4).train()
+    placed = copy.deepcopy(plain)
+    plan = _disk_plan(placed)
+    for model in (plain, placed):
+        for unit in plan.offloaded_units:
+            model.get_submodule(unit).requires_grad_(False)
+    automap.dispatch(placed, plan, offload_dir=tmp_path)
+    _assert_same_training(plain, placed, _lm_loss(torch.randint(0, 256, (2, 10))))
+
+
+def test_training_offloaded_trainable_units_is_refused_and_model_stays_usable(tmp_path):
+    model = tiny_llama(layers=4)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    plan = _disk_plan(model)
+    automap.dispatch(model, plan, offload_dir=tmp_path)
+    model.train()
+    first = plan.offloaded_units[0]
+    with pytest.raises(DispatchError, match=rf"unit '{first}' is offloaded \(disk\).*require grad.*requires_grad_"):
+        model(ids, labels=ids)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert _released(model)
+
+
+# ------------------------------------------------------------------ the loader's path: a meta skeleton + a store
+
+
+def _named(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
+
+
+def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tuple[nn.Module, OffloadStore]:
+    """What automap.load hands dispatch_plan: resident tensors real, offloaded ones on meta and
+    referenced in place in a safetensors checkpoint."""
+    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    state = {n: t for n, t in model.state_dict().items() if n in streamed}
+    save_file({n: t.contiguous() for n, t in state.items() if n != "lm_head.weight" or n in streamed},
+              str(tmp_path / "ckpt.safetensors"))
+    store = OffloadStore.write(tmp_path / "off", {}, {},
+                               references=checkpoint_entries(tmp_path / "ckpt.safetensors", {n: n for n in state}))
+    with torch.device("meta"):
+        skeleton = type(model)(model.config).eval()
+    real = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    meta = _named(skeleton)
+    streamed_ids = {id(meta[n]) for n in streamed}
+    for name, tensor in meta.items():
+        if id(tensor) not in streamed_ids:
+            owner, _, key = name.rpartition(".")
+            table = skeleton.get_submodule(owner)._parameters if isinstance(tensor, nn.Parameter) \
+                else skeleton.get_submodule(owner)._buffers
+            table[key] = nn.Parameter(real[name].detach().clone()) if isinstance(tensor, nn.Parameter) \
+                else real[name].clone()
+    return skeleton, store
+
+
+def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
+    model = tiny_llama(layers=4)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+    plan = _disk_plan(model)
+    skeleton, store = _skeleton_with_store(tmp_path, model, plan)
+    dispatch_plan(skeleton, plan, store=store)
+    assert not any(t.is_meta for t in skeleton.parameters())
+    offloaded = [p for n, p in skeleton.named_parameters() if any(n.startswith(u + ".") for u in plan.offloaded_units)]
+    assert offloaded and all(p.numel() == 0 for p in offloaded), "offloaded tensors must stay unallocated"
+    assert os.listdir(tmp_path / "off") == ["automap-index.json"], "the checkpoint is referenced, not copied"
+    with torch.no_grad():
+        assert torch.equal(skeleton(ids).logits, expected)
+    automap.undispatch(skeleton)
+    for name, tensor in model.state_dict().items():
+        assert skeleton.state_dict()[name].device.type == "cpu"
+        assert torch.equal(skeleton.state_dict()[name], tensor), name
+
+
+def test_meta_skeleton_keeps_ties(tmp_path):
+    model = tiny_llama(layers=2, tie=True)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                  "model.norm": "cpu", "lm_head": "disk"}
+    plan = automap.plan(model, device_map)
+    skeleton, store = _skeleton_with_store(tmp_path, model, plan)
+    dispatch_plan(skeleton, plan, store=store)
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(skeleton(ids).logits, expected)
+
+
+def test_meta_tensor_kept_resident_is_refused_and_skeleton_untouched(tmp_path):
+    model = tiny_llama(layers=2)
+    plan = _disk_plan(model)
+    skeleton, store = _skeleton_with_store(tmp_path, model, plan)
+    resident = next(n for n, t in skeleton.named_parameters() if not t.is_meta)
+    owner, _, key = resident.rpartition(".")
+    skeleton.get_submodule(owner)._parameters[key] = nn.Parameter(torch.empty(1, device="meta"))
+    before = {n: t for n, t in skeleton.named_parameters()}
+    with pytest.raises(DispatchError, match=rf"'{resident}' is on meta.*keeps it resident.*automap.load"):
+        dispatch_plan(skeleton, plan, store=store)
+    assert {n: t for n, t in skeleton.named_parameters()}.keys() == before.keys()
+    assert all(t is before[n] for n, t in skeleton.named_parameters())
+    assert state_of(skeleton) is None
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_missing_gpu_is_refused_and_model_untouched(tmp_path):
+    model = tiny_llama(layers=2)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    params = {n: (p, p.device) for n, p in model.named_parameters()}
+    with pytest.raises(automap.DeviceError, match=rf"'cuda:{count}' but this machine has {count} cuda"):
+        automap.dispatch(model, {"model": count, "lm_head": "cpu"}, offload_dir=tmp_path)
+    assert all(p is params[n][0] and p.device == params[n][1] for n, p in model.named_parameters())
+    assert state_of(model) is None
+
+
+def test_offload_file_changed_after_writing_is_refused_until_restored(tmp_path):
+    model = tiny_llama(layers=4)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    plan = _disk_plan(model)
+    automap.dispatch(model, plan, offload_dir=tmp_path)
+    path = tmp_path / (plan.offloaded_units[0] + ".safetensors")
+    good = path.read_bytes()
+    os.truncate(path, len(good) // 2)
+    with torch.no_grad(), pytest.raises(OffloadError, match=rf"{path.name} is truncated.*restore it"):
+        model(ids)
+    path.write_bytes(good[:-8] + bytes(8))
+    with torch.no_grad(), pytest.raises(OffloadError, match="does not match its checksum"):
+        model(ids)
+    path.write_bytes(good)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    automap.undispatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
