@@ -97,8 +97,12 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
              output_device: str | torch.device | None = None) -> nn.Module:
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
-    Units placed on ``"disk"`` (or on ``"cpu"`` while a GPU executes) are offloaded: their
-    weights live in ``offload_dir`` and stream to the execution device when the unit runs.
+    Offloaded units compute on the execution device (the fastest accelerator in the plan, else
+    the CPU) with weights brought in just before they run and released after, the next one
+    prefetched meanwhile: units on ``"disk"`` are read from ``offload_dir`` (zero-copy through
+    mmap), units on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream.
+    Training works through resident units; an offloaded unit must be frozen (or run in eval /
+    no_grad), otherwise a clear :class:`~automap.errors.DispatchError` says so.
 
     Args:
         model: the model to place; returned hooked (the same object).
