@@ -1,0 +1,176 @@
+"""The profiler: what the planner knows about a model.
+
+A :class:`Profile` lists the model's *placement units* (modules whose weights must stay on one
+device) in execution order, with their parameter and buffer bytes, forward and training FLOPs,
+activation sizes, the groups of tied tensors, and the dataflow graph between units. It is
+measured on the meta device, so a model of any size profiles without allocating its weights,
+and the caller's model is never changed.
+
+    >>> prof = automap.profile(model)
+    >>> prof.units[0].name, prof.total_flops, prof.cut_bytes(5)
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Iterable, Mapping, Sequence
+
+import networkx as nx
+import torch
+from torch import nn
+
+from automap.profile.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
+from automap.profile.result import INPUT, OUTPUT, Flow, Profile, Unit, live_bytes
+from automap.profile.timing import calibrated_device, measure_units
+from automap.profile.trace import TraceResult, run_trace
+from automap.profile.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
+                                       tie_groups, unit_aliases)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ExampleInputs", "Flow", "Profile", "Unit", "calibrated_device", "default_example_inputs", "find_units",
+    "profile", "tie_groups",
+]
+
+
+def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
+            no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
+            units: Sequence[str] | None = None, seq_len: int = 128, batch: int = 1, backward: bool = True,
+            measure: bool = False, device: str | torch.device | None = None, repeats: int = 5) -> Profile:
+    """Profile ``model`` on the meta device.
+
+    Args:
+        model: any ``nn.Module``, with real weights or on meta. It is not changed.
+        example_inputs: positional args (tuple) or keyword args (dict) for ``forward``; tensors
+            may be on any device. Derived for common families when None (see
+            :func:`default_example_inputs`); ``Profile.example`` says which were used.
+        no_split: module classes (or class names) never to split; default: the model's
+            ``_no_split_modules`` when it has them.
+        dtype: count floating-point weights and activations at this dtype (the dtype the
+            model will run in).
+        units: explicit unit names (module names), overriding ``no_split`` (the keys of a
+            user device map).
+        seq_len, batch: size of derived example inputs.
+        backward: also trace a backward pass on meta for ``Unit.train_flops``.
+        measure: also time each unit on ``device`` (median of ``repeats``), one unit at a time.
+        device: where to time units (``"cuda:0"``, ``"cpu"``); required with ``measure``.
+        repeats: timed runs per unit.
+
+    Returns:
+        A :class:`Profile` with units in execution order.
+
+    Raises:
+        ProfileError: ``no_split`` names a class the model lacks, ``units`` names a module it
+            lacks, or the forward failed on the example inputs (the message names the unit).
+
+    Example:
+        >>> prof = automap.profile(torchvision.models.resnet50())
+        >>> prof.units[0].name, prof.example
+        ('conv1', 'image 1x3x224x224 (first conv)')
+    """
+    unit_names = find_units(model, no_split) if units is None else check_units(model, units)
+    how = "given"
+    if example_inputs is None:
+        example_inputs, how = default_example_inputs(model, seq_len, batch)
+    trace = TraceResult()
+    if example_inputs is None:
+        warnings.warn(
+            f"no example inputs for {type(model).__name__}: profiling bytes only, so plans balance "
+            "memory, not compute; pass example_inputs=(...) for FLOP-aware plans",
+            stacklevel=2,
+        )
+        how = ""
+    else:
+        args, kwargs = split_inputs(to_meta(example_inputs, dtype))
+        state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
+        trace = run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure)
+        log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
+                 len(unit_names), trace.total_flops)
+    prof = _assemble(model, unit_names, trace, dtype, how)
+    if measure:
+        prof = _with_timing(model, prof, trace, device, dtype, repeats)
+    return prof
+
+
+def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    meta = to_meta(t, dtype)
+    # Every floating parameter takes part in the backward, as in full training.
+    if isinstance(t, nn.Parameter) and meta.is_floating_point():
+        meta.requires_grad_(True)
+    return meta
+
+
+def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
+              dtype: torch.dtype | None, how: str) -> Profile:
+    owned = assign_tensors(model, unit_names, trace.order, trace.first_use)
+    uncalled = [n for n in unit_names if n not in trace.calls]
+    ordered = list(trace.order) + uncalled
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    aliases = unit_aliases(model, unit_names)
+    units = tuple(_unit(name, owned[name], tensors, params, aliases[name], trace, dtype) for name in ordered)
+    if trace.order and uncalled:
+        log.warning("%d unit(s) of %s never ran in the traced forward: %s", len(uncalled), type(model).__name__,
+                    ", ".join(uncalled[:5]))
+    repeated = [n for n, c in trace.calls.items() if c > 1]
+    if repeated:
+        log.info("unit(s) called more than once: %s", ", ".join(repeated[:5]))
+    return Profile(
+        model_name=type(model).__name__,
+        units=units,
+        tie_groups=tuple(tie_groups(model)),
+        graph=_graph(units, trace.flows),
+        example=how,
+        uncalled=tuple(uncalled) if trace.order else (),
+        flows=tuple(trace.flows),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
+    )
+
+
+def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, torch.Tensor], params: set[str],
+          aliases: tuple[str, ...], trace: TraceResult, dtype: torch.dtype | None) -> Unit:
+    names, loose = owned
+    by_dtype: dict[str, int] = {}
+    for n in names:
+        key = str(tensors[n].dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + tensors[n].numel() * tensors[n].element_size()
+    return Unit(
+        name=name,
+        tensors=tuple(names),
+        loose=tuple(loose),
+        param_bytes=sum(tensor_bytes(tensors[n], dtype) for n in names if n in params),
+        buffer_bytes=sum(tensor_bytes(tensors[n], dtype) for n in names if n not in params),
+        flops=trace.flops.get(name, 0),
+        train_flops=trace.train_flops.get(name, 0),
+        output_bytes=trace.output_bytes.get(name, 0),
+        peak_activation_bytes=trace.peak_bytes.get(name, 0),
+        calls=trace.calls.get(name, 0),
+        aliases=aliases,
+        dtype_bytes=by_dtype,
+        input_bytes=trace.input_bytes.get(name, 0),
+    )
+
+
+def _graph(units: Sequence[Unit], flows: Sequence[Flow]) -> nx.DiGraph:
+    """Units as nodes (with position, FLOPs and bytes), flows summed per pair as edges."""
+    graph = nx.DiGraph()
+    graph.add_node(INPUT, position=-1)
+    for i, u in enumerate(units):
+        graph.add_node(u.name, position=i, flops=u.flops, weight_bytes=u.weight_bytes)
+    graph.add_node(OUTPUT, position=len(units))
+    pairs: dict[tuple[str, str], list[Flow]] = {}
+    for f in flows:
+        pairs.setdefault((f.src, f.dst), []).append(f)
+    for (src, dst), group in pairs.items():
+        graph.add_edge(src, dst, bytes=live_bytes(group), tensors=len({f.tensor for f in group}))
+    return graph
+
+
+def _with_timing(model: nn.Module, prof: Profile, trace: TraceResult, device: str | torch.device | None,
+                 dtype: torch.dtype | None, repeats: int) -> Profile:
+    from dataclasses import replace
+
+    seconds = measure_units(model, trace.unit_inputs, device, dtype=dtype, repeats=repeats)
+    units = tuple(replace(u, seconds=seconds.get(u.name)) for u in prof.units)
+    return replace(prof, units=units, measured_device=str(torch.device(device)) if device is not None else "")

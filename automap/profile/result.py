@@ -1,0 +1,177 @@
+"""What the profiler returns: :class:`Unit`, :class:`Flow` and :class:`Profile`.
+
+Plain frozen data, no torch: the planner reads these and never re-measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import networkx as nx
+
+INPUT = "<input>"
+OUTPUT = "<output>"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A module whose weights live on one device.
+
+    Attributes:
+        name: the module's dotted name in the model (``"model.layers.3"``).
+        tensors: fully qualified names of the parameters and buffers it owns (a tied tensor
+            is owned once, by the first unit that reaches it).
+        loose: the subset of ``tensors`` owned directly by a non-unit ancestor (ViT's
+            ``class_token``) and attached to the unit whose code first uses them; device maps
+            list them by name.
+        param_bytes, buffer_bytes: bytes of those tensors (at the profile's dtype when given).
+        flops: forward FLOPs at the example inputs, including the code between units that
+            runs just before this one (a parent's ``x + pos_embedding``).
+        train_flops: forward + backward FLOPs, measured with a backward pass on meta.
+        output_bytes: bytes of the tensors the unit returns (largest call).
+        peak_activation_bytes: inputs plus the most bytes allocated inside the unit and alive
+            at once, as in an inference forward (largest call).
+        calls: how many times the traced forward called it (0: never).
+        aliases: other names of the same module object (T5's ``encoder.embed_tokens`` is
+            ``shared``); device maps must list them too.
+        dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
+        input_bytes: bytes of the tensors passed to the unit (largest call).
+        seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).
+    """
+
+    name: str
+    tensors: tuple[str, ...]
+    loose: tuple[str, ...] = ()
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    flops: int = 0
+    train_flops: int = 0
+    output_bytes: int = 0
+    peak_activation_bytes: int = 0
+    calls: int = 0
+    aliases: tuple[str, ...] = ()
+    dtype_bytes: dict[str, int] = field(default_factory=dict)
+    input_bytes: int = 0
+    seconds: float | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.param_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One tensor passed from the unit that produced it to a unit that consumed it.
+
+    Attributes:
+        src, dst: unit names (``"<input>"`` for the model's inputs, ``"<output>"`` for its outputs).
+        start, end: execution positions of producer and consumer; the tensor is live across
+            every cut ``p`` with ``start < p <= end``.
+        tensor: an id of the tensor (storage and view), to count a tensor used twice once.
+        storage: an id of its storage; views of one storage never count more than it holds.
+        nbytes: bytes of the tensor; ``storage_bytes``: bytes of its storage.
+    """
+
+    src: str
+    dst: str
+    start: int
+    end: int
+    tensor: int
+    storage: int
+    nbytes: int
+    storage_bytes: int
+
+
+def live_bytes(flows: Iterable[Flow]) -> int:
+    """Bytes of the distinct tensors in ``flows``, capped per storage."""
+    per_storage: dict[int, dict[int, int]] = {}
+    cap: dict[int, int] = {}
+    for f in flows:
+        per_storage.setdefault(f.storage, {})[f.tensor] = f.nbytes
+        cap[f.storage] = f.storage_bytes
+    return sum(min(sum(views.values()), cap[s]) for s, views in per_storage.items())
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the planner needs to know about one model at one input size.
+
+    Attributes:
+        model_name: the model's class name.
+        units: placement units in execution order (never-called units last).
+        tie_groups: names that refer to one tensor (GPT-2's ``lm_head.weight`` and
+            ``transformer.wte.weight``); the planner keeps each group on one device.
+        graph: ``networkx.DiGraph`` over ``"<input>"``, unit names and ``"<output>"``; edge
+            ``bytes`` is the size of the distinct tensors one unit passes to the other,
+            including tensors that skip units (residual streams, encoder states).
+        example: how the example inputs were obtained ("" when bytes only).
+        uncalled: units the traced forward never called.
+        flows: every tensor passed between units, with positions (see :meth:`cut_bytes`).
+        dtype: the dtype bytes are counted at ("" = as stored).
+        measured_device: where ``Unit.seconds`` were measured ("" = not measured).
+    """
+
+    model_name: str
+    units: tuple[Unit, ...]
+    tie_groups: tuple[tuple[str, ...], ...] = ()
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False)
+    example: str = ""
+    uncalled: tuple[str, ...] = ()
+    flows: tuple[Flow, ...] = field(default=(), compare=False)
+    dtype: str = ""
+    measured_device: str = ""
+
+    @property
+    def total_flops(self) -> int:
+        return sum(u.flops for u in self.units)
+
+    @property
+    def total_train_flops(self) -> int:
+        return sum(u.train_flops for u in self.units)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(u.weight_bytes for u in self.units)
+
+    @property
+    def has_compute(self) -> bool:
+        return self.total_flops > 0
+
+    @property
+    def repeated(self) -> tuple[str, ...]:
+        """Units the traced forward called more than once (shared embeddings, ALBERT layers)."""
+        return tuple(u.name for u in self.units if u.calls > 1)
+
+    def index(self, name: str) -> int:
+        for i, unit in enumerate(self.units):
+            if unit.name == name or name in unit.aliases:
+                return i
+        raise KeyError(name)
+
+    def cut_bytes(self, position: int) -> int:
+        """Bytes of every tensor live across the cut before unit ``position``.
+
+        A tensor counts when a unit before the cut (or the model's input) produced it and a
+        unit at or after the cut consumes it; skip connections and the residual stream count
+        even when they bypass the units next to the cut. Model outputs stay where they are
+        produced and do not count.
+        """
+        if not self.flows:
+            return self._cut_bytes_from_graph(position)
+        return live_bytes(f for f in self.flows if f.dst != OUTPUT and f.start < position <= f.end)
+
+    def _cut_bytes_from_graph(self, position: int) -> int:
+        order = {u.name: i for i, u in enumerate(self.units)}
+        total = 0
+        for src, dst, data in self.graph.edges(data=True):
+            if order.get(src, -1) < position <= order.get(dst, -1):
+                total += int(data.get("bytes", 0))
+        return total
+
+    @property
+    def achieved_flops_per_second(self) -> float | None:
+        """Calibration: FLOPs of the measured units over their measured seconds (None if unmeasured)."""
+        timed = [u for u in self.units if u.seconds is not None and u.seconds > 0]
+        seconds = sum(u.seconds for u in timed if u.seconds is not None)
+        flops = sum(u.flops for u in timed)
+        return flops / seconds if timed and flops > 0 else None

@@ -1,0 +1,554 @@
+"""The traced run: one forward (and backward) of the model on the meta device.
+
+A :class:`Tracer` is a ``TorchDispatchMode`` stacked on ``FlopCounterMode``. It sees every
+aten op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit
+running, or the code between units, which belongs to the next unit to run for the first
+time (a parent's ``x + pos_embedding`` is the next block's work). Backward ops are
+attributed through the autograd node running them: each segment records the autograd
+sequence number at its start, so a node's ``_sequence_nr()`` names the segment whose
+forward created it.
+
+It also follows tensors: each storage remembers the segment that produced (or last wrote)
+it, so a tensor read later by any unit, however far away, becomes a :class:`Flow` from its
+true producer (residual streams, skip connections, T5 encoder states). Storages are watched
+with weak references to know the bytes alive at each moment, for activation peaks.
+Saved-for-backward tensors are packed as shapes only, so that liveness is the one of an
+inference forward and a backward still runs.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+import weakref
+from collections import Counter, defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from automap.errors import ProfileError
+from automap.profile.result import INPUT, OUTPUT, Flow
+
+log = logging.getLogger(__name__)
+
+_INPUT_SEG, _OUTPUT_SEG = -1, -2
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor a unit received (to rebuild it for timing)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
+
+
+@dataclass
+class TraceResult:
+    """Per-unit measurements of one traced run, keyed by unit name."""
+
+    order: list[str] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    flops: dict[str, int] = field(default_factory=dict)
+    train_flops: dict[str, int] = field(default_factory=dict)
+    input_bytes: dict[str, int] = field(default_factory=dict)
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    first_use: dict[str, str] = field(default_factory=dict)
+    flows: list[Flow] = field(default_factory=list)
+    unit_inputs: dict[str, Any] = field(default_factory=dict)
+    total_flops: int = 0
+    total_train_flops: int = 0
+
+
+@dataclass
+class _Segment:
+    unit: str | None  # innermost unit running; None between units
+    frontier: int  # units first-called when the segment began
+
+
+@dataclass
+class _Storage:
+    uid: int
+    segment: int
+    nbytes: int
+    ref: weakref.ref
+
+
+@dataclass
+class _Call:
+    name: str
+    entry_live: int
+    peak_live: int
+    input_bytes: int
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _op_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """Tensors among an aten op's arguments: flat, or in one list level (``cat``)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
+        return None
+
+
+def unique_bytes(tree: Any) -> int:
+    """Bytes of the distinct tensors in a pytree."""
+    seen: dict[int, int] = {}
+    for t in _tensors(tree):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+class Tracer(TorchDispatchMode):
+    """Attributes ops, FLOPs, tensor flows and live bytes to units (see the module docstring)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], record_inputs: bool) -> None:
+        super().__init__()
+        self.total_flops = 0
+        self.record_inputs = record_inputs
+        self.probe_backward = False
+        self.in_backward = False
+        self.state_storage: dict[int, str] = {}
+        for name, t in state.items():
+            st = _storage(t)
+            if st is not None:
+                self.state_storage.setdefault(id(st), name)
+        self.segments: list[_Segment] = []
+        self.seg_flops: list[int] = []
+        self.marks: list[int] = []
+        self.bwd_flops: dict[int, int] = defaultdict(int)
+        self.result = TraceResult()
+        self.position: dict[str, int] = {}
+        self.calls: Counter[str] = Counter()
+        self.active: list[_Call] = []
+        self.storages: dict[int, _Storage] = {}
+        self.live = 0
+        self.raw_flows: dict[tuple[int, int, tuple], tuple[int, int]] = {}
+        self.seg_use: dict[str, int] = {}
+        self._uid = 0
+        self._probing = False
+        self._leaf: torch.Tensor | None = None
+        self._writes: dict[Any, bool] = {}
+        self._is_pure: dict[Any, bool] = {}
+        self._has_decomposition: dict[Any, bool] = {}
+        self.memo: dict[tuple, tuple[Any, int]] = {}
+        self.fused = 0
+
+    # ------------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self._probing:
+            return func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None and self._decomposes(func):
+            # As FlopCounterMode does: an op without a formula is counted through its decomposition.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out, flops = self._run(func, formula, args, kwargs)
+        self.total_flops += flops
+        if self.in_backward:
+            self._backward_op(flops)
+        else:
+            self._forward_op(func, args, kwargs, out, flops)
+        return out
+
+    def _run(self, func: Any, formula: Callable[..., int] | None, args: tuple, kwargs: dict) -> tuple[Any, int]:
+        """Run ``func`` on meta, or rebuild its result from an identical earlier call.
+
+        Meta kernels of many ops are Python references that cost far more than the bookkeeping
+        here; the 80 identical layers of a 70B model repeat the same calls, so a pure op's
+        output shapes and FLOPs are memoised by the shapes, strides and dtypes of its arguments.
+        """
+        key = _memo_key(func, args, kwargs) if self._pure(func) else None
+        hit = self.memo.get(key) if key is not None else None
+        if hit is not None:
+            return _rebuild(hit[0]), hit[1]
+        out = func(*args, **kwargs)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        if key is not None:
+            spec = _out_spec(out)
+            if spec is not None:
+                self.memo[key] = (spec, flops)
+        return out, flops
+
+    def _pure(self, func: Any) -> bool:
+        pure = self._is_pure.get(func)
+        if pure is None:
+            schema = func._schema
+            pure = self._is_pure[func] = not func.is_view and all(
+                a.alias_info is None for a in (*schema.arguments, *schema.returns))
+        return pure
+
+    def _decomposes(self, func: Any) -> bool:
+        found = self._has_decomposition.get(func)
+        if found is None:
+            found = self._has_decomposition[func] = func is not torch.ops.prim.device.default and \
+                torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+        return found
+
+    def _forward_op(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> None:
+        seg = len(self.segments) - 1
+        self.seg_flops[seg] += flops
+        for t in _op_tensors(args, kwargs):
+            self._read(t, seg)
+        writes = self._writes.get(func)
+        if writes is None:
+            writes = self._writes[func] = any(a.alias_info is not None and a.alias_info.is_write
+                                              for a in func._schema.arguments)
+        for t in _op_tensors((out,), {}):
+            self._wrote(t, seg, writes)
+
+    def _read(self, t: torch.Tensor, seg: int) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        name = self.state_storage.get(id(st))
+        if name is not None:
+            self.seg_use.setdefault(name, seg)
+            return
+        rec = self.storages.get(id(st))
+        if rec is not None and rec.segment != seg:
+            view = (rec.uid, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            self.raw_flows[(rec.segment, seg, view)] = (t.numel() * t.element_size(), rec.nbytes)
+
+    def _wrote(self, t: torch.Tensor, seg: int, writes: bool) -> None:
+        st = _storage(t)
+        if st is None or id(st) in self.state_storage:
+            return
+        rec = self.storages.get(id(st))
+        if rec is None:
+            self._track(st, seg)
+        elif writes:
+            rec.segment = seg  # an in-place op makes new data: `out += identity`
+
+    def _track(self, st: torch.UntypedStorage, seg: int) -> None:
+        key, uid = id(st), self._uid
+        self._uid += 1
+        ref = weakref.ref(st, lambda _r: self._free(key, uid))
+        self.storages[key] = _Storage(uid, seg, 0, ref)
+        if not self.fused:
+            self._count(self.storages[key], st.nbytes())
+
+    def _count(self, rec: _Storage, nbytes: int) -> None:
+        rec.nbytes = nbytes
+        self.live += nbytes
+        for call in self.active:
+            call.peak_live = max(call.peak_live, self.live)
+
+    def fused_output(self, out: Any) -> None:
+        """Count the result of a fused kernel, whose intermediates were not counted."""
+        for t in _tensors(out):
+            st = _storage(t)
+            rec = self.storages.get(id(st)) if st is not None else None
+            if rec is not None and rec.nbytes == 0:
+                self._count(rec, st.nbytes())  # type: ignore[union-attr]
+
+    def _free(self, key: int, uid: int) -> None:
+        rec = self.storages.get(key)
+        if rec is not None and rec.uid == uid:
+            del self.storages[key]
+            self.live -= rec.nbytes
+
+    def _backward_op(self, flops: int) -> None:
+        node = torch._C._current_autograd_node()
+        seg = len(self.segments) - 1
+        if node is not None:
+            seg = max(bisect.bisect_right(self.marks, node._sequence_nr()) - 1, 0)
+        self.bwd_flops[seg] += flops
+
+    # ----------------------------------------------------------------- segments
+
+    def begin(self, unit: str | None) -> None:
+        """Start a segment: a unit call begins or ends."""
+        self.segments.append(_Segment(unit, len(self.result.order)))
+        self.seg_flops.append(0)
+        self.marks.append(self._sequence_number() if self.probe_backward else 0)
+
+    def _sequence_number(self) -> int:
+        """The autograd sequence number now: nodes created later have larger ones."""
+        self._probing = True
+        try:
+            with torch.enable_grad():
+                if self._leaf is None:
+                    self._leaf = torch.zeros((), device="meta", requires_grad=True)
+                return int(self._leaf.view_as(self._leaf).grad_fn._sequence_nr())  # type: ignore[union-attr]
+        finally:
+            self._probing = False
+
+    def pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name not in self.position:
+                self.position[name] = len(self.result.order)
+                self.result.order.append(name)
+                if self.record_inputs:
+                    self.result.unit_inputs[name] = _specs((args, kwargs))
+            self.calls[name] += 1
+            self.active.append(_Call(name, self.live, self.live, unique_bytes((args, kwargs))))
+            self.begin(name)
+        return hook
+
+    def post_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            call = self.active.pop()
+            r = self.result
+            r.input_bytes[name] = max(r.input_bytes.get(name, 0), call.input_bytes)
+            r.output_bytes[name] = max(r.output_bytes.get(name, 0), unique_bytes(output))
+            peak = call.input_bytes + call.peak_live - call.entry_live
+            r.peak_bytes[name] = max(r.peak_bytes.get(name, 0), peak)
+            self.begin(self.active[-1].name if self.active else None)
+        return hook
+
+    def add_inputs(self, tree: Any) -> None:
+        for t in _tensors(tree):
+            st = _storage(t)
+            if st is not None and id(st) not in self.storages and id(st) not in self.state_storage:
+                self._track(st, _INPUT_SEG)
+
+    def add_outputs(self, tree: Any) -> None:
+        for t in _tensors(tree):
+            self._read(t, _OUTPUT_SEG)
+
+    def where(self) -> str:
+        """Where the forward is now, for error messages."""
+        if self.active:
+            call = self.active[-1]
+            return f"inside unit {call.name!r} (call {self.calls[call.name]})"
+        if self.result.order:
+            return f"after unit {self.result.order[-1]!r}, in code between units"
+        return "before the first unit"
+
+    # ------------------------------------------------------------------ results
+
+    def finish(self, total_flops: int, total_train_flops: int) -> TraceResult:
+        """Resolve segments to units and return the per-unit results."""
+        owner, tpos = self._resolve()
+        r = self.result
+        r.calls = dict(self.calls)
+        for seg, unit in enumerate(owner):
+            if unit is not None:
+                r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
+                r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
+        r.first_use = {name: owner[seg] for name, seg in self.seg_use.items() if owner[seg] is not None}
+        r.flows = self._flows(owner, tpos)
+        r.total_flops, r.total_train_flops = total_flops, total_train_flops
+        return r
+
+    def _resolve(self) -> tuple[list[str | None], list[int]]:
+        """Each segment's unit and execution position; code between units goes to the next
+        unit to run for the first time (or the last unit, after the last one)."""
+        order = self.result.order
+        owner: list[str | None] = []
+        tpos: list[int] = []
+        for seg in self.segments:
+            if seg.unit is not None:
+                owner.append(seg.unit)
+                tpos.append(max(seg.frontier - 1, 0))
+            elif not order:
+                owner.append(None)
+                tpos.append(0)
+            else:
+                k = min(seg.frontier, len(order) - 1)
+                owner.append(order[k])
+                tpos.append(k)
+        return owner, tpos
+
+    def _flows(self, owner: list[str | None], tpos: list[int]) -> list[Flow]:
+        end_of_model = len(self.result.order)
+        tensor_ids: dict[tuple, int] = {}
+        flows: set[Flow] = set()
+        for (ps, cs, view), (nbytes, storage_bytes) in self.raw_flows.items():
+            src = INPUT if ps == _INPUT_SEG else owner[ps]
+            dst = OUTPUT if cs == _OUTPUT_SEG else owner[cs]
+            if src is None or dst is None or src == dst:
+                continue
+            start = -1 if ps == _INPUT_SEG else tpos[ps]
+            end = end_of_model if cs == _OUTPUT_SEG else max(tpos[cs], start)
+            tid = tensor_ids.setdefault(view, len(tensor_ids))
+            flows.add(Flow(src, dst, start, end, tid, view[0], nbytes, storage_bytes))
+        return sorted(flows, key=lambda f: (f.start, f.end, f.src, f.dst, f.tensor))
+
+
+def _memo_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """A hashable key of everything a meta op's result depends on, or None if unsure."""
+    parts: list[Any] = [func]
+    try:
+        for value in (*args, *sorted(kwargs.items())):
+            parts.append(_arg_key(value))
+        key = tuple(parts)
+        hash(key)
+    except (TypeError, _Uncacheable):
+        return None
+    return key
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _arg_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, nn.Parameter) or value.layout != torch.strided or not value.is_meta:
+            raise _Uncacheable
+        return ("T", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_arg_key(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Uncacheable
+    return value
+
+
+def _out_spec(out: Any) -> Any:
+    """Shapes of a pure op's result, or None when it is not plain tensors and numbers."""
+    if isinstance(out, torch.Tensor):
+        return TensorSpec(tuple(out.shape), out.dtype, out.stride()) if out.layout == torch.strided else None
+    if isinstance(out, (tuple, list)):
+        specs = [_out_spec(o) for o in out]
+        return None if any(s is None and o is not None for s, o in zip(specs, out)) else type(out)(specs)
+    return out if out is None or isinstance(out, (int, float, bool)) else None
+
+
+def _rebuild(spec: Any) -> Any:
+    if isinstance(spec, TensorSpec):
+        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(_rebuild(s) for s in spec)
+    return spec
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Counts ``scaled_dot_product_attention`` as the fused kernel CUDA and CPU run: its
+    output stays, the score matrix the meta (math) path builds is never alive at once."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        self.tracer.fused += 1
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.tracer.fused -= 1
+        self.tracer.fused_output(out)
+        return out
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format)
+
+
+def _specs(tree: Any) -> Any:
+    """Shapes of a unit's arguments. Objects other than plain values (a transformers cache)
+    belong to the traced run and become None: a unit timed alone starts without them."""
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return TensorSpec(tuple(x.shape), x.dtype)
+        return x if isinstance(x, _PLAIN) else None
+    return tree_map(spec, tree)
+
+
+def _pack(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _unpack(packed: tuple) -> torch.Tensor:
+    shape, stride, dtype = packed
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
+              units: Sequence[str], *, backward: bool, record_inputs: bool) -> TraceResult:
+    """Run ``model`` with ``state`` (meta tensors) on meta inputs and measure every unit.
+
+    Args:
+        model: the model; its own tensors are not used (``functional_call`` swaps in ``state``).
+        state: meta tensors for every parameter and buffer name.
+        args, kwargs: meta example inputs.
+        units: unit names to hook.
+        backward: also run a backward pass for ``train_flops``.
+        record_inputs: keep the shapes each unit was called with (for timing).
+
+    Returns:
+        A :class:`TraceResult`.
+
+    Raises:
+        ProfileError: the forward failed; the message says in which unit.
+    """
+    tracer = Tracer(state, record_inputs)
+    tracer.probe_backward = backward
+    tracer.add_inputs((args, kwargs))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    with ExitStack() as stack:
+        if gc.isenabled():
+            # Tens of thousands of meta tensors and autograd nodes make each cyclic collection
+            # slow; reference counting alone frees them (and tells the live bytes).
+            gc.disable()
+            stack.callback(gc.enable)
+        for name in units:
+            stack.callback(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True).remove)
+            stack.callback(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True).remove)
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
+        if backward:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+        stack.enter_context(tracer)
+        stack.enter_context(_FusedAttention(tracer))
+        tracer.begin(None)
+        output = _forward(model, state, args, kwargs, tracer)
+        tracer.add_outputs(output)
+        forward_flops = tracer.total_flops
+        if backward:
+            _backward(output, tracer)
+        train_flops = tracer.total_flops
+    return tracer.finish(forward_flops, train_flops if backward else 0)
+
+
+def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer) -> Any:
+    try:
+        return torch.func.functional_call(model, dict(state), args, kwargs, tie_weights=True, strict=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
+        raise ProfileError(
+            f"the forward of {type(model).__name__} failed on the example inputs {tracer.where()}: "
+            f"{type(exc).__name__}: {exc}. Check the example inputs (shapes, dtypes, argument names) "
+            "against the model's forward"
+        ) from exc
+
+
+def _backward(output: Any, tracer: Tracer) -> None:
+    roots = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+    if not roots:
+        log.warning("no output requires grad: train_flops are forward FLOPs only")
+        return
+    tracer.in_backward = True
+    try:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+    except Exception as exc:  # noqa: BLE001 - training FLOPs are optional; forward ones stand
+        log.warning("backward on meta failed (%s: %s); train_flops cover what ran before it",
+                    type(exc).__name__, exc)
+    finally:
+        tracer.in_backward = False

@@ -1,0 +1,187 @@
+"""Placement units: which modules stay whole, and which unit owns each tensor.
+
+Every parameter and buffer gets exactly one owning unit: its module's unit, or, for a tensor
+held directly by a non-unit module (ViT's ``class_token``, a rotary ``inv_freq`` on a parent),
+the unit whose code first uses it. Tied tensors are owned once and reported as a group.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from automap.errors import ProfileError
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def no_split_classes(model: nn.Module, no_split: Iterable[str | type] | None) -> set[str]:
+    """Class names never to split: ``no_split`` when given, else the model's ``_no_split_modules``.
+
+    Raises:
+        ProfileError: ``no_split`` names a class no module of the model has.
+    """
+    if no_split is None:
+        names = getattr(model, "_no_split_modules", None) or []
+        return {str(n) for n in names}
+    wanted = {c if isinstance(c, str) else c.__name__ for c in no_split}
+    present = {type(m).__name__ for m in model.modules()}
+    missing = sorted(wanted - present)
+    if missing:
+        raise ProfileError(
+            f"no_split names {missing} but {type(model).__name__} has no module of that class; "
+            f"classes present include {sorted(present)[:12]}; check the spelling or drop those names"
+        )
+    return wanted
+
+
+def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -> list[str]:
+    """Names of the placement units of ``model`` in definition order.
+
+    A unit is a module of a ``no_split`` class (default: the model's ``_no_split_modules``),
+    a block of a ``Sequential``/``ModuleList`` stack, or a leaf module that holds tensors;
+    whatever is inside a unit is never split across devices. A module reachable under several
+    names (T5's ``shared`` and ``encoder.embed_tokens``) is one unit, under its first name.
+
+    Args:
+        model: the model.
+        no_split: class names or classes to keep whole; overrides ``_no_split_modules``.
+
+    Returns:
+        Module names, none inside another.
+
+    Raises:
+        ProfileError: ``no_split`` names a class the model lacks.
+    """
+    keep_whole = no_split_classes(model, no_split)
+    units: list[str] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module, in_stack: bool) -> None:
+        if id(module) in seen or not _has_tensors(module):
+            return
+        seen.add(id(module))
+        children = list(module.named_children())
+        stack = isinstance(module, (nn.Sequential, nn.ModuleList))
+        whole = type(module).__name__ in keep_whole or not children
+        # Blocks of a stack are units unless they are stacks themselves (Swin's stages).
+        if whole or (in_stack and not stack and not keep_whole):
+            units.append(name)
+            return
+        for child_name, child in children:
+            visit(f"{name}.{child_name}" if name else child_name, child, stack)
+
+    visit("", model, False)
+    return units
+
+
+def check_units(model: nn.Module, units: Sequence[str]) -> list[str]:
+    """Validate explicit unit names; a second name of one module object is dropped.
+
+    Raises:
+        ProfileError: a name is not a module of ``model``.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    unknown = [u for u in units if u not in modules]
+    if unknown:
+        raise ProfileError(f"units {unknown[:5]} are not modules of {type(model).__name__}; "
+                           "use names from model.named_modules()")
+    seen: set[int] = set()
+    kept = []
+    for name in units:
+        if id(modules[name]) not in seen:
+            seen.add(id(modules[name]))
+            kept.append(name)
+    return kept
+
+
+def unit_aliases(model: nn.Module, units: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Other names under which each unit's module object is reachable."""
+    names_of: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(module), []).append(name)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return {u: tuple(n for n in names_of[id(modules[u])] if n != u) for u in units}
+
+
+def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters, then buffers (``None`` buffers skipped)."""
+    yield from model.named_parameters(remove_duplicate=remove_duplicate)
+    yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
+
+
+def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names (parameters and buffers) that refer to the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in all_named_tensors(model, remove_duplicate=False):
+        by_id.setdefault(id(tensor), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes of ``tensor``, with floating-point tensors counted at ``dtype`` when given."""
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.numel() * dtype.itemsize
+    return tensor.numel() * tensor.element_size()
+
+
+def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
+                   first_use: Mapping[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Give every tensor exactly one unit; return ``{unit: (owned names, loose names)}``.
+
+    A tensor inside a unit's module (under any of the module's names) belongs to the earliest
+    such unit in execution order (GPT-2's tied ``wte``/``lm_head`` weight goes to ``wte``).
+    A tensor held directly by a non-unit module is *loose*: it goes to the unit whose code
+    first used it in the traced forward (``first_use``), else to the first unit inside its
+    holder.
+
+    Args:
+        model: the model.
+        units: unit names.
+        order: units in execution order (called ones).
+        first_use: tensor name -> unit that first used it.
+
+    Returns:
+        For each unit, its tensor names and the loose subset.
+    """
+    rank = {n: i for i, n in enumerate(order)}
+    ranked = sorted(units, key=lambda n: (rank.get(n, len(rank)), units.index(n)))
+    prefixes = {alias: unit for unit, names in unit_aliases(model, units).items() for alias in (unit, *names)}
+    owned: dict[str, tuple[list[str], list[str]]] = {n: ([], []) for n in units}
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in all_named_tensors(model, remove_duplicate=False):
+        names_of.setdefault(id(tensor), []).append(name)
+    for names in names_of.values():
+        held = [(_holder(n, prefixes), n) for n in names]
+        held = [(u, n) for u, n in held if u is not None]
+        if held:
+            unit, name = min(held, key=lambda h: (rank.get(h[0], len(rank)), ranked.index(h[0])))
+            owned[unit][0].append(name)
+            continue
+        name = names[0]
+        unit = next((first_use[n] for n in names if n in first_use), None) or _first_inside(name, ranked)
+        owned[unit][0].append(name)
+        owned[unit][1].append(name)
+    return owned
+
+
+def _holder(tensor_name: str, prefixes: Mapping[str, str]) -> str | None:
+    """The unit whose module (under any name) holds ``tensor_name``, longest prefix first."""
+    probe = tensor_name.rpartition(".")[0]
+    while True:
+        if probe in prefixes:
+            return prefixes[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+def _first_inside(tensor_name: str, ranked: Sequence[str]) -> str:
+    owner = tensor_name.rpartition(".")[0]
+    for unit in ranked:
+        if owner == "" or unit == owner or unit.startswith(owner + "."):
+            return unit
+    return ranked[0]
