@@ -1,0 +1,175 @@
+"""One plan across processes and machines: a :class:`~automap.plan.Plan` handed to PyTorch's
+own pipeline engine, ``torch.distributed.pipelining``.
+
+That engine traces the model (``torch.export``), cuts it where a ``split_spec`` says, and runs
+GPipe / 1F1B schedules between ranks, but leaves the cut points to the user. automap supplies
+them: a plan made for one hypothetical device per rank balances the units' FLOPs and bytes,
+and each stage's first unit becomes a ``SplitPoint.BEGINNING``.
+
+    >>> plan = automap.distributed.plan_for_ranks(model, world_size=2, example_inputs=(ids,))
+    >>> rank_pipe = automap.distributed.build_stage(model, plan, (ids,), rank=rank, world_size=2,
+    ...                                             device=device, chunks=4, loss_fn=loss_fn)
+    >>> rank_pipe.schedule.step(ids) if rank_pipe.is_first else rank_pipe.schedule.step(target=y)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from automap.api import plan as make_plan
+from automap.errors import AutomapError, PipelineError
+from automap.pipeline import Stage, plan_stages, split_batch
+from automap.plan import Plan
+from automap.profile import ExampleInputs
+
+log = logging.getLogger(__name__)
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+ScheduleName = Literal["gpipe", "1f1b"]
+
+
+def rank_stages(plan: Plan, world_size: int | None = None) -> tuple[Stage, ...]:
+    """The plan's stages, one per rank, checked against ``world_size`` when given.
+
+    Raises:
+        PipelineError: the plan offloads weights, or its stage count differs from ``world_size``.
+    """
+    if plan.offloaded_units:
+        raise PipelineError(f"the plan offloads {len(plan.offloaded_units)} unit(s) to CPU/disk; a distributed "
+                            "plan needs one device per rank: use automap.distributed.plan_for_ranks(model, n)")
+    stages = plan_stages(plan)
+    if world_size is not None and len(stages) != world_size:
+        raise PipelineError(
+            f"the plan has {len(stages)} stage(s) ({', '.join(s.device for s in stages)}) but there are "
+            f"{world_size} rank(s); each rank runs one stage, so plan with "
+            f"automap.distributed.plan_for_ranks(model, world_size={world_size}) or start {len(stages)} processes")
+    return stages
+
+
+def split_spec(plan: Plan) -> dict[str, SplitPoint]:
+    """``torch.distributed.pipelining.pipeline``'s ``split_spec`` for ``plan``: a
+    ``SplitPoint.BEGINNING`` at the first unit of every stage after the first.
+
+    Example:
+        >>> split_spec(plan)
+        {'model.layers.2': <SplitPoint.BEGINNING: 1>}
+    """
+    return {stage.units[0]: SplitPoint.BEGINNING for stage in rank_stages(plan)[1:]}
+
+
+def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: ExampleInputs | None = None,
+                   memory_per_rank: int | str | None = None, no_split: Iterable[str | type] | None = None) -> Plan:
+    """Plan ``model`` over ``world_size`` processes: one hypothetical device per rank
+    (``cuda:0`` ... ``cuda:{n-1}``, whatever the ranks really run on), balanced by FLOPs.
+
+    Args:
+        memory_per_rank: each rank's budget; default: room for the whole model, so the split is
+            chosen by compute alone.
+
+    Raises:
+        PipelineError: the model has fewer units than ranks, or the planner used fewer devices.
+    """
+    if world_size < 1:
+        raise PipelineError(f"world_size must be >= 1, got {world_size}")
+    if memory_per_rank is None:
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        memory_per_rank = max(total, 1) * 2
+    budget: dict[int | str, int | str] = {rank: memory_per_rank for rank in range(world_size)}
+    chosen = make_plan(model, "balanced", budget, example_inputs=example_inputs, no_split=no_split)
+    if len(chosen.units) < world_size:
+        raise PipelineError(f"{type(model).__name__} has {len(chosen.units)} placement unit(s) but there are "
+                            f"{world_size} ranks; use fewer ranks or smaller units (no_split=[])")
+    rank_stages(chosen, world_size)
+    return chosen
+
+
+@dataclass
+class RankPipeline:
+    """What one rank runs: its stage of the split model and the schedule that drives it.
+
+    Attributes:
+        stage: the ``PipelineStage`` (its ``submod`` holds this rank's parameters, named as in
+            the whole model).
+        schedule: call ``schedule.step(x)`` on the first rank, ``schedule.step(target=y,
+            losses=[])`` on the last, ``schedule.step()`` on the others.
+        module: this rank's part of the model (``stage.submod``).
+    """
+
+    stage: PipelineStage
+    schedule: PipelineScheduleSingle
+    module: nn.Module
+    rank: int
+    world_size: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, rank: int, world_size: int,
+                device: torch.device | str, chunks: int, schedule: ScheduleName = "gpipe",
+                loss_fn: Callable[..., torch.Tensor] | None = None,
+                example_kwargs: Mapping[str, Any] | None = None,
+                group: torch.distributed.ProcessGroup | None = None) -> RankPipeline:
+    """Split ``model`` where ``plan`` says and build this rank's stage and schedule.
+
+    Every rank calls it with the same model (same weights: seed it or load one checkpoint),
+    the same plan and inputs shaped like the batch it will step with.
+
+    Args:
+        example_args, example_kwargs: a whole batch (its shape is what matters); its first
+            micro-batch is what ``torch.export`` traces.
+        rank, world_size, group: this process's place in the (default) process group.
+        device: where this rank's stage runs (``cuda:{local_rank}`` or ``cpu``).
+        chunks: micro-batches per step.
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward).
+        loss_fn: ``loss_fn(output, target)`` per micro-batch; needed for training steps.
+
+    Raises:
+        PipelineError: the plan's stage count differs from ``world_size``, an unknown schedule,
+            bad chunks, or the model could not be traced.
+    """
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if not 0 <= rank < world_size:
+        raise PipelineError(f"rank {rank} is outside 0..{world_size - 1}")
+    spec = split_spec(plan) if world_size > 1 else {}
+    rank_stages(plan, world_size)
+    mb_args, mb_kwargs = split_batch(tuple(example_args), dict(example_kwargs or {}), chunks)[0]
+    try:
+        pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec)
+    except AutomapError:
+        raise
+    except Exception as exc:
+        raise PipelineError(f"torch.distributed.pipelining could not trace {type(model).__name__} with "
+                            f"torch.export ({type(exc).__name__}: {exc}); make its forward exportable or "
+                            "build PipelineStage objects by hand from the plan's stages") from exc
+    if pipe.num_stages != world_size:
+        raise PipelineError(f"tracing cut {type(model).__name__} into {pipe.num_stages} stage(s), not {world_size}: "
+                            f"a split point in {sorted(spec)} is not called as a module in forward")
+    stage = pipe.build_stage(rank, torch.device(device), group)
+    log.info("rank %d/%d runs stage %d (%s, ...) with %s, %d micro-batches", rank, world_size, rank,
+             ", ".join(plan_stages(plan)[rank].units[:3]), schedule, chunks)
+    return RankPipeline(stage, make_schedule(stage, schedule, chunks, loss_fn), stage.submod, rank, world_size)
+
+
+def make_schedule(stage: PipelineStage, schedule: ScheduleName, chunks: int,
+                  loss_fn: Callable[..., torch.Tensor] | None = None) -> PipelineScheduleSingle:
+    """A schedule of the named kind over an existing stage (to switch, say, from a GPipe
+    evaluation to 1F1B training without tracing again). Gradients are averaged over the
+    micro-batches, so with equal micro-batches and a mean loss they equal the whole batch's."""
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PipelineError(f"chunks must be a positive int, got {chunks!r}")
+    return SCHEDULES[schedule](stage, n_microbatches=chunks, loss_fn=loss_fn, scale_grads=True)
