@@ -47,18 +47,20 @@ class Chain:
 class Slot:
     """One device: ``room`` bytes for weights + activations, ``speed`` work/s, ``link``
     bytes/s (a cut between two slots moves at the slower one), ``base`` seconds already
-    committed there (offloaded units it runs)."""
+    committed there (offloaded units it runs), ``floor`` activation bytes it needs anyway
+    (the offloaded units' peak: they run there, one at a time, like its own)."""
 
     room: int
     speed: float
     link: float
     base: float = 0.0
+    floor: int = 0
 
 
-def memory_reach(chain: Chain, room: int, with_activations: bool = True) -> list[int]:
+def memory_reach(chain: Chain, room: int, with_activations: bool = True, floor: int = 0) -> list[int]:
     """``reach[s]``: the largest ``e`` such that items ``s..e-1`` fit in ``room`` bytes
-    (weights summed, activations as the largest one); ``reach[s] == s`` when item ``s``
-    alone does not fit. Non-decreasing in ``s``, computed in O(n)."""
+    (weights summed, activations as the largest one, at least ``floor``); ``reach[s] == s``
+    when item ``s`` alone does not fit. Non-decreasing in ``s``, computed in O(n)."""
     n = len(chain)
     act = chain.activation if with_activations else [0] * n
     reach = [0] * (n + 1)
@@ -69,7 +71,7 @@ def memory_reach(chain: Chain, room: int, with_activations: bool = True) -> list
             end, total = start, 0
             window.clear()
         while end < n:
-            peak = max(act[window[0]] if window else 0, act[end])
+            peak = max(act[window[0]] if window else 0, act[end], floor)
             if total + chain.weight[end] + peak > room:
                 break
             total += chain.weight[end]
@@ -85,14 +87,15 @@ def memory_reach(chain: Chain, room: int, with_activations: bool = True) -> list
     return reach
 
 
-def fill(chain: Chain, rooms: Sequence[int], start: int = 0,
-         with_activations: bool = True) -> tuple[list[Range], int]:
+def fill(chain: Chain, rooms: Sequence[int], start: int = 0, with_activations: bool = True,
+         floors: Sequence[int] = ()) -> tuple[list[Range], int]:
     """Greedy fill: each room in turn takes as many items as fit. Returns the ranges and the
     end reached; no contiguous split reaches further (feasibility shrinks with the range)."""
     ranges: list[Range] = []
     position = start
-    for room in rooms:
-        end = memory_reach(chain, room, with_activations)[position]
+    for j, room in enumerate(rooms):
+        floor = floors[j] if j < len(floors) else 0
+        end = memory_reach(chain, room, with_activations, floor)[position]
         ranges.append((position, end))
         position = end
     return ranges, position
@@ -111,14 +114,15 @@ class _Sweep:
 class _Probe:
     """Evaluates "can every stage finish within T?" for one chain and slot list."""
 
-    def __init__(self, chain: Chain, slots: Sequence[Slot]) -> None:
+    def __init__(self, chain: Chain, slots: Sequence[Slot], anchor_first: bool = False) -> None:
         self.n = len(chain)
+        self.anchor_first = anchor_first
         self.slots = list(slots)
         self.prefix = np.concatenate([[0.0], np.cumsum(np.asarray(chain.work, dtype=np.float64))])
         cut = np.zeros(self.n + 1)
         cut[1:self.n] = np.asarray(chain.cut, dtype=np.float64)[1:self.n]
         self.cut = cut
-        self.memory = [np.asarray(memory_reach(chain, s.room)) for s in slots]
+        self.memory = [np.asarray(memory_reach(chain, s.room, floor=s.floor)) for s in slots]
         self.index = np.arange(self.n + 1)
 
     def run(self, limit: float) -> _Sweep:
@@ -139,7 +143,7 @@ class _Probe:
             sweep.end_max.append(ends)
             sweep.reach.append(reach)
             best_link = np.where(reach, np.maximum(best_link, slot.link), best_link)
-            before = before | reach
+            before = reach.copy() if self.anchor_first and len(sweep.reach) == 1 else before | reach
         sweep.feasible = bool(before[n]) and n > 0
         return sweep
 
@@ -160,9 +164,10 @@ def _upper_bound(chain: Chain, slots: Sequence[Slot]) -> float:
             + max(s.base for s in slots)) * (1 + 1e-9) + 1e-300
 
 
-def min_bottleneck(chain: Chain, slots: Sequence[Slot]) -> list[Range | None] | None:
+def min_bottleneck(chain: Chain, slots: Sequence[Slot], anchor_first: bool = False) -> list[Range | None] | None:
     """The contiguous split of ``chain`` over ``slots`` (in order) with the smallest
-    bottleneck, or None when no split fits in memory.
+    bottleneck, or None when no split fits in memory. With ``anchor_first`` the first slot
+    takes at least the first item (it is the execution device of offloaded units).
 
     Ties are broken deterministically: later slots take as much as the optimum allows, so
     the first slot (GPU 0, where inputs and outputs live) is the lightest.
@@ -172,7 +177,7 @@ def min_bottleneck(chain: Chain, slots: Sequence[Slot]) -> list[Range | None] | 
     """
     if len(chain) == 0:
         return [None] * len(slots)
-    probe = _Probe(chain, slots)
+    probe = _Probe(chain, slots, anchor_first)
     high = _upper_bound(chain, slots)
     best = probe.run(high)
     if not best.feasible:

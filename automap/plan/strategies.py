@@ -45,6 +45,7 @@ class Layout:
 
     devices: tuple[str, ...]
     reserves: dict[str, int]
+    notes: tuple[str, ...] = ()
 
 
 def all_cut_bytes(profile: Profile) -> tuple[int, ...]:
@@ -131,31 +132,49 @@ def _room(device: DeviceSpec, reserve: Mapping[str, int]) -> int:
 
 
 def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], strategy: str,
-            base: float) -> list[Range | None]:
-    """Split ``chain`` (known to fit) over the computing devices."""
+            base: float = 0.0, floor: int = 0, anchor_first: bool = False) -> list[Range | None]:
+    """Split ``chain`` (known to fit) over the computing devices; the first of them also
+    runs the offloaded units (``base`` seconds, ``floor`` activation bytes)."""
     if strategy == "sequential":
-        ranges, _ = fill(chain, rooms)
+        ranges, _ = fill(chain, rooms, floors=[floor])
         return [r if r[1] > r[0] else None for r in ranges]
-    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0)
+    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0, floor if i == 0 else 0)
              for i, (d, room) in enumerate(zip(compute, rooms))]
     if strategy == "balanced_low_0" and len(slots) > 1:
-        slots[0] = Slot(slots[0].room, slots[0].speed * LOW_0_SPEED_FACTOR, slots[0].link, slots[0].base)
-    ranges = min_bottleneck(chain, slots)
+        slots[0] = Slot(slots[0].room, slots[0].speed * LOW_0_SPEED_FACTOR, slots[0].link, slots[0].base,
+                        slots[0].floor)
+    ranges = min_bottleneck(chain, slots, anchor_first)
     assert ranges is not None, "the chain was checked to fit before balancing"
     return ranges
 
 
-def _offload_point(chain: Chain, rooms: Sequence[int]) -> tuple[int, int]:
+def _offload_point(chain: Chain, rooms: Sequence[int]) -> tuple[int, int, int]:
     """The longest prefix the computing devices hold while the first of them keeps room for
-    the largest offloaded item (weights + activations). Returns (prefix end, that reserve)."""
-    extra = 0
+    the largest offloaded item's weights and activations (which, like its own units', run one
+    at a time). Returns (prefix end, weight room, activation floor); both only grow as the
+    prefix shrinks, so this settles in a few rounds."""
+    weights, activations = 0, 0
     while True:
-        _, end = fill(chain, [rooms[0] - extra, *rooms[1:]])
+        _, end = fill(chain, [rooms[0] - weights, *rooms[1:]], floors=[activations])
         tail = range(end, len(chain))
-        need = max((chain.weight[i] for i in tail), default=0) + max((chain.activation[i] for i in tail), default=0)
-        if need <= extra:
-            return end, extra
-        extra = need
+        need_w = max((chain.weight[i] for i in tail), default=0)
+        need_a = max((chain.activation[i] for i in tail), default=0)
+        if need_w + need_a <= weights + activations:
+            return end, weights, activations
+        weights, activations = need_w, need_a
+
+
+def _executor(chain: Chain, rooms: Sequence[int]) -> tuple[int, int, int, int] | None:
+    """Which computing device runs the offloaded units: the first that can hold the first
+    item besides the streaming room, keeping the longest prefix on the computing devices.
+    Returns (its index, prefix end, weight room, activation room), None when none can."""
+    best = None
+    for first in range(len(rooms)):
+        point, streamed, peak = _offload_point(chain, rooms[first:])
+        holds_first = fill(chain, [rooms[first] - streamed], floors=[peak])[1] > 0
+        if holds_first and (best is None or point > best[1]):
+            best = (first, point, streamed, peak)
+    return best
 
 
 def _offload_seconds(chain: Chain, spans: Sequence[tuple[DeviceSpec, Range]], executor: DeviceSpec) -> float:
@@ -178,23 +197,80 @@ def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: 
     _, end = fill(chain, rooms)
     if end == len(chain):
         return _assign(_stages(chain, compute, rooms, strategy, 0.0), compute, len(chain), dict(reserve))
-    point, extra = _offload_point(chain, rooms)
-    if point == 0 and compute[0].is_accelerator:
-        if not any(d.kind == "cpu" for d in storage):
-            raise PlanError(f"{compute[0].name} cannot hold the first unit while streaming offloaded ones "
-                            f"({format_bytes(extra)} to keep free, {format_bytes(rooms[0])} available) and "
-                            "there is no CPU to run on; raise max_memory for it or add 'cpu'")
+    packed = _pack(chain, compute, rooms, reserve) if len(compute) > 1 else None
+    if packed is not None:
+        return packed
+    if sum(chain.weight) > sum(_room(d, reserve) for d in [*compute, *storage]):
+        raise _does_not_fit(chain, compute, storage, reserve, 0)
+    chosen = _executor(chain, rooms)
+    if chosen is None:
+        if not compute[0].is_accelerator or not any(d.kind == "cpu" for d in storage):
+            raise _does_not_fit(chain, compute, storage, reserve, max(chain.weight[1:], default=0),
+                                f"no computing device can hold the first unit ({format_bytes(chain.weight[0])}) "
+                                "and stream the largest offloaded one besides")
         log.debug("the accelerators hold no unit; the CPU runs the model")
         return layout(chain, [d for d in devices if not d.is_accelerator], strategy, reserve)
+    first, point, streamed, offloaded_peak = chosen
+    compute, rooms = compute[first:], rooms[first:]
     spans, stored_end = fill(chain, [_room(d, reserve) for d in storage], point, with_activations=False)
     if stored_end < len(chain):
-        raise _does_not_fit(chain, compute, storage, reserve, extra)
+        raise _does_not_fit(chain, compute, storage, reserve, streamed)
     base = _offload_seconds(chain, list(zip(storage, spans)), compute[0])
-    head = _stages(_sub(chain, 0, point), compute, [rooms[0] - extra, *rooms[1:]], strategy, base)
+    head = _stages(_sub(chain, 0, point), compute, [rooms[0] - streamed, *rooms[1:]], strategy, base,
+                   offloaded_peak, True)
     placed = _assign(head + [s if s[1] > s[0] else None for s in spans], [*compute, *storage],
                      len(chain), dict(reserve))
-    placed.reserves[compute[0].name] = placed.reserves.get(compute[0].name, 0) + extra
+    # The streamed weights are a reserve; the offloaded units' activations show as activations.
+    placed.reserves[compute[0].name] = placed.reserves.get(compute[0].name, 0) + streamed
     return placed
+
+
+def _pack(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int],
+          reserve: Mapping[str, int]) -> Layout | None:
+    """Last resort before offloading, when no contiguous split leaves room for activations.
+
+    Starts from the balanced split by weights alone, from the longest prefix that fits, or
+    from nothing; moves units off the end of each overfull range; places the rest, largest
+    first, where they fit most tightly. Keeps the candidate with the fewest cuts. Extra cuts
+    cost microseconds; streaming offloaded weights costs far more.
+    """
+    weights_only = Chain(chain.work, chain.weight, [0] * len(chain), chain.cut)
+    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second) for d, room in zip(compute, rooms)]
+    starts: list[Sequence[Range | None]] = [min_bottleneck(weights_only, slots) or [None] * len(compute),
+                                           fill(chain, rooms)[0], [None] * len(compute)]
+    found = [owner for owner in (_scatter(chain, rooms, r) for r in starts) if owner is not None]
+    if not found:
+        return None
+    owner = min(found, key=lambda o: sum(1 for a, b in zip(o, o[1:]) if a != b))
+    cuts = sum(1 for a, b in zip(owner, owner[1:]) if a != b)
+    note = (f"no contiguous split fits the accelerators with room for activations; units run out of order "
+            f"({cuts} cuts for {len(compute)} devices) rather than being offloaded")
+    return Layout(tuple(compute[j].name for j in owner), dict(reserve), (note,))
+
+
+def _scatter(chain: Chain, rooms: Sequence[int], ranges: Sequence[Range | None]) -> list[int] | None:
+    """Device index per item from ``ranges``, trimmed to fit, with the leftovers placed
+    best-fit decreasing; None when some item fits nowhere."""
+    owner: list[int | None] = [None] * len(chain)
+    for j, span in enumerate(ranges):
+        if span is None:
+            continue
+        start, stop = span
+        while stop > start and (sum(chain.weight[start:stop]) + max(chain.activation[start:stop]) > rooms[j]):
+            stop -= 1
+        for i in range(start, stop):
+            owner[i] = j
+    weights = [sum(chain.weight[i] for i in range(len(chain)) if owner[i] == j) for j in range(len(rooms))]
+    peaks = [max((chain.activation[i] for i in range(len(chain)) if owner[i] == j), default=0)
+             for j in range(len(rooms))]
+    for i in sorted((i for i in range(len(chain)) if owner[i] is None), key=lambda i: (-chain.weight[i], i)):
+        free = [rooms[j] - weights[j] - max(peaks[j], chain.activation[i]) - chain.weight[i] for j in range(len(rooms))]
+        fitting = [j for j in range(len(rooms)) if free[j] >= 0]
+        if not fitting:
+            return None
+        j = min(fitting, key=lambda j: (free[j], j))
+        owner[i], weights[j], peaks[j] = j, weights[j] + chain.weight[i], max(peaks[j], chain.activation[i])
+    return [j for j in owner if j is not None]
 
 
 def _assign(ranges: Sequence[Range | None], devices: Sequence[DeviceSpec], n: int,
@@ -209,7 +285,7 @@ def _assign(ranges: Sequence[Range | None], devices: Sequence[DeviceSpec], n: in
 
 
 def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence[DeviceSpec],
-                  reserve: Mapping[str, int], extra: int) -> PlanError:
+                  reserve: Mapping[str, int], extra: int, reason: str = "") -> PlanError:
     weights = sum(chain.weight)
     peak = max(chain.activation, default=0)
     tiers = ", ".join(f"{d.name} {format_bytes(_room(d, reserve))}" for d in [*compute, *storage])
@@ -217,7 +293,7 @@ def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence
     short = weights + peak + extra - available
     has_disk = any(d.kind == "disk" for d in storage)
     return PlanError(
-        f"the model does not fit even with offloading: it needs {format_bytes(weights)} of weights "
+        f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs {format_bytes(weights)} of weights "
         f"+ {format_bytes(peak)} of activations + {format_bytes(extra)} to stream offloaded units, "
         f"but the devices hold {tiers} (total {format_bytes(available)}, about {format_bytes(max(short, 0))} "
         f"short); raise max_memory"
@@ -280,7 +356,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     for members, where in zip(items.members, placed.devices):
         for i in members:
             placement[i] = where
-    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts)
+    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts, placed.notes)
 
 
 def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
