@@ -27,7 +27,8 @@ class Unit:
         param_bytes, buffer_bytes: bytes of those tensors (at the profile's dtype when given).
         flops: forward FLOPs at the example inputs, including the code between units that
             runs just before this one (a parent's ``x + pos_embedding``).
-        train_flops: forward + backward FLOPs, measured with a backward pass on meta.
+        train_flops: forward + backward FLOPs, measured with a backward pass on meta (every
+            floating parameter trainable, inputs not); 0 when profiled with ``backward=False``.
         output_bytes: bytes of the tensors the unit returns (largest call).
         peak_activation_bytes: inputs plus the most bytes allocated inside the unit and alive
             at once, as in an inference forward (largest call).

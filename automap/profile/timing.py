@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from automap.devices import DeviceSpec
 from automap.errors import ProfileError
+from automap.profile.metaops import TensorSpec
 
 if TYPE_CHECKING:
     from automap.profile.result import Profile
@@ -32,7 +33,7 @@ def measure_units(model: nn.Module, unit_inputs: Mapping[str, Any], device: str 
 
     Args:
         model: the model (real or on meta); only copies of single units are moved.
-        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profile.trace.TensorSpec`
+        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profile.metaops.TensorSpec`
             leaves, as recorded by the traced forward.
         device: where to run.
         dtype: run floating-point weights and inputs at this dtype.
@@ -93,8 +94,6 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype | N
 
 
 def _tensor_for(spec: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    from automap.profile.trace import TensorSpec
-
     if not isinstance(spec, TensorSpec):
         return spec
     if spec.dtype.is_floating_point:

@@ -1,6 +1,8 @@
 """The traced run: one forward (and backward) of the model on the meta device.
 
-A :class:`Tracer` is a ``TorchDispatchMode`` stacked on ``FlopCounterMode``. It sees every
+A :class:`Tracer` is a ``TorchDispatchMode`` that counts FLOPs as ``FlopCounterMode`` does
+(its formula registry; ops without a formula through their decomposition), so the units'
+FLOPs add up to ``FlopCounterMode``'s total. It sees every
 aten op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit
 running, or the code between units, which belongs to the next unit to run for the first
 time (a parent's ``x + pos_embedding`` is the next block's work). Backward ops are
@@ -24,31 +26,23 @@ import weakref
 from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from automap.errors import ProfileError
+from automap.profile.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
+                                     unique_bytes, unpack_saved)
 from automap.profile.result import INPUT, OUTPUT, Flow
 
 log = logging.getLogger(__name__)
 
 _INPUT_SEG, _OUTPUT_SEG = -1, -2
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a tensor a unit received (to rebuild it for timing)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    stride: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -91,35 +85,6 @@ class _Call:
     input_bytes: int
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def _op_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    """Tensors among an aten op's arguments: flat, or in one list level (``cat``)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
-        return None
-
-
-def unique_bytes(tree: Any) -> int:
-    """Bytes of the distinct tensors in a pytree."""
-    seen: dict[int, int] = {}
-    for t in _tensors(tree):
-        seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
 class Tracer(TorchDispatchMode):
     """Attributes ops, FLOPs, tensor flows and live bytes to units (see the module docstring)."""
 
@@ -131,7 +96,7 @@ class Tracer(TorchDispatchMode):
         self.in_backward = False
         self.state_storage: dict[int, str] = {}
         for name, t in state.items():
-            st = _storage(t)
+            st = storage_of(t)
             if st is not None:
                 self.state_storage.setdefault(id(st), name)
         self.segments: list[_Segment] = []
@@ -150,9 +115,8 @@ class Tracer(TorchDispatchMode):
         self._probing = False
         self._leaf: torch.Tensor | None = None
         self._writes: dict[Any, bool] = {}
-        self._is_pure: dict[Any, bool] = {}
         self._has_decomposition: dict[Any, bool] = {}
-        self.memo: dict[tuple, tuple[Any, int]] = {}
+        self.memo = MemoTable()
         self.fused = 0
 
     # ------------------------------------------------------------------ dispatch
@@ -168,40 +132,13 @@ class Tracer(TorchDispatchMode):
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
-        out, flops = self._run(func, formula, args, kwargs)
+        out, flops = self.memo.run(func, formula, args, kwargs)
         self.total_flops += flops
         if self.in_backward:
             self._backward_op(flops)
         else:
             self._forward_op(func, args, kwargs, out, flops)
         return out
-
-    def _run(self, func: Any, formula: Callable[..., int] | None, args: tuple, kwargs: dict) -> tuple[Any, int]:
-        """Run ``func`` on meta, or rebuild its result from an identical earlier call.
-
-        Meta kernels of many ops are Python references that cost far more than the bookkeeping
-        here; the 80 identical layers of a 70B model repeat the same calls, so a pure op's
-        output shapes and FLOPs are memoised by the shapes, strides and dtypes of its arguments.
-        """
-        key = _memo_key(func, args, kwargs) if self._pure(func) else None
-        hit = self.memo.get(key) if key is not None else None
-        if hit is not None:
-            return _rebuild(hit[0]), hit[1]
-        out = func(*args, **kwargs)
-        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
-        if key is not None:
-            spec = _out_spec(out)
-            if spec is not None:
-                self.memo[key] = (spec, flops)
-        return out, flops
-
-    def _pure(self, func: Any) -> bool:
-        pure = self._is_pure.get(func)
-        if pure is None:
-            schema = func._schema
-            pure = self._is_pure[func] = not func.is_view and all(
-                a.alias_info is None for a in (*schema.arguments, *schema.returns))
-        return pure
 
     def _decomposes(self, func: Any) -> bool:
         found = self._has_decomposition.get(func)
@@ -213,17 +150,17 @@ class Tracer(TorchDispatchMode):
     def _forward_op(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> None:
         seg = len(self.segments) - 1
         self.seg_flops[seg] += flops
-        for t in _op_tensors(args, kwargs):
+        for t in op_tensors(args, kwargs):
             self._read(t, seg)
         writes = self._writes.get(func)
         if writes is None:
             writes = self._writes[func] = any(a.alias_info is not None and a.alias_info.is_write
                                               for a in func._schema.arguments)
-        for t in _op_tensors((out,), {}):
+        for t in op_tensors((out,), {}):
             self._wrote(t, seg, writes)
 
     def _read(self, t: torch.Tensor, seg: int) -> None:
-        st = _storage(t)
+        st = storage_of(t)
         if st is None:
             return
         name = self.state_storage.get(id(st))
@@ -236,7 +173,7 @@ class Tracer(TorchDispatchMode):
             self.raw_flows[(rec.segment, seg, view)] = (t.numel() * t.element_size(), rec.nbytes)
 
     def _wrote(self, t: torch.Tensor, seg: int, writes: bool) -> None:
-        st = _storage(t)
+        st = storage_of(t)
         if st is None or id(st) in self.state_storage:
             return
         rec = self.storages.get(id(st))
@@ -261,8 +198,8 @@ class Tracer(TorchDispatchMode):
 
     def fused_output(self, out: Any) -> None:
         """Count the result of a fused kernel, whose intermediates were not counted."""
-        for t in _tensors(out):
-            st = _storage(t)
+        for t in tensors_in(out):
+            st = storage_of(t)
             rec = self.storages.get(id(st)) if st is not None else None
             if rec is not None and rec.nbytes == 0:
                 self._count(rec, st.nbytes())  # type: ignore[union-attr]
@@ -305,7 +242,7 @@ class Tracer(TorchDispatchMode):
                 self.position[name] = len(self.result.order)
                 self.result.order.append(name)
                 if self.record_inputs:
-                    self.result.unit_inputs[name] = _specs((args, kwargs))
+                    self.result.unit_inputs[name] = arg_specs((args, kwargs))
             self.calls[name] += 1
             self.active.append(_Call(name, self.live, self.live, unique_bytes((args, kwargs))))
             self.begin(name)
@@ -323,13 +260,13 @@ class Tracer(TorchDispatchMode):
         return hook
 
     def add_inputs(self, tree: Any) -> None:
-        for t in _tensors(tree):
-            st = _storage(t)
+        for t in tensors_in(tree):
+            st = storage_of(t)
             if st is not None and id(st) not in self.storages and id(st) not in self.state_storage:
                 self._track(st, _INPUT_SEG)
 
     def add_outputs(self, tree: Any) -> None:
-        for t in _tensors(tree):
+        for t in tensors_in(tree):
             self._read(t, _OUTPUT_SEG)
 
     def where(self) -> str:
@@ -351,7 +288,8 @@ class Tracer(TorchDispatchMode):
         for seg, unit in enumerate(owner):
             if unit is not None:
                 r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
-                r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
+                if self.probe_backward:  # else not measured: 0, never a guess
+                    r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
         r.first_use = {name: owner[seg] for name, seg in self.seg_use.items() if owner[seg] is not None}
         r.flows = self._flows(owner, tpos)
         r.total_flops, r.total_train_flops = total_flops, total_train_flops
@@ -392,53 +330,6 @@ class Tracer(TorchDispatchMode):
         return sorted(flows, key=lambda f: (f.start, f.end, f.src, f.dst, f.tensor))
 
 
-def _memo_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """A hashable key of everything a meta op's result depends on, or None if unsure."""
-    parts: list[Any] = [func]
-    try:
-        for value in (*args, *sorted(kwargs.items())):
-            parts.append(_arg_key(value))
-        key = tuple(parts)
-        hash(key)
-    except (TypeError, _Uncacheable):
-        return None
-    return key
-
-
-class _Uncacheable(Exception):
-    pass
-
-
-def _arg_key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, nn.Parameter) or value.layout != torch.strided or not value.is_meta:
-            raise _Uncacheable
-        return ("T", tuple(value.shape), value.stride(), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return tuple(_arg_key(v) for v in value)
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise _Uncacheable
-    return value
-
-
-def _out_spec(out: Any) -> Any:
-    """Shapes of a pure op's result, or None when it is not plain tensors and numbers."""
-    if isinstance(out, torch.Tensor):
-        return TensorSpec(tuple(out.shape), out.dtype, out.stride()) if out.layout == torch.strided else None
-    if isinstance(out, (tuple, list)):
-        specs = [_out_spec(o) for o in out]
-        return None if any(s is None and o is not None for s, o in zip(specs, out)) else type(out)(specs)
-    return out if out is None or isinstance(out, (int, float, bool)) else None
-
-
-def _rebuild(spec: Any) -> Any:
-    if isinstance(spec, TensorSpec):
-        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
-    if isinstance(spec, (tuple, list)):
-        return type(spec)(_rebuild(s) for s in spec)
-    return spec
-
-
 class _FusedAttention(TorchFunctionMode):
     """Counts ``scaled_dot_product_attention`` as the fused kernel CUDA and CPU run: its
     output stays, the score matrix the meta (math) path builds is never alive at once."""
@@ -457,28 +348,6 @@ class _FusedAttention(TorchFunctionMode):
             self.tracer.fused -= 1
         self.tracer.fused_output(out)
         return out
-
-
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format)
-
-
-def _specs(tree: Any) -> Any:
-    """Shapes of a unit's arguments. Objects other than plain values (a transformers cache)
-    belong to the traced run and become None: a unit timed alone starts without them."""
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return TensorSpec(tuple(x.shape), x.dtype)
-        return x if isinstance(x, _PLAIN) else None
-    return tree_map(spec, tree)
-
-
-def _pack(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.dtype
-
-
-def _unpack(packed: tuple) -> torch.Tensor:
-    shape, stride, dtype = packed
-    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
@@ -515,7 +384,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
         stack.enter_context(tracer)
         stack.enter_context(_FusedAttention(tracer))
         tracer.begin(None)
@@ -540,7 +409,7 @@ def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, k
 
 
 def _backward(output: Any, tracer: Tracer) -> None:
-    roots = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+    roots = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
     if not roots:
         log.warning("no output requires grad: train_flops are forward FLOPs only")
         return
