@@ -16,6 +16,7 @@ from torch import nn
 
 from automap.api import dispatch, plan
 from automap.dispatch import undispatch
+from automap.report import placement
 from automap.units import format_bytes
 
 
@@ -58,8 +59,9 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         budget = int(size * 0.4)
         with tempfile.TemporaryDirectory(prefix="automap-demo-") as offload_dir:
             chosen = plan(model, max_memory={"cpu": budget}, example_inputs=inputs, offload_dir=offload_dir)
-            _show(f"dispatched on this machine with a RAM budget of {format_bytes(budget)}", chosen.report(), say)
             dispatch(model, chosen, offload_dir=offload_dir)
+            _show(f"dispatched with a RAM budget of {format_bytes(budget)}; where each tensor really is",
+                  placement(model).report(), say)
             start = time.perf_counter()
             with torch.no_grad():
                 got = _logits(model(*inputs))

@@ -1,5 +1,26 @@
+"""The ``automap`` command: every SPEC kind plans, the 70B acceptance command places nothing on
+CPU, bad arguments exit 2 with one line, and the demo still shows identical outputs."""
+from __future__ import annotations
+
+import json
 import subprocess
 import sys
+import textwrap
+
+import pytest
+
+from automap import bench
+from automap.cli import main
+from automap.specs import SpecError, build_model, parse_max_memory_arg, parse_overrides
+
+LLAMA_70B = ("hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
+             "num_key_value_heads=8")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_demo_runs_and_reports_identical_outputs():
@@ -7,3 +28,135 @@ def test_demo_runs_and_reports_identical_outputs():
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("IDENTICAL") == 2
     assert "hypothetical 2 GPU" in result.stdout and "disk" in result.stdout
+
+
+def test_70b_on_two_80gib_gpus_places_nothing_on_cpu(capsys, tmp_path):
+    code, out, err = _run(capsys, "plan", "hf:llama", "--set", LLAMA_70B, "--max-memory", "0=80GiB,1=80GiB,cpu=200GiB",
+                          "--dtype", "bf16", "--json", str(tmp_path / "p.json"), "--figure", str(tmp_path / "p.png"))
+    assert code == 0, err
+    assert "LlamaForCausalLM" in out and "cuda:0" in out and "cuda:1" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert set(data["device_map"].values()) == {0, 1}
+    assert data["totals"]["spill_bytes"] == 0
+    cpu = next(d for d in data["devices"] if d["name"] == "cpu")
+    assert cpu["units"] == [] and cpu["weight_bytes"] == 0
+    assert 128 * 2**30 < data["totals"]["weight_bytes"] < 130 * 2**30  # ~69B parameters at 2 bytes
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_spec_models_are_built_on_meta():
+    built = build_model("hf:llama", parse_overrides(["num_hidden_layers=2,hidden_size=256,intermediate_size=512"]))
+    assert built.model.config.num_hidden_layers == 2
+    assert all(t.device.type == "meta" for t in built.model.state_dict().values())
+    vision = build_model("torchvision:resnet18", {"num_classes": 10})
+    assert vision.model.fc.out_features == 10
+    assert all(p.device.type == "meta" for p in vision.model.parameters())
+
+
+@pytest.mark.parametrize("spec, extra, expect", [
+    ("torchvision:resnet18", [], "layer4"),
+    ("hf:gpt2", ["--set", "n_layer=2,n_embd=128,n_head=4"], "transformer.h.0-1"),
+    ("hf:t5", ["--set", "num_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16", "--batch", "2", "--seq-len", "16"],
+     "encoder.block"),
+])
+def test_every_builtin_spec_kind_plans(capsys, spec, extra, expect):
+    code, out, err = _run(capsys, "plan", spec, *extra, "--max-memory", "0=2GB,1=2GB,cpu=8GB")
+    assert code == 0, err
+    assert expect in out and "cuda:0" in out
+
+
+def test_config_file_and_factory_specs(capsys, tmp_path, monkeypatch):
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = _run(capsys, "plan", f"hf:{tmp_path / 'config.json'}", "--max-memory", "cpu=1GB")
+    assert code == 0, err
+    assert "model.layers.0-2" in out and "bfloat16" in out  # the config's dtype is used
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+        def build(width=8, depth=3):
+            return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, out, err = _run(capsys, "plan", "mymodels:build", "--set", "width=16,depth=4", "--max-memory",
+                          "0=600B,1=600B,cpu=1GB", "--json", "plan.json")
+    assert code == 0, err
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert len(data["units"]) == 4 and data["units"][0]["param_bytes"] == (16 * 16 + 16) * 4
+    assert set(data["device_map"].values()) <= {0, 1, "cpu"}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "hf:lama"], "did you mean llama"),
+    (["plan", "resnet50"], "kind:name"),
+    (["plan", "torchvision:resnet5"], "resnet50"),
+    (["plan", "hf:llama", "--set", "num_hidden_layer=2"], "num_hidden_layers"),
+    (["plan", "hf:llama", "--set", "num_hidden_layers"], "key=value"),
+    (["plan", "torchvision:resnet18", "--max-memory", "0=20XB"], "unknown size unit 'XB'"),
+    (["plan", "torchvision:resnet18", "--max-memory", "gpu=20GiB"], "unknown device 'gpu'"),
+    (["plan", "torchvision:resnet18", "--dtype", "bf15"], "unknown dtype 'bf15'"),
+    (["plan", "torchvision:resnet18", "--figure", "plan.jpg"], ".png"),
+    (["plan", "torchvision:resnet18", "--json", "no/such/folder/p.json"], "does not exist"),
+    (["plan", "nosuchmodule_xyz:build"], "cannot import 'nosuchmodule_xyz'"),
+    (["plan", "torchvision:resnet18", "--strategy", "fast"], "invalid choice: 'fast'"),
+    (["plan", "torchvision:resnet18", "--batch", "0"], "--batch"),
+    (["plan"], "SPEC"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, needle):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("automap") and needle in lines[0]
+    assert "Traceback" not in err
+
+
+def test_model_that_does_not_fit_exits_1(capsys):
+    code, out, err = _run(capsys, "plan", "torchvision:resnet18", "--max-memory", "0=1MB,cpu=1MB,disk=1MB")
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_bad_arguments_in_a_real_process_exit_2_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "automap", "plan", "hf:llama", "--max-memory", "0=lots"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "'lots'" in result.stderr
+
+
+def test_help_teaches(capsys):
+    code, out, _ = _run(capsys, "plan", "--help")
+    assert code == 0
+    for needle in ("torchvision:resnet50", "hf:llama", "hf:/path/config.json", "module.path:factory",
+                   "--max-memory", "0=80GiB", "--json", "--figure", "examples:"):
+        assert needle in out
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0 and "plan" in out and "demo" in out and "bench" in out
+
+
+def test_parsers_read_the_documented_forms():
+    assert parse_max_memory_arg("0=20GiB, 1=20GiB,cpu=64GiB,disk=500GiB") == {
+        0: "20GiB", 1: "20GiB", "cpu": "64GiB", "disk": "500GiB"}
+    assert parse_overrides(["a=1,b=2.5", "c=true,d=silu,e=none"]) == {"a": 1, "b": 2.5, "c": True, "d": "silu",
+                                                                     "e": None}
+    with pytest.raises(SpecError, match="device=size"):
+        parse_max_memory_arg("0:20GiB")
+
+
+def test_bench_compares_with_accelerate(capsys, tmp_path, monkeypatch):
+    case = bench.BenchCase("ResNet-18 fp32, 2 x 30MB", "torchvision:resnet18", {}, {0: "30MB", 1: "30MB", "cpu": "1GB"})
+    monkeypatch.setattr(bench, "DEFAULT_CASES", (case,))
+    code, out, err = _run(capsys, "bench", "--json", str(tmp_path / "bench.json"))
+    assert code == 0, err
+    assert "automap" in out and "accelerate" in out and case.name in out
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["tool"] for r in rows] == ["automap", "accelerate"]
+    for row in rows:
+        assert len(row["gpu_bytes"]) == 2
+        assert 0.5 <= row["busiest_gpu_flops_share"] <= 1.0
+        assert sum(row["gpu_bytes"]) + row["spill_bytes"] == pytest.approx(sum(rows[0]["gpu_bytes"]) + rows[0]["spill_bytes"])
+    assert rows[0]["spill_bytes"] == 0  # 45 MB of weights fit on 2 x 30 MB without CPU

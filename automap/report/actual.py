@@ -1,0 +1,136 @@
+"""Where a model's tensors really are, as a :class:`~automap.plan.Plan` that the text, JSON and
+figure render like any other (its strategy is ``"actual"``)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+from torch import nn
+
+from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
+from automap.plan import Plan
+from automap.report.facts import ReportError
+
+if TYPE_CHECKING:
+    from automap.profile import Unit
+
+log = logging.getLogger(__name__)
+
+
+def placement(model: nn.Module) -> Plan:
+    """Check where every parameter and buffer of ``model`` is and describe it as a plan.
+
+    For a model dispatched by automap, offloaded tensors (a 0-element placeholder between
+    uses) count as living on their offload tier; any unit found elsewhere than its plan says,
+    or split over devices, is named in the warnings. For any other model (plain, or placed by
+    accelerate / ``from_pretrained(device_map=...)``) the model is profiled on meta and each
+    unit is put where its tensors are; meta tensors follow ``model.hf_device_map``.
+
+    Returns:
+        A :class:`Plan` with ``strategy == "actual"``: ``print(placement(model).report())``,
+        ``automap.report.figure(placement(model), "actual.png")``.
+
+    Raises:
+        ReportError: tensors on meta with no device map saying where their data lives.
+
+    Example:
+        >>> automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="off")
+        >>> print(automap.placement(model).report())
+    """
+    from automap.dispatch import state_of
+
+    state = state_of(model)
+    if state is not None:
+        return _dispatched(model, state.plan, {id(s.tensor) for s in getattr(state, "streamed", {}).values()})
+    return _undispatched(model)
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def _dispatched(model: nn.Module, plan: Plan, streamed: set[int]) -> Plan:
+    tensors = _named_tensors(model)
+    found, notes = [], []
+    for unit, planned in zip(plan.units, plan.placement):
+        where = {}
+        for name in unit.tensors:
+            tensor = tensors.get(name)
+            if tensor is None:
+                notes.append(f"tensor {name!r} of unit {unit.name!r} is missing from the model")
+            elif id(tensor) in streamed:
+                where[name] = planned  # offloaded: lives in the store, streamed in when the unit runs
+            elif tensor.device.type == "meta":
+                notes.append(f"tensor {name!r} of unit {unit.name!r} has no data (it is on meta)")
+            else:
+                where[name] = canonical_name(str(tensor.device))
+        found.append(_settle(unit, planned, where, notes))
+    return _as_plan(plan, tuple(found), notes)
+
+
+def _settle(unit: Unit, planned: str, where: Mapping[str, str], notes: list[str]) -> str:
+    """The one device a unit is on; disagreements with the plan go into ``notes``."""
+    devices = sorted(set(where.values()))
+    if not devices:
+        return planned
+    if len(devices) > 1:
+        notes.append(f"unit {unit.name!r} is split over {', '.join(devices)}; "
+                     f"planned on {planned} (was a tensor moved by hand?)")
+        return planned if planned in devices else devices[0]
+    if devices[0] != planned:
+        notes.append(f"unit {unit.name!r} is on {devices[0]} but the plan put it on {planned}")
+    return devices[0]
+
+
+def _as_plan(plan: Plan, found: tuple[str, ...], notes: list[str]) -> Plan:
+    known = {d.name for d in plan.devices}
+    extra = tuple(make_device(d, 0) for d in sorted(set(found)) if d not in known)
+    return dataclasses.replace(
+        plan, devices=tuple(sorted(plan.devices + extra, key=DeviceSpec.sort_key)), placement=found,
+        strategy="actual", warnings=tuple(plan.warnings) + tuple(notes))
+
+
+def _undispatched(model: nn.Module) -> Plan:
+    from automap.profile import profile
+
+    prof = profile(model)
+    hf_map = {k: canonical_name(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
+    tensors = _named_tensors(model)
+    notes: list[str] = []
+    found = tuple(_device_of_unit(u, tensors, hf_map, notes) for u in prof.units)
+    base = Plan(units=prof.units, devices=detect_devices(), placement=found, strategy="actual",
+                tie_groups=prof.tie_groups, example=prof.example,
+                cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units))))
+    return _as_plan(base, found, notes)
+
+
+def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Mapping[str, str],
+                    notes: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for name in unit.tensors:
+        tensor = tensors[name]
+        device = _lookup(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
+        if device is None:
+            raise ReportError(
+                f"tensor {name!r} is on meta (no data) and the model has no hf_device_map saying where it "
+                "lives; load its weights (automap.load) or plan it instead with automap.plan(model)"
+            )
+        counts[device] = counts.get(device, 0) + tensor.numel() * tensor.element_size()
+    if len(counts) > 1:
+        notes.append(f"unit {unit.name!r} is split over {', '.join(sorted(counts))}")
+    return max(counts, key=lambda d: counts[d]) if counts else "cpu"
+
+
+def _lookup(device_map: Mapping[str, str], name: str) -> str | None:
+    """Longest dotted-prefix match, as transformers and accelerate read device maps."""
+    probe = name
+    while True:
+        if probe in device_map:
+            return device_map[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]

@@ -1,0 +1,117 @@
+"""Numbers every rendering shares, derived once from a plan (nothing here is re-measured)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from automap.errors import AutomapError
+from automap.units import format_bytes
+
+if TYPE_CHECKING:
+    from automap.plan import Cut, DeviceSummary, Plan
+
+
+class ReportError(AutomapError):
+    """A report could not be written (unknown picture format, unwritable path)."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A plan's per-device summaries, cuts and totals, as the text, JSON and figure show them.
+
+    Attributes:
+        rows: one summary per device of the plan, fastest tier first.
+        cuts: every boundary where consecutive units compute on different devices.
+        weight_bytes: all the model's weight bytes.
+        used_devices: devices holding at least one unit.
+        has_accelerators: whether the plan could use any GPU-like device.
+        spill_bytes: weight bytes placed off the accelerators when there are accelerators.
+        bottleneck_device: the computing device with the most predicted seconds per forward
+            (its own stage plus the offloaded stages it runs; "" when nothing is placed).
+        bottleneck_seconds, forward_seconds: the plan's predictions.
+    """
+
+    rows: tuple[DeviceSummary, ...]
+    cuts: tuple[Cut, ...]
+    weight_bytes: int
+    used_devices: tuple[str, ...]
+    has_accelerators: bool
+    spill_bytes: int
+    bottleneck_device: str
+    bottleneck_seconds: float
+    forward_seconds: float
+
+
+def facts_of(plan: Plan) -> Facts:
+    """Collect what the renderers show about ``plan``."""
+    rows = plan.summary()
+    has_accelerators = any(d.is_accelerator for d in plan.devices)
+    spill = sum(r.weight_bytes for r in rows if not r.device.is_accelerator) if has_accelerators else 0
+    per_device = plan.compute_seconds()
+    busiest = max(per_device, key=lambda name: per_device[name], default="")
+    return Facts(
+        rows=rows,
+        cuts=plan.cuts(),
+        weight_bytes=sum(u.weight_bytes for u in plan.units),
+        used_devices=plan.used_devices,
+        has_accelerators=has_accelerators,
+        spill_bytes=spill,
+        bottleneck_device=busiest,
+        bottleneck_seconds=plan.bottleneck_seconds,
+        forward_seconds=plan.forward_seconds,
+    )
+
+
+def short_name(unit_name: str) -> str:
+    """A unit's display name; the whole model (unit ``""``) shows as ``<model>``."""
+    return unit_name or "<model>"
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0878`` -> ``'87.8 ms'``; microseconds as ``us`` to stay ASCII."""
+    if seconds == 0:
+        return "0 s"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
+    """Short remarks printed under a device's row (offloading, overflow)."""
+    notes = []
+    if row.units and plan.is_offloaded(row.device.name):
+        notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
+    if row.used_bytes > row.device.capacity_bytes:
+        notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
+    return notes
+
+
+def tie_splits(plan: Plan) -> list[str]:
+    """Warnings for groups of tied names whose units sit on different devices."""
+    found = []
+    for group in plan.tie_groups:
+        where = {name: _device_holding(plan, name) for name in group}
+        if len({d for d in where.values() if d is not None}) > 1:
+            places = ", ".join(f"{name} on {device}" for name, device in where.items())
+            found.append(f"tied weights split: {places} share one tensor; map their units to one device")
+    return found
+
+
+def _device_holding(plan: Plan, tensor_name: str) -> str | None:
+    best, device = -1, None
+    for unit, where in zip(plan.units, plan.placement):
+        if (unit.name == "" or tensor_name.startswith(unit.name + ".")) and len(unit.name) > best:
+            best, device = len(unit.name), where
+    return device
+
+
+def warnings_of(plan: Plan, facts: Facts | None = None) -> list[str]:
+    """The plan's own warnings, then what the report notices: split ties, overfull devices."""
+    notes = list(plan.warnings)
+    notes += [w for w in tie_splits(plan) if w not in notes]
+    for row in (facts or facts_of(plan)).rows:
+        if row.used_bytes > row.device.capacity_bytes:
+            notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
+                         f"{format_bytes(row.device.capacity_bytes)}")
+    return notes

@@ -1,0 +1,200 @@
+"""The plan as a picture: memory and FLOPs per device, and which units sit where.
+
+Drawn with matplotlib's object API (no pyplot, so no global state and no display needed).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from automap.report.facts import Facts, ReportError, facts_of, format_seconds, short_name
+from automap.report.text import unit_ranges
+from automap.units import format_bytes
+
+if TYPE_CHECKING:
+    from automap.plan import Plan
+
+FORMATS = ("png", "svg", "pdf")
+_ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#8C8C8C")
+_KIND_COLOURS = {"cpu": "#DD8452", "disk": "#937860"}
+# Memory parts get neutral colours of their own so they are not read as devices.
+_MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "reserve": "#C44E52"}
+_LABEL_CHARS = 110  # legend lines are cut here; the text report has the full ranges
+
+
+def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
+    """Draw ``plan`` and save it to ``path`` (``.png``, ``.svg`` or ``.pdf``).
+
+    Top left: per device, weights / activations / reserve as a share of its capacity. Top
+    right: each device's share of the model's FLOPs and its predicted stage time. Bottom: a
+    strip of the units in execution order, coloured by device, with the cuts marked.
+
+    Args:
+        plan: a :class:`~automap.plan.Plan`, or :func:`automap.placement`'s view of a
+            dispatched model.
+        path: where to write; the suffix picks the format.
+        title: replaces the default title (strategy, sizes and predicted times).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ReportError: unknown suffix, or the file cannot be written.
+
+    Example:
+        >>> automap.report.figure(automap.plan(model, max_memory={0: "8GiB", 1: "8GiB"}), "plan.png")
+    """
+    target = check_figure_path(path)
+    fmt = target.suffix.lower().lstrip(".")
+    fig = draw(plan, title=title)
+    try:
+        fig.savefig(target, format=fmt, dpi=120, bbox_inches="tight")
+    except OSError as exc:
+        raise ReportError(f"cannot write the figure to {str(target)!r}: {exc.strerror or exc}; "
+                          "choose a writable path") from exc
+    return target
+
+
+def check_figure_path(path: str | Path) -> Path:
+    """Return ``path`` if a figure can be written there (known suffix, existing folder).
+
+    Raises:
+        ReportError: unknown suffix or missing folder.
+    """
+    target = Path(path)
+    if target.suffix.lower().lstrip(".") not in FORMATS:
+        raise ReportError(f"cannot draw a figure as {target.name!r}: the suffix must be one of "
+                          f"{', '.join('.' + f for f in FORMATS)}, e.g. plan.png")
+    if not target.parent.is_dir():
+        raise ReportError(f"cannot write the figure to {str(target)!r}: folder {str(target.parent)!r} does "
+                          "not exist; create it or choose another path")
+    return target
+
+
+def draw(plan: Plan, *, title: str | None = None) -> Any:
+    """The :class:`matplotlib.figure.Figure` that :func:`figure` saves."""
+    from matplotlib.figure import Figure
+
+    facts = facts_of(plan)
+    colours = device_colours(plan)
+    rows = len(facts.rows)
+    fig = Figure(figsize=(12, 2.2 + 0.72 * rows), layout="constrained")
+    grid = fig.add_gridspec(2, 2, height_ratios=[0.5 * rows + 0.6, 1.0 + 0.22 * rows], width_ratios=[3, 2])
+    _memory_panel(fig.add_subplot(grid[0, 0]), facts)
+    _flops_panel(fig.add_subplot(grid[0, 1]), plan, facts, colours)
+    _strip_panel(fig.add_subplot(grid[1, :]), plan, facts, colours)
+    fig.suptitle(title or _title(plan, facts), fontsize=11)
+    return fig
+
+
+def device_colours(plan: Plan) -> dict[str, str]:
+    """One colour per device of ``plan``, the same in every panel."""
+    colours, accelerators = {}, iter(_ACCELERATOR_COLOURS * 4)
+    for device in plan.devices:
+        colours[device.name] = _KIND_COLOURS.get(device.kind) or next(accelerators)
+    return colours
+
+
+def _title(plan: Plan, facts: Facts) -> str:
+    what = "actual placement" if plan.strategy == "actual" else f"automap plan ({plan.strategy})"
+    return (f"{what}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights; "
+            f"bottleneck {facts.bottleneck_device or '-'} {format_seconds(facts.bottleneck_seconds)}, "
+            f"forward {format_seconds(facts.forward_seconds)}")
+
+
+def _device_axis(ax: Any, facts: Facts, with_capacity: bool) -> None:
+    labels = [f"{r.device.name}\n{format_bytes(r.device.capacity_bytes)}" if with_capacity else r.device.name
+              for r in facts.rows]
+    ax.set_yticks(range(len(facts.rows)), labels, fontsize=9)
+    ax.set_ylim(len(facts.rows) - 0.5, -0.5)  # fastest tier on top, as in the text report
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+
+
+def _memory_panel(ax: Any, facts: Facts) -> None:
+    peak = 100.0
+    for y, row in enumerate(facts.rows):
+        cap = row.device.capacity_bytes or 1
+        ax.barh(y, 100, color="none", edgecolor="#444444", linewidth=0.8, height=0.6)
+        left = 0.0
+        for part, nbytes in (("weights", row.weight_bytes), ("activations", row.activation_bytes),
+                             ("reserve", row.reserve_bytes)):
+            width = 100 * nbytes / cap
+            ax.barh(y, width, left=left, color=_MEMORY_COLOURS[part], height=0.6,
+                    label=part if y == 0 else None)
+            left += width
+        peak = max(peak, left)
+        ax.text(max(left, 100) + 1.5, y, f"{format_bytes(row.used_bytes)} ({100 * row.used_bytes / cap:.0f}%)",
+                va="center", fontsize=8)
+    ax.barh(0, 0, color="none", edgecolor="#444444", label="capacity")
+    ax.set_xlim(0, peak + 32)
+    ax.set_xticks([t for t in range(0, int(peak) + 1, 25)])
+    ax.set_xlabel("memory used, % of each device's capacity (label: bytes used)")
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False,
+              borderaxespad=0.1)
+    _device_axis(ax, facts, with_capacity=True)
+    ax.set_title("memory", fontsize=10, loc="left")
+
+
+def _flops_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
+    for y, row in enumerate(facts.rows):
+        share = 100 * row.flops_share
+        ax.barh(y, share, color=colours[row.device.name], height=0.6)
+        runs_on = plan.compute_device(row.device.name)
+        where = f" on {runs_on}" if runs_on != row.device.name else ""
+        stage = f", stage {format_seconds(row.stage_seconds)}{where}" if row.units else ""
+        ax.text(share + 1.5, y, f"{share:.1f}%{stage}", va="center", fontsize=8)
+    ax.set_xlim(0, 145)
+    ax.set_xticks([0, 25, 50, 75, 100])
+    ax.set_xlabel("share of the model's FLOPs, %")
+    _device_axis(ax, facts, with_capacity=False)
+    ax.set_title("compute", fontsize=10, loc="left")
+
+
+def _runs(placement: tuple[str, ...]) -> list[tuple[int, int, str]]:
+    """Maximal runs ``(start, stop, device)`` of consecutive units on one device."""
+    runs: list[tuple[int, int, str]] = []
+    for i, device in enumerate(placement):
+        if runs and runs[-1][2] == device:
+            runs[-1] = (runs[-1][0], i + 1, device)
+        else:
+            runs.append((i, i + 1, device))
+    return runs
+
+
+def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    n = len(plan.units)
+    for start, stop, device in _runs(plan.placement):
+        hatch = "//" if plan.is_offloaded(device) else None
+        ax.barh(0, stop - start, left=start, height=0.6, color=colours[device], edgecolor="white",
+                linewidth=0.5, hatch=hatch)
+        if (stop - start) / max(n, 1) > 0.06:
+            ax.text((start + stop) / 2, 0, device, ha="center", va="center", fontsize=9, color="white",
+                    fontweight="bold")
+    for position, cut in _cut_positions(plan, facts):
+        ax.axvline(position, color="black", linewidth=1.2)
+        ax.text(position, 0.34, format_bytes(cut), ha="center", va="bottom", fontsize=7,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    ax.set_xlim(0, max(n, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(-0.32, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel(f"{n} units in execution order (black lines: cuts, labelled with the bytes crossing)")
+    handles = [Patch(facecolor=colours[r.device.name], hatch="//" if plan.is_offloaded(r.device.name) else None,
+                     label=_legend_label(plan, r.device.name, r.units)) for r in facts.rows if r.units]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8, frameon=False)
+    ax.set_title("which units sit where", fontsize=10, loc="left")
+
+
+def _cut_positions(plan: Plan, facts: Facts) -> list[tuple[int, int]]:
+    index = {u.name: i for i, u in enumerate(plan.units)}
+    return [(index[c.after], c.bytes) for c in facts.cuts[:40] if c.after in index]
+
+
+def _legend_label(plan: Plan, device: str, units: tuple[str, ...]) -> str:
+    note = f" (offloaded, runs on {plan.execution_device})" if plan.is_offloaded(device) else ""
+    text = f"{device}{note}: {unit_ranges([short_name(u) for u in units])}"
+    return text if len(text) <= _LABEL_CHARS else text[:_LABEL_CHARS - 3] + "..."

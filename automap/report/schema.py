@@ -1,0 +1,112 @@
+"""The plan as JSON for scripts and CI: the plan's own keys, per-device summaries, cuts
+and totals. Documented in ``docs/plan-schema.md``; keys are only ever added, never renamed."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from automap.plan import Plan, plan_to_dict
+from automap.report.facts import Facts, ReportError, facts_of, short_name, tie_splits, warnings_of
+from automap.report.text import unit_ranges
+
+if TYPE_CHECKING:
+    from automap.plan import DeviceSummary
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """``plan`` as a JSON-ready dict: :meth:`Plan.to_json`'s keys, each ``"devices"`` entry
+    completed with what the report shows (headroom, units, ranges, ...), plus ``"totals"``
+    and ``"report_warnings"``. The schema is documented in ``docs/plan-schema.md``.
+
+    :meth:`Plan.from_json` reads it back (the added keys are derived, so it ignores them).
+
+    Example:
+        >>> data = plan_dict(plan)
+        >>> data["device_map"]["model.layers.0"], data["totals"]["spill_bytes"]
+        (0, 0)
+    """
+    facts = facts_of(plan)
+    data = plan_to_dict(plan)
+    extra = {row.device.name: _device_extra(plan, row) for row in facts.rows}
+    data["devices"] = [{**entry, **extra.get(entry["name"], {})} for entry in data["devices"]]
+    data["cuts"] = [asdict(cut) for cut in facts.cuts]
+    data["totals"] = _totals_dict(plan, facts)
+    data["report_warnings"] = warnings_of(plan, facts)
+    return data
+
+
+def _device_extra(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
+    capacity = row.device.capacity_bytes
+    return {
+        "map_value": row.device.map_value,
+        "weight_bytes": row.weight_bytes,
+        "activation_bytes": row.activation_bytes,
+        "reserve_bytes": row.reserve_bytes,
+        "used_bytes": row.used_bytes,
+        "used_fraction": row.used_bytes / capacity if capacity else 0.0,
+        "headroom_bytes": capacity - row.used_bytes,
+        "flops": row.flops,
+        "flops_share": row.flops_share,
+        "stage_seconds": row.stage_seconds,
+        "offloaded": bool(row.units) and plan.is_offloaded(row.device.name),
+        "compute_device": plan.compute_device(row.device.name),
+        "units": list(row.units),
+        "unit_ranges": unit_ranges([short_name(n) for n in row.units]),
+    }
+
+
+def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
+    return {
+        "units": len(plan.units),
+        "weight_bytes": facts.weight_bytes,
+        "flops": sum(u.flops for u in plan.units),
+        "used_devices": list(facts.used_devices),
+        "spill_bytes": facts.spill_bytes,
+        "offloaded_units": list(plan.offloaded_units),
+        "cut_bytes": sum(c.bytes for c in facts.cuts),
+        "cut_seconds": sum(c.seconds for c in facts.cuts),
+        "bottleneck_device": facts.bottleneck_device,
+        "bottleneck_seconds": facts.bottleneck_seconds,
+        "forward_seconds": facts.forward_seconds,
+        "tied_splits": tie_splits(plan),
+    }
+
+
+def to_json(plan: Plan, indent: int | None = 2) -> str:
+    """:func:`plan_dict` as JSON text."""
+    return json.dumps(plan_dict(plan), indent=indent)
+
+
+def check_json_path(path: str | Path) -> Path:
+    """Return ``path`` if its folder exists.
+
+    Raises:
+        ReportError: the folder is missing.
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ReportError(f"cannot write the plan JSON to {str(target)!r}: folder {str(target.parent)!r} does "
+                          "not exist; create it or choose another path")
+    return target
+
+
+def write_json(plan: Plan, path: str | Path) -> Path:
+    """Write :func:`to_json` to ``path`` and return it.
+
+    Raises:
+        ReportError: the file cannot be written.
+    """
+    target = check_json_path(path)
+    try:
+        target.write_text(to_json(plan) + "\n")
+    except OSError as exc:
+        raise ReportError(f"cannot write the plan JSON to {str(target)!r}: {exc.strerror or exc}; "
+                          "choose a writable path") from exc
+    return target
+
+
+def read_json(path: str | Path) -> Plan:
+    """Read a plan written by :func:`write_json` (or :meth:`Plan.to_json`)."""
+    return Plan.from_json(Path(path).read_text())

@@ -1,0 +1,126 @@
+"""The plan as text: a per-device table, the cuts, totals and warnings, in 80 columns."""
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING, Sequence
+
+from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, short_name,
+                                  warnings_of)
+from automap.units import format_bytes
+
+if TYPE_CHECKING:
+    from automap.plan import Plan
+
+WIDTH = 80
+MAX_CUT_LINES = 12  # an interleaved (offloaded) plan can have dozens; the totals count them all
+_HEAD = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'use%':>5} {'headroom':>10} "
+         f"{'flops%':>6} {'stage':>9}")
+
+
+def unit_ranges(names: Sequence[str]) -> str:
+    """Collapse consecutive numbered units into ranges.
+
+    Example:
+        >>> unit_ranges(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"])
+        'model.embed_tokens, model.layers.0-2'
+    """
+    parts: list[str] = []
+    i = 0
+    while i < len(names):
+        stem, _, last = names[i].rpartition(".")
+        j = i
+        if last.isdigit():
+            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem):
+                j += 1
+        parts.append(names[i] if j == i else f"{names[i]}-{names[j].rpartition('.')[2]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _next_in_run(current: str, candidate: str, stem: str) -> bool:
+    cand_stem, _, cand_last = candidate.rpartition(".")
+    return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
+
+
+def render_text(plan: Plan) -> str:
+    """Render ``plan`` for an 80-column terminal.
+
+    Per device: kind, capacity, bytes used and %, headroom, FLOPs share, predicted stage time
+    and unit ranges; then every cut (units either side, bytes crossing, transfer time); then
+    totals (bottleneck, predicted forward time) and warnings.
+
+    Example:
+        >>> print(render_text(automap.plan(model, max_memory={0: "20GiB", 1: "20GiB"})))
+    """
+    facts = facts_of(plan)
+    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts),
+                _warnings(plan, facts)]
+    return "\n\n".join(s for s in sections if s)
+
+
+def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first or indent, subsequent_indent=indent,
+                         break_on_hyphens=False, break_long_words=True) or [first.rstrip()]
+
+
+def _header(plan: Plan, facts: Facts) -> str:
+    actual = plan.strategy == "actual"
+    inputs = "the given example inputs" if plan.example == "given" else plan.example
+    if not plan.example:
+        how = "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)"
+    else:
+        how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
+    title = "actual placement" if actual else f"plan ({plan.strategy})"
+    line = (f"automap {title}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights, "
+            f"execution on {plan.execution_device}; {how}")
+    return "\n".join(_wrap(line))
+
+
+def _devices(plan: Plan, facts: Facts) -> str:
+    lines = [_HEAD]
+    for s in facts.rows:
+        cap = s.device.capacity_bytes
+        pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"
+        stage = format_seconds(s.stage_seconds) if s.units else "-"
+        lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10} "
+                     f"{pct:>5} {format_bytes(cap - s.used_bytes):>10} {100 * s.flops_share:>5.1f}% {stage:>9}")
+        for note in device_notes(plan, s):
+            lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
+        span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
+        lines += _wrap(span, " " * 16, first=" " * 9 + "units: ")
+    return "\n".join(lines)
+
+
+def _cuts(facts: Facts) -> str:
+    if not facts.cuts:
+        return "cuts: none (every unit computes on one device)"
+    lines = [f"cuts ({len(facts.cuts)}): activations crossing between devices each forward"]
+    for cut in facts.cuts[:MAX_CUT_LINES]:
+        numbers = (f"  {cut.src_device:>7} -> {cut.dst_device:<7} {format_bytes(cut.bytes):>10} "
+                   f"{format_seconds(cut.seconds):>9}  ")
+        lines += _wrap(f"{short_name(cut.before)} | {short_name(cut.after)}", " " * len(numbers), first=numbers)
+    hidden = facts.cuts[MAX_CUT_LINES:]
+    if hidden:
+        lines.append(f"  ... and {len(hidden)} more, {format_bytes(sum(c.bytes for c in hidden))} "
+                     f"in {format_seconds(sum(c.seconds for c in hidden))}")
+    return "\n".join(lines)
+
+
+def _totals(facts: Facts) -> str:
+    used = ", ".join(facts.used_devices) or "none"
+    text = [f"weights {format_bytes(facts.weight_bytes)} on {used}",
+            f"spilled off the accelerators {format_bytes(facts.spill_bytes)}" if facts.has_accelerators else "",
+            f"bottleneck {facts.bottleneck_device or '-'} at {format_seconds(facts.bottleneck_seconds)} per forward",
+            f"predicted forward {format_seconds(facts.forward_seconds)} "
+            f"({format_seconds(sum(c.seconds for c in facts.cuts))} of it in transfers)"]
+    return "\n".join(_wrap("; ".join(t for t in text if t) + ".", " " * 8, first="totals: "))
+
+
+def _warnings(plan: Plan, facts: Facts) -> str:
+    notes = warnings_of(plan, facts)
+    if not notes:
+        return "warnings: none"
+    lines = ["warnings:"]
+    for note in notes:
+        lines += _wrap(note, "    ", first="  - ")
+    return "\n".join(lines)

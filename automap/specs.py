@@ -1,0 +1,322 @@
+"""Models named on the command line, built on the meta device so any size plans in seconds.
+
+A SPEC is one of:
+
+- ``torchvision:resnet50`` — a torchvision model by name (``--set`` gives its keyword arguments);
+- ``hf:llama`` — a transformers model family built from its default config with ``--set``
+  overrides, e.g. ``hf:llama --set num_hidden_layers=80,hidden_size=8192``;
+- ``hf:/path/config.json`` (or a directory holding one) — a local transformers config;
+- ``module.path:factory`` — any function returning an ``nn.Module`` (``--set`` gives its
+  keyword arguments); the working directory is importable.
+
+Nothing is downloaded and no weights are allocated.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from automap.errors import AutomapError
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp8": torch.float8_e4m3fn, "float8": torch.float8_e4m3fn}
+# transformers heads to try, most useful first: a family is planned as what people run it as.
+_HF_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
+                    "AutoModel")
+
+
+class SpecError(AutomapError, ValueError):
+    """A SPEC, ``--set``, ``--max-memory`` or ``--dtype`` argument could not be understood."""
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model built from a SPEC: the module (on meta), what to call it, and its dtype hint."""
+
+    model: nn.Module
+    label: str
+    parameters: int
+    dtype: torch.dtype | None = None
+
+
+def parse_value(text: str) -> Any:
+    """``"80"`` -> 80, ``"1e-5"`` -> 1e-05, ``"true"`` -> True, ``"silu"`` -> ``"silu"``."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parse ``--set`` arguments: ``["a=1,b=silu", "c=true"]`` -> ``{"a": 1, "b": "silu", "c": True}``.
+
+    Raises:
+        SpecError: an item is not ``key=value``.
+    """
+    result: dict[str, Any] = {}
+    for item in items:
+        for pair in filter(None, (p.strip() for p in item.split(","))):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip() or not key.strip().isidentifier():
+                raise SpecError(f"--set expects key=value pairs separated by commas, got {pair!r}; "
+                                "e.g. --set num_hidden_layers=80,hidden_size=8192")
+            result[key.strip()] = parse_value(value)
+    return result
+
+
+def parse_max_memory_arg(text: str) -> dict[int | str, str]:
+    """Parse ``--max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB`` into the accelerate form.
+
+    Raises:
+        SpecError: an item is not ``device=size``.
+    """
+    result: dict[int | str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise SpecError(f"--max-memory expects device=size pairs separated by commas, got {pair!r}; "
+                            "e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB")
+        key = key.strip()
+        result[int(key) if key.isdigit() else key] = value.strip()
+    if not result:
+        raise SpecError("--max-memory is empty; e.g. --max-memory 0=20GiB,cpu=64GiB")
+    return result
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16``.
+
+    Raises:
+        SpecError: unknown name.
+    """
+    try:
+        return DTYPES[text.strip().lower().removeprefix("torch.")]
+    except KeyError:
+        raise SpecError(f"unknown dtype {text!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltModel:
+    """Build the model a SPEC names, on the meta device (no weights allocated).
+
+    Args:
+        spec: ``torchvision:NAME``, ``hf:FAMILY``, ``hf:PATH/config.json`` or ``module.path:factory``.
+        overrides: config fields (hf) or keyword arguments (torchvision, factories).
+
+    Returns:
+        A :class:`BuiltModel` whose parameters are all on meta.
+
+    Raises:
+        SpecError: the SPEC's form, name, module or overrides are wrong; the message says which.
+
+    Example:
+        >>> build_model("hf:llama", {"num_hidden_layers": 80}).label
+        'LlamaForCausalLM (hf:llama)'
+    """
+    kind, sep, name = spec.partition(":")
+    if not sep or not kind or not name:
+        raise SpecError(f"SPEC {spec!r} has no 'kind:name' form; use torchvision:resnet50, hf:llama, "
+                        "hf:/path/config.json or module.path:factory")
+    settings = dict(overrides or {})
+    if kind == "torchvision":
+        model, dtype = _torchvision(name, settings), None
+    elif kind == "hf":
+        model, dtype = _transformers(name, settings)
+    else:
+        model, dtype = _factory(kind, name, settings), None
+    count = sum(p.numel() for p in model.parameters())
+    return BuiltModel(model, f"{type(model).__name__} ({spec})", count, dtype)
+
+
+def _on_meta(what: str, build: Callable[[], Any]) -> nn.Module:
+    """Call ``build`` with meta as the default device; any failure becomes a SpecError."""
+    try:
+        with torch.device("meta"):
+            model = build()
+    except AutomapError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: report it in one line, with its type
+        raise SpecError(f"building {what} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{what} returned {type(model).__name__}, not a torch.nn.Module")
+    return model.eval()
+
+
+def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    import torchvision
+
+    known = torchvision.models.list_models()
+    if name not in known:
+        raise SpecError(f"torchvision has no model {name!r}" + _did_you_mean(name, known) +
+                        "; list them with torchvision.models.list_models()")
+    return _on_meta(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
+
+
+def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
+    import transformers
+
+    config = _hf_config(name)
+    _check_config_keys(config, overrides, name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):  # a config.json stores "bfloat16"
+        dtype = getattr(torch, dtype, None)
+    model = _on_meta(f"hf:{name}", lambda: _hf_model(transformers, config))
+    return model, dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _hf_config(name: str) -> Any:
+    import transformers
+
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or os.sep in name:
+        return _hf_config_file(path)
+    families = list(transformers.CONFIG_MAPPING.keys())
+    if name not in families:
+        raise SpecError(f"transformers has no model family {name!r}" + _did_you_mean(name, families) +
+                        "; use a model_type such as llama, mistral, qwen2, gpt2, t5, or hf:/path/config.json")
+    return transformers.AutoConfig.for_model(name)
+
+
+def _hf_config_file(path: Path) -> Any:
+    import transformers
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"config file {str(path)!r} does not exist; give hf:/path/to/config.json") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"cannot read {str(path)!r} as a JSON config: {exc}") from None
+    model_type = data.pop("model_type", None) if isinstance(data, dict) else None
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
+                        "a transformers config.json names its family in 'model_type'")
+    return transformers.AutoConfig.for_model(model_type, **data)
+
+
+def _check_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> None:
+    known = set(config.to_dict()) | {k for k in dir(config) if not k.startswith("_")}
+    unknown = [k for k in overrides if k not in known]
+    if unknown:
+        raise SpecError(f"--set names {unknown[0]!r}, which the {name} config does not have" +
+                        _did_you_mean(unknown[0], sorted(known)))
+
+
+def _hf_model(transformers: Any, config: Any) -> nn.Module:
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls(config)
+    for auto_name in _HF_AUTO_CLASSES:
+        try:
+            return getattr(transformers, auto_name).from_config(config)
+        except ValueError:  # this head does not exist for the family: try the next
+            continue
+    raise SpecError(f"transformers has no model class for config {type(config).__name__}")
+
+
+def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `automap plan mymodels:build` finds ./mymodels.py
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SpecError(f"cannot import {module_name!r} ({exc}); SPEC kinds are torchvision:NAME, hf:FAMILY, "
+                        "hf:/path/config.json or module.path:factory") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise SpecError(f"module {module_name!r} has no callable {attr!r}" + _did_you_mean(attr, names))
+    return _on_meta(f"{module_name}:{attr}", lambda: factory(**kwargs))
+
+
+def _did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def example_inputs_for(model: nn.Module, batch: int, seq_len: int) -> tuple[Any, str]:
+    """Meta example inputs for ``model`` at ``batch`` x ``seq_len`` and a description of them.
+
+    transformers vision models get ``pixel_values`` at their config's image size; everything
+    else gets :func:`automap.profile.default_example_inputs`.
+    """
+    from automap.profile import default_example_inputs
+
+    config = getattr(model, "config", None)
+    if config is not None and getattr(model, "main_input_name", None) == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        side = int(size[0] if isinstance(size, (list, tuple)) else size.get("height", 224)
+                   if isinstance(size, dict) else size)
+        channels = int(getattr(config, "num_channels", 3))
+        image = torch.zeros(batch, channels, side, side, device="meta")
+        return {"pixel_values": image}, f"pixel_values {batch}x{channels}x{side}x{side}"
+    return default_example_inputs(model, seq_len=seq_len, batch=batch)
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """What ``automap plan SPEC`` produced."""
+
+    built: BuiltModel
+    plan: Any
+    dtype: torch.dtype | None
+
+
+def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
+              max_memory: Mapping[int | str, Any] | None = None, strategy: str = "auto",
+              batch: int = 1, seq_len: int = 128, dtype: torch.dtype | None = None) -> SpecPlan:
+    """Build the model a SPEC names on meta, profile it at ``batch`` x ``seq_len`` and plan it.
+
+    Args:
+        spec, overrides: see :func:`build_model`.
+        max_memory: budgets in the accelerate form (hypothetical devices welcome); this
+            machine's devices when None.
+        strategy: ``auto``, ``balanced``, ``balanced_low_0`` or ``sequential``.
+        batch, seq_len: size of the example inputs (token models use both, image models batch).
+        dtype: the dtype the model will run in; default: the config's, else as built (fp32).
+
+    Returns:
+        A :class:`SpecPlan` with the built model and its :class:`~automap.plan.Plan`.
+
+    Raises:
+        SpecError: bad SPEC or overrides. PlanError: the model does not fit.
+
+    Example:
+        >>> plan_spec("torchvision:resnet50", max_memory={0: "60MB", 1: "60MB"}).plan.device_map["fc"]
+        1
+    """
+    from automap.api import plan
+    from automap.profile import profile
+
+    from automap.devices import parse_max_memory
+
+    if batch < 1 or seq_len < 1:
+        raise SpecError(f"--batch and --seq-len must be >= 1, got batch={batch}, seq_len={seq_len}")
+    if max_memory is not None:
+        parse_max_memory(max_memory)  # a bad size fails now, before the model is built
+    built = build_model(spec, overrides)
+    chosen_dtype = dtype or built.dtype
+    inputs, how = example_inputs_for(built.model, batch, seq_len)
+    prof = profile(built.model, inputs, dtype=chosen_dtype)
+    prof = dataclasses.replace(prof, example=how if inputs is not None else "")
+    return SpecPlan(built, plan(prof, strategy, max_memory), chosen_dtype)

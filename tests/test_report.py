@@ -1,0 +1,199 @@
+"""Reports: the text names every device and unit range in 80 columns, the JSON round-trips and
+matches docs/plan-schema.md, figures are valid files whose bars carry the plan's numbers, and
+automap.placement sees where a dispatched model's tensors really are."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+import automap
+from automap.report import (ReportError, draw, figure, placement, plan_dict, read_json, render_text, to_json,
+                            unit_ranges, write_json)
+from conftest import tiny_llama, weight_bytes
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+@pytest.fixture(scope="module")
+def spread_plan():
+    """A tiny Llama over two hypothetical GPUs, CPU and disk: cuts and offloaded units."""
+    model = tiny_llama(layers=8)
+    size = weight_bytes(model)
+    budget = {0: int(size * 0.3), 1: int(size * 0.3), "cpu": int(size * 0.25), "disk": "1TB"}
+    return automap.plan(model, max_memory=budget, example_inputs=(torch.randint(0, 256, (1, 16)),))
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_unit_ranges_collapse_runs_only():
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm",
+             "model.layers.3", "model.layers.5", "lm_head"]
+    assert unit_ranges(names) == "model.embed_tokens, model.layers.0-2, model.norm, model.layers.3, " \
+                                 "model.layers.5, lm_head"
+    assert unit_ranges(["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]) == "layer1.0-1, layer2.0-2"
+
+
+def test_text_names_every_device_and_unit_range_in_80_columns(spread_plan):
+    text = render_text(spread_plan)
+    assert text == spread_plan.report()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    rows = spread_plan.summary()
+    assert {r.device.name for r in rows} == {"cuda:0", "cuda:1", "cpu", "disk"}
+    for row in rows:
+        assert re.search(rf"^{re.escape(row.device.name)}\s", text, re.M), row.device.name
+        if row.units:
+            assert _flat(unit_ranges(list(row.units))) in _flat(text)
+    placed = [n for r in rows for n in r.units]
+    assert sorted(placed) == sorted(u.name for u in spread_plan.units)
+    assert "model.layers." in text and re.search(r"model\.layers\.\d+-\d+", text), "runs must collapse"
+
+
+def test_text_shows_cuts_totals_and_warnings(spread_plan):
+    text = _flat(render_text(spread_plan))
+    cuts = spread_plan.cuts()
+    assert cuts and f"cuts ({len(cuts)})" in text
+    for cut in cuts:
+        assert f"{cut.before} | {cut.after}" in text
+    assert "bottleneck" in text and "predicted forward" in text
+    assert "offloaded" in text  # the planner's warning and the per-device note
+    assert "headroom" in text and "flops%" in text
+
+
+def test_bytes_only_plan_says_so(spread_plan):
+    bare = dataclasses.replace(spread_plan, example="")  # what a model without example inputs gets
+    assert "balanced by bytes only" in _flat(render_text(bare))
+    assert "balanced by FLOPs at the given example inputs" in _flat(render_text(spread_plan))
+
+
+def test_json_round_trips_and_keeps_device_map(spread_plan, tmp_path):
+    text = to_json(spread_plan)
+    again = automap.Plan.from_json(text)
+    assert again == spread_plan
+    assert to_json(again) == text
+    data = json.loads(text)
+    assert data["device_map"] == {k: v for k, v in spread_plan.device_map.items()}
+    assert read_json(write_json(spread_plan, tmp_path / "plan.json")) == spread_plan
+    by_name = {d["name"]: d for d in data["devices"]}
+    for row in spread_plan.summary():
+        entry = by_name[row.device.name]
+        assert entry["units"] == list(row.units)
+        assert entry["headroom_bytes"] == row.device.capacity_bytes - row.used_bytes
+        assert entry["weight_bytes"] == row.weight_bytes
+    assert data["totals"]["spill_bytes"] == by_name["cpu"]["weight_bytes"] + by_name["disk"]["weight_bytes"]
+    assert data["totals"]["offloaded_units"] == list(spread_plan.offloaded_units)
+
+
+def _documented_keys(section: str) -> set[str]:
+    """Keys in the first column of the table under ``## section`` in docs/plan-schema.md."""
+    doc = (DOCS / "plan-schema.md").read_text()
+    body = doc.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_]+)`", body, re.M))
+
+
+def test_json_has_every_documented_key(spread_plan):
+    data = plan_dict(spread_plan)
+    for section, obj in (("Top level", data), ("devices[]", data["devices"][0]), ("totals", data["totals"]),
+                         ("cuts[]", data["cuts"][0]), ("units[]", data["units"][0])):
+        keys = _documented_keys(section)
+        assert keys, f"docs/plan-schema.md has no table for {section}"
+        assert keys <= set(obj), f"{section}: documented but missing {sorted(keys - set(obj))}"
+    # What the report adds is documented exactly (the plan and profile may add keys of their own).
+    assert set(data["totals"]) == _documented_keys("totals")
+
+
+def test_png_and_svg_are_valid_files(spread_plan, tmp_path):
+    png = figure(spread_plan, tmp_path / "plan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert width > 800 and height > 400
+    svg = figure(spread_plan, tmp_path / "plan.svg")
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    text = svg.read_text()
+    for name in ("cuda:0", "cuda:1", "cpu", "disk"):
+        assert name in text
+
+
+def test_figure_rejects_unknown_format(spread_plan, tmp_path):
+    with pytest.raises(ReportError, match=r"plan\.jpg.*\.png"):
+        figure(spread_plan, tmp_path / "plan.jpg")
+    with pytest.raises(ReportError, match="cannot write"):
+        figure(spread_plan, tmp_path / "missing-dir" / "plan.png")
+
+
+def _bar_widths(ax, colour: str) -> dict[int, float]:
+    """Width of each horizontal bar of ``colour`` in ``ax``, keyed by its row."""
+    from matplotlib.colors import to_rgba
+
+    widths: dict[int, float] = {}
+    for patch in ax.patches:
+        if patch.get_facecolor() == to_rgba(colour) and patch.get_width() > 0:
+            row = round(patch.get_y() + patch.get_height() / 2)
+            widths[row] = widths.get(row, 0.0) + patch.get_width()
+    return widths
+
+
+def test_figure_bars_carry_the_plans_numbers(spread_plan):
+    from automap.report.figure import _MEMORY_COLOURS, device_colours
+
+    fig = draw(spread_plan)
+    memory, flops = fig.axes[0], fig.axes[1]
+    weights = _bar_widths(memory, _MEMORY_COLOURS["weights"])
+    colours = device_colours(spread_plan)
+    for row_index, row in enumerate(spread_plan.summary()):
+        expected = 100 * row.weight_bytes / row.device.capacity_bytes
+        assert weights.get(row_index, 0.0) == pytest.approx(expected, abs=1e-6), row.device.name
+        share = _bar_widths(flops, colours[row.device.name]).get(row_index, 0.0)
+        assert share == pytest.approx(100 * row.flops_share, abs=1e-6), row.device.name
+    labels = [t.get_text() for t in memory.texts]
+    for row in spread_plan.summary():
+        assert any(automap.format_bytes(row.used_bytes) in label for label in labels)
+
+
+def test_placement_of_dispatched_model_matches_its_plan(tmp_path):
+    model = tiny_llama(layers=4)
+    chosen = automap.plan(model, max_memory={"cpu": int(weight_bytes(model) * 0.5)}, offload_dir=tmp_path,
+                          example_inputs=(torch.randint(0, 256, (1, 8)),))
+    automap.dispatch(model, chosen, offload_dir=tmp_path)
+    try:
+        actual = automap.placement(model)
+        assert actual.strategy == "actual"
+        assert actual.placement == chosen.placement and "disk" in actual.placement
+        assert not [w for w in actual.warnings if "plan put it" in w or "split" in w]
+        assert "actual placement" in actual.report()
+        # Someone loads fresh weights into an offloaded unit by hand: placement notices.
+        unit = next(u for u, d in zip(chosen.units, chosen.placement) if d == "disk" and u.tensors)
+        owner, _, leaf = unit.tensors[0].rpartition(".")
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(torch.zeros(4)))
+        found = automap.placement(model)
+        assert any(unit.name in w and "split over cpu, disk" in w for w in found.warnings), found.warnings
+        for name in unit.tensors:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(torch.zeros(4)))
+        moved = automap.placement(model)
+        assert moved.device_of(unit.name) == "cpu"
+        assert any(f"{unit.name!r} is on cpu but the plan put it on disk" in w for w in moved.warnings)
+    finally:
+        automap.undispatch(model)
+
+
+def test_placement_follows_hf_device_map_for_meta_tensors():
+    with torch.device("meta"):
+        model = tiny_llama(layers=2)
+    model.hf_device_map = {"": "cpu", "model.layers.1": "disk"}
+    actual = placement(model)
+    assert actual.device_of("model.layers.1") == "disk"
+    assert actual.device_of("model.layers.0") == "cpu"
+    del model.hf_device_map
+    with pytest.raises(ReportError, match="meta"):
+        placement(model)
