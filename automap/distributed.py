@@ -22,16 +22,18 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from automap.api import plan as make_plan
+from automap.devices import detect_devices
 from automap.errors import AutomapError, PipelineError
 from automap.pipeline import Stage, plan_stages, split_batch
-from automap.plan import Plan
-from automap.profile import ExampleInputs
+from automap.plan import Plan, make_plan
+from automap.profile import ExampleInputs, profile
 
 log = logging.getLogger(__name__)
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 ScheduleName = Literal["gpipe", "1f1b"]
+# Links between ranks as the planner sees them: effectively free (see plan_for_ranks).
+FREE_LINK_BYTES_PER_SECOND = 1e18
 
 
 def rank_stages(plan: Plan, world_size: int | None = None) -> tuple[Stage, ...]:
@@ -68,23 +70,36 @@ def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: Example
     """Plan ``model`` over ``world_size`` processes: one hypothetical device per rank
     (``cuda:0`` ... ``cuda:{n-1}``, whatever the ranks really run on), balanced by FLOPs.
 
+    The links between ranks are modelled as free: the schedules send activations while the
+    next micro-batch computes, so a pipeline's period is its slowest stage's compute. (A plan
+    for one process charges transfers to the stages, and for a small model may rightly keep
+    everything on one device; a distributed plan must use every rank.)
+
     Args:
-        memory_per_rank: each rank's budget; default: room for the whole model, so the split is
-            chosen by compute alone.
+        example_inputs: as for :func:`automap.plan`; FLOPs are measured with them.
+        memory_per_rank: each rank's budget (int bytes or ``"20GiB"``); default: room for the
+            whole model twice, so the split is chosen by compute alone.
+        no_split: as for :func:`automap.plan`.
 
     Raises:
-        PipelineError: the model has fewer units than ranks, or the planner used fewer devices.
+        PipelineError: fewer units than ranks, or a balanced split that leaves a rank empty.
+        PlanError: the model does not fit in ``world_size`` x ``memory_per_rank``.
+
+    Example:
+        >>> plan = plan_for_ranks(model, 4, example_inputs=(ids,))
+        >>> split_spec(plan)
     """
     if world_size < 1:
         raise PipelineError(f"world_size must be >= 1, got {world_size}")
-    if memory_per_rank is None:
-        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        memory_per_rank = max(total, 1) * 2
-    budget: dict[int | str, int | str] = {rank: memory_per_rank for rank in range(world_size)}
-    chosen = make_plan(model, "balanced", budget, example_inputs=example_inputs, no_split=no_split)
-    if len(chosen.units) < world_size:
-        raise PipelineError(f"{type(model).__name__} has {len(chosen.units)} placement unit(s) but there are "
+    prof = profile(model, example_inputs, no_split=no_split)
+    if len(prof.units) < world_size:
+        raise PipelineError(f"{type(model).__name__} has {len(prof.units)} placement unit(s) but there are "
                             f"{world_size} ranks; use fewer ranks or smaller units (no_split=[])")
+    if memory_per_rank is None:
+        memory_per_rank = 2 * max(sum(u.weight_bytes for u in prof.units), 1)
+    budget: dict[int | str, int | str] = {rank: memory_per_rank for rank in range(world_size)}
+    devices = detect_devices(budget, links={"cuda": FREE_LINK_BYTES_PER_SECOND})
+    chosen = make_plan(prof, devices, "balanced")
     rank_stages(chosen, world_size)
     return chosen
 

@@ -21,7 +21,7 @@ from automap.errors import PipelineError
 from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH, SEQ, CHUNKS = 4, 12, 2
+BATCH, SEQ, CHUNKS, LAYERS = 4, 12, 2, 2
 # Gradients of a 1F1B step are the mean of per-micro-batch gradients, summed in another order
 # than the whole batch's: float32 rounding only, far below this.
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-4
@@ -58,7 +58,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = tiny_llama(layers=4)  # seeded: the same weights on every rank
+        model = tiny_llama(layers=LAYERS)  # seeded: the same weights on every rank
         ids, labels = _inputs()
         plan = plan_for_ranks(model, world)
         ref_logits, ref_loss, ref_grads = _reference(model, ids, labels)
@@ -96,7 +96,7 @@ def test_two_processes_gpipe_outputs_equal_one_process(two_ranks):
 
 
 def test_two_processes_1f1b_step_matches_gradients(two_ranks):
-    model = tiny_llama(layers=4)
+    model = tiny_llama(layers=LAYERS)
     names = {n for n, _ in model.named_parameters()}
     held = [set(r["grads"]) for r in two_ranks]
     assert held[0] and held[1] and not held[0] & held[1], "each rank holds its own parameters"
@@ -134,9 +134,8 @@ def test_more_ranks_than_units_is_an_error():
 
 def test_offloaded_plan_is_refused():
     model = tiny_llama(layers=2)
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    plan = automap.plan(model, max_memory={0: nbytes // 3, "cpu": nbytes * 4})
-    assert plan.offloaded_units
+    plan = automap.plan(model, {"model": 0, "lm_head": "cpu"})  # lm_head streamed to cuda:0
+    assert plan.offloaded_units == ("lm_head",)
     with pytest.raises(PipelineError, match="offloads .* unit"):
         split_spec(plan)
 

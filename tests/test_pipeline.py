@@ -16,7 +16,7 @@ import automap
 from automap.errors import PipelineError
 from automap.pipeline import (HANDOFF_SECONDS, UNIT_OVERHEAD_SECONDS, best_chunks, chunk_sizes,
                               chunks_for_split_size, pipeline_seconds, plan_stages, split_batch)
-from conftest import tiny_llama
+from conftest import tiny_llama, weight_bytes
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
 
@@ -40,6 +40,12 @@ def mlp_stack(blocks: int = 6, width: int = 32) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
                                for _ in range(blocks)]
     return nn.Sequential(*layers, nn.Linear(width, 3))
+
+
+def _three_gpu_plan(model: nn.Module) -> automap.Plan:
+    """A plan over three hypothetical GPUs, none of which holds half the model."""
+    share = int(weight_bytes(model) * 0.45)
+    return automap.plan(model, max_memory={0: share, 1: share, 2: share}, example_inputs=(torch.zeros(1, 32),))
 
 
 def _toy_plan(model: nn.Module) -> automap.Plan:
@@ -80,7 +86,7 @@ def test_toy_model_is_transparent(chunks, batch):
 def test_batchnorm_free_stack_is_transparent(chunks, batch):
     model = mlp_stack()
     x = torch.randn(batch, 32)
-    plan = automap.plan(model, max_memory={0: "12KB", 1: "12KB", 2: "12KB"}, example_inputs=(x,))
+    plan = _three_gpu_plan(model)
     assert len(plan_stages(plan)) == 3, plan.report()
     _assert_transparent(model, plan, x, chunks)
 
@@ -103,7 +109,9 @@ def test_vision_transformer_is_transparent():
 def test_llama_keyword_inputs_and_model_output():
     model = tiny_llama(layers=4)
     ids = torch.randint(0, 256, (5, 9))
-    plan = automap.plan(model, max_memory={0: "400KB", 1: "400KB"})
+    first = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1"]
+    plan = automap.plan(model, {**dict.fromkeys(first, 0), **dict.fromkeys(
+        ["model.layers.2", "model.layers.3", "model.norm", "lm_head"], 1)})
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
         pipe = automap.pipeline(model, plan, chunks=3, devices=ON_CPU)
@@ -205,7 +213,7 @@ def test_auto_chunks_is_the_argmin_of_the_cost_model():
 def test_auto_chunks_pipeline_is_transparent():
     model = mlp_stack()
     x = torch.randn(12, 32)
-    plan = automap.plan(model, max_memory={0: "12KB", 1: "12KB", 2: "12KB"}, example_inputs=(x[:1],))
+    plan = _three_gpu_plan(model)
     with torch.no_grad():
         expected = model(x)
         pipe = automap.pipeline(model, plan, chunks="auto", devices=ON_CPU)
