@@ -157,6 +157,15 @@ def test_llama_attention_flops_and_residual_cut():
     assert layer.dtype_bytes == {"float32": layer.param_bytes * 2}
 
 
+def test_llama_with_attention_mask_profiles_on_meta():
+    model = tiny_llama(layers=1)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plain = automap.profile(model, {"input_ids": ids}, backward=False)
+    masked = automap.profile(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, backward=False)
+    assert masked.total_flops == plain.total_flops > 0  # `if mask.all():` is answered yes on meta
+    assert masked.total_train_flops == 0  # not measured without a backward, never guessed
+
+
 def test_llama_residual_skips_sublayer_units():
     model = tiny_llama(layers=2)
     batch, seq, hidden = 1, 24, 64

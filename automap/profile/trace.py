@@ -118,6 +118,7 @@ class Tracer(TorchDispatchMode):
         self._has_decomposition: dict[Any, bool] = {}
         self.memo = MemoTable()
         self.fused = 0
+        self._assumed = False
 
     # ------------------------------------------------------------------ dispatch
 
@@ -125,6 +126,8 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._probing:
             return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return self._truth(args[0])
         formula = flop_registry.get(func._overloadpacket)
         if formula is None and self._decomposes(func):
             # As FlopCounterMode does: an op without a formula is counted through its decomposition.
@@ -139,6 +142,23 @@ class Tracer(TorchDispatchMode):
         else:
             self._forward_op(func, args, kwargs, out, flops)
         return out
+
+    def _truth(self, t: torch.Tensor) -> bool:
+        """A yes/no question about values meta tensors lack (``if mask.all():``) is answered
+        yes, the common case (no padding, not packed); any other value cannot be made up.
+
+        Raises:
+            RuntimeError: the model reads a number from a tensor.
+        """
+        if t.dtype != torch.bool:
+            raise RuntimeError(
+                f"the model reads a {t.dtype} value from a tensor (Tensor.item() or int(tensor)); meta "
+                "tensors have no values. Pass example inputs that avoid value-dependent code (e.g. no "
+                "attention_mask), or profile with units timed by measure=True on a real device")
+        if not self._assumed:
+            log.info("the model branches on a tensor's value; on meta it is taken as True")
+            self._assumed = True
+        return True
 
     def _decomposes(self, func: Any) -> bool:
         found = self._has_decomposition.get(func)
