@@ -68,15 +68,15 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.tensors.values())
 
-    def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` on CPU in its stored dtype, in memory of its own."""
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor ``key`` on CPU in ``dtype`` (default: as stored), in memory of its own."""
         stored = self.tensors[key]
         if not stored.is_safetensors:
-            return self._pickled[stored.file][key].clone()
+            return self._pickled[stored.file][key].to(dtype or stored.dtype, copy=True)
         out = torch.empty(stored.shape, dtype=stored.dtype)
         if stored.nbytes:
             self._read_into(stored, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-        return out
+        return out.to(dtype or stored.dtype)
 
     def _read_into(self, stored: Stored, view: memoryview) -> None:
         handle = self._handles.get(stored.file)
@@ -199,6 +199,9 @@ def _safetensors_entries(file: Path) -> dict[str, Stored]:
 
 
 def _entry(file: Path, start: int, key: str, info: Any) -> Stored:
+    if isinstance(info, dict) and info.get("dtype") not in DTYPES:
+        raise CheckpointError(f"{file}: tensor {key!r} has dtype {info.get('dtype')!r}, which automap cannot read "
+                              f"(it reads {', '.join(DTYPES)}); convert the checkpoint to one of those")
     try:
         dtype = DTYPES[info["dtype"]]
         shape = tuple(int(d) for d in info["shape"])

@@ -118,7 +118,7 @@ class _Progress:
 
 def _fetch(task: Task, checkpoint: Checkpoint) -> torch.Tensor:
     if task.key is not None:
-        return checkpoint.read(task.key).to(task.dtype)
+        return checkpoint.read(task.key, task.dtype)
     if task.tensor.device.type == "meta":
         raise CheckpointError(
             f"buffer {task.name!r} is not in the checkpoint and has no value (it is on meta); build the model "
