@@ -152,8 +152,8 @@ class Plan:
 
     def summary(self) -> tuple[DeviceSummary, ...]:
         """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
-        streaming of offloaded weights, plus the transfers into it). Activations of offloaded
-        units count on the execution device, where they run."""
+        streaming of offloaded weights, plus the transfers into it). Activations count on
+        accelerators, those of offloaded units on the execution device, where they run."""
         total_flops = sum(u.flops for u in self.units) or 1
         incoming: dict[str, float] = {}
         for cut in self.cuts():
@@ -173,7 +173,8 @@ class Plan:
             if self.is_offloaded(device.name):
                 seconds += self.link_seconds(weights, device.name, compute.name)
             seconds += incoming.get(device.name, 0.0) if units else 0.0
-            activations = 0 if self.is_offloaded(device.name) else peak.get(device.name, 0)
+            # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
+            activations = peak.get(device.name, 0) if device.is_accelerator else 0
             rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
                                       reserves.get(device.name, 0), flops, flops / total_flops, seconds))
         return tuple(rows)

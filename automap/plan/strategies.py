@@ -193,6 +193,10 @@ def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: 
     if not compute:
         raise PlanError(f"nothing can run the model: the plan's devices are {[d.name for d in devices]}; "
                         "add CPU memory (max_memory={'cpu': '16GiB', ...}) or a GPU")
+    if not compute[0].is_accelerator:
+        # A CPU budget bounds the weights kept in RAM, as accelerate reads max_memory["cpu"];
+        # activations are reserved where running out is fatal: on accelerators.
+        chain = Chain(chain.work, chain.weight, [0] * len(chain), chain.cut)
     rooms = [_room(d, reserve) for d in compute]
     _, end = fill(chain, rooms)
     if end == len(chain):
@@ -308,18 +312,20 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
     runners = [d for d in devices if d.kind != "disk"]
     if not runners:
         return
-    best = max(runners, key=lambda d: (_room(d, reserve), -d.sort_key()[0]))
-    room = _room(best, reserve)
     for members, weight, act in zip(items.members, items.chain.weight, items.chain.activation):
-        if weight + act > room:
-            names = [profile.units[i].name or "<model>" for i in members]
-            what = f"unit {names[0]!r}" + (f" (tied to {names[1:]})" if len(names) > 1 else "")
-            raise PlanError(
-                f"{what} needs {format_bytes(weight + act)} ({format_bytes(weight)} of weights + "
-                f"{format_bytes(act)} of activations) but the largest device that can run it, {best.name}, "
-                f"has {format_bytes(room)}; raise max_memory for one device, use a smaller batch or dtype, "
-                "or let automap split it (no_split without its class)"
-            )
+        needs = {d.name: weight + (act if d.is_accelerator else 0) for d in runners}
+        if any(needs[d.name] <= _room(d, reserve) for d in runners):
+            continue
+        best = max(runners, key=lambda d: (_room(d, reserve) - needs[d.name], -d.sort_key()[0]))
+        names = [profile.units[i].name or "<model>" for i in members]
+        what = f"unit {names[0]!r}" + (f" (tied to {names[1:]})" if len(names) > 1 else "")
+        detail = (f" ({format_bytes(weight)} of weights + {format_bytes(act)} of activations)"
+                  if best.is_accelerator else "")
+        raise PlanError(
+            f"{what} needs {format_bytes(needs[best.name])}{detail} but the largest device that can run it, "
+            f"{best.name}, has {format_bytes(_room(best, reserve))}; raise max_memory for one device, use a "
+            "smaller batch or dtype, or let automap split it (no_split without its class)"
+        )
 
 
 def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
