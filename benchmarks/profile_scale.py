@@ -1,6 +1,8 @@
 """Profile a Llama-2-70B-shaped model (hidden 8192, 80 layers, GQA 8, bf16) built on meta.
 
-Target: 2,048 tokens profile in < 5 s and < 1.5 GiB peak RSS, in a fresh process. Each run is
+Target: 2,048 tokens profile in < 5 s and < 1.5 GiB peak RSS, in a fresh process. Settings:
+``train`` (the default profile: forward + backward), ``forward`` (``backward=False``) and, for
+context, ``flopcounter`` (plain ``FlopCounterMode`` forward + backward, no attribution). Each run is
 a fresh interpreter (``memwatch.run_fresh``) so imports and earlier work do not blur the
 memory figures; the report gives medians over runs, as JSON on the last stdout line.
 
@@ -52,6 +54,22 @@ def one_run(tokens: int, backward: bool) -> dict[str, Any]:
     }
 
 
+def baseline_run(tokens: int) -> dict[str, Any]:
+    """For context: plain ``FlopCounterMode`` forward + backward of the same model on meta."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    with MemWatch() as watch, FlopCounterMode(display=False) as counter:
+        start = time.perf_counter()
+        model(input_ids=ids).logits.sum().backward()
+        seconds = time.perf_counter() - start
+    return {"profile_seconds": seconds, "train_flops": counter.get_total_flops(), **watch.result()}
+
+
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -61,15 +79,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per setting")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
-    parser.add_argument("--child", choices=["train", "forward"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["train", "forward", "flopcounter"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = one_run(args.tokens, backward=args.child == "train")
+        if args.child == "flopcounter":
+            result = baseline_run(args.tokens)
+        else:
+            result = one_run(args.tokens, backward=args.child == "train")
         print(json.dumps(result))
         return result
     report: dict[str, Any] = {"model": "Llama-2-70B shape " + json.dumps(SHAPE), "dtype": "bfloat16",
                               "tokens": args.tokens, "runs": args.runs, "python": sys.version.split()[0]}
-    for setting in ("train", "forward"):
+    for setting in ("train", "forward", "flopcounter"):
         runs = [run_fresh("benchmarks.profile_scale", "--child", setting, "--tokens", str(args.tokens))
                 for _ in range(args.runs)]
         report[setting] = {"median": median_of(runs), "profile_seconds_all": [r["profile_seconds"] for r in runs]}
