@@ -225,6 +225,34 @@ def test_repeated_and_uncalled_units_are_reported(caplog):
     assert "unused" in caplog.text
 
 
+def test_a_module_under_two_names_is_one_unit_with_an_alias():
+    model = Reused()
+    model.again = model.block  # the same object, registered twice
+    prof = automap.profile(model, (torch.zeros(4, 8),))
+    unit = {u.name: u for u in prof.units}
+    assert "again" not in unit and unit["block"].aliases == ("again",) and unit["block"].calls == 2
+    assert_every_tensor_owned_once(model, prof)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_activation_peak_is_what_is_alive_at_once(backward):
+    model = nn.Sequential(MLP(), MLP())
+    prof = automap.profile(model, (torch.zeros(4, 64),), no_split=["MLP"], backward=backward)
+    first = prof.units[0]
+    assert (first.input_bytes, first.output_bytes) == (4 * 64 * 4, 4 * 64 * 4)
+    # input + fc1's output and gelu's output alive together; saved-for-backward tensors do not count
+    assert first.peak_activation_bytes == 4 * 64 * 4 + 2 * (4 * 256 * 4)
+
+
 def test_no_derivable_inputs_profiles_bytes_and_warns():
     model = nn.Sequential(nn.LayerNorm(16), nn.LayerNorm(16))
     assert default_example_inputs(model) == (None, "")

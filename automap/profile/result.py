@@ -33,8 +33,8 @@ class Unit:
         peak_activation_bytes: inputs plus the most bytes allocated inside the unit and alive
             at once, as in an inference forward (largest call).
         calls: how many times the traced forward called it (0: never).
-        aliases: other names of the same module object (T5's ``encoder.embed_tokens`` is
-            ``shared``); device maps must list them too.
+        aliases: other names of the same module object (a block registered twice, as
+            ``model.head`` and ``model.tail``); device maps must list them too.
         dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
         input_bytes: bytes of the tensors passed to the unit (largest call).
         seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).

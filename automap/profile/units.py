@@ -44,7 +44,7 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
     A unit is a module of a ``no_split`` class (default: the model's ``_no_split_modules``),
     a block of a ``Sequential``/``ModuleList`` stack, or a leaf module that holds tensors;
     whatever is inside a unit is never split across devices. A module reachable under several
-    names (T5's ``shared`` and ``encoder.embed_tokens``) is one unit, under its first name.
+    names (a block registered twice) is one unit, under its first name; see :func:`unit_aliases`.
 
     Args:
         model: the model.
