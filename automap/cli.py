@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Any, NoReturn, Sequence
@@ -115,12 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("automap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `automap plan ... | head`: the reader left; stay quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _plan(args: argparse.Namespace) -> int:
     from automap.report import check_figure_path, check_json_path, figure, write_json
     from automap.specs import parse_dtype, parse_max_memory_arg, parse_overrides, plan_spec
-    from automap.units import format_bytes
 
     if args.json:
         check_json_path(args.json)  # fail before minutes of work, not after
@@ -132,12 +135,8 @@ def _plan(args: argparse.Namespace) -> int:
         max_memory=parse_max_memory_arg(args.max_memory) if args.max_memory else None,
         strategy=args.strategy, batch=args.batch, seq_len=args.seq_len,
         dtype=parse_dtype(args.dtype) if args.dtype else None)
-    seconds = time.perf_counter() - start
-    dtype = str(result.dtype).removeprefix("torch.") if result.dtype else "as built"
-    weights = sum(u.weight_bytes for u in result.plan.units)
     if not args.quiet:
-        print(f"{result.built.label}: {result.built.parameters / 1e9:.2f} B parameters, {format_bytes(weights)} "
-              f"at {dtype}; planned on meta in {seconds:.1f} s\n")
+        print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())
     if args.json:
         print(f"wrote {write_json(result.plan, args.json)}")

@@ -281,6 +281,23 @@ class SpecPlan:
     plan: Any
     dtype: torch.dtype | None
 
+    def headline(self, seconds: float) -> str:
+        """``'LlamaForCausalLM (hf:llama): 68.98B parameters, 128.48 GiB at bfloat16; planned ...'``."""
+        from automap.units import format_bytes
+
+        dtype = self.dtype or next((p.dtype for p in self.built.model.parameters() if p.is_floating_point()),
+                                   torch.float32)
+        weights = sum(u.weight_bytes for u in self.plan.units)
+        return (f"{self.built.label}: {_count(self.built.parameters)} parameters, {format_bytes(weights)} at "
+                f"{str(dtype).removeprefix('torch.')}; planned on meta in {seconds:.1f} s")
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
 
 def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
               max_memory: Mapping[int | str, Any] | None = None, strategy: str = "auto",
@@ -317,6 +334,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     built = build_model(spec, overrides)
     chosen_dtype = dtype or built.dtype
     inputs, how = example_inputs_for(built.model, batch, seq_len)
-    prof = profile(built.model, inputs, dtype=chosen_dtype)
+    # Plans are for inference: tracing a backward pass too would double the time for nothing.
+    prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False)
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
     return SpecPlan(built, plan(prof, strategy, max_memory), chosen_dtype)

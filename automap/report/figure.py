@@ -46,9 +46,12 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
     """
     target = check_figure_path(path)
     fmt = target.suffix.lower().lstrip(".")
+    import matplotlib
+
     fig = draw(plan, title=title)
     try:
-        fig.savefig(target, format=fmt, dpi=120, bbox_inches="tight")
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, small
+            fig.savefig(target, format=fmt, dpi=120, bbox_inches="tight")
     except OSError as exc:
         raise ReportError(f"cannot write the figure to {str(target)!r}: {exc.strerror or exc}; "
                           "choose a writable path") from exc
