@@ -82,15 +82,22 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
         )
         how = ""
     else:
-        args, kwargs = split_inputs(to_meta(example_inputs, dtype))
-        state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
-        trace = run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure)
+        trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
         log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
                  len(unit_names), trace.total_flops)
     prof = _assemble(model, unit_names, trace, dtype, how)
     if measure:
         prof = _with_timing(model, prof, trace, device, dtype, repeats)
     return prof
+
+
+def _trace(model: nn.Module, example_inputs: ExampleInputs, unit_names: Sequence[str], dtype: torch.dtype | None,
+           backward: bool, measure: bool) -> TraceResult:
+    # Meta copies made under a caller's inference_mode could not take part in a backward.
+    with torch.inference_mode(False):
+        args, kwargs = split_inputs(to_meta(example_inputs, dtype))
+        state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
+        return run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure)
 
 
 def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
