@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file, save_model
 
 import automap
-from automap.errors import CheckpointError, PlanError
+from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
 from automap.load.checkpoint import Checkpoint
 from conftest import tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
@@ -286,6 +286,33 @@ def test_failure_while_writing_leaves_nothing_in_offload_dir(tmp_path, monkeypat
         automap.load(_empty(real), tmp_path / "llama.safetensors", _alternate_map(real),
                      offload_dir=tmp_path / "off", dtype=torch.bfloat16, quiet=True)
     assert _files(tmp_path / "off") == ["keep.txt"]
+
+
+def test_failed_dispatch_leaves_the_skeleton_as_it_was(tmp_path, monkeypatch):
+    real = tiny_llama(layers=2)
+    save_model(real, str(tmp_path / "llama.safetensors"))
+    skeleton = _empty(real)
+    before = dict(skeleton.named_parameters(remove_duplicate=False)) | dict(skeleton.named_buffers())
+
+    def refuse(*args, **kwargs):
+        raise DispatchError("simulated dispatch failure")
+
+    monkeypatch.setattr(importlib.import_module("automap.load"), "dispatch_plan", refuse)
+    with pytest.raises(DispatchError, match="simulated"):
+        automap.load(skeleton, tmp_path / "llama.safetensors", _alternate_map(real), offload_dir=tmp_path / "off",
+                     quiet=True)
+    assert _files(tmp_path / "off") == []
+    after = dict(skeleton.named_parameters(remove_duplicate=False)) | dict(skeleton.named_buffers())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+
+
+def test_devices_missing_here_fail_before_reading(tmp_path, monkeypatch):
+    real = tiny_llama(layers=2)
+    save_model(real, str(tmp_path / "llama.safetensors"))
+    monkeypatch.setattr(Checkpoint, "read", lambda *a, **k: pytest.fail("nothing may be read"))
+    with pytest.raises(DeviceError, match="cuda:7"):
+        automap.load(_empty(real), tmp_path / "llama.safetensors", max_memory={"cuda:7": "1GB", "cpu": "1GB"},
+                     quiet=True)
 
 
 # ------------------------------------------------------------------ progress and interop

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from automap.api import DeviceMap, plan
-from automap.devices import MaxMemory
+from automap.devices import MaxMemory, check_present
 from automap.dispatch import dispatch_plan, state_of
 from automap.errors import CheckpointError, DispatchError
 from automap.load.checkpoint import Checkpoint, open_checkpoint
@@ -51,7 +51,8 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
         checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
             shards (with or without ``model.safetensors.index.json``).
-        device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`.
+        device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`; pass a
+            :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
         offload_dir: where offloaded tensors that need writing go (converted dtype, or a
             pickled source). Not needed when the source is safetensors in the target dtype.
         dtype: convert floating-point weights to this dtype on the way.
@@ -74,14 +75,20 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
     with open_checkpoint(checkpoint) as ckpt:
         match = match_keys(model, ckpt)
         chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                      dtype=dtype, offload_dir=offload_dir)
+                      dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir))
+        for device in chosen.used_devices:
+            check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
         with _clean_on_failure(offload_dir):
             loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)
             on_purpose = _offloaded_names(model, tasks)
-            install(model, loaded.fresh)
-            _verify(model, on_purpose)
-            dispatch_plan(model, chosen, store=loaded.store)
+            undo = install(model, loaded.fresh)
+            try:
+                _verify(model, on_purpose)
+                dispatch_plan(model, chosen, store=loaded.store)
+            except BaseException:
+                install(model, undo)  # the skeleton as it was: nothing half-loaded either
+                raise
     _log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
     return model
 
@@ -101,7 +108,7 @@ def _verify(model: nn.Module, on_purpose: set[str]) -> None:
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     return tensors
 

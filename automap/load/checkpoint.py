@@ -7,6 +7,7 @@ count against the process, no second copy. PyTorch pickles (``.bin``/``.pt``) ar
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -62,7 +63,7 @@ class Checkpoint:
         self.path = path
         self.tensors = dict(tensors)
         self._pickled = dict(pickled)
-        self._handles: dict[Path, BinaryIO] = {}
+        self._handles: dict[Path, io.FileIO] = {}
 
     @property
     def total_bytes(self) -> int:
@@ -75,13 +76,13 @@ class Checkpoint:
             return self._pickled[stored.file][key].to(dtype or stored.dtype, copy=True)
         out = torch.empty(stored.shape, dtype=stored.dtype)
         if stored.nbytes:
-            self._read_into(stored, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+            self._read_into(stored, memoryview(out.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         return out.to(dtype or stored.dtype)
 
     def _read_into(self, stored: Stored, view: memoryview) -> None:
         handle = self._handles.get(stored.file)
         if handle is None:
-            handle = self._handles[stored.file] = open(stored.file, "rb", buffering=0)
+            handle = self._handles[stored.file] = io.FileIO(stored.file, "rb")
         handle.seek(stored.offset)
         done = 0
         while done < len(view):

@@ -101,7 +101,7 @@ def _drop(names: list[str], patterns: Sequence[str] | None) -> list[str]:
 
 def _shape_mismatches(expected: Mapping[str, torch.Tensor], sources: Mapping[str, str],
                       checkpoint: Checkpoint) -> list[str]:
-    found = []
+    found: list[str] = []
     for name, key in sources.items():
         stored, model_shape = checkpoint.tensors[key].shape, tuple(expected[name].shape)
         if stored != model_shape and all(not f.startswith(f"'{key}'") for f in found):

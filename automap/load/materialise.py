@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class Loaded:
 
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
     """Every tensor of the model once, in execution order, with where it goes."""
-    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     execution = torch.device(plan.execution_device)
     tasks = []
@@ -155,8 +155,8 @@ def _build_store(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | o
         first = next(iter(to_write))
         raise CheckpointError(
             f"the plan offloads {len(to_write)} tensor(s) (first {first!r}) that must be written to disk "
-            "(converted dtype, or a .bin source) but no offload_dir was given; pass offload_dir='path', "
-            "or raise max_memory so that they fit in memory"
+            "(converted to another dtype, read from a pickle, or buffers computed at init) but no offload_dir "
+            "was given; pass offload_dir='path', or raise max_memory so that they fit in memory"
         )
     lazy = _ReadOnDemand(to_write, checkpoint, progress)
     return OffloadStore.write(offload_dir, lazy, {n: t.unit for n, t in to_write.items()}, references=references)
@@ -181,22 +181,30 @@ class _ReadOnDemand(Mapping[str, torch.Tensor]):
         return len(self.tasks)
 
 
-def install(model: nn.Module, fresh: Mapping[int, torch.Tensor]) -> None:
-    """Put the new tensors in place of the old, in every module that refers to them, so
-    that tied weights stay one object (``.data`` cannot move a tensor off meta)."""
+def install(model: nn.Module, fresh: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Put the new tensors in place of the old (by ``id``), in every module that refers to
+    them, so that tied weights stay one object (``.data`` cannot move a tensor off meta).
+
+    Returns:
+        The inverse mapping: ``install(model, undo)`` puts the old objects back.
+    """
     wrapped: dict[int, torch.Tensor] = {}
+    undo: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for key, old in table.items():
                 if old is None or id(old) not in fresh:
                     continue
                 if id(old) not in wrapped:
                     wrapped[id(old)] = _like(old, fresh[id(old)])
+                    undo[id(wrapped[id(old)])] = old
                 table[key] = wrapped[id(old)]
+    return undo
 
 
 def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    if not isinstance(old, nn.Parameter):
+    if not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
         return new
     cls = type(old) if type(old) is not nn.Parameter else nn.Parameter
     return cls(new, requires_grad=old.requires_grad and new.is_floating_point())
