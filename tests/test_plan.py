@@ -94,7 +94,7 @@ def instances(draw):
     return chain_profile(flops, weights, activations, cuts), gpus(capacities, speeds, links)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_balanced_bottleneck_equals_brute_force_optimum(instance):
     profile, devices = instance

@@ -129,7 +129,9 @@ class _Probe:
         n = self.n
         before = np.zeros(n + 1, dtype=bool)
         before[0] = True
-        best_link = np.full(n + 1, np.inf)
+        # Fastest link from a slot that ends at each position (inf at 0: the input is no cut).
+        best_link = np.zeros(n + 1)
+        best_link[0] = np.inf
         sweep = _Sweep([], [], [], False)
         for slot, memory in zip(self.slots, self.memory):
             link = np.minimum(best_link, slot.link)
