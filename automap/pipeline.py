@@ -208,20 +208,25 @@ class _Ticket:
 
 @dataclass(frozen=True)
 class _Modes:
-    """Thread-local autograd and autocast settings of the caller, replayed in each worker."""
+    """Thread-local settings of the caller, replayed in each worker: autograd and autocast
+    modes, and the intra-op thread count (OpenMP keeps it per thread, so a worker would
+    otherwise use the default, not what the caller set with ``torch.set_num_threads``)."""
 
     grad: bool
     inference: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    threads: int
 
     @staticmethod
     def capture() -> _Modes:
         kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         casts = tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds)
-        return _Modes(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), casts)
+        return _Modes(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), casts, torch.get_num_threads())
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode(self.inference))
             stack.enter_context(torch.set_grad_enabled(self.grad))
