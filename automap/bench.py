@@ -61,12 +61,12 @@ class BenchRow:
 
 
 DEFAULT_CASES = (
-    BenchCase("Llama-2-7B bf16, 2 x 6.5GiB", "hf:llama", _LLAMA_7B, {0: "6.5GiB", 1: "6.5GiB", "cpu": "64GiB"},
+    BenchCase("Llama-2-7B bf16, 2x6.5GiB", "hf:llama", _LLAMA_7B, {0: "6.5GiB", 1: "6.5GiB", "cpu": "64GiB"},
               torch.bfloat16),
-    BenchCase("Qwen2-1.5B bf16, 2 x 2GiB", "hf:qwen2", _QWEN2_1_5B, {0: "2GiB", 1: "2GiB", "cpu": "64GiB"},
+    BenchCase("Qwen2-1.5B bf16, 2x2GiB", "hf:qwen2", _QWEN2_1_5B, {0: "2GiB", 1: "2GiB", "cpu": "64GiB"},
               torch.bfloat16),
-    BenchCase("ViT-B/16 fp32, 2 x 200MB", "torchvision:vit_b_16", {}, {0: "200MB", 1: "200MB", "cpu": "1GB"}),
-    BenchCase("ResNet-50 fp32, 2 x 60MB", "torchvision:resnet50", {}, {0: "60MB", 1: "60MB", "cpu": "1GB"}),
+    BenchCase("ViT-B/16 fp32, 2x200MB", "torchvision:vit_b_16", {}, {0: "200MB", 1: "200MB", "cpu": "1GB"}),
+    BenchCase("ResNet-50 fp32, 2x60MB", "torchvision:resnet50", {}, {0: "60MB", 1: "60MB", "cpu": "1GB"}),
 )
 
 
@@ -136,18 +136,16 @@ def run_bench(cases: Sequence[BenchCase] | None = None) -> list[BenchRow]:
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """The rows as an 80-column table (bytes in GiB/MiB, shares in %, times predicted)."""
-    from automap.report import format_seconds
-
-    lines = [f"{'case':<27} {'tool':<10} {'weights per GPU':>22} {'spilled':>10} {'busiest':>7}",
-             f"{'':<27} {'':<10} {'':>22} {'to CPU':>10} {'GPU':>7}"]
+    """The rows as an 80-column table: weights per GPU, spill, busiest GPU's FLOPs share."""
+    lines = [f"{'case':<25} {'tool':<10} {'weights per GPU':>23} {'spilled':>10} {'busiest':>7}",
+             f"{'':<25} {'':<10} {'':>23} {'to CPU':>10} {'GPU':>7}"]
     for row in rows:
         per_gpu = " / ".join(format_bytes(b) for b in row.gpu_bytes) or "-"
-        lines.append(f"{row.case if row.tool == 'automap' else '':<27} {row.tool:<10} {per_gpu:>22} "
+        lines.append(f"{row.case if row.tool == 'automap' else '':<25} {row.tool:<10} {per_gpu:>23} "
                      f"{format_bytes(row.spill_bytes):>10} {100 * row.busiest_gpu_flops_share:>6.1f}%")
-    lines.append("")
-    lines.append("busiest GPU: its share of the model's FLOPs (offloaded units compute on the first GPU);")
-    lines.append("lower means better balanced. accelerate = get_balanced_memory + infer_auto_device_map.")
+    lines += ["", "busiest GPU: its share of the model's FLOPs (offloaded units count on the GPU that",
+              "runs them); lower is better balanced. accelerate: get_balanced_memory, then",
+              "infer_auto_device_map, as from_pretrained(device_map=\"auto\") does."]
     return "\n".join(lines)
 
 

@@ -51,7 +51,8 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         say(f"\n######## {label}: {format_bytes(size)} of fp32 weights")
         _show("plan for this machine", plan(model, example_inputs=inputs).report(), say)
-        hypothetical = {0: int(size * 0.3), 1: int(size * 0.3), "cpu": int(size * 0.25), "disk": "1TB"}
+        hypothetical: dict[int | str, int | str] = {0: int(size * 0.3), 1: int(size * 0.3),
+                                                    "cpu": int(size * 0.25), "disk": "1TB"}
         _show("plan for a hypothetical 2 GPU + CPU + disk machine (GPUs hold 30% each)",
               plan(model, max_memory=hypothetical, example_inputs=inputs).report(), say)
         with torch.no_grad():

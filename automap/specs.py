@@ -207,7 +207,7 @@ def _hf_config_file(path: Path) -> Any:
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecError(f"cannot read {str(path)!r} as a JSON config: {exc}") from None
     model_type = data.pop("model_type", None) if isinstance(data, dict) else None
-    if model_type not in transformers.CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
                         "a transformers config.json names its family in 'model_type'")
     return transformers.AutoConfig.for_model(model_type, **data)

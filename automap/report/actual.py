@@ -48,7 +48,7 @@ def placement(model: nn.Module) -> Plan:
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     return tensors
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from automap.plan import Plan
 
 FORMATS = ("png", "svg", "pdf")
-_ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#8C8C8C")
+_ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#CCB974")
 _KIND_COLOURS = {"cpu": "#DD8452", "disk": "#937860"}
 # Memory parts get neutral colours of their own so they are not read as devices.
 _MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "reserve": "#C44E52"}
@@ -81,11 +81,14 @@ def draw(plan: Plan, *, title: str | None = None) -> Any:
     facts = facts_of(plan)
     colours = device_colours(plan)
     rows = len(facts.rows)
-    fig = Figure(figsize=(12, 2.2 + 0.72 * rows), layout="constrained")
-    grid = fig.add_gridspec(2, 2, height_ratios=[0.5 * rows + 0.6, 1.0 + 0.22 * rows], width_ratios=[3, 2])
+    legend_rows = sum(1 for r in facts.rows if r.units)
+    heights = [0.5 * rows + 0.6, 1.3, 0.22 * legend_rows + 0.1]  # inches: bars, strip, legend
+    fig = Figure(figsize=(12, sum(heights) + 0.6), layout="constrained")
+    grid = fig.add_gridspec(3, 2, height_ratios=heights, width_ratios=[3, 2])
     _memory_panel(fig.add_subplot(grid[0, 0]), facts)
     _flops_panel(fig.add_subplot(grid[0, 1]), plan, facts, colours)
     _strip_panel(fig.add_subplot(grid[1, :]), plan, facts, colours)
+    _legend_panel(fig.add_subplot(grid[2, :]), plan, facts, colours)
     fig.suptitle(title or _title(plan, facts), fontsize=11)
     return fig
 
@@ -166,7 +169,6 @@ def _runs(placement: tuple[str, ...]) -> list[tuple[int, int, str]]:
 
 
 def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
-    from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
     n = len(plan.units)
@@ -186,10 +188,18 @@ def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> 
     ax.set_ylim(-0.32, 0.5)
     ax.set_yticks([])
     ax.set_xlabel(f"{n} units in execution order (black lines: cuts, labelled with the bytes crossing)")
+    ax.set_title("which units sit where", fontsize=10, loc="left")
+
+
+def _legend_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
+    """Which unit ranges each device holds, under the strip (the strip is too narrow for them)."""
+    from matplotlib.patches import Patch
+
     handles = [Patch(facecolor=colours[r.device.name], hatch="//" if plan.is_offloaded(r.device.name) else None,
                      label=_legend_label(plan, r.device.name, r.units)) for r in facts.rows if r.units]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8, frameon=False)
-    ax.set_title("which units sit where", fontsize=10, loc="left")
+    ax.axis("off")
+    if handles:
+        ax.legend(handles=handles, loc="upper center", fontsize=8, frameon=False, borderaxespad=0)
 
 
 def _cut_positions(plan: Plan, facts: Facts) -> list[tuple[int, int]]:
