@@ -258,7 +258,12 @@ class Pipeline(nn.Module):
         self._local = threading.local()
         self._call_lock = threading.Lock()
         self._auto: dict[tuple[int, int, bool], int] = {}
-        self._streams = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
+        # One compute stream per GPU, shared by every stage on it: work queued there runs in
+        # submission order, so a tensor one stage makes is ready when a later stage on the same
+        # GPU reads it, and its memory is never reused across streams; between GPUs the copy
+        # synchronises the two streams itself.
+        self._device_streams = {d: torch.cuda.Stream(d) for d in devices if d.type == "cuda"}
+        self._streams = [self._device_streams.get(d) for d in devices]
         modules = dict(module.named_modules())
         self._handles = [modules[name].register_forward_pre_hook(self._gate(stage.index), with_kwargs=True,
                                                                  prepend=True)
@@ -357,9 +362,7 @@ class Pipeline(nn.Module):
                     torch.cuda.set_stream(stream)
 
     def _sync_streams(self, into_stages: bool) -> None:
-        for device, stream in zip(self.devices, self._streams):
-            if stream is None:
-                continue
+        for device, stream in self._device_streams.items():
             caller = torch.cuda.current_stream(device)
             if into_stages:
                 stream.wait_stream(caller)  # the inputs were made on the caller's stream
@@ -449,12 +452,19 @@ def _resolve_plan(model: nn.Module, plan: Plan | None, devices: Mapping[str, Any
 def _real_devices(plan: Plan, stages: tuple[Stage, ...],
                   devices: Mapping[str, str | torch.device] | None) -> tuple[torch.device, ...]:
     if devices is None:
-        return tuple(torch.device(s.device) for s in stages)
+        return tuple(_indexed(torch.device(s.device)) for s in stages)
     missing = sorted({s.device for s in stages} - set(devices))
     if missing:
         raise PipelineError(f"devices={dict(devices)!r} does not say where to run the plan's {missing}; "
                             f"give a real device for each of {[s.device for s in stages]}")
-    return tuple(torch.device(devices[s.device]) for s in stages)
+    return tuple(_indexed(torch.device(devices[s.device])) for s in stages)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current one), so that stages on one GPU compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _place_units(model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: tuple[torch.device, ...]) -> None:

@@ -52,23 +52,25 @@ def _toy_plan(model: nn.Module) -> automap.Plan:
     return automap.plan(model, {"net1": 0, "net2": 1})
 
 
-def _assert_transparent(model: nn.Module, plan: automap.Plan, x: torch.Tensor, chunks: int) -> None:
-    """Outputs, parameter gradients and input gradients of pipe(x) equal model(x)'s."""
+def _assert_transparent(model: nn.Module, plan: automap.Plan, x: torch.Tensor, chunks: int,
+                        devices: dict | None = None, **tolerance: float) -> None:
+    """Outputs, parameter gradients and input gradients of pipe(x) equal model(x)'s (the plain
+    model runs on CPU; ``devices`` maps the plan's devices to real ones, default all CPU)."""
     plain = copy.deepcopy(model)
     x_plain, x_pipe = x.clone().requires_grad_(), x.clone().requires_grad_()
     weights = torch.randn(plain(x).shape, generator=torch.Generator().manual_seed(3))
     expected = plain(x_plain)
     (expected * weights).sum().backward()
-    pipe = automap.pipeline(model, plan, chunks=chunks, devices=ON_CPU)
+    pipe = automap.pipeline(model, plan, chunks=chunks, devices=devices or ON_CPU)
     try:
         got = pipe(x_pipe)
-        (got * weights).sum().backward()
+        (got * weights.to(got.device)).sum().backward()
     finally:
         pipe.close()
-    torch.testing.assert_close(got, expected)
-    torch.testing.assert_close(x_pipe.grad, x_plain.grad)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance)
+    torch.testing.assert_close(x_pipe.grad, x_plain.grad, **tolerance)
     for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad.cpu(), q.grad, **tolerance, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("batch", [8, 13])
@@ -132,6 +134,40 @@ def test_dispatched_model_pipelines_with_its_own_plan():
         got = pipe(x)
     assert not got.requires_grad, "no_grad in the caller must hold in the workers"
     torch.testing.assert_close(got, expected)
+    pipe.close()
+    automap.undispatch(model)
+
+
+# Kernels pick other algorithms for other batch sizes on GPUs: float32 rounding, no more.
+GPU_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunks", [1, 4, 7])
+def test_one_gpu_and_cpu_stages_are_transparent(chunks):
+    model = mlp_stack()
+    plan = _three_gpu_plan(model)
+    _assert_transparent(model, plan, torch.randn(13, 32), chunks,
+                        {"cuda:0": "cuda:0", "cuda:1": "cpu", "cuda:2": "cuda:0"}, **GPU_TOLERANCE)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("chunks", [1, 2, 7])
+def test_dispatched_on_two_gpus_is_transparent(chunks):
+    model = mlp_stack()
+    x = torch.randn(13, 32)
+    plain = copy.deepcopy(model)
+    expected = plain(x)
+    expected.sum().backward()
+    share = int(weight_bytes(model) * 0.6)
+    automap.dispatch(model, max_memory={0: share, 1: share}, example_inputs=(torch.zeros(1, 32),))
+    pipe = automap.pipeline(model, chunks=chunks)
+    assert [str(d) for d in pipe.devices] == ["cuda:0", "cuda:1"]
+    got = pipe(x)
+    got.sum().backward()
+    torch.testing.assert_close(got.cpu(), expected, **GPU_TOLERANCE)
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, **GPU_TOLERANCE, msg=lambda m: f"{name}: {m}")
     pipe.close()
     automap.undispatch(model)
 
