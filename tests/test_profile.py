@@ -55,6 +55,20 @@ def snapshot(model: nn.Module) -> dict:
     }
 
 
+def assert_cuts_add_up_over_edges(prof: automap.Profile) -> None:
+    """Summing edge bytes over the edges a cut crosses (as a planner does) gives cut_bytes."""
+    position = {u.name: i for i, u in enumerate(prof.units)}
+    for cut in range(len(prof.units)):
+        crossing = sum(data["bytes"] for a, b, data in prof.graph.edges(data=True)
+                       if position.get(a, -1) < cut <= position.get(b, -1))
+        assert crossing == prof.cut_bytes(cut), (cut, prof.units[cut].name)
+
+
+def read_by(prof: automap.Profile, src: str) -> set[str]:
+    """Units that read a tensor ``src`` produced (true producer, not relays)."""
+    return {f.dst for f in prof.flows if f.src == src}
+
+
 def flops_close(a: int, b: int) -> bool:
     return abs(a - b) <= 0.01 * b
 
@@ -94,6 +108,8 @@ def test_resnet50_cuts_carry_skip_tensors(resnet50):
     main_path = 2 * 64 * 32 * 32 * 4  # relu(bn1(conv1(x))) of layer1.1
     assert fine.cut_bytes(fine.index("layer1.1.conv2")) == main_path + block_out
     assert fine.graph.has_edge("layer1.0.downsample.1", "layer1.1.conv1")
+    assert_cuts_add_up_over_edges(prof)
+    assert_cuts_add_up_over_edges(fine)
 
 
 # -------------------------------------------------------------------------------- ViT
@@ -116,6 +132,7 @@ def test_vit_b16_loose_tensors_and_attention_flops():
     tokens, width = 197, 768
     linear = 2 * tokens * (4 * width * width + 2 * width * 3072)
     assert layer.flops == linear + 4 * tokens * tokens * width  # q@k and attn@v, all heads
+    assert_cuts_add_up_over_edges(prof)
 
 
 # ------------------------------------------------------------------------------ GPT-2
@@ -129,6 +146,9 @@ def test_gpt2_tied_head_counted_once_and_reported():
     unit = {u.name: u for u in prof.units}
     assert "transformer.wte.weight" in unit["transformer.wte"].tensors
     assert unit["lm_head"].param_bytes == 0 and unit["lm_head"].flops == 2 * 2 * 16 * 64 * 256
+    # token embeddings (batch 2) and position embeddings (batch 1, broadcast) meet in h.0
+    assert prof.cut_bytes(prof.index("transformer.h.0")) == 2 * 16 * 64 * 4 + 16 * 64 * 4
+    assert_cuts_add_up_over_edges(prof)
     forward, train = reference_flops(model, kwargs={"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")})
     assert flops_close(prof.total_flops, forward) and flops_close(prof.total_train_flops, train)
 
@@ -152,7 +172,9 @@ def test_llama_attention_flops_and_residual_cut():
     stream = hidden * seq * batch * 2  # bf16 residual stream
     rotary = 2 * seq * head_dim * 2  # cos and sin (batch 1: positions broadcast), used by every layer
     assert prof.cut_bytes(prof.index("model.layers.1")) == stream + rotary
-    assert all(prof.graph.has_edge("model.rotary_emb", f"model.layers.{i}") for i in range(3))
+    assert {"model.layers.0", "model.layers.1", "model.layers.2"} <= read_by(prof, "model.rotary_emb")
+    assert prof.graph.edges["model.layers.0", "model.layers.1"]["bytes"] == stream + rotary  # cos/sin relayed
+    assert_cuts_add_up_over_edges(prof)
     assert layer.param_bytes == sum(p.numel() for p in model.model.layers[0].parameters()) * 2
     assert layer.dtype_bytes == {"float32": layer.param_bytes * 2}
 
@@ -175,6 +197,7 @@ def test_llama_residual_skips_sublayer_units():
     rotary = 2 * seq * 16 * 4
     # before layer 1's attention: its normalised input, the residual it skips, cos/sin
     assert prof.cut_bytes(prof.index("model.layers.1.self_attn")) == 2 * stream + rotary
+    assert_cuts_add_up_over_edges(prof)
 
 
 # --------------------------------------------------------------------------------- T5
@@ -189,8 +212,9 @@ def test_t5_encoder_states_reach_every_decoder_block():
     assert prof.uncalled == ("shared",)  # holds the tied embedding, never called itself
     assert_every_tensor_owned_once(model, prof)
     encoded = 20 * 64 * 4
-    for i in range(2):
-        assert prof.graph.edges["encoder.final_layer_norm", f"decoder.block.{i}"]["bytes"] == encoded
+    assert {"decoder.block.0", "decoder.block.1"} <= read_by(prof, "encoder.final_layer_norm")
+    assert prof.graph.edges["encoder.final_layer_norm", "decoder.block.0"]["produced_bytes"] == encoded
+    assert_cuts_add_up_over_edges(prof)
     # between decoder blocks: decoder hidden, self-attention bias, cross bias... and encoder states
     assert prof.cut_bytes(names.index("decoder.block.1")) >= encoded + 10 * 64 * 4
     forward, train = reference_flops(model, kwargs={"input_ids": ids.to("meta"),

@@ -15,16 +15,17 @@ import logging
 import warnings
 from typing import Iterable, Mapping, Sequence
 
-import networkx as nx
 import torch
 from torch import nn
 
+from automap.errors import ProfileError
 from automap.profile.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
-from automap.profile.result import INPUT, OUTPUT, Flow, Profile, Unit, live_bytes
+from automap.profile.graph import build_graph
+from automap.profile.result import Flow, Profile, Unit
 from automap.profile.timing import calibrated_device, measure_units
 from automap.profile.trace import TraceResult, run_trace
 from automap.profile.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
-                                       tie_groups, unit_aliases)
+                                   tie_groups, unit_aliases)
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,16 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
 
     Raises:
         ProfileError: ``no_split`` names a class the model lacks, ``units`` names a module it
-            lacks, or the forward failed on the example inputs (the message names the unit).
+            lacks, ``measure`` comes without a ``device``, or the forward failed on the example
+            inputs (the message names the unit; the model's own error is its ``__cause__``).
 
     Example:
         >>> prof = automap.profile(torchvision.models.resnet50())
         >>> prof.units[0].name, prof.example
         ('conv1', 'image 1x3x224x224 (first conv)')
     """
+    if measure and device is None:
+        raise ProfileError("measure=True needs a device to time on; pass device='cuda:0' or device='cpu'")
     unit_names = find_units(model, no_split) if units is None else check_units(model, units)
     how = "given"
     if example_inputs is None:
@@ -127,7 +131,7 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         model_name=type(model).__name__,
         units=units,
         tie_groups=tuple(tie_groups(model)),
-        graph=_graph(units, trace.flows),
+        graph=build_graph(units, trace.flows),
         example=how,
         uncalled=tuple(uncalled) if trace.order else (),
         flows=tuple(trace.flows),
@@ -157,21 +161,6 @@ def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, t
         dtype_bytes=by_dtype,
         input_bytes=trace.input_bytes.get(name, 0),
     )
-
-
-def _graph(units: Sequence[Unit], flows: Sequence[Flow]) -> nx.DiGraph:
-    """Units as nodes (with position, FLOPs and bytes), flows summed per pair as edges."""
-    graph = nx.DiGraph()
-    graph.add_node(INPUT, position=-1)
-    for i, u in enumerate(units):
-        graph.add_node(u.name, position=i, flops=u.flops, weight_bytes=u.weight_bytes)
-    graph.add_node(OUTPUT, position=len(units))
-    pairs: dict[tuple[str, str], list[Flow]] = {}
-    for f in flows:
-        pairs.setdefault((f.src, f.dst), []).append(f)
-    for (src, dst), group in pairs.items():
-        graph.add_edge(src, dst, bytes=live_bytes(group), tensors=len({f.tensor for f in group}))
-    return graph
 
 
 def _with_timing(model: nn.Module, prof: Profile, trace: TraceResult, device: str | torch.device | None,
