@@ -77,7 +77,7 @@ class Entry:
 def checksum(tensor: torch.Tensor) -> int:
     """CRC-32 of the tensor's bytes (contiguous, on CPU)."""
     data = tensor.detach().cpu().contiguous()
-    return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
+    return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0  # type: ignore[arg-type]
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, dict]:

@@ -1,243 +1,22 @@
-"""Running a placed model: hooks that move inputs between devices and stream offloaded
-weights in just before their unit runs (the next one prefetched while it computes).
-
-The hook lifecycle follows accelerate's (attach / pre-forward / post-forward / detach) but goes
-through torch's own hook API, never patching ``module.forward``, and keeps every handle so that
-:func:`undispatch` removes them all. Weights move by swapping ``tensor.data``, so every
-``Parameter`` object (and every tie between them, and any optimizer holding them) survives.
-"""
+"""Placing a model as a plan says, hooking it, and undoing both (also on a failed dispatch)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from automap.devices import check_present
-from automap.errors import AutomapError, DispatchError, OffloadError
+from automap.dispatch.state import _STATES, DispatchState, _Group, _Streamed
+from automap.dispatch.streaming import _placeholder, _refuse_grad, _reset_stale, _stream_in, _stream_out
+from automap.dispatch.values import _move_inputs, _move_outputs
+from automap.errors import AutomapError, DispatchError
 from automap.offload import Loader, OffloadStore
 from automap.plan import Plan
 from automap.profile import Unit
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Streamed:
-    """An offloaded tensor: the live object, its store name, and how many units hold it in."""
-
-    tensor: torch.Tensor
-    name: str
-    users: int = 0
-
-
-@dataclass(eq=False)
-class _Group:
-    """The offloaded tensors one unit needs (its own and tied ones owned elsewhere), and the
-    group expected to run after it (prefetched while this one computes)."""
-
-    key: str
-    where: str
-    items: list[_Streamed]
-    next: _Group | None = None
-    saving: Any = None  # the saved-tensor hooks active while the unit runs with grad enabled
-
-
-@dataclass
-class DispatchState:
-    """What :func:`undispatch` needs: the plan, hook handles, original devices, the store."""
-
-    plan: Plan
-    handles: list[RemovableHandle] = field(default_factory=list)
-    original: dict[int, tuple[torch.Tensor, torch.device]] = field(default_factory=dict)
-    store: OffloadStore | None = None
-    streamed: dict[int, _Streamed] = field(default_factory=dict)
-    host: dict[str, torch.Tensor] = field(default_factory=dict)
-    groups: list[_Group] = field(default_factory=list)
-    loader: Loader | None = None
-    # (table, key, meta tensor) for every meta tensor replaced by a placeholder: put back on rollback.
-    replaced: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
-    live: int = 0  # streamed tensors held in right now
-
-
-_STATES: "weakref.WeakKeyDictionary[nn.Module, DispatchState]" = weakref.WeakKeyDictionary()
-
-
-def state_of(model: nn.Module) -> DispatchState | None:
-    """The dispatch state of ``model``, or None when it is not dispatched."""
-    return _STATES.get(model)
-
-
-# ------------------------------------------------------------------ moving values
-
-
-def send(value: Any, device: torch.device) -> Any:
-    """Move every tensor inside ``value`` (tuples, lists, dicts, dataclasses, ModelOutput) to
-    ``device``; containers in which nothing moves come back as the same object. Other objects
-    (KV caches among them) pass through untouched: their parts live with the layer that owns
-    them, which is where each layer's hook sends its inputs."""
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device)
-    if isinstance(value, (list, tuple)):
-        moved = [send(v, device) for v in value]
-        if all(a is b for a, b in zip(moved, value)):
-            return value
-        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
-    if isinstance(value, dict):
-        pairs = {k: send(v, device) for k, v in value.items()}
-        if all(pairs[k] is v for k, v in value.items()):
-            return value
-        if isinstance(value, OrderedDict) and dataclasses.is_dataclass(value):  # transformers ModelOutput
-            return type(value)(**pairs)
-        return type(value)(pairs)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: send(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
-        if all(changes[k] is getattr(value, k) for k in changes):
-            return value
-        return dataclasses.replace(value, **changes)
-    return value
-
-
-def _move_inputs(device: torch.device) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        moved_args, moved_kwargs = send(args, device), send(kwargs, device)
-        if moved_args is args and moved_kwargs is kwargs:
-            return None
-        return moved_args, moved_kwargs
-    return hook
-
-
-def _move_outputs(device: torch.device) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return send(output, device)
-    return hook
-
-
-# ------------------------------------------------------------------ streaming
-
-
-def _placeholder(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """What an offloaded tensor holds between uses: no elements, so any use outside its unit
-    fails loudly with a shape error instead of computing with stale or zero weights. (``meta``
-    would be clearer but ``.data`` cannot switch a CPU tensor to meta.)"""
-    if device is None:
-        device = tensor.device if tensor.device.type != "meta" else torch.device("cpu")
-    return torch.empty(0, dtype=tensor.dtype, device=device)
-
-
-def _check_trainable(module: nn.Module, group: _Group) -> None:
-    if module.training and torch.is_grad_enabled() and any(i.tensor.requires_grad for i in group.items):
-        raise DispatchError(
-            f"unit {group.key!r} is offloaded ({group.where}) and its parameters require grad; automap does "
-            "not train offloaded units (their gradients would be lost). Keep it resident (raise max_memory), "
-            f"freeze it with model.get_submodule({group.key!r}).requires_grad_(False), or run it under "
-            "model.eval() / torch.no_grad()"
-        )
-
-
-def _stream_in(state: DispatchState, group: _Group) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> None:
-        assert state.loader is not None
-        _check_trainable(module, group)
-        # Weights read inside inference_mode would become inference tensors, which a normal
-        # Parameter cannot hold; reading outside it keeps the parameter usable afterwards.
-        with torch.inference_mode(False):
-            needed = [i for i in group.items if i.users == 0]
-            loaded = state.loader.take(group.key, [i.name for i in needed])
-            for item in needed:
-                item.tensor.data = loaded[item.name]
-        for item in group.items:
-            item.users += 1
-        state.live += len(group.items)
-        if torch.is_grad_enabled() and group.saving is None:
-            group.saving = torch.autograd.graph.saved_tensors_hooks(*_save_by_name(state, group))
-            group.saving.__enter__()
-        ahead = group.next
-        if ahead is not None and ahead is not group:
-            state.loader.prefetch(ahead.key, [i.name for i in ahead.items if i.users == 0])
-    return hook
-
-
-@dataclass(frozen=True)
-class _SavedWeight:
-    """What autograd keeps of an offloaded weight a unit used: its name and the view's layout,
-    not its data (which leaves when the unit ends). Backward reads it again from the store."""
-
-    name: str
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-
-def _save_by_name(state: DispatchState, group: _Group) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i.name for i in group.items if i.tensor.numel()}
-
-    def pack(tensor: torch.Tensor) -> Any:
-        name = loaded.get(tensor.data_ptr()) if tensor.numel() else None
-        return tensor if name is None else _SavedWeight(name, tensor.shape, tensor.stride())
-
-    def unpack(saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedWeight):
-            return saved
-        assert state.loader is not None
-        source = state.loader.take(f"{saved.name}@backward", [saved.name])[saved.name]
-        return source.as_strided(saved.shape, saved.stride, source.storage_offset())
-    return pack, unpack
-
-
-def _refuse_grad(name: str) -> Callable:
-    def hook(grad: torch.Tensor) -> None:
-        raise DispatchError(
-            f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
-            "weights. Freeze it (requires_grad_(False)) or keep its unit resident (raise max_memory)"
-        )
-    return hook
-
-
-def _release(item: _Streamed) -> None:
-    item.users = 0
-    item.tensor.data = _placeholder(item.tensor, item.tensor.device)
-
-
-def _end_saving(group: _Group) -> None:
-    if group.saving is not None:
-        group.saving.__exit__(None, None, None)
-        group.saving = None
-
-
-def _stream_out(state: DispatchState, group: _Group) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        _end_saving(group)
-        for item in group.items:
-            item.users -= 1
-            if item.users == 0:
-                _release(item)
-        state.live -= len(group.items)
-    return hook
-
-
-def _reset_stale(state: DispatchState) -> Callable:
-    """A forward that raised inside a unit never ran that unit's post-hook, leaving weights
-    held in; the next top-level forward releases them so memory stays within budget."""
-    def hook(module: nn.Module, args: tuple) -> None:
-        if state.live:
-            log.debug("releasing %d streamed tensor(s) left by an interrupted forward", state.live)
-            for group in reversed(state.groups):
-                _end_saving(group)
-            for item in state.streamed.values():
-                if item.users:
-                    _release(item)
-            state.live = 0
-    return hook
-
-
-# ------------------------------------------------------------------ dispatch
 
 
 def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
@@ -281,7 +60,7 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     return tensors
 
@@ -364,7 +143,7 @@ def _off_meta(model: nn.Module, state: DispatchState) -> None:
                     new = _placeholder(old)
                     fresh[id(old)] = nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new
                 state.replaced.append((table, key, old))
-                table[key] = fresh[id(old)]
+                table[key] = fresh[id(old)]  # type: ignore[assignment]
 
 
 def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str | torch.device | None,

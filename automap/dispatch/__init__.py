@@ -1,0 +1,17 @@
+"""Running a placed model: hooks that move inputs between devices and stream offloaded
+weights in just before their unit runs (the next one prefetched while it computes).
+
+The hook lifecycle follows accelerate's (attach / pre-forward / post-forward / detach) but goes
+through torch's own hook API, never patching ``module.forward``, and keeps every handle so that
+:func:`undispatch` removes them all. Weights move by swapping ``tensor.data``, so every
+``Parameter`` object (and every tie between them, and any optimizer holding them) survives.
+
+The package: :mod:`~automap.dispatch.place` (dispatch_plan, undispatch),
+:mod:`~automap.dispatch.streaming` (offloaded units' hooks), :mod:`~automap.dispatch.values`
+(moving nested inputs), :mod:`~automap.dispatch.state`.
+"""
+from automap.dispatch.place import dispatch_plan, undispatch
+from automap.dispatch.state import DispatchState, state_of
+from automap.dispatch.values import send
+
+__all__ = ["DispatchState", "dispatch_plan", "send", "state_of", "undispatch"]

@@ -1,0 +1,59 @@
+"""What a dispatched model carries: its plan, hook handles, original devices, streamed tensors."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from automap.offload import Loader, OffloadStore
+from automap.plan import Plan
+
+
+@dataclass(eq=False)
+class _Streamed:
+    """An offloaded tensor: the live object, its store name, and how many units hold it in."""
+
+    tensor: torch.Tensor
+    name: str
+    users: int = 0
+
+
+@dataclass(eq=False)
+class _Group:
+    """The offloaded tensors one unit needs (its own and tied ones owned elsewhere), and the
+    group expected to run after it (prefetched while this one computes)."""
+
+    key: str
+    where: str
+    items: list[_Streamed]
+    next: _Group | None = None
+    saving: Any = None  # the saved-tensor hooks active while the unit runs with grad enabled
+
+
+@dataclass
+class DispatchState:
+    """What :func:`undispatch` needs: the plan, hook handles, original devices, the store."""
+
+    plan: Plan
+    handles: list[RemovableHandle] = field(default_factory=list)
+    original: dict[int, tuple[torch.Tensor, torch.device]] = field(default_factory=dict)
+    store: OffloadStore | None = None
+    streamed: dict[int, _Streamed] = field(default_factory=dict)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    groups: list[_Group] = field(default_factory=list)
+    loader: Loader | None = None
+    # (table, key, meta tensor) for every meta tensor replaced by a placeholder: put back on rollback.
+    replaced: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    live: int = 0  # streamed tensors held in right now
+
+
+_STATES: "weakref.WeakKeyDictionary[nn.Module, DispatchState]" = weakref.WeakKeyDictionary()
+
+
+def state_of(model: nn.Module) -> DispatchState | None:
+    """The dispatch state of ``model``, or None when it is not dispatched."""
+    return _STATES.get(model)

@@ -1,0 +1,51 @@
+"""Moving the values that flow between units (tensors nested in containers) to a device."""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def send(value: Any, device: torch.device) -> Any:
+    """Move every tensor inside ``value`` (tuples, lists, dicts, dataclasses, ModelOutput) to
+    ``device``; containers in which nothing moves come back as the same object. Other objects
+    (KV caches among them) pass through untouched: their parts live with the layer that owns
+    them, which is where each layer's hook sends its inputs."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, (list, tuple)):
+        moved = [send(v, device) for v in value]
+        if all(a is b for a, b in zip(moved, value)):
+            return value
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
+    if isinstance(value, dict):
+        pairs = {k: send(v, device) for k, v in value.items()}
+        if all(pairs[k] is v for k, v in value.items()):
+            return value
+        if isinstance(value, OrderedDict) and dataclasses.is_dataclass(value):  # transformers ModelOutput
+            return type(value)(**pairs)
+        return type(value)(pairs)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: send(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+        if all(changes[k] is getattr(value, k) for k in changes):
+            return value
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def _move_inputs(device: torch.device) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        moved_args, moved_kwargs = send(args, device), send(kwargs, device)
+        if moved_args is args and moved_kwargs is kwargs:
+            return None
+        return moved_args, moved_kwargs
+    return hook
+
+
+def _move_outputs(device: torch.device) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return send(output, device)
+    return hook
