@@ -318,11 +318,16 @@ def test_measured_timing_and_calibration_on_cpu():
     assert rate is not None and math.isfinite(rate) and rate > 0
     spec = DeviceSpec("cpu", "cpu", 2**30, 1.0, 1.0)
     assert calibrated_device(spec, prof).flops_per_second == rate
+    timed = prof.with_measured_time()
+    assert timed.units[0].flops > 0 == prof.units[0].flops  # the embedding takes time, not FLOPs
+    assert timed.total_flops == pytest.approx(prof.total_flops, rel=0.01)
 
 
 def test_measure_without_device_is_refused():
     with pytest.raises(ProfileError, match="device="):
         automap.profile(tiny_llama(layers=1), measure=True)
+    with pytest.raises(ProfileError, match="measure=True"):
+        automap.profile(tiny_llama(layers=1)).with_measured_time()
 
 
 # ------------------------------------------------------------------------ bad input

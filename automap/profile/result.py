@@ -4,10 +4,12 @@ Plain frozen data, no torch: the planner reads these and never re-measures.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import networkx as nx
+
+from automap.errors import ProfileError
 
 INPUT = "<input>"
 OUTPUT = "<output>"
@@ -176,3 +178,37 @@ class Profile:
         seconds = sum(u.seconds for u in timed if u.seconds is not None)
         flops = sum(u.flops for u in timed)
         return flops / seconds if timed and flops > 0 else None
+
+    def with_measured_time(self) -> Profile:
+        """This profile with each timed unit's FLOPs replaced by its measured seconds times the
+        achieved FLOP/s, so a planner that balances FLOPs balances measured time instead.
+
+        Units that do no FLOPs but take time (norms, embeddings, memory-bound ops) get their
+        share; untimed units keep their FLOPs. ``train_flops`` scale by the unit's own
+        forward/training ratio (the model's, for a unit without FLOPs).
+
+        Returns:
+            A new :class:`Profile`; totals stay comparable to the FLOP-based one.
+
+        Raises:
+            ProfileError: the profile was not measured (``measure=True, device=...``).
+
+        Example:
+            >>> prof = automap.profile(model, measure=True, device="cuda:0")
+            >>> plan = automap.plan(prof.with_measured_time(), max_memory=...)
+        """
+        rate = self.achieved_flops_per_second
+        if rate is None:
+            raise ProfileError(f"profile of {self.model_name} has no measured units with FLOPs; "
+                               "profile it with measure=True, device=... and example inputs")
+        overall = self.total_train_flops / self.total_flops if self.total_flops else 0.0
+        units = tuple(u if u.seconds is None else _timed(u, rate, overall) for u in self.units)
+        return replace(self, units=units)
+
+
+def _timed(unit: Unit, rate: float, overall_train_ratio: float) -> Unit:
+    """``unit`` with measured work; a unit without FLOPs trains at the model's ratio."""
+    assert unit.seconds is not None
+    work = round(unit.seconds * rate)
+    ratio = unit.train_flops / unit.flops if unit.flops else overall_train_ratio
+    return replace(unit, flops=work, train_flops=round(work * ratio))
