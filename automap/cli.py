@@ -15,7 +15,7 @@ from typing import Any, NoReturn, Sequence
 from automap.errors import AutomapError, DeviceError, SizeError
 
 _PLAN_EXAMPLES = """\
-SPEC names the model; it is built on the meta device (no weights, nothing downloaded):
+SPEC names the model, built on the meta device (no weights, nothing downloaded):
   torchvision:resnet50        a torchvision model; --set gives its keyword arguments
   hf:llama                    a transformers family from its default config, with --set
                               overrides of config fields (hf:t5, hf:gpt2, hf:qwen2, ...)
@@ -69,8 +69,9 @@ def _parser() -> _Parser:
 def _add_plan(commands: Any) -> None:
     plan = commands.add_parser(
         "plan", help="plan a model (any size, on meta) and print/save the plan",
-        description="Build SPEC on the meta device, profile it at --batch x --seq-len and plan it for the "
-                    "devices in --max-memory. Prints the report; --json and --figure save the plan.",
+        description="Build SPEC on the meta device (no weights, nothing downloaded), profile it at\n"
+                    "--batch x --seq-len and plan it for the devices in --max-memory. Prints the\n"
+                    "report; --json and --figure save the plan.",
         epilog=_PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("spec", metavar="SPEC", help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, module:factory")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V,...",

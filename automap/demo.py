@@ -71,7 +71,7 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         diff = (got - expected).abs().max().item()
         same = diff <= 1e-6
         ok &= same
-        say(f"\nforward with part of the weights on disk: {seconds:.2f} s; max |dispatched - plain| = {diff:.1e} "
+        say(f"\nforward, part of the weights on disk: {seconds:.2f} s; max |dispatched - plain| {diff:.1e} "
             f"-> {'IDENTICAL' if same else 'DIFFERENT'}")
     say("\ndemo " + ("passed: dispatched outputs equal the plain model's" if ok else "FAILED"))
     return ok

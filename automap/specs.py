@@ -171,10 +171,13 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
     import transformers
 
-    config = _hf_config(name)
-    _check_config_keys(config, overrides, name)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    model_type, fields = _hf_config_source(name)
+    _check_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
+    try:
+        # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
+        config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
+    except Exception as exc:  # noqa: BLE001 - a config's own validation, reported in one line
+        raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):  # a config.json stores "bfloat16"
         dtype = getattr(torch, dtype, None)
@@ -182,7 +185,8 @@ def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torc
     return model, dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _hf_config(name: str) -> Any:
+def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
+    """The model_type and config fields a ``hf:`` SPEC names (a family, or a config file)."""
     import transformers
 
     path = Path(name)
@@ -194,10 +198,10 @@ def _hf_config(name: str) -> Any:
     if name not in families:
         raise SpecError(f"transformers has no model family {name!r}" + _did_you_mean(name, families) +
                         "; use a model_type such as llama, mistral, qwen2, gpt2, t5, or hf:/path/config.json")
-    return transformers.AutoConfig.for_model(name)
+    return name, {}
 
 
-def _hf_config_file(path: Path) -> Any:
+def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     import transformers
 
     try:
@@ -210,7 +214,7 @@ def _hf_config_file(path: Path) -> Any:
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
                         "a transformers config.json names its family in 'model_type'")
-    return transformers.AutoConfig.for_model(model_type, **data)
+    return model_type, data
 
 
 def _check_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> None:

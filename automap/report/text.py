@@ -70,7 +70,8 @@ def _header(plan: Plan, facts: Facts) -> str:
         how = "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)"
     else:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
-    title = "actual placement" if actual else f"plan ({plan.strategy})"
+    checked = sum(len(u.tensors) for u in plan.units)
+    title = f"actual placement ({checked} tensors checked)" if actual else f"plan ({plan.strategy})"
     line = (f"automap {title}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights, "
             f"execution on {plan.execution_device}; {how}")
     return "\n".join(_wrap(line))
