@@ -24,6 +24,7 @@ class TensorSpec:
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Tensors among a pytree's leaves."""
     leaves, _ = tree_flatten(tree)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
@@ -38,6 +39,7 @@ def op_tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage (the same Python object for every view of it), or None."""
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
@@ -85,7 +87,7 @@ class MemoTable:
 
 def _memo_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     """A hashable key of everything a meta op's result depends on, or None if unsure."""
-    parts: list[Any] = [func]
+    parts: list[Any] = [func, torch.get_default_dtype()]  # factory ops without a dtype use it
     try:
         for value in (*args, *sorted(kwargs.items())):
             parts.append(_arg_key(value))
@@ -109,7 +111,7 @@ def _arg_key(value: Any) -> Any:
         return tuple(_arg_key(v) for v in value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise _Uncacheable
-    return value
+    return type(value), value  # 1, 1.0 and True are equal keys but promote to different dtypes
 
 
 def _out_spec(out: Any) -> Any:
@@ -144,9 +146,12 @@ def arg_specs(tree: Any) -> Any:
 
 
 def pack_saved(t: torch.Tensor) -> tuple:
+    """Saved-for-backward tensor as its shape only: meta values are empty, and autograd then
+    keeps nothing alive that an inference forward would have freed."""
     return tuple(t.shape), t.stride(), t.dtype
 
 
 def unpack_saved(packed: tuple) -> torch.Tensor:
+    """A fresh meta tensor of the saved shape, for the backward."""
     shape, stride, dtype = packed
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
