@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import pickle
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -226,13 +225,18 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
     try:
         data = _torch_load(file)
     except pickle.UnpicklingError as exc:
+        reason = [line for line in str(exc).splitlines() if "GLOBAL" in line]
+        if not reason:
+            raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({str(exc)[:200]}); "
+                                  "save or copy it again") from exc
         raise CheckpointError(
-            f"refused to load {file}: its pickle needs code that torch.load(weights_only=True) will not run "
-            f"({str(exc).splitlines()[-1][:200]}). Loading it could execute arbitrary code; if you trust its "
-            "source, convert it to safetensors yourself and load that"
+            f"refused to load {file}: its pickle calls code that torch.load(weights_only=True) will not run "
+            f"({reason[0].strip()}); loading it could execute arbitrary code. If you trust its source, convert "
+            "it to safetensors yourself and load that"
         ) from exc
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({exc}); save or copy it again") from exc
+    except Exception as exc:  # noqa: BLE001 - any failure to parse the file means the same to the user
+        raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); save or copy it again") from exc
     if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
         data = data["state_dict"]  # Lightning and many training scripts wrap the weights
     if not isinstance(data, dict):
@@ -250,5 +254,6 @@ def _torch_load(file: Path) -> Any:
         if "mmap" not in str(exc):
             raise
     # Files from torch.save(_use_new_zipfile_serialization=False) cannot be memory-mapped.
+    data = torch.load(file, map_location="cpu", weights_only=True)
     log.warning("%s uses the legacy torch.save format, which cannot be memory-mapped: read whole", file)
-    return torch.load(file, map_location="cpu", weights_only=True)
+    return data
