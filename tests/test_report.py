@@ -73,6 +73,16 @@ def test_bytes_only_plan_says_so(spread_plan):
     assert "balanced by FLOPs at the given example inputs" in _flat(render_text(spread_plan))
 
 
+def test_tied_weights_split_by_a_user_map_are_warned_once():
+    model = tiny_llama(layers=2, tie=True)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                  "model.norm": 1, "lm_head": 1}
+    plan = automap.plan(model, device_map=device_map, max_memory={0: "1GB", 1: "1GB", "cpu": "1GB"})
+    assert _flat(render_text(plan)).count("tied weights split") == 1
+    splits = plan_dict(plan)["totals"]["tied_splits"]
+    assert len(splits) == 1 and "lm_head.weight on cuda:1" in splits[0]
+
+
 def test_json_round_trips_and_keeps_device_map(spread_plan, tmp_path):
     text = to_json(spread_plan)
     again = automap.Plan.from_json(text)

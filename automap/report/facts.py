@@ -109,7 +109,8 @@ def _device_holding(plan: Plan, tensor_name: str) -> str | None:
 def warnings_of(plan: Plan, facts: Facts | None = None) -> list[str]:
     """The plan's own warnings, then what the report notices: split ties, overfull devices."""
     notes = list(plan.warnings)
-    notes += [w for w in tie_splits(plan) if w not in notes]
+    if not any("tied weights split" in w for w in notes):  # the planner may already say it, with costs
+        notes += tie_splits(plan)
     for row in (facts or facts_of(plan)).rows:
         if row.used_bytes > row.device.capacity_bytes:
             notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
