@@ -148,42 +148,77 @@ def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], s
     return ranges
 
 
-def _offload_point(chain: Chain, rooms: Sequence[int]) -> tuple[int, int, int]:
+# Leading items that may be offloaded too, when the execution device cannot keep them beside
+# the streaming room (an embedding tied to the LM head): a few suffice, and each try is a pass.
+_MAX_OFFLOADED_HEAD = 4
+
+
+@dataclass(frozen=True)
+class _Offload:
+    """Items ``[0, head)`` and ``[point, n)`` are offloaded; ``[head, point)`` stay on the
+    computing devices from index ``first`` on, whose first keeps ``streamed`` bytes for the
+    largest offloaded item and ``peak`` activation bytes for the offloaded items' runs."""
+
+    head: int
+    first: int
+    point: int
+    streamed: int
+    peak: int
+
+
+def _offload_point(chain: Chain, rooms: Sequence[int], weights: int = 0, activations: int = 0) -> tuple[int, int, int]:
     """The longest prefix the computing devices hold while the first of them keeps room for
     the largest offloaded item's weights and activations (which, like its own units', run one
-    at a time). Returns (prefix end, weight room, activation floor); both only grow as the
-    prefix shrinks, so this settles in a few rounds."""
-    weights, activations = 0, 0
+    at a time), starting from at least ``weights``/``activations``. Returns (prefix end,
+    weight room, activation floor); both only grow as the prefix shrinks, so this settles in
+    a few rounds."""
     while True:
         _, end = fill(chain, [rooms[0] - weights, *rooms[1:]], floors=[activations])
         tail = range(end, len(chain))
-        need_w = max((chain.weight[i] for i in tail), default=0)
-        need_a = max((chain.activation[i] for i in tail), default=0)
-        if need_w + need_a <= weights + activations:
+        need_w = max([weights, *(chain.weight[i] for i in tail)])
+        need_a = max([activations, *(chain.activation[i] for i in tail)])
+        if need_w <= weights and need_a <= activations:
             return end, weights, activations
         weights, activations = need_w, need_a
 
 
-def _executor(chain: Chain, rooms: Sequence[int]) -> tuple[int, int, int, int] | None:
-    """Which computing device runs the offloaded units: the first that can hold the first
-    item besides the streaming room, keeping the longest prefix on the computing devices.
-    Returns (its index, prefix end, weight room, activation room), None when none can."""
-    best = None
-    for first in range(len(rooms)):
-        point, streamed, peak = _offload_point(chain, rooms[first:])
-        holds_first = fill(chain, [rooms[first] - streamed], floors=[peak])[1] > 0
-        if holds_first and (best is None or point > best[1]):
-            best = (first, point, streamed, peak)
+def _choose_offload(chain: Chain, rooms: Sequence[int]) -> _Offload | None:
+    """The offload that keeps the most bytes on the computing devices, trying each device as
+    the executor and a few leading items offloaded; None when no device can execute."""
+    best, kept_best = None, -1
+    for head in range(min(_MAX_OFFLOADED_HEAD, len(chain) - 1) + 1):
+        rest = _sub(chain, head, len(chain))
+        floor_w, floor_a = max(chain.weight[:head], default=0), max(chain.activation[:head], default=0)
+        for first in range(len(rooms)):
+            point, streamed, peak = _offload_point(rest, rooms[first:], floor_w, floor_a)
+            if fill(rest, [rooms[first] - streamed], floors=[peak])[1] == 0:
+                continue  # this device cannot hold its first item besides the streaming room
+            kept = sum(rest.weight[:point])
+            if kept > kept_best:
+                best, kept_best = _Offload(head, first, head + point, streamed, peak), kept
     return best
 
 
-def _offload_seconds(chain: Chain, spans: Sequence[tuple[DeviceSpec, Range]], executor: DeviceSpec) -> float:
+def _store(chain: Chain, items: Sequence[int], storage: Sequence[DeviceSpec],
+           reserve: Mapping[str, int]) -> dict[int, DeviceSpec] | None:
+    """Offloaded items to storage tiers in order (CPU RAM, then disk); None when they overflow."""
+    where: dict[int, DeviceSpec] = {}
+    tier, used = 0, 0
+    for i in items:
+        while tier < len(storage) and used + chain.weight[i] > _room(storage[tier], reserve):
+            tier, used = tier + 1, 0
+        if tier == len(storage):
+            return None
+        where[i], used = storage[tier], used + chain.weight[i]
+    return where
+
+
+def _offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: DeviceSpec) -> float:
     """Seconds the execution device spends running offloaded items: compute plus streaming."""
     total = 0.0
-    for store, (start, end) in spans:
+    for i, store in where.items():
         link = max(min(store.link_bytes_per_second, executor.link_bytes_per_second), 1.0)
-        total += sum(chain.work[start:end]) / max(executor.flops_per_second, 1.0)
-        total += sum(chain.weight[start:end]) / link
+        total += chain.work[i] / max(executor.flops_per_second, 1.0) + chain.weight[i] / link
     return total
 
 
@@ -206,27 +241,37 @@ def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: 
         return packed
     if sum(chain.weight) > sum(_room(d, reserve) for d in [*compute, *storage]):
         raise _does_not_fit(chain, compute, storage, reserve, 0)
-    chosen = _executor(chain, rooms)
+    chosen = _choose_offload(chain, rooms)
     if chosen is None:
         if not compute[0].is_accelerator or not any(d.kind == "cpu" for d in storage):
-            raise _does_not_fit(chain, compute, storage, reserve, max(chain.weight[1:], default=0),
-                                f"no computing device can hold the first unit ({format_bytes(chain.weight[0])}) "
-                                "and stream the largest offloaded one besides")
-        log.debug("the accelerators hold no unit; the CPU runs the model")
+            raise _does_not_fit(chain, compute, storage, reserve, max(chain.weight, default=0),
+                                "no computing device can hold a unit and stream the largest offloaded one besides")
+        log.debug("the accelerators cannot stream the offloaded units; the CPU runs the model")
         return layout(chain, [d for d in devices if not d.is_accelerator], strategy, reserve)
-    first, point, streamed, offloaded_peak = chosen
-    compute, rooms = compute[first:], rooms[first:]
-    spans, stored_end = fill(chain, [_room(d, reserve) for d in storage], point, with_activations=False)
-    if stored_end < len(chain):
-        raise _does_not_fit(chain, compute, storage, reserve, streamed)
-    base = _offload_seconds(chain, list(zip(storage, spans)), compute[0])
-    head = _stages(_sub(chain, 0, point), compute, [rooms[0] - streamed, *rooms[1:]], strategy, base,
-                   offloaded_peak, True)
-    placed = _assign(head + [s if s[1] > s[0] else None for s in spans], [*compute, *storage],
-                     len(chain), dict(reserve))
+    return _offloaded(chain, compute[chosen.first:], rooms[chosen.first:], storage, strategy, reserve, chosen)
+
+
+def _offloaded(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], storage: Sequence[DeviceSpec],
+               strategy: str, reserve: Mapping[str, int], chosen: _Offload) -> Layout:
+    """Place the offloaded items in storage and split the kept ones over the computing devices."""
+    n = len(chain)
+    where = _store(chain, [*range(chosen.head), *range(chosen.point, n)], storage, reserve)
+    if where is None:
+        raise _does_not_fit(chain, compute, storage, reserve, chosen.streamed)
+    base = _offload_seconds(chain, where, compute[0])
+    kept = _stages(_sub(chain, chosen.head, chosen.point), compute, [rooms[0] - chosen.streamed, *rooms[1:]],
+                   strategy, base, chosen.peak, True)
+    names = [""] * n
+    for i, store in where.items():
+        names[i] = store.name
+    for device, span in zip(compute, kept):
+        if span is not None:
+            for i in range(chosen.head + span[0], chosen.head + span[1]):
+                names[i] = device.name
+    reserves = dict(reserve)
     # The streamed weights are a reserve; the offloaded units' activations show as activations.
-    placed.reserves[compute[0].name] = placed.reserves.get(compute[0].name, 0) + streamed
-    return placed
+    reserves[compute[0].name] = reserves.get(compute[0].name, 0) + chosen.streamed
+    return Layout(tuple(names), reserves)
 
 
 def _pack(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int],
