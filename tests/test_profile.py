@@ -15,6 +15,7 @@ import automap
 from automap.devices import DeviceSpec
 from automap.errors import AutomapError, ProfileError
 from automap.profile import calibrated_device, default_example_inputs, find_units
+from automap.profile.metaops import MemoTable
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
 
 
@@ -220,6 +221,29 @@ def test_t5_encoder_states_reach_every_decoder_block():
     forward, train = reference_flops(model, kwargs={"input_ids": ids.to("meta"),
                                                     "decoder_input_ids": ids[:, :10].to("meta")})
     assert flops_close(prof.total_flops, forward) and flops_close(prof.total_train_flops, train)
+
+
+def resnet18_on_meta() -> nn.Module:
+    import torchvision
+
+    with torch.device("meta"):
+        return torchvision.models.resnet18()
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_t5, tiny_gpt2, resnet18_on_meta])
+def test_memoised_meta_ops_change_nothing(build, monkeypatch):
+    model = build()
+    if build is resnet18_on_meta:
+        inputs: tuple | dict = (torch.zeros(2, 3, 64, 64),)
+    else:
+        inputs = {"input_ids": torch.zeros(2, 12, dtype=torch.long)}
+        if build is tiny_t5:
+            inputs["decoder_input_ids"] = inputs["input_ids"]
+    fast = automap.profile(model, inputs)
+    monkeypatch.setattr(MemoTable, "_pure", lambda self, func: False)  # run every op for real
+    slow = automap.profile(model, inputs)
+    assert fast.units == slow.units
+    assert [fast.cut_bytes(i) for i in range(len(fast.units))] == [slow.cut_bytes(i) for i in range(len(slow.units))]
 
 
 # ------------------------------------------------------------------ calls and inputs

@@ -69,7 +69,9 @@ class MemoTable:
             return _rebuild(hit[0]), hit[1]
         out = func(*args, **kwargs)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
-        if key is not None:
+        if key is not None and _aliases_input(out, args, kwargs):
+            self._is_pure[func] = False  # an alias its schema does not declare (_unsafe_view)
+        elif key is not None:
             spec = _out_spec(out)
             if spec is not None:
                 self.results[key] = (spec, flops)
@@ -83,6 +85,11 @@ class MemoTable:
             pure = self._is_pure[func] = not func.is_view and all(
                 a.alias_info is None for a in (*schema.arguments, *schema.returns))
         return pure
+
+
+def _aliases_input(out: Any, args: tuple, kwargs: dict) -> bool:
+    inputs = {id(st) for st in map(storage_of, op_tensors(args, kwargs)) if st is not None}
+    return any(id(storage_of(t)) in inputs for t in op_tensors((out,), {}))
 
 
 def _memo_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
