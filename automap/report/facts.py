@@ -82,7 +82,7 @@ def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     notes = []
     if row.units and plan.is_offloaded(row.device.name):
         notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
-    if row.used_bytes > row.device.capacity_bytes:
+    if 0 < row.device.capacity_bytes < row.used_bytes:  # 0: unknown (a device only found, never budgeted)
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes
 
@@ -112,7 +112,7 @@ def warnings_of(plan: Plan, facts: Facts | None = None) -> list[str]:
     if not any("tied weights split" in w for w in notes):  # the planner may already say it, with costs
         notes += tie_splits(plan)
     for row in (facts or facts_of(plan)).rows:
-        if row.used_bytes > row.device.capacity_bytes:
+        if 0 < row.device.capacity_bytes < row.used_bytes:
             notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
                          f"{format_bytes(row.device.capacity_bytes)}")
     return notes

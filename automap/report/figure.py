@@ -12,7 +12,7 @@ from automap.report.text import unit_ranges
 from automap.units import format_bytes
 
 if TYPE_CHECKING:
-    from automap.plan import Plan
+    from automap.plan import DeviceSummary, Plan
 
 FORMATS = ("png", "svg", "pdf")
 _ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#CCB974")
@@ -117,29 +117,43 @@ def _device_axis(ax: Any, facts: Facts, with_capacity: bool) -> None:
     ax.set_axisbelow(True)
 
 
+_MAX_PERCENT = 150.0  # an overfull device's bar is cut here; its label keeps the true number
+
+
 def _memory_panel(ax: Any, facts: Facts) -> None:
+    from matplotlib.patches import Patch
+
     peak = 100.0
     for y, row in enumerate(facts.rows):
-        cap = row.device.capacity_bytes or 1
-        ax.barh(y, 100, color="none", edgecolor="#444444", linewidth=0.8, height=0.6)
-        left = 0.0
-        for part, nbytes in (("weights", row.weight_bytes), ("activations", row.activation_bytes),
-                             ("reserve", row.reserve_bytes)):
-            width = 100 * nbytes / cap
-            ax.barh(y, width, left=left, color=_MEMORY_COLOURS[part], height=0.6,
-                    label=part if y == 0 else None)
-            left += width
-        peak = max(peak, left)
-        ax.text(max(left, 100) + 1.5, y, f"{format_bytes(row.used_bytes)} ({100 * row.used_bytes / cap:.0f}%)",
-                va="center", fontsize=8)
-    ax.barh(0, 0, color="none", edgecolor="#444444", label="capacity")
-    ax.set_xlim(0, peak + 32)
-    ax.set_xticks([t for t in range(0, int(peak) + 1, 25)])
+        peak = max(peak, _memory_row(ax, y, row))
+    handles = [Patch(color=colour, label=part) for part, colour in _MEMORY_COLOURS.items()]
+    handles.append(Patch(facecolor="none", edgecolor="#444444", label="capacity"))
+    ax.set_xlim(0, min(peak, _MAX_PERCENT) + 32)
+    ax.set_xticks(range(0, int(min(peak, _MAX_PERCENT)) + 1, 25))
     ax.set_xlabel("memory used, % of each device's capacity (label: bytes used)")
-    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False,
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False,
               borderaxespad=0.1)
     _device_axis(ax, facts, with_capacity=True)
     ax.set_title("memory", fontsize=10, loc="left")
+
+
+def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
+    """Draw one device's weights / activations / reserve against its capacity; return the % used."""
+    cap = row.device.capacity_bytes
+    if cap <= 0:  # a device found in an actual placement that no plan budgeted
+        ax.text(1.5, y, f"{format_bytes(row.used_bytes)} (capacity unknown)", va="center", fontsize=8)
+        return 0.0
+    ax.barh(y, 100, color="none", edgecolor="#444444", linewidth=0.8, height=0.6)
+    left = 0.0
+    for part, nbytes in (("weights", row.weight_bytes), ("activations", row.activation_bytes),
+                         ("reserve", row.reserve_bytes)):
+        width = 100 * nbytes / cap
+        shown = max(0.0, min(left + width, _MAX_PERCENT) - left)
+        ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=_MEMORY_COLOURS[part], height=0.6)
+        left += width
+    ax.text(min(max(left, 100), _MAX_PERCENT) + 1.5, y, f"{format_bytes(row.used_bytes)} ({left:.0f}%)",
+            va="center", fontsize=8)
+    return left
 
 
 def _flops_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:

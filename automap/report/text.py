@@ -81,10 +81,11 @@ def _devices(plan: Plan, facts: Facts) -> str:
     lines = [_HEAD]
     for s in facts.rows:
         cap = s.device.capacity_bytes
-        pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"
+        pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"  # capacity 0: unknown (actual placement)
+        headroom = format_bytes(cap - s.used_bytes) if cap else "-"
         stage = format_seconds(s.stage_seconds) if s.units else "-"
         lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10} "
-                     f"{pct:>5} {format_bytes(cap - s.used_bytes):>10} {100 * s.flops_share:>5.1f}% {stage:>9}")
+                     f"{pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>9}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
         span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
