@@ -346,3 +346,32 @@ def test_offload_file_changed_after_writing_is_refused_until_restored(tmp_path):
     automap.undispatch(model)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
+
+
+# ------------------------------------------------------------------ moving nested inputs
+
+
+def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
+    import dataclasses
+    from collections import namedtuple
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from automap.dispatch import send
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        extra: dict
+
+    Pair = namedtuple("Pair", "a b")
+    cache = DynamicCache()
+    value = (Pair(torch.ones(2), [torch.zeros(1)]), {"batch": Batch(torch.ones(3), {"m": torch.ones(1)})},
+             BaseModelOutput(last_hidden_state=torch.ones(2, 2)), cache, 7)
+    moved = send(value, torch.device("meta"))
+    assert moved[0].a.is_meta and moved[0].b[0].is_meta and isinstance(moved[0], Pair)
+    assert moved[1]["batch"].x.is_meta and moved[1]["batch"].extra["m"].is_meta
+    assert isinstance(moved[2], BaseModelOutput) and moved[2].last_hidden_state.is_meta
+    assert moved[3] is cache and moved[4] == 7, "caches follow their layers; other objects pass through"
+    assert send(value, torch.device("cpu")) is value, "nothing to move: the same object, no rebuilding"
