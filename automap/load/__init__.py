@@ -53,9 +53,11 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
             shards (with or without ``model.safetensors.index.json``).
         device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`; pass a
             :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
-        offload_dir: where offloaded tensors that need writing go (converted dtype, or a
-            pickled source). Not needed when the source is safetensors in the target dtype.
-        dtype: convert floating-point weights to this dtype on the way.
+        offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
+            source, buffers computed at init in a unit on disk). Not needed when every offloaded
+            tensor comes from a safetensors checkpoint already in the target dtype.
+        dtype: convert floating-point weights and buffers to this dtype on the way, as
+            ``model.to(dtype)`` would.
         quiet: no progress bar (it only appears for loads longer than a second).
 
     Returns:
