@@ -15,9 +15,10 @@ What runs where:
   stages then share the machine's cores: this exercises the code and measures the pipeline's
   overhead; a speed-up here only means two worker threads used two cores.
 
-Each configuration trains one untimed batch first (allocator and cuDNN warm-up), then times
-``--repeats`` runs of ``--batches`` training steps with ``time.perf_counter`` (CUDA synchronised
-at the end of each run). The JSON has every run's seconds, mean, std, median; the PNG is the
+Each configuration has its own copy of the model and trains one untimed batch first (allocator
+and cuDNN warm-up); then ``--repeats`` rounds each time one run of ``--batches`` training steps
+per configuration, round-robin, with ``time.perf_counter`` (CUDA synchronised at the end of
+each run). The JSON has every run's seconds, mean, std, median; the PNG is the
 tutorial's bar chart with +-std error bars.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,57 +137,66 @@ def train(model: nn.Module, setup: Setup, first: torch.device, batches: int) -> 
             torch.cuda.synchronize(i)
 
 
-def measure(label: str, model: nn.Module, setup: Setup, first: torch.device, **extra: Any) -> dict[str, Any]:
-    train(model, setup, first, batches=1)
-    seconds = []
-    for _ in range(setup.repeats):
-        start = time.perf_counter()
-        train(model, setup, first, setup.batches)
-        seconds.append(time.perf_counter() - start)
-    row = {"label": label, **extra, "seconds": seconds, "mean": statistics.fmean(seconds),
-           "std": statistics.pstdev(seconds), "median": statistics.median(seconds)}
-    log.info("%-28s mean %.3f s  std %.3f  median %.3f", label, row["mean"], row["std"], row["median"])
-    return row
+@dataclass
+class Config:
+    """One bar of the chart: a model ready to train, and what to record about it."""
+
+    label: str
+    model: nn.Module
+    first: torch.device
+    extra: dict[str, Any]
+    seconds: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        s = self.seconds
+        return {"label": self.label, **self.extra, "seconds": s, "mean": statistics.fmean(s),
+                "std": statistics.pstdev(s), "median": statistics.median(s)}
 
 
-def run_pipelined(model: nn.Module, plan: Plan, setup: Setup, chunks: int | str, label: str,
-                  **extra: Any) -> dict[str, Any]:
+def configs(setup: Setup) -> tuple[list[Config], Plan]:
+    """Every configuration, each on its own copy of the model (pipelines cannot share one)."""
+    found = [Config(f"one device ({setup.single})", resnet50().to(setup.single), torch.device(setup.single),
+                    {"kind": "single"})]
+    plan = two_stage_plan(resnet50(), setup)
+    first = torch.device(setup.stages["cuda:0"])
     devices = None if setup.dispatch else setup.stages
-    pipe = automap.pipeline(model, plan, chunks=chunks, devices=devices)
-    try:
-        first = torch.device(setup.stages["cuda:0"])
-        row = measure(label, pipe, setup, first, chunks=chunks, **extra)
-        if chunks == "auto":
-            row["chunks"] = pipe.resolve_chunks((torch.zeros(setup.batch, 3, setup.image, setup.image),), {})
-            row["label"] = f"{label} ({row['chunks']})"
-        return row
-    finally:
-        pipe.close()
+    if setup.dispatch:
+        found.append(Config("automap model parallel", automap.dispatch(resnet50(), plan), first,
+                            {"kind": "model_parallel", "chunks": 1}))
+    else:
+        found.append(Config("automap model parallel", automap.pipeline(resnet50(), plan, chunks=1, devices=devices),
+                            first, {"kind": "model_parallel", "chunks": 1}))
+    for split in setup.split_sizes:
+        chunks = chunks_for_split_size(setup.batch, split)
+        model = automap.dispatch(resnet50(), plan) if setup.dispatch else resnet50()
+        found.append(Config(f"pipelined split {split}", automap.pipeline(model, plan, chunks=chunks, devices=devices),
+                            first, {"kind": "pipelined", "split_size": split, "chunks": chunks}))
+    model = automap.dispatch(resnet50(), plan) if setup.dispatch else resnet50()
+    auto = automap.pipeline(model, plan, chunks="auto", devices=devices)
+    chunks = auto.resolve_chunks((torch.zeros(setup.batch, 3, setup.image, setup.image),), {})
+    found.append(Config(f"pipelined auto ({chunks})", auto, first, {"kind": "auto", "chunks": chunks}))
+    return found, plan
 
 
 def run_all(setup: Setup) -> dict[str, Any]:
-    single = resnet50().to(setup.single)
-    rows = [measure(f"one device ({setup.single})", single, setup, torch.device(setup.single), kind="single")]
-    del single
-    model = resnet50()
-    plan = two_stage_plan(model, setup)
+    """Warm every configuration up, then time them round-robin: drifting load (other jobs,
+    clocks) then hits every configuration alike instead of the ones that happen to run late."""
+    found, plan = configs(setup)
     stages = [{"device": s.device, "runs_on": setup.stages[s.device], "units": list(s.units)}
               for s in plan_stages(plan)]
     log.info("plan: %s", "; ".join(f"{s['runs_on']}: {s['units'][0]}..{s['units'][-1]}" for s in stages))
-    if setup.dispatch:
-        automap.dispatch(model, plan)
-        rows.append(measure("automap model parallel", model, setup, torch.device("cuda:0"), kind="model_parallel",
-                            chunks=1))
-    else:
-        rows.append(run_pipelined(model, plan, setup, 1, "automap model parallel", kind="model_parallel"))
-    for split in setup.split_sizes:
-        chunks = chunks_for_split_size(setup.batch, split)
-        rows.append(run_pipelined(model, plan, setup, chunks, f"pipelined split {split}", kind="pipelined",
-                                  split_size=split))
-    rows.append(run_pipelined(model, plan, setup, "auto", "pipelined auto", kind="auto"))
-    base = rows[0]["mean"]
+    for config in found:
+        train(config.model, setup, config.first, batches=1)
+    for _ in range(setup.repeats):
+        for config in found:
+            start = time.perf_counter()
+            train(config.model, setup, config.first, setup.batches)
+            config.seconds.append(time.perf_counter() - start)
+    rows = [config.row() for config in found]
     for row in rows:
-        row["vs_one_device"] = (row["mean"] - base) / base
+        row["vs_one_device"] = (row["mean"] - rows[0]["mean"]) / rows[0]["mean"]
+        log.info("%-28s mean %.3f s  std %.3f  median %.3f  (%+.0f%%)", row["label"], row["mean"], row["std"],
+                 row["median"], 100 * row["vs_one_device"])
     return {"stages": stages, "rows": rows}
 
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import automap
 from automap.distributed import RankPipeline, build_stage, make_schedule, plan_for_ranks
 
 log = logging.getLogger("pipeline_torchrun")

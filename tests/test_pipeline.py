@@ -14,8 +14,9 @@ from torch import nn
 
 import automap
 from automap.errors import PipelineError
-from automap.pipeline import (HANDOFF_SECONDS, UNIT_OVERHEAD_SECONDS, best_chunks, chunk_sizes,
-                              chunks_for_split_size, pipeline_seconds, plan_stages, split_batch)
+from automap.pipeline import (StageCost, best_chunks, chunk_sizes, chunks_for_split_size, pipeline_seconds,
+                              plan_stages, split_batch)
+from automap.pipeline.cost import HANDOFF_SECONDS
 from conftest import tiny_llama, weight_bytes
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
@@ -235,15 +236,26 @@ def test_close_removes_hooks_and_model_runs_plain():
 
 
 def test_auto_chunks_is_the_argmin_of_the_cost_model():
-    for seconds, units, batch in [([0.01, 0.01], [10, 10], 120), ([0.5, 0.1], [3, 3], 32), ([0.01], [20], 120)]:
-        brute = min(range(1, batch + 1), key=lambda m: (pipeline_seconds(seconds, units, m), m))
-        assert best_chunks(seconds, units, batch) == min(brute, 64)
-    assert best_chunks([0.01], [20], 120) == 1, "one stage gains nothing from micro-batches"
-    assert best_chunks([1e-6, 1e-6], [1, 1], 120) == 1, "overhead dominates tiny stages"
-    assert best_chunks([10.0, 10.0], [1, 1], 5) == 5, "never more micro-batches than samples"
-    # Two equal stages: (m+1)(t/m + o) is least near m = sqrt(t/o).
-    t, o = 0.04, 2 * UNIT_OVERHEAD_SECONDS + HANDOFF_SECONDS
-    assert abs(best_chunks([t, t], [2, 2], 1000) - (t / o) ** 0.5) <= 1
+    gpu = [StageCost(0.02, 0.002, "cuda:0", True), StageCost(0.02, 0.002, "cuda:1", True)]
+    cpu = [StageCost(0.5, 0.01, "cpu:a"), StageCost(0.1, 0.01, "cpu:b")]
+    for costs, batch in [(gpu, 120), (cpu, 32), (gpu[:1], 120)]:
+        brute = min(range(1, batch + 1), key=lambda m: (pipeline_seconds(costs, m), m))
+        assert best_chunks(costs, batch) == min(brute, 64)
+
+
+def test_auto_chunks_follows_the_hardware():
+    one_stage = [StageCost(1.0, 0.001, "cuda:0", True)]
+    assert best_chunks(one_stage, 120) == 1, "one stage gains nothing from micro-batches"
+    same_device = [StageCost(1.0, 0.001, "cpu"), StageCost(1.0, 0.001, "cpu")]
+    assert best_chunks(same_device, 120) == 1, "stages on one device take turns: no overlap to win"
+    tiny = [StageCost(1e-6, 1e-3, "cuda:0", True), StageCost(1e-6, 1e-3, "cuda:1", True)]
+    assert best_chunks(tiny, 120) == 1, "fixed costs dominate tiny stages"
+    assert best_chunks([StageCost(10.0, 0.0, "cuda:0", True), StageCost(10.0, 0.0, "cuda:1", True)], 5) == 5
+    # Two equal GPU stages: micro-batches get smaller until they reach the launch-bound floor.
+    t, fixed = 0.024, 0.0048
+    gpus = [StageCost(t, fixed, "cuda:0", True), StageCost(t, fixed, "cuda:1", True)]
+    assert best_chunks(gpus, 120) == round(t / fixed)
+    assert pipeline_seconds(gpus, 5) == pytest.approx(6 * (fixed + HANDOFF_SECONDS))
 
 
 def test_auto_chunks_pipeline_is_transparent():

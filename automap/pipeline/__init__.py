@@ -1,0 +1,163 @@
+"""Micro-batch pipelining in one process: the model-parallel tutorial's ``split_size`` trick,
+automated for any model a :class:`~automap.plan.Plan` splits.
+
+A plan's *stages* are the contiguous runs of units that compute on one device. The batch is
+split into ``chunks`` micro-batches; each runs the model's own ``forward`` on a thread of its
+own, and a turnstile per stage lets micro-batches into that stage one at a time, in order. So
+stage k works on micro-batch i while stage k+1 works on micro-batch i-1 (GPipe's fill-drain
+schedule), and any model whose units a plan can place pipelines without being rewritten as an
+``nn.Sequential``. Why this design, and what it costs, is in ``docs/pipeline.md``.
+
+    >>> pipe = automap.pipeline(automap.dispatch(model, plan), chunks=4)
+    >>> loss_fn(pipe(x), y).backward()  # same outputs and gradients as model(x)
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from automap.dispatch import state_of
+from automap.errors import PipelineError
+from automap.pipeline.cost import StageCost, best_chunks, pipeline_seconds, stage_costs
+from automap.pipeline.microbatch import (batch_size, chunk_sizes, chunks_for_split_size, merge_outputs,
+                                         split_batch)
+from automap.pipeline.runner import _PIPELINED, Chunks, Pipeline
+from automap.pipeline.stages import Stage, plan_stages
+from automap.plan import Plan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Chunks", "Pipeline", "Stage", "StageCost", "batch_size", "best_chunks", "chunk_sizes",
+           "chunks_for_split_size", "merge_outputs", "pipeline", "pipeline_seconds", "plan_stages", "split_batch",
+           "stage_costs"]
+
+
+def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
+             devices: Mapping[str, str | torch.device] | None = None) -> Pipeline:
+    """Run ``model`` as a micro-batch pipeline over ``plan``'s stages (GPipe fill-drain).
+
+    Args:
+        model: a model dispatched by :func:`automap.dispatch`, or (with ``devices``) one you
+            placed yourself.
+        plan: the plan whose stages to pipeline; default: the plan ``model`` was dispatched with.
+        chunks: micro-batches per call, or ``"auto"`` to choose the count from the plan's
+            profile for each batch size (the tutorial's ``split_size`` sweep, predicted).
+        devices: run the plan's devices on these real ones instead, e.g. ``{"cuda:0": "cpu",
+            "cuda:1": "cpu"}`` to run a two-GPU plan on a CPU-only machine, or
+            ``{"cuda:0": "cuda:0", "cuda:1": "cpu"}`` for one GPU plus the CPU. Units are moved
+            there (their tensors' ``.data``, so optimizers stay valid); only for models that
+            are not dispatched.
+
+    Returns:
+        A :class:`Pipeline` module: ``pipe(x)`` gives ``model(x)``'s outputs (joined along the
+        batch) and, through ``backward``, its gradients. ``pipe.close()`` unhooks it.
+
+    Raises:
+        PipelineError: bad ``chunks``; no plan; the plan offloads weights; ``devices`` misses a
+            plan device or is combined with a dispatched model; the model is already pipelined.
+
+    Example:
+        >>> plan = automap.plan(model, max_memory={0: "50MB", 1: "50MB"}, example_inputs=(x,))
+        >>> pipe = automap.pipeline(model, plan, chunks=4, devices={"cuda:0": "cpu", "cuda:1": "cpu"})
+        >>> torch.testing.assert_close(pipe(x), model(x))
+    """
+    _check_chunks(chunks)
+    if model in _PIPELINED:
+        raise PipelineError(f"{type(model).__name__} is already pipelined; call .close() on its Pipeline first")
+    plan = _resolve_plan(model, plan, devices)
+    if plan.offloaded_units:
+        raise PipelineError(
+            f"the plan streams {len(plan.offloaded_units)} offloaded unit(s) (first {plan.offloaded_units[0]!r}) "
+            "from CPU/disk; pipelining would stream them once per micro-batch. Plan without offload "
+            "(raise max_memory) or run the dispatched model unpipelined")
+    stages = plan_stages(plan)
+    real = _real_devices(plan, stages, devices)
+    if devices is not None:
+        _place_units(model, plan, stages, real)
+    _warn_batch_norm(model)
+    pipe = Pipeline(model, stages, real, chunks, plan)
+    _PIPELINED[model] = pipe
+    log.info("pipelining %s over %d stage(s) (%s), chunks=%s", type(model).__name__, len(stages),
+             " -> ".join(str(d) for d in real), chunks)
+    return pipe
+
+
+def _check_chunks(chunks: Chunks) -> None:
+    if chunks == "auto":
+        return
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PipelineError(f"chunks must be a positive int or 'auto', got {chunks!r}; e.g. chunks=4")
+
+
+def _resolve_plan(model: nn.Module, plan: Plan | None, devices: Mapping[str, Any] | None) -> Plan:
+    state = state_of(model)
+    if state is not None and devices is not None:
+        raise PipelineError(f"{type(model).__name__} is dispatched, so its units already run where the plan "
+                            "says; drop devices=..., or undispatch it first to place it with devices")
+    if state is None and devices is None:
+        raise PipelineError(f"{type(model).__name__} is not dispatched; call automap.dispatch(model, plan) "
+                            "first, or pass devices={'cuda:0': 'cpu', 'cuda:1': 'cpu'} to run the plan's "
+                            "stages on devices of your choice")
+    if plan is None:
+        if state is None:
+            raise PipelineError("no plan given; pass the Plan from automap.plan(model, ...)")
+        return state.plan
+    if state is not None and (state.plan.placement != plan.placement
+                              or [u.name for u in state.plan.units] != [u.name for u in plan.units]):
+        raise PipelineError(f"{type(model).__name__} was dispatched with another plan; omit plan= to use that one")
+    return plan
+
+
+def _real_devices(plan: Plan, stages: tuple[Stage, ...],
+                  devices: Mapping[str, str | torch.device] | None) -> tuple[torch.device, ...]:
+    if devices is None:
+        return tuple(_indexed(torch.device(s.device)) for s in stages)
+    missing = sorted({s.device for s in stages} - set(devices))
+    if missing:
+        raise PipelineError(f"devices={dict(devices)!r} does not say where to run the plan's {missing}; "
+                            f"give a real device for each of {[s.device for s in stages]}")
+    return tuple(_indexed(torch.device(devices[s.device])) for s in stages)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current one), so that stages on one GPU compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _place_units(model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: tuple[torch.device, ...]) -> None:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    where = {name: device for stage, device in zip(stages, real) for name in stage.units}
+    for unit in plan.units:
+        for name in unit.tensors:
+            if name not in tensors:
+                raise PipelineError(f"the plan names tensor {name!r} that {type(model).__name__} lacks; "
+                                    "plan this model again")
+            if tensors[name].device != where[unit.name]:
+                tensors[name].data = tensors[name].data.to(where[unit.name])
+
+
+def _warn_batch_norm(model: nn.Module) -> None:
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        log.warning("%s has %d BatchNorm layer(s) (first %r): in training each normalises one micro-batch "
+                    "(statistics differ from the whole batch's, as in GPipe); in eval() outputs match exactly",
+                    type(model).__name__, len(norms), norms[0])
+
+
+class _CallableModule(types.ModuleType):
+    """``automap.pipeline`` names this module and its front door at once: once the module is
+    imported the package attribute is the module, so the module calls :func:`pipeline`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Pipeline:
+        return pipeline(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
