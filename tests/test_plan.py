@@ -16,7 +16,7 @@ import automap
 from automap.devices import make_device
 from automap.errors import DeviceMapError, PlanError
 from automap.plan import Plan, make_plan
-from automap.plan.partition import Chain, Slot, memory_reach, min_bottleneck
+from automap.plan.partition import Chain, Slot, fill, memory_reach, min_bottleneck
 from automap.plan.strategies import all_cut_bytes, build_plan
 from automap.profile import Profile, Unit
 from conftest import tiny_gpt2, tiny_llama, weight_bytes
@@ -120,6 +120,7 @@ def test_memory_reach_is_the_longest_fitting_range(weights, activations, room):
     for start in range(len(weights) + 1):
         need = [sum(weights[start:e]) + max(activations[start:e], default=0) for e in range(start, len(weights) + 1)]
         assert reach[start] == start + max(i for i, x in enumerate(need) if x <= room or i == 0)
+        assert fill(chain, [room], start)[1] == reach[start]
 
 
 def test_partition_prefers_a_small_cut():

@@ -90,12 +90,17 @@ def memory_reach(chain: Chain, room: int, with_activations: bool = True, floor: 
 def fill(chain: Chain, rooms: Sequence[int], start: int = 0, with_activations: bool = True,
          floors: Sequence[int] = ()) -> tuple[list[Range], int]:
     """Greedy fill: each room in turn takes as many items as fit. Returns the ranges and the
-    end reached; no contiguous split reaches further (feasibility shrinks with the range)."""
+    end reached; no contiguous split reaches further (feasibility shrinks with the range).
+    O(n + k): each item is looked at once, plus once per room where it does not fit."""
     ranges: list[Range] = []
-    position = start
+    position, n = start, len(chain)
     for j, room in enumerate(rooms):
-        floor = floors[j] if j < len(floors) else 0
-        end = memory_reach(chain, room, with_activations, floor)[position]
+        end, total, peak = position, 0, floors[j] if j < len(floors) else 0
+        while end < n:
+            act = max(peak, chain.activation[end]) if with_activations else peak
+            if total + chain.weight[end] + act > room:
+                break
+            total, peak, end = total + chain.weight[end], act, end + 1
         ranges.append((position, end))
         position = end
     return ranges, position
