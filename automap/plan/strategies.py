@@ -2,12 +2,18 @@
 
 Units become *items* (a unit plus the units tied to it, which must share its device), items
 form a chain in execution order, and the chain is split over tiers: accelerators first, then
-CPU RAM, then disk. When the accelerators can hold every item (weights, activations of the
-profiled batch, and the user's reserve) nothing goes to CPU or disk. Otherwise they hold the
-longest prefix they can (keeping room on the execution device for the largest offloaded unit),
-CPU RAM the next stretch and disk the rest. Within the accelerator tier, ``"balanced"`` takes
-the split that minimises the slowest stage (:func:`~automap.plan.partition.min_bottleneck`),
-``"sequential"`` fills device after device.
+CPU RAM, then disk.
+
+- When the accelerators can hold every item (weights, activations of the profiled batch, the
+  user's reserve) nothing goes to CPU or disk. ``"balanced"`` takes the contiguous split that
+  minimises the slowest stage (:func:`~automap.plan.partition.min_bottleneck`),
+  ``"sequential"`` fills device after device. If no contiguous split of whole units fits but
+  the units can be packed out of order, they are (a warning says so): extra cuts cost
+  microseconds, streaming offloaded weights costs far more.
+- Otherwise the accelerators keep one contiguous run of items (possibly after a few offloaded
+  leading ones, such as an embedding), chosen to keep the most bytes, while the execution
+  device keeps room to stream the largest offloaded item; CPU RAM takes the offloaded items
+  first, disk the rest.
 """
 from __future__ import annotations
 
