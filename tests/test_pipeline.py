@@ -124,6 +124,49 @@ def test_llama_keyword_inputs_and_model_output():
     torch.testing.assert_close(got.logits, expected)
 
 
+def test_batchnorm_matches_in_eval_and_normalises_per_microbatch_in_training(caplog):
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(6, 3, 32, 32)
+    plan = automap.plan(model, {"conv1": 0, "bn1": 0, "layer1": 0, "layer2": 0, "layer3": 1, "layer4": 1,
+                                "fc": 1}, example_inputs=(x[:2],))
+    plain = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="automap.pipeline"):
+        pipe = automap.pipeline(model, plan, chunks=3, devices=ON_CPU)
+    assert "BatchNorm" in caplog.text and "'bn1'" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.eval()(x), plain.eval()(x))
+        trained, whole = pipe.train()(x), plain.train()(x)
+    assert not torch.allclose(trained, whole, atol=1e-3), "training BatchNorm sees 2 samples, not 6"
+    pipe.close()
+
+
+def test_an_error_in_one_microbatch_reaches_the_caller_and_the_pipeline_recovers():
+    class Picky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            if self.armed and threading.current_thread().name == "automap-microbatch-2":
+                raise ValueError("micro-batch 2 failed between the stages")
+            return self.b(y)
+
+    model = Picky()
+    pipe = automap.pipeline(model, automap.plan(model, {"a": 0, "b": 1}), chunks=4, devices=ON_CPU)
+    model.armed = True
+    with pytest.raises(ValueError, match="micro-batch 2 failed"):
+        pipe(torch.zeros(8, 3))
+    model.armed = False
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(torch.ones(8, 3)), model(torch.ones(8, 3)))
+    pipe.close()
+
+
 def test_dispatched_model_pipelines_with_its_own_plan():
     model = mlp_stack()
     x = torch.randn(6, 32)
