@@ -36,8 +36,19 @@ def send(value: Any, device: torch.device) -> Any:
     return value
 
 
+def _on(values: tuple, device: torch.device) -> bool:
+    """True when every value is a tensor already on ``device`` (the common case, checked
+    without rebuilding anything: it runs before every unit)."""
+    for value in values:
+        if not isinstance(value, torch.Tensor) or value.device != device:
+            return False
+    return True
+
+
 def _move_inputs(device: torch.device) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if _on(args, device) and (not kwargs or _on(tuple(kwargs.values()), device)):
+            return None
         moved_args, moved_kwargs = send(args, device), send(kwargs, device)
         if moved_args is args and moved_kwargs is kwargs:
             return None

@@ -80,6 +80,10 @@ class Loader:
                 log.debug("prefetch of %s failed; loading it synchronously", key, exc_info=True)
         elif future is not None:
             future.cancel()  # on CPU the views are ready now; the pages come in as touched
+        elif not self._cuda and self.store is not None:
+            # Not prefetched (the first unit, or a guess that missed): queue the reads of the
+            # whole unit now rather than page by page as the compute thread faults.
+            self.store.advise([n for n in names if n not in self.host], populate=False)
         missing = tuple(n for n in names if n not in got)
         if missing:
             more, event2 = self._fetch(missing, False)
