@@ -104,6 +104,23 @@ def test_tied_weights_stay_one_parameter(tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_tie_split_between_disk_and_ram_stays_one_parameter(tmp_path):
+    model = tiny_gpt2(layers=2)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+                  "transformer.h": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    with pytest.raises(DispatchError, match=r"'transformer.h' is a ModuleList.*\['transformer.h.0', 'transformer.h.1'\]"):
+        automap.dispatch(model, device_map, offload_dir=tmp_path)
+    device_map.update({"transformer.h": "cpu", "transformer.h.0": "disk"})
+    automap.dispatch(model, device_map, offload_dir=tmp_path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert _released(model)
+
+
 def test_inference_mode_leaves_parameters_usable(tmp_path):
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 256, (1, 8))

@@ -72,6 +72,12 @@ def _check_plan_matches(model: nn.Module, plan: Plan) -> None:
         if unit.name not in modules:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
                                 "was the plan made for another model?")
+        module = modules[unit.name]
+        if plan.is_offloaded(plan.device_of(unit.name)) and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
+            raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
+                                f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
+                                "to 'disk' instead")
         bad = [t for t in unit.tensors if t not in tensors]
         if bad:
             raise DispatchError(f"the plan names tensors {bad[:3]} that the model lacks; plan this model again")
@@ -161,10 +167,12 @@ def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: st
         for name in unit.tensors:
             if unit.name not in owned or name in unit.loose:
                 _place(state, tensors[name], device)
-        group = None
-        if unit.name in owned:
-            items = owned[unit.name] + _aliases(modules[unit.name], state, owned[unit.name])
-            group = _Group(unit.name, where, items)
+        # A unit also streams in tied tensors that an offloaded unit owns (even when it is
+        # resident itself), so a tie split between RAM and disk stays one parameter.
+        own = owned.get(unit.name, [])
+        items = own + _aliases(modules[unit.name], state, own)
+        group = _Group(unit.name, where, items) if items else None
+        if group is not None:
             state.groups.append(group)
         if needs_hooks:
             _hook_unit(modules[unit.name], state, device, group)
