@@ -106,7 +106,10 @@ class Profile:
             ``transformer.wte.weight``); the planner keeps each group on one device.
         graph: ``networkx.DiGraph`` over ``"<input>"``, unit names and ``"<output>"``; edge
             ``bytes`` is the size of the distinct tensors one unit passes to the other,
-            including tensors that skip units (residual streams, encoder states).
+            including tensors that skip units (residual streams, encoder states). A tensor
+            read by several later units is relayed from reader to reader, so the ``bytes`` of
+            the edges a cut crosses add up to :meth:`cut_bytes` (see ``profile/graph.py``);
+            ``flows`` keep the true producer of every read.
         example: how the example inputs were obtained ("" when bytes only).
         uncalled: units the traced forward never called.
         flows: every tensor passed between units, with positions (see :meth:`cut_bytes`).
