@@ -213,6 +213,25 @@ def test_sequential_fills_gpu0_first(resnet50_profile):
     assert rows["cuda:0"].used_bytes + nxt.weight_bytes > devices[0].capacity_bytes
 
 
+def test_sequential_spill_fills_gpus_in_order_then_cpu(llama_2g_profile):
+    prof = llama_2g_profile
+    total = prof.total_bytes
+    plan = make_plan(prof, gpus([total // 3, total // 3]) + (make_device("cpu", total),), "sequential")
+    assert fits(plan) and spilled(plan) > 0
+    on_gpu = [d for d in plan.placement if d.startswith("cuda")]
+    assert on_gpu == sorted(on_gpu), "GPU 0's units come before GPU 1's"
+
+
+def test_plan_front_door_takes_reserve_and_speeds(llama_2g_profile):
+    share = int(llama_2g_profile.total_bytes * 0.7)
+    plain = automap.plan(llama_2g_profile, max_memory={0: share, 1: share, "cpu": "10GB"})
+    kept = automap.plan(llama_2g_profile, max_memory={0: share, 1: share, "cpu": "10GB"}, reserve=share // 2,
+                        speeds={"cuda:1": 50e12})
+    assert spilled(plain) == 0 and spilled(kept) > 0
+    assert [r.reserve_bytes >= share // 2 for r in kept.summary()[:2]] == [True, True]
+    assert kept.device("cuda:1").flops_per_second == 50e12
+
+
 def test_balanced_low_0_keeps_gpu0_light(llama_2g_profile):
     devices = gpus([10**10] * 4)
     low = make_plan(llama_2g_profile, devices, "balanced_low_0")
@@ -321,6 +340,11 @@ def test_unit_larger_than_every_device_is_named(llama_2g_profile):
     devices = gpus([200 * MB, 200 * MB]) + (make_device("cpu", 250 * MB), make_device("disk", 10**10))
     with pytest.raises(PlanError, match=r"unit 'model.embed_tokens' needs 250.00 MiB but the largest device .* cpu, has 238.42 MiB"):
         make_plan(llama_2g_profile, devices)
+
+
+def test_disk_alone_cannot_run_a_model(resnet50_profile):
+    with pytest.raises(PlanError, match="nothing can run the model.*'disk'.*add CPU memory"):
+        make_plan(resnet50_profile, (make_device("disk", 10**10),))
 
 
 def test_unknown_strategy_and_no_devices(resnet50_profile):
