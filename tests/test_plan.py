@@ -321,6 +321,24 @@ def test_json_round_trip_keeps_device_map_and_reserves(llama_2g_profile):
     assert again.bottleneck_seconds == plan.bottleneck_seconds
 
 
+def test_device_map_covers_every_tensor_including_loose_ones():
+    import torchvision
+
+    with torch.device("meta"):
+        model = torchvision.models.vit_b_16()
+    plan = automap.plan(model, max_memory={0: "200MB", 1: "200MB", "cpu": "1GB"})
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    assert "class_token" in names
+
+    def lookup(name):
+        while name not in plan.device_map:
+            assert name, "tensor without a device"
+            name = name.rpartition(".")[0]
+        return plan.device_map[name]
+
+    assert {lookup(n) for n in names} == {0, 1}
+
+
 def test_cut_bytes_in_one_pass_match_the_profile():
     prof = automap.profile(tiny_gpt2(layers=3))
     assert all_cut_bytes(prof) == tuple(prof.cut_bytes(i) for i in range(len(prof.units)))
