@@ -133,6 +133,7 @@ def _out_spec(out: Any) -> Any:
 
 def _rebuild(spec: Any) -> Any:
     if isinstance(spec, TensorSpec):
+        assert spec.stride is not None  # memoised results always record strides
         return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
     if isinstance(spec, (tuple, list)):
         return type(spec)(_rebuild(s) for s in spec)

@@ -155,8 +155,7 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
     for name, tensor in all_named_tensors(model, remove_duplicate=False):
         names_of.setdefault(id(tensor), []).append(name)
     for names in names_of.values():
-        held = [(_holder(n, prefixes), n) for n in names]
-        held = [(u, n) for u, n in held if u is not None]
+        held = [(u, n) for u, n in ((_holder(n, prefixes), n) for n in names) if u is not None]
         if held:
             unit, name = min(held, key=lambda h: (rank.get(h[0], len(rank)), ranked.index(h[0])))
             owned[unit][0].append(name)
