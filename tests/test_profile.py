@@ -264,12 +264,15 @@ class Reused(nn.Module):
 
 def test_repeated_and_uncalled_units_are_reported(caplog):
     model = Reused()
+    model.register_buffer("spare", torch.zeros(2))  # held by the root, never read
     with caplog.at_level(logging.WARNING, logger="automap.profile"):
         prof = automap.profile(model, (torch.zeros(4, 8),))
     unit = {u.name: u for u in prof.units}
     assert unit["block"].calls == 2 and prof.repeated == ("block",)
     assert prof.uncalled == ("unused",) and [u.name for u in prof.units] == ["block", "unused"]
-    assert unit["block"].loose == ("scale",) and unit["block"].flops == 2 * (2 * 4 * 8 * 8)
+    assert unit["block"].flops == 2 * (2 * 4 * 8 * 8)
+    assert set(unit["block"].loose) == {"scale", "spare"}  # read first by block's work / first unit
+    assert_every_tensor_owned_once(model, prof)
     assert "unused" in caplog.text
 
 
@@ -345,6 +348,16 @@ def test_measured_timing_and_calibration_on_cpu():
     timed = prof.with_measured_time()
     assert timed.units[0].flops > 0 == prof.units[0].flops  # the embedding takes time, not FLOPs
     assert timed.total_flops == pytest.approx(prof.total_flops, rel=0.01)
+
+
+@pytest.mark.cuda
+def test_measured_timing_on_a_gpu():
+    model = tiny_llama(layers=2)
+    prof = automap.profile(model, {"input_ids": torch.zeros(4, 64, dtype=torch.long)},
+                           measure=True, device="cuda:0", repeats=3, dtype=torch.float16)
+    assert prof.measured_device == "cuda:0" and all(u.seconds and u.seconds > 0 for u in prof.units)
+    assert prof.achieved_flops_per_second and prof.achieved_flops_per_second > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())  # only copies went to the GPU
 
 
 def test_measure_without_device_is_refused():
