@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.plan.model import Plan
+from automap.plan.packing import pack_out_of_order
 from automap.plan.partition import Chain, Range, Slot, fill, min_bottleneck
 from automap.profile import Profile
 from automap.units import format_bytes
@@ -242,9 +243,12 @@ def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: 
     _, end = fill(chain, rooms)
     if end == len(chain):
         return _assign(_stages(chain, compute, rooms, strategy, 0.0), compute, len(chain), dict(reserve))
-    packed = _pack(chain, compute, rooms, reserve) if len(compute) > 1 else None
+    packed = pack_out_of_order(chain, compute, rooms) if len(compute) > 1 else None
     if packed is not None:
-        return packed
+        owner, cuts = packed
+        note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
+                f"order ({cuts} cuts for {len(compute)} devices) rather than being offloaded")
+        return Layout(tuple(compute[j].name for j in owner), dict(reserve), (note,))
     if sum(chain.weight) > sum(_room(d, reserve) for d in [*compute, *storage]):
         raise _does_not_fit(chain, compute, storage, reserve, 0)
     chosen = _choose_offload(chain, rooms)
@@ -278,54 +282,6 @@ def _offloaded(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int]
     # The streamed weights are a reserve; the offloaded units' activations show as activations.
     reserves[compute[0].name] = reserves.get(compute[0].name, 0) + chosen.streamed
     return Layout(tuple(names), reserves)
-
-
-def _pack(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int],
-          reserve: Mapping[str, int]) -> Layout | None:
-    """Last resort before offloading, when no contiguous split leaves room for activations.
-
-    Starts from the balanced split by weights alone, from the longest prefix that fits, or
-    from nothing; moves units off the end of each overfull range; places the rest, largest
-    first, where they fit most tightly. Keeps the candidate with the fewest cuts. Extra cuts
-    cost microseconds; streaming offloaded weights costs far more.
-    """
-    weights_only = Chain(chain.work, chain.weight, [0] * len(chain), chain.cut)
-    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second) for d, room in zip(compute, rooms)]
-    starts: list[Sequence[Range | None]] = [min_bottleneck(weights_only, slots) or [None] * len(compute),
-                                           fill(chain, rooms)[0], [None] * len(compute)]
-    found = [owner for owner in (_scatter(chain, rooms, r) for r in starts) if owner is not None]
-    if not found:
-        return None
-    owner = min(found, key=lambda o: sum(1 for a, b in zip(o, o[1:]) if a != b))
-    cuts = sum(1 for a, b in zip(owner, owner[1:]) if a != b)
-    note = (f"no contiguous split fits the accelerators with room for activations; units run out of order "
-            f"({cuts} cuts for {len(compute)} devices) rather than being offloaded")
-    return Layout(tuple(compute[j].name for j in owner), dict(reserve), (note,))
-
-
-def _scatter(chain: Chain, rooms: Sequence[int], ranges: Sequence[Range | None]) -> list[int] | None:
-    """Device index per item from ``ranges``, trimmed to fit, with the leftovers placed
-    best-fit decreasing; None when some item fits nowhere."""
-    owner: list[int | None] = [None] * len(chain)
-    for j, span in enumerate(ranges):
-        if span is None:
-            continue
-        start, stop = span
-        while stop > start and (sum(chain.weight[start:stop]) + max(chain.activation[start:stop]) > rooms[j]):
-            stop -= 1
-        for i in range(start, stop):
-            owner[i] = j
-    weights = [sum(chain.weight[i] for i in range(len(chain)) if owner[i] == j) for j in range(len(rooms))]
-    peaks = [max((chain.activation[i] for i in range(len(chain)) if owner[i] == j), default=0)
-             for j in range(len(rooms))]
-    for i in sorted((i for i in range(len(chain)) if owner[i] is None), key=lambda i: (-chain.weight[i], i)):
-        free = [rooms[j] - weights[j] - max(peaks[j], chain.activation[i]) - chain.weight[i] for j in range(len(rooms))]
-        fitting = [j for j in range(len(rooms)) if free[j] >= 0]
-        if not fitting:
-            return None
-        j = min(fitting, key=lambda j: (free[j], j))
-        owner[i], weights[j], peaks[j] = j, weights[j] + chain.weight[i], max(peaks[j], chain.activation[i])
-    return [j for j in owner if j is not None]
 
 
 def _assign(ranges: Sequence[Range | None], devices: Sequence[DeviceSpec], n: int,
