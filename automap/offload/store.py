@@ -14,6 +14,7 @@ map would otherwise give wrong weights, or kill the process with SIGBUS.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -48,12 +49,31 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class _Mapped(NamedTuple):
-    """One open file of the store: its map, where its data starts, its header, its identity."""
+    """One open file of the store: its map (and its address), where its data starts, its
+    header, its identity."""
 
     mapping: mmap.mmap | None
     start: int
     header: dict
     signature: tuple[int, int, int]
+    address: int = 0
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _madvise(address: int, length: int, advice: int) -> bool:
+    """``madvise`` through ctypes, which releases the GIL for the call: ``mmap.madvise`` keeps
+    it, so a prefetch waiting on the disk would stall the thread running the model."""
+    return _LIBC.madvise(address, length, advice) == 0
+
+
+def _address(mapping: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mapping)  # the map never moves; the view is released at once
+    address = ctypes.addressof(view)
+    del view
+    return address
 
 
 def _signature(path: Path) -> tuple[int, int, int]:
@@ -159,7 +179,8 @@ class OffloadStore:
                 )
             with open(path, "rb") as f:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-                self._maps[file] = _Mapped(mapping, start, header, _signature(path))
+                address = _address(mapping) if mapping is not None else 0
+                self._maps[file] = _Mapped(mapping, start, header, _signature(path), address)
         return self._maps[file]
 
     def check_unchanged(self, names: Iterable[str]) -> None:
@@ -194,6 +215,11 @@ class OffloadStore:
 
     def _span(self, name: str) -> tuple[mmap.mmap | None, int, int]:
         """The map holding ``name`` and the byte range of its data."""
+        mapping, begin, end, _ = self._located(name)
+        return mapping, begin, end
+
+    def _located(self, name: str) -> tuple[mmap.mmap | None, int, int, int]:
+        """As :meth:`_span`, plus the address of the map."""
         entry = self.entries[name]
         mapped = self._mapped(entry.file)
         info = mapped.header.get(entry.key)
@@ -205,7 +231,7 @@ class OffloadStore:
                 f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
                 f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
             )
-        return mapped.mapping, mapped.start + begin, mapped.start + end
+        return mapped.mapping, mapped.start + begin, mapped.start + end, mapped.address
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as a zero-copy CPU view of its file."""
@@ -220,15 +246,17 @@ class OffloadStore:
     def advise(self, names: Iterable[str], populate: bool = True) -> None:
         """Ask the kernel to bring the pages of ``names`` into memory now: readahead of every
         range is queued at once (large reads, no waiting), then, with ``populate``, the pages
-        are mapped in as they arrive, so the compute thread later takes no page faults."""
-        spans = [span for span in (self._span(n) for n in names) if span[0] is not None and span[2] > span[1]]
-        for advice in (mmap.MADV_WILLNEED, _MADV_POPULATE_READ) if populate else (mmap.MADV_WILLNEED,):
-            for mapping, begin, end in spans:
-                first = begin - begin % _PAGE
-                try:
-                    mapping.madvise(advice, first, end - first)  # type: ignore[union-attr]
-                except OSError:  # kernels before 5.14 lack POPULATE_READ: the readahead still runs
-                    break
+        are mapped in as they arrive, so the compute thread later takes no page faults. The
+        GIL is released meanwhile."""
+        spans = [(address + begin - begin % _PAGE, end - begin + begin % _PAGE)
+                 for mapping, begin, end, address in (self._located(n) for n in names)
+                 if mapping is not None and end > begin]
+        for start, length in spans:
+            _madvise(start, length, mmap.MADV_WILLNEED)
+        if populate:
+            for start, length in spans:
+                if not _madvise(start, length, _MADV_POPULATE_READ):
+                    break  # kernels before 5.14 lack POPULATE_READ: the readahead still runs
 
     def drop_pages(self) -> None:
         """Unmap every page of the store from this process and ask the kernel to evict the
