@@ -20,5 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+bench: $(STAMP)
+	$(PY) -m automap bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info

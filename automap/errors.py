@@ -43,3 +43,11 @@ class CheckpointError(AutomapError):
 
 class PipelineError(AutomapError):
     """Pipelined execution was asked for with inconsistent settings."""
+
+
+class SpecError(AutomapError, ValueError):
+    """A model SPEC or command-line argument (--set, --max-memory, --dtype) could not be understood."""
+
+
+class ReportError(AutomapError):
+    """A report could not be written (unknown picture format, missing folder, unwritable path)."""

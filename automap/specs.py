@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from automap.errors import AutomapError
+from automap.errors import AutomapError, SpecError
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -35,10 +35,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 # transformers heads to try, most useful first: a family is planned as what people run it as.
 _HF_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
                     "AutoModel")
-
-
-class SpecError(AutomapError, ValueError):
-    """A SPEC, ``--set``, ``--max-memory`` or ``--dtype`` argument could not be understood."""
 
 
 @dataclass(frozen=True)

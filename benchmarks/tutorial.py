@@ -41,7 +41,7 @@ from automap.devices import DEFAULT_FLOPS, detect_devices
 from automap.distributed import FREE_LINK_BYTES_PER_SECOND
 from automap.pipeline import chunks_for_split_size, plan_stages
 from automap.plan import Plan, make_plan
-from automap.plots import bar_chart
+from automap.report.figure import bar_chart
 
 log = logging.getLogger("benchmarks.tutorial")
 NUM_CLASSES = 1000

@@ -9,9 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import time
-import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -146,13 +144,3 @@ def _log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, how: str, 
     log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d",
              type(model).__name__, seconds, how, placed, loaded.referenced, loaded.written)
 
-
-class _CallableModule(types.ModuleType):
-    """``automap.load`` is both this package and the function: importing a submodule sets the
-    package attribute to the module, so the module forwards calls to :func:`load`."""
-
-    def __call__(self, *args, **kwargs) -> nn.Module:  # type: ignore[no-untyped-def]
-        return load(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -14,8 +14,6 @@ schedule), and any model whose units a plan can place pipelines without being re
 from __future__ import annotations
 
 import logging
-import sys
-import types
 from typing import Any, Mapping
 
 import torch
@@ -151,13 +149,3 @@ def _warn_batch_norm(model: nn.Module) -> None:
                     "(statistics differ from the whole batch's, as in GPipe); in eval() outputs match exactly",
                     type(model).__name__, len(norms), norms[0])
 
-
-class _CallableModule(types.ModuleType):
-    """``automap.pipeline`` names this module and its front door at once: once the module is
-    imported the package attribute is the module, so the module calls :func:`pipeline`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Pipeline:
-        return pipeline(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -118,6 +118,8 @@ class Plan:
         for unit, where in zip(self.units, self.placement):
             value = self.device(where).map_value
             result[unit.name] = value
+            for alias in unit.aliases:  # the same module object under another name
+                result[alias] = value
             for tensor in unit.loose:
                 result[tensor] = value
         return result
@@ -209,8 +211,11 @@ class Plan:
         return render_text(self)
 
     def to_json(self, indent: int | None = 2) -> str:
-        """Serialise to JSON with a top-level ``"device_map"`` key (stable schema)."""
-        return json.dumps(plan_to_dict(self), indent=indent)
+        """Serialise to JSON (docs/plan-schema.md): the plan's own keys, a top-level
+        ``"device_map"``, and the report's per-device summaries, totals and warnings."""
+        from automap.report.schema import to_json
+
+        return to_json(self, indent=indent)
 
     @staticmethod
     def from_json(text: str) -> Plan:

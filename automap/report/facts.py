@@ -4,15 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from automap.errors import AutomapError
+from automap.errors import ReportError
 from automap.units import format_bytes
 
 if TYPE_CHECKING:
     from automap.plan import Cut, DeviceSummary, Plan
-
-
-class ReportError(AutomapError):
-    """A report could not be written (unknown picture format, unwritable path)."""
 
 
 @dataclass(frozen=True)
