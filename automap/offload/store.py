@@ -7,7 +7,8 @@ Layout of an offload directory::
 
 A store can also *reference* tensors inside an existing safetensors checkpoint instead of
 copying them (the index then names the checkpoint file). Reads are zero-copy: a tensor is a
-view of a private memory map, so its pages are file-backed and the kernel may drop them.
+view of a shared read-only memory map (as safetensors' own loading gives), so its pages are
+file-backed and the kernel may drop them.
 Before a unit's weights are read, :meth:`OffloadStore.check_unchanged` checks that its files are
 still the ones that were mapped (inode, size, mtime): a file changed or truncated under a live
 map would otherwise give wrong weights, or kill the process with SIGBUS.
@@ -22,6 +23,7 @@ import os
 import re
 import struct
 import tempfile
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,14 +51,14 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class _Mapped(NamedTuple):
-    """One open file of the store: its map (and its address), where its data starts, its
-    header, its identity."""
+    """One open file of the store: its map and the whole map as a uint8 tensor (tensors are
+    slices of it), where its data starts, its header, its identity."""
 
     mapping: mmap.mmap | None
     start: int
     header: dict
     signature: tuple[int, int, int]
-    address: int = 0
+    whole: torch.Tensor | None = None
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -69,11 +71,14 @@ def _madvise(address: int, length: int, advice: int) -> bool:
     return _LIBC.madvise(address, length, advice) == 0
 
 
-def _address(mapping: mmap.mmap) -> int:
-    view = ctypes.c_char.from_buffer(mapping)  # the map never moves; the view is released at once
-    address = ctypes.addressof(view)
-    del view
-    return address
+def _as_tensor(mapping: mmap.mmap) -> torch.Tensor:
+    """The whole read-only map as one uint8 tensor. torch warns that it cannot mark a tensor
+    read-only; the weights are never written (offloaded units are not trained), and a shared
+    read-only map is what safetensors' own loading gives, and faster to compute from than a
+    private copy-on-write one (~14 % on a Llama forward here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _signature(path: Path) -> tuple[int, int, int]:
@@ -178,9 +183,9 @@ class OffloadStore:
                     "restore it, or delete the offload directory and dispatch (or load) again"
                 )
             with open(path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-                address = _address(mapping) if mapping is not None else 0
-                self._maps[file] = _Mapped(mapping, start, header, _signature(path), address)
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                whole = _as_tensor(mapping) if mapping is not None else None
+                self._maps[file] = _Mapped(mapping, start, header, _signature(path), whole)
         return self._maps[file]
 
     def check_unchanged(self, names: Iterable[str]) -> None:
@@ -231,17 +236,18 @@ class OffloadStore:
                 f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
                 f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
             )
-        return mapped.mapping, mapped.start + begin, mapped.start + end, mapped.address
+        address = mapped.whole.data_ptr() if mapped.whole is not None else 0
+        return mapped.mapping, mapped.start + begin, mapped.start + end, address
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as a zero-copy CPU view of its file."""
         entry = self.entries[name]
-        mapping, begin, end = self._span(name)
+        _, begin, end = self._span(name)
         dtype = _DTYPES[entry.dtype]
-        if entry.nbytes == 0:
+        whole = self._maps[entry.file].whole
+        if entry.nbytes == 0 or whole is None:
             return torch.empty(entry.shape, dtype=dtype)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes, offset=begin)  # type: ignore[arg-type]
-        return flat.view(dtype).view(entry.shape)
+        return whole[begin:end].view(dtype).view(entry.shape)
 
     def advise(self, names: Iterable[str], populate: bool = True) -> None:
         """Ask the kernel to bring the pages of ``names`` into memory now: readahead of every
