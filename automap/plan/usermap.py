@@ -11,7 +11,7 @@ from automap.profile import Profile
 from automap.units import format_bytes
 
 
-def _lookup(device_map: Mapping[str, str], name: str) -> str | None:
+def lookup_device(device_map: Mapping[str, str], name: str) -> str | None:
     """Longest dotted-prefix match, as transformers and accelerate read device maps."""
     probe = name
     while True:
@@ -43,7 +43,7 @@ def _normalise(device_map: Mapping[str, int | str], tensor_names: set[str],
 
 def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
     unit = profile.units[index]
-    spots = {_lookup(normalised, t) for t in unit.tensors} or {_lookup(normalised, unit.name + ".x")}
+    spots = {lookup_device(normalised, t) for t in unit.tensors} or {lookup_device(normalised, unit.name + ".x")}
     spots.discard(None)
     if len(spots) > 1:
         raise DeviceMapError(
@@ -96,7 +96,7 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     """
     tensors: Sequence[str] = list(tensor_names)
     normalised = _normalise(device_map, set(tensors), module_names)
-    missing = [t for t in tensors if _lookup(normalised, t) is None]
+    missing = [t for t in tensors if lookup_device(normalised, t) is None]
     if missing:
         raise DeviceMapError(
             f"device_map leaves {len(missing)} tensor(s) without a device, first {missing[:5]}; "

@@ -11,6 +11,7 @@ from torch import nn
 
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
 from automap.plan import Plan
+from automap.plan.usermap import lookup_device
 from automap.report.facts import ReportError
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Map
     counts: dict[str, int] = {}
     for name in unit.tensors:
         tensor = tensors[name]
-        device = _lookup(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
+        device = lookup_device(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
         if device is None:
             raise ReportError(
                 f"tensor {name!r} is on meta (no data) and the model has no hf_device_map saying where it "
@@ -124,13 +125,3 @@ def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Map
         notes.append(f"unit {unit.name!r} is split over {', '.join(sorted(counts))}")
     return max(counts, key=lambda d: counts[d]) if counts else "cpu"
 
-
-def _lookup(device_map: Mapping[str, str], name: str) -> str | None:
-    """Longest dotted-prefix match, as transformers and accelerate read device maps."""
-    probe = name
-    while True:
-        if probe in device_map:
-            return device_map[probe]
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
