@@ -2,7 +2,7 @@
 
     >>> import automap
     >>> model = automap.dispatch(model, device_map="auto")
-    >>> print(automap.plan(model).report())
+    >>> print(automap.placement(model).report())
 """
 from automap.api import dispatch, plan
 from automap.devices import DeviceSpec, detect_devices

@@ -57,6 +57,11 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     """
     if isinstance(device_map, Plan):
         return device_map
+    if isinstance(model, nn.Module) and state_of(model) is not None:
+        raise PlanError(
+            f"{type(model).__name__} is dispatched, so its weights are spread out and hooked; see where "
+            "they are with automap.placement(model), or call automap.undispatch(model) before planning again"
+        )
     devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
                              speeds=speeds, links=links)
     if isinstance(device_map, str):
