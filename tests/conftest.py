@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 
 def tiny_llama(layers: int = 4, tie: bool = False):
@@ -31,6 +32,32 @@ def tiny_t5(layers: int = 2):
                       decoder_start_token_id=0)
     torch.manual_seed(0)
     return T5ForConditionalGeneration(config).eval()
+
+
+class ToyModel(nn.Module):
+    """The model of PyTorch's distributed tutorials."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The language model's logits for ``ids``, computed without a graph."""
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def ids_and_logits(model: nn.Module, shape: tuple[int, ...] = (1, 8)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids drawn from the global generator and the plain model's logits for them, taken
+    before dispatch changes the model."""
+    ids = torch.randint(0, 256, shape)
+    return ids, logits_of(model, ids)
 
 
 @pytest.fixture

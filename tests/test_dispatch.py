@@ -14,7 +14,7 @@ import automap
 from automap.dispatch import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import OffloadStore, checkpoint_entries
-from conftest import tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from conftest import ToyModel, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
 
 def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
@@ -90,15 +90,12 @@ def test_generate_gives_the_same_tokens(build, tmp_path):
 
 def test_tied_weights_stay_one_parameter(tmp_path):
     model = tiny_gpt2(layers=2)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
                   "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     assert model.lm_head.weight is model.transformer.wte.weight
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
     automap.undispatch(model)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -106,9 +103,7 @@ def test_tied_weights_stay_one_parameter(tmp_path):
 
 def test_tie_split_between_disk_and_ram_stays_one_parameter(tmp_path):
     model = tiny_gpt2(layers=2)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
                   "transformer.h": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
     with pytest.raises(DispatchError, match=r"'transformer.h' is a ModuleList.*\['transformer.h.0', 'transformer.h.1'\]"):
@@ -116,16 +111,13 @@ def test_tie_split_between_disk_and_ram_stays_one_parameter(tmp_path):
     device_map.update({"transformer.h": "cpu", "transformer.h.0": "disk"})
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     assert model.lm_head.weight is model.transformer.wte.weight
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
 
 
 def test_inference_mode_leaves_parameters_usable(tmp_path):
     model = tiny_llama(layers=2)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     automap.dispatch(model, _disk_plan(model), offload_dir=tmp_path)
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, expected)
@@ -149,34 +141,18 @@ def test_next_offloaded_unit_is_prefetched(tmp_path):
 
 def test_interrupted_forward_releases_weights_on_the_next(tmp_path):
     model = tiny_llama(layers=2)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
                   "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     with torch.no_grad(), pytest.raises(RuntimeError):
         model(inputs_embeds=torch.randn(1, 8, 63))  # fails inside model.layers.0
     assert not _released(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
 
 
 # ------------------------------------------------------------------ training
-
-
-class ToyModel(nn.Module):
-    """The model of PyTorch's distributed tutorials."""
-
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(10, 10)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5)
-
-    def forward(self, x):
-        return self.net2(self.relu(self.net1(x)))
 
 
 def _train_step(model: nn.Module, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -233,9 +209,7 @@ def test_llama_training_with_frozen_offloaded_units_matches(tmp_path):
 
 def test_training_offloaded_trainable_units_is_refused_and_model_stays_usable(tmp_path):
     model = tiny_llama(layers=4)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     plan = _disk_plan(model)
     automap.dispatch(model, plan, offload_dir=tmp_path)
     model.train()
@@ -243,8 +217,7 @@ def test_training_offloaded_trainable_units_is_refused_and_model_stays_usable(tm
     with pytest.raises(DispatchError, match=rf"unit '{first}' is offloaded \(disk\).*require grad.*requires_grad_"):
         model(ids, labels=ids)
     model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
 
 
@@ -281,9 +254,7 @@ def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tupl
 
 def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
     model = tiny_llama(layers=4)
-    ids = torch.randint(0, 256, (2, 9))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model, (2, 9))
     plan = _disk_plan(model)
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
     dispatch_plan(skeleton, plan, store=store)
@@ -291,8 +262,7 @@ def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
     offloaded = [p for n, p in skeleton.named_parameters() if any(n.startswith(u + ".") for u in plan.offloaded_units)]
     assert offloaded and all(p.numel() == 0 for p in offloaded), "offloaded tensors must stay unallocated"
     assert os.listdir(tmp_path / "off") == ["automap-index.json"], "the checkpoint is referenced, not copied"
-    with torch.no_grad():
-        assert torch.equal(skeleton(ids).logits, expected)
+    assert torch.equal(logits_of(skeleton, ids), expected)
     automap.undispatch(skeleton)
     for name, tensor in model.state_dict().items():
         assert skeleton.state_dict()[name].device.type == "cpu"
@@ -301,17 +271,14 @@ def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
 
 def test_meta_skeleton_keeps_ties(tmp_path):
     model = tiny_llama(layers=2, tie=True)
-    ids = torch.randint(0, 256, (1, 7))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model, (1, 7))
     device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
                   "model.norm": "cpu", "lm_head": "disk"}
     plan = automap.plan(model, device_map)
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
     dispatch_plan(skeleton, plan, store=store)
     assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
-    with torch.no_grad():
-        assert torch.equal(skeleton(ids).logits, expected)
+    assert torch.equal(logits_of(skeleton, ids), expected)
 
 
 def test_meta_tensor_kept_resident_is_refused_and_skeleton_untouched(tmp_path):
@@ -344,9 +311,7 @@ def test_missing_gpu_is_refused_and_model_untouched(tmp_path):
 
 def test_offload_file_changed_after_writing_is_refused_until_restored(tmp_path):
     model = tiny_llama(layers=4)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     plan = _disk_plan(model)
     automap.dispatch(model, plan, offload_dir=tmp_path)
     path = tmp_path / (plan.offloaded_units[0] + ".safetensors")
@@ -358,11 +323,9 @@ def test_offload_file_changed_after_writing_is_refused_until_restored(tmp_path):
     with torch.no_grad(), pytest.raises(OffloadError, match="does not match its checksum"):
         model(ids)
     path.write_bytes(good)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 # ------------------------------------------------------------------ moving nested inputs

@@ -9,7 +9,7 @@ import torch
 
 import automap
 from automap.errors import DeviceError, DeviceMapError, OffloadError, PlanError
-from conftest import tiny_llama, weight_bytes
+from conftest import ids_and_logits, logits_of, tiny_llama, weight_bytes
 
 
 def _snapshot(model):
@@ -50,14 +50,11 @@ def test_resnet50_with_part_on_disk_matches_plain(resnet50, tmp_path):
 
 def test_llama_with_part_on_disk_matches_plain(tmp_path):
     model = tiny_llama(layers=4)
-    ids = torch.randint(0, 256, (2, 12))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model, (2, 12))
     snapshot = _snapshot(model)
     automap.dispatch(model, max_memory={"cpu": int(weight_bytes(model) * 0.4)}, offload_dir=tmp_path / "off")
     assert os.path.exists(tmp_path / "off" / "automap-index.json")
-    with torch.no_grad():
-        got = model(ids).logits
+    got = logits_of(model, ids)
     assert (got - expected).abs().max().item() <= 1e-6
     automap.undispatch(model)
     _assert_unchanged(model, snapshot)
@@ -100,15 +97,12 @@ def test_device_map_leaving_tensors_without_a_device_is_refused(resnet50):
 
 def test_user_device_map_is_honoured(tmp_path):
     model = tiny_llama(layers=2)
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.no_grad():
-        expected = model(ids).logits
+    ids, expected = ids_and_logits(model)
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
                   "model.layers.1": "cpu", "model.norm": "disk", "lm_head": "cpu"}
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     assert model.model.layers[0].mlp.up_proj.weight.numel() == 0
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)
 
 

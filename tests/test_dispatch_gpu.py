@@ -12,7 +12,7 @@ from torch import nn
 import automap
 from automap.dispatch import dispatch_plan, state_of
 from automap.errors import DispatchError
-from conftest import tiny_gpt2, tiny_llama
+from conftest import ToyModel, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.cuda
 
@@ -69,17 +69,6 @@ def test_generate_on_cuda_cpu_disk_gives_the_same_tokens(build, tmp_path):
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     got = model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), **options)
     assert torch.equal(got.cpu(), expected.cpu())
-
-
-class ToyModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(10, 10)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(10, 5)
-
-    def forward(self, x):
-        return self.net2(self.relu(self.net1(x)))
 
 
 def test_training_with_a_frozen_cpu_offloaded_unit_matches():
