@@ -16,7 +16,7 @@ import automap
 from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
 from automap.dispatch import state_of
 from automap.load.checkpoint import Checkpoint
-from conftest import tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from conftest import logits_of, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
 
 def _empty(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,8 +144,7 @@ def test_resnet50_single_safetensors_with_part_on_disk_matches(resnet50, tmp_pat
 def test_llama_sharded_with_index_streams_offloaded_part_in_place(tmp_path):
     real = tiny_llama(layers=4)
     ids = _llama_ids()
-    with torch.no_grad():
-        expected = real(ids).logits
+    expected = logits_of(real, ids)
     real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     offload = tmp_path / "offload"
@@ -156,46 +155,39 @@ def test_llama_sharded_with_index_streams_offloaded_part_in_place(tmp_path):
     assert model.model.layers[1].mlp.up_proj.weight.numel() == 0, "offloaded weights stay out of RAM"
     assert _meta_names(model)
     assert _files(offload) == [], "safetensors in the target dtype are referenced, never copied"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)
     assert not _meta_names(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 def test_gpt2_tied_sharded_without_index_matches(tmp_path):
     real = tiny_gpt2(layers=4)
     ids = _llama_ids()
-    with torch.no_grad():
-        expected = real(ids).logits
+    expected = logits_of(real, ids)
     real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     (tmp_path / "ckpt" / "model.safetensors.index.json").unlink()
     model = automap.load(_empty(real), tmp_path / "ckpt", _alternate_map(real), quiet=True)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert _meta_names(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 def test_gpt2_tied_embedding_streamed_from_disk_matches(tmp_path):
     real = tiny_gpt2(layers=2)
     ids = _llama_ids()
-    with torch.no_grad():
-        expected = real(ids).logits
+    expected = logits_of(real, ids)
     save_model(real, str(tmp_path / "gpt2.safetensors"))
     model = automap.load(_empty(real), tmp_path / "gpt2.safetensors", _alternate_map(real, ties="disk"), quiet=True)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.transformer.wte.weight.numel() == 0, "the tied embedding is streamed from disk"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 def test_gpt2_bin_with_model_prefix_and_offload_writes_store(tmp_path):
     real = tiny_gpt2(layers=4)
     ids = _llama_ids()
-    with torch.no_grad():
-        expected = real(ids).logits
+    expected = logits_of(real, ids)
     wrapped = {f"model.{k}": v for k, v in real.state_dict().items()}  # as a training wrapper saves it
     torch.save(wrapped, tmp_path / "pytorch_model.bin")
     offload = tmp_path / "offload"
@@ -203,8 +195,7 @@ def test_gpt2_bin_with_model_prefix_and_offload_writes_store(tmp_path):
                          offload_dir=offload, quiet=True)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert "automap-index.json" in _files(offload), "pickled tensors must be copied to the store"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 def test_dtype_converts_on_the_way_and_writes_offloaded_part(tmp_path):
@@ -212,15 +203,13 @@ def test_dtype_converts_on_the_way_and_writes_offloaded_part(tmp_path):
     ids = _llama_ids()
     save_model(real, str(tmp_path / "llama.safetensors"))
     reference = tiny_llama(layers=4).to(torch.bfloat16)
-    with torch.no_grad():
-        expected = reference(ids).logits
+    expected = logits_of(reference, ids)
     offload = tmp_path / "offload"
     model = automap.load(_empty(real), tmp_path / "llama.safetensors", _alternate_map(real),
                          offload_dir=offload, dtype=torch.bfloat16, quiet=True)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert "automap-index.json" in _files(offload), "converted tensors cannot be referenced in place"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
+    assert torch.equal(logits_of(model, ids), expected)
 
 
 # ------------------------------------------------------------------ mismatches
@@ -415,12 +404,10 @@ def test_llama_on_gpu_with_host_and_disk_offload_matches(tmp_path):
     real = tiny_llama(layers=4)
     ids = _llama_ids().to("cuda:0")
     save_model(real, str(tmp_path / "llama.safetensors"))
-    with torch.no_grad():
-        expected = real.to("cuda:0")(ids).logits
+    expected = logits_of(real.to("cuda:0"), ids)
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
                   "model.layers.2": "disk", "model.layers.3": 0, "model.norm": 0, "lm_head": "cpu"}
     model = automap.load(_empty(real), tmp_path / "llama.safetensors", device_map, quiet=True)
     assert model.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
     assert model.model.rotary_emb.inv_freq.device.type == "cuda"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits.to("cuda:0"), expected)
+    assert torch.equal(logits_of(model, ids).to("cuda:0"), expected)
