@@ -14,7 +14,7 @@ import automap
 from automap.dispatch import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import OffloadStore, checkpoint_entries
-from conftest import ToyModel, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from conftest import ToyModel, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5
 
 
 def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
