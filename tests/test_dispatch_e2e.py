@@ -133,3 +133,12 @@ def test_double_dispatch_is_refused(resnet50, tmp_path):
     with pytest.raises(automap.DispatchError, match="already dispatched"):
         automap.dispatch(resnet50, max_memory={"cpu": "60MB"}, offload_dir=tmp_path)
     automap.undispatch(resnet50)
+
+
+def test_planning_a_dispatched_model_points_to_placement(resnet50, tmp_path):
+    automap.dispatch(resnet50, max_memory={"cpu": "60MB"}, offload_dir=tmp_path)
+    with pytest.raises(PlanError, match=r"automap.placement\(model\).*undispatch"):
+        automap.plan(resnet50)
+    assert automap.placement(resnet50).offloaded_units
+    automap.undispatch(resnet50)
+    assert automap.plan(resnet50).units
