@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence, Union
 
@@ -253,17 +252,6 @@ def calibrate(devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | 
     return tuple(replace(d, flops_per_second=flops / measured[d.name]) if d.name in measured else d
                  for d in devices)
 
-
-def measure_cpu_flops(size: int = 512, repeats: int = 5) -> float:
-    """Sustained float32 matmul FLOP/s of this machine's CPU (median of ``repeats``)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    median = sorted(times)[len(times) // 2]
-    return 2 * size**3 / max(median, 1e-9)
 
 
 def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, int]:
