@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from automap.devices import DeviceSpec
@@ -86,11 +87,14 @@ class Plan:
                 return where
         raise KeyError(unit_name)
 
-    @property
+    # Cached: dispatch, load and the report ask is_offloaded() once per unit, and a frozen
+    # plan's answer never changes.
+    @cached_property
     def used_devices(self) -> tuple[str, ...]:
-        return tuple(d.name for d in self.devices if d.name in set(self.placement))
+        used = set(self.placement)
+        return tuple(d.name for d in self.devices if d.name in used)
 
-    @property
+    @cached_property
     def execution_device(self) -> str:
         """Where offloaded units compute: the first accelerator in the plan, else the CPU."""
         for name in self.used_devices:
@@ -224,7 +228,6 @@ class Plan:
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    total_flops = sum(u.flops for u in plan.units) or 1
     return {
         "version": JSON_VERSION,
         "strategy": plan.strategy,
@@ -234,7 +237,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "devices": [
             {**asdict(row.device), "used_bytes": row.used_bytes, "weight_bytes": row.weight_bytes,
              "activation_bytes": row.activation_bytes, "reserve_bytes": row.reserve_bytes,
-             "flops_share": row.flops / total_flops, "stage_seconds": row.stage_seconds}
+             "flops_share": row.flops_share, "stage_seconds": row.stage_seconds}
             for row in plan.summary()
         ],
         "bottleneck_seconds": plan.bottleneck_seconds,

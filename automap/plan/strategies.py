@@ -18,7 +18,7 @@ CPU RAM, then disk.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
@@ -390,4 +390,4 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
     if profile.uncalled:
         found.append(f"{len(profile.uncalled)} unit(s) never called in the traced forward: "
                      f"{', '.join(profile.uncalled[:3])}")
-    return Plan(**{**plan.__dict__, "warnings": tuple(found)})
+    return replace(plan, warnings=tuple(found))

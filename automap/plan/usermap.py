@@ -1,6 +1,7 @@
 """User device maps (the Hugging Face / accelerate dict form), validated and turned into a Plan."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
@@ -109,4 +110,4 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
     plan = build_plan(profile, all_devices, placement, "user", {})
     notes = _split_ties(plan, profile) + _over_capacity(plan)
-    return Plan(**{**plan.__dict__, "warnings": plan.warnings + tuple(notes)})
+    return replace(plan, warnings=plan.warnings + tuple(notes))
