@@ -19,17 +19,10 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import CheckpointError, OffloadError
-from automap.offload import read_header
+from automap.offload import DTYPES, read_header
 
 log = logging.getLogger(__name__)
 
-# safetensors dtype names (the format's own spelling).
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SAFETENSORS = ".safetensors"
 PICKLES = (".bin", ".pt", ".pth")
 

@@ -19,9 +19,9 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
-from automap.load.checkpoint import DTYPE_NAMES, Checkpoint
+from automap.load.checkpoint import Checkpoint
 from automap.load.keys import Match
-from automap.offload import Entry, OffloadStore
+from automap.offload import DTYPE_NAMES, Entry, OffloadStore
 from automap.plan import Plan
 
 log = logging.getLogger(__name__)

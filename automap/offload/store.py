@@ -37,12 +37,13 @@ from automap.errors import OffloadError
 INDEX_NAME = "automap-index.json"
 INDEX_VERSION = 1
 
-_DTYPES = {
+# safetensors dtype names (the format's own spelling), shared with automap.load.
+DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 # MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
@@ -243,7 +244,7 @@ class OffloadStore:
         """The tensor ``name`` as a zero-copy CPU view of its file."""
         entry = self.entries[name]
         _, begin, end = self._span(name)
-        dtype = _DTYPES[entry.dtype]
+        dtype = DTYPES[entry.dtype]
         whole = self._maps[entry.file].whole
         if entry.nbytes == 0 or whole is None:
             return torch.empty(entry.shape, dtype=dtype)
@@ -340,7 +341,7 @@ class OffloadStore:
         file = re.sub(r"[^A-Za-z0-9_.-]", "_", group or "root") + ".safetensors"
         cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
         entries = {
-            n: Entry(file, n, _DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
+            n: Entry(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
             for n, t in cpu.items()
         }
         if all(old.get(n) == e for n, e in entries.items()) and _intact(root, entries):
