@@ -25,6 +25,9 @@ class Facts:
         bottleneck_device: the computing device with the most predicted seconds per forward
             (its own stage plus the offloaded stages it runs; "" when nothing is placed).
         bottleneck_seconds, forward_seconds: the plan's predictions.
+        tie_splits: warnings for tied tensors whose units sit on different devices.
+        warnings: the plan's own warnings, then what the report notices (split ties,
+            overfull devices).
     """
 
     rows: tuple[DeviceSummary, ...]
@@ -36,6 +39,13 @@ class Facts:
     bottleneck_device: str
     bottleneck_seconds: float
     forward_seconds: float
+    tie_splits: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def cut_seconds(self) -> float:
+        """Predicted seconds per forward spent moving activations across the cuts."""
+        return sum(c.seconds for c in self.cuts)
 
 
 def facts_of(plan: Plan) -> Facts:
@@ -45,6 +55,7 @@ def facts_of(plan: Plan) -> Facts:
     spill = sum(r.weight_bytes for r in rows if not r.device.is_accelerator) if has_accelerators else 0
     per_device = plan.compute_seconds()
     busiest = max(per_device, key=lambda name: per_device[name], default="")
+    splits = tuple(tie_splits(plan))
     return Facts(
         rows=rows,
         cuts=plan.cuts(),
@@ -55,6 +66,8 @@ def facts_of(plan: Plan) -> Facts:
         bottleneck_device=busiest,
         bottleneck_seconds=plan.bottleneck_seconds,
         forward_seconds=plan.forward_seconds,
+        tie_splits=splits,
+        warnings=_warnings(plan, rows, splits),
     )
 
 
@@ -78,9 +91,13 @@ def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     notes = []
     if row.units and plan.is_offloaded(row.device.name):
         notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
-    if 0 < row.device.capacity_bytes < row.used_bytes:  # 0: unknown (a device only found, never budgeted)
+    if _over_capacity(row):
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes
+
+
+def _over_capacity(row: DeviceSummary) -> bool:
+    return 0 < row.device.capacity_bytes < row.used_bytes  # 0: unknown (a device only found, never budgeted)
 
 
 def tie_splits(plan: Plan) -> list[str]:
@@ -102,13 +119,13 @@ def _device_holding(plan: Plan, tensor_name: str) -> str | None:
     return device
 
 
-def warnings_of(plan: Plan, facts: Facts | None = None) -> list[str]:
+def _warnings(plan: Plan, rows: tuple[DeviceSummary, ...], splits: tuple[str, ...]) -> tuple[str, ...]:
     """The plan's own warnings, then what the report notices: split ties, overfull devices."""
     notes = list(plan.warnings)
     if not any("tied weights split" in w for w in notes):  # the planner may already say it, with costs
-        notes += tie_splits(plan)
-    for row in (facts or facts_of(plan)).rows:
-        if 0 < row.device.capacity_bytes < row.used_bytes:
+        notes += splits
+    for row in rows:
+        if _over_capacity(row):
             notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
                          f"{format_bytes(row.device.capacity_bytes)}")
-    return notes
+    return tuple(notes)

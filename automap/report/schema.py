@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automap.plan import Plan, plan_to_dict
-from automap.report.facts import Facts, ReportError, facts_of, short_name, tie_splits, warnings_of
+from automap.report.facts import Facts, ReportError, facts_of, short_name
 from automap.report.text import unit_ranges
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     data["devices"] = [{**entry, **extra.get(entry["name"], {})} for entry in data["devices"]]
     data["cuts"] = [asdict(cut) for cut in facts.cuts]
     data["totals"] = _totals_dict(plan, facts)
-    data["report_warnings"] = warnings_of(plan, facts)
+    data["report_warnings"] = list(facts.warnings)
     return data
 
 
@@ -66,11 +66,11 @@ def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
         "spill_bytes": facts.spill_bytes,
         "offloaded_units": list(plan.offloaded_units),
         "cut_bytes": sum(c.bytes for c in facts.cuts),
-        "cut_seconds": sum(c.seconds for c in facts.cuts),
+        "cut_seconds": facts.cut_seconds,
         "bottleneck_device": facts.bottleneck_device,
         "bottleneck_seconds": facts.bottleneck_seconds,
         "forward_seconds": facts.forward_seconds,
-        "tied_splits": tie_splits(plan),
+        "tied_splits": list(facts.tie_splits),
     }
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Sequence
 
-from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, short_name,
-                                  warnings_of)
+from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name
 from automap.units import format_bytes
 
 if TYPE_CHECKING:
@@ -53,8 +52,7 @@ def render_text(plan: Plan) -> str:
         >>> print(render_text(automap.plan(model, max_memory={0: "20GiB", 1: "20GiB"})))
     """
     facts = facts_of(plan)
-    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts),
-                _warnings(plan, facts)]
+    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -114,15 +112,14 @@ def _totals(facts: Facts) -> str:
             f"spilled off the accelerators {format_bytes(facts.spill_bytes)}" if facts.has_accelerators else "",
             f"bottleneck {facts.bottleneck_device or '-'} at {format_seconds(facts.bottleneck_seconds)} per forward",
             f"predicted forward {format_seconds(facts.forward_seconds)} "
-            f"({format_seconds(sum(c.seconds for c in facts.cuts))} of it in transfers)"]
+            f"({format_seconds(facts.cut_seconds)} of it in transfers)"]
     return "\n".join(_wrap("; ".join(t for t in text if t) + ".", " " * 8, first="totals: "))
 
 
-def _warnings(plan: Plan, facts: Facts) -> str:
-    notes = warnings_of(plan, facts)
-    if not notes:
+def _warnings(facts: Facts) -> str:
+    if not facts.warnings:
         return "warnings: none"
     lines = ["warnings:"]
-    for note in notes:
+    for note in facts.warnings:
         lines += _wrap(note, "    ", first="  - ")
     return "\n".join(lines)
