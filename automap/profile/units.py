@@ -101,9 +101,10 @@ def check_units(model: nn.Module, units: Sequence[str]) -> list[str]:
 def unit_aliases(model: nn.Module, units: Sequence[str]) -> dict[str, tuple[str, ...]]:
     """Other names under which each unit's module object is reachable."""
     names_of: dict[int, list[str]] = {}
+    modules: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
-    modules = dict(model.named_modules(remove_duplicate=False))
+        modules[name] = module
     return {u: tuple(n for n in names_of[id(modules[u])] if n != u) for u in units}
 
 
@@ -148,7 +149,12 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
         For each unit, its tensor names and the loose subset.
     """
     rank = {n: i for i, n in enumerate(order)}
-    ranked = sorted(units, key=lambda n: (rank.get(n, len(rank)), units.index(n)))
+    defined = {n: i for i, n in enumerate(units)}
+
+    def position(unit: str) -> tuple[int, int]:  # execution order, uncalled units last
+        return rank.get(unit, len(rank)), defined[unit]
+
+    ranked = sorted(units, key=position)
     prefixes = {alias: unit for unit, names in unit_aliases(model, units).items() for alias in (unit, *names)}
     owned: dict[str, tuple[list[str], list[str]]] = {n: ([], []) for n in units}
     names_of: dict[int, list[str]] = {}
@@ -157,7 +163,7 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
     for names in names_of.values():
         held = [(u, n) for u, n in ((_holder(n, prefixes), n) for n in names) if u is not None]
         if held:
-            unit, name = min(held, key=lambda h: (rank.get(h[0], len(rank)), ranked.index(h[0])))
+            unit, name = min(held, key=lambda h: position(h[0]))
             owned[unit][0].append(name)
             continue
         name = names[0]
