@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.memwatch import MemWatch, evict, read_io, run_fresh
 
 SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
              num_key_value_heads=16, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
@@ -39,21 +41,12 @@ def _config():
 # ------------------------------------------------------------------ the checkpoint
 
 
-def _shapes() -> dict[str, tuple[int, ...]]:
-    import automap
-    from transformers import LlamaForCausalLM
-
-    with automap.empty_model():
-        model = LlamaForCausalLM(_config())
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def _shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:
     """Consecutive names grouped into shards of at most ``shard_bytes`` (a bigger tensor alone)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = 4 * _numel(shape)
+        nbytes = 4 * math.prod(shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -62,23 +55,18 @@ def _shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[s
     return shards
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def make_checkpoint(folder: Path, shard_bytes: int) -> dict[str, Any]:
     """Write the checkpoint unless ``folder`` already holds this one; return its facts."""
     import torch
     from safetensors.torch import save_file
 
+    from benchmarks.llama import llama_shapes, random_weights
+
     marker = folder / "bench-config.json"
     wanted = {"shape": SHAPE, "shard_bytes": shard_bytes}
-    shapes = _shapes()
-    facts = {"total_bytes": sum(4 * _numel(s) for s in shapes.values()),
-             "largest_tensor_bytes": max(4 * _numel(s) for s in shapes.values()), "tensors": len(shapes)}
+    shapes = llama_shapes(_config())
+    facts = {"total_bytes": sum(4 * math.prod(s) for s in shapes.values()),
+             "largest_tensor_bytes": max(4 * math.prod(s) for s in shapes.values()), "tensors": len(shapes)}
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return {**facts, "shards": len(list(folder.glob("*.safetensors")))}
     shutil.rmtree(folder, ignore_errors=True)
@@ -88,25 +76,13 @@ def make_checkpoint(folder: Path, shard_bytes: int) -> dict[str, Any]:
     weight_map = {}
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: (torch.ones(shapes[n]) if "norm" in n else torch.randn(shapes[n], generator=generator) * 0.02)
-                   for n in names}
+        tensors = random_weights(shapes, names, generator)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del tensors
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": facts["total_bytes"]}, "weight_map": weight_map}))
     marker.write_text(json.dumps(wanted))
     return {**facts, "shards": len(shards)}
-
-
-def evict(folder: Path) -> None:
-    """Drop the checkpoint's pages from the page cache (only these files), so reads hit disk."""
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # ------------------------------------------------------------------ one load, fresh process
@@ -122,7 +98,6 @@ def worker(tool: str, checkpoint: str, budget: int, offload: str, logits_path: s
 
     import automap
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-    from benchmarks.memwatch import MemWatch, read_io
 
     config = _config()
     before = read_io()
@@ -154,15 +129,12 @@ def run_one(tool: str, checkpoint: Path, budget: int, scratch: Path, cold: bool)
     offload = scratch / f"offload-{tool}"
     shutil.rmtree(offload, ignore_errors=True)
     if cold:
-        evict(checkpoint)
+        evict(checkpoint.glob("*.safetensors"))
     logits = scratch / f"logits-{tool}.pt"
-    command = [sys.executable, "-m", "benchmarks.load", "--worker", tool, "--dir", str(checkpoint),
-               "--budget", str(budget), "--offload", str(offload), "--logits", str(logits)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"{tool} run failed:\n{result.stderr[-4000:]}")
+    result = run_fresh("benchmarks.load", "--worker", tool, "--dir", str(checkpoint), "--budget", str(budget),
+                       "--offload", str(offload), "--logits", str(logits))
     shutil.rmtree(offload, ignore_errors=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return result
 
 
 # ------------------------------------------------------------------ summary

@@ -7,15 +7,20 @@ so that earlier work in the same interpreter does not pollute the baseline.
     with MemWatch() as watch:
         work()
     print(watch.peak_anon_bytes - watch.base_anon_bytes)
+
+Also what the benchmarks share around it: ``read_io`` (bytes read and written), ``evict``
+(cold page cache for given files) and ``run_fresh`` (a worker in a fresh interpreter).
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 
 def read_status() -> dict[str, int]:
@@ -37,6 +42,19 @@ def read_io() -> dict[str, int]:
             key, _, rest = line.partition(":")
             values[key] = int(rest)
     return {"read_bytes": values.get("read_bytes", 0), "write_bytes": values.get("write_bytes", 0)}
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop the files' pages from the page cache (only these files), so the next reads hit disk.
+    They must not be mapped in this process; files it cannot write are not flushed first."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.access(path, os.W_OK):
+                os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class MemWatch:

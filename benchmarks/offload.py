@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.memwatch import MemWatch, read_io, run_fresh
+from benchmarks.memwatch import MemWatch, evict, read_io, run_fresh
 
 log = logging.getLogger("benchmarks.offload")
 CHECKPOINT = "model.safetensors"
@@ -58,19 +58,15 @@ def build_checkpoint(root: Path, layers: int, hidden: int) -> Path:
     """Write random fp32 weights (seeded) for the config, unless already there."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
+
+    from benchmarks.llama import llama_shapes, random_weights
 
     path = root / CHECKPOINT
     if path.exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(llama_config(layers, hidden))
-    generator = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, p in skeleton.state_dict().items():
-        tensors[name] = torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=generator) * 0.02
-    save_file(tensors, str(root / f".{CHECKPOINT}.tmp"))
+    shapes = llama_shapes(llama_config(layers, hidden))
+    save_file(random_weights(shapes, shapes, torch.Generator().manual_seed(0)), str(root / f".{CHECKPOINT}.tmp"))
     os.replace(root / f".{CHECKPOINT}.tmp", path)
     return path
 
@@ -94,17 +90,6 @@ def make_plan(root: Path, layers: int, hidden: int, budget_share: float, device:
 
 
 # ------------------------------------------------------------------ measuring
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop the files' pages from the page cache (they must not be mapped in this process)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd) if os.access(path, os.W_OK) else None
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def disk_bandwidth(path: Path, limit: int = 1 << 30) -> float:
