@@ -27,6 +27,7 @@ from automap.plan.model import Plan
 from automap.plan.packing import pack_out_of_order
 from automap.plan.partition import Chain, Range, Slot, fill, min_bottleneck
 from automap.profile import Profile
+from automap.profile.units import longest_prefix
 from automap.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,7 @@ def _holder(name: str, owner: Mapping[str, int], by_name: Mapping[str, int]) -> 
     """The unit holding tensor ``name``: its owner, else the unit with the longest prefix."""
     if name in owner:
         return owner[name]
-    probe = name
-    while probe:
-        probe = probe.rpartition(".")[0]
-        if probe in by_name:
-            return by_name[probe]
-    return None
+    return longest_prefix(by_name, name.rpartition(".")[0])
 
 
 def tie_roots(profile: Profile) -> list[int]:

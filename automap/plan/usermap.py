@@ -9,18 +9,8 @@ from automap.errors import DeviceError, DeviceMapError
 from automap.plan.model import Plan
 from automap.plan.strategies import build_plan, tie_roots
 from automap.profile import Profile
+from automap.profile.units import longest_prefix as lookup_device
 from automap.units import format_bytes
-
-
-def lookup_device(device_map: Mapping[str, str], name: str) -> str | None:
-    """Longest dotted-prefix match, as transformers and accelerate read device maps."""
-    probe = name
-    while True:
-        if probe in device_map:
-            return device_map[probe]
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
 
 
 def _normalise(device_map: Mapping[str, int | str], tensor_names: set[str],

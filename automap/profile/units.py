@@ -6,12 +6,14 @@ the unit whose code first uses it. Tied tensors are owned once and reported as a
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from automap.errors import ProfileError
+
+_V = TypeVar("_V")
 
 
 def _has_tensors(module: nn.Module) -> bool:
@@ -173,15 +175,21 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
     return owned
 
 
-def _holder(tensor_name: str, prefixes: Mapping[str, str]) -> str | None:
-    """The unit whose module (under any name) holds ``tensor_name``, longest prefix first."""
-    probe = tensor_name.rpartition(".")[0]
+def longest_prefix(mapping: Mapping[str, _V], name: str) -> _V | None:
+    """``mapping``'s value for ``name`` or its longest dotted prefix (``""`` last), as
+    transformers and accelerate read device maps; None when nothing matches."""
+    probe = name
     while True:
-        if probe in prefixes:
-            return prefixes[probe]
+        if probe in mapping:
+            return mapping[probe]
         if not probe:
             return None
         probe = probe.rpartition(".")[0]
+
+
+def _holder(tensor_name: str, prefixes: Mapping[str, str]) -> str | None:
+    """The unit whose module (under any name) holds ``tensor_name``."""
+    return longest_prefix(prefixes, tensor_name.rpartition(".")[0])
 
 
 def _first_inside(tensor_name: str, ranked: Sequence[str]) -> str:
