@@ -15,6 +15,7 @@ from automap.errors import AutomapError, DispatchError
 from automap.offload import Loader, OffloadStore
 from automap.plan import Plan
 from automap.profile import Unit
+from automap.profile.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,15 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     """
     if model in _STATES:
         raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
-    _check_plan_matches(model, plan)
+    tensors = _named_tensors(model)
+    _check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:
         check_present(name)
-    _check_meta(model, plan, store)
+    _check_meta(tensors, plan, store)
     state = DispatchState(plan=plan, store=store)
     disk_units = [u for u, d in zip(plan.units, plan.placement) if d == "disk"]
     if store is None and disk_units:
-        state.store = _write_store(model, disk_units, offload_dir)
+        state.store = _write_store(tensors, disk_units, offload_dir)
     try:
         _apply(model, plan, state, output_device, always_hook)
     except Exception as exc:
@@ -60,14 +62,11 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
+    return dict(all_named_tensors(model, remove_duplicate=False))
 
 
-def _check_plan_matches(model: nn.Module, plan: Plan) -> None:
+def _check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
     modules = dict(model.named_modules())
-    tensors = _named_tensors(model)
     for unit in plan.units:
         if unit.name not in modules:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
@@ -89,9 +88,8 @@ def _streamed_names(plan: Plan) -> set[str]:
             if n not in u.loose}
 
 
-def _check_meta(model: nn.Module, plan: Plan, store: OffloadStore | None) -> None:
+def _check_meta(tensors: dict[str, torch.Tensor], plan: Plan, store: OffloadStore | None) -> None:
     """A tensor may be on meta only when it is streamed and ``store`` holds it."""
-    tensors = _named_tensors(model)
     streamed = {id(tensors[n]): n for n in _streamed_names(plan)}
     entries = store.entries if store is not None else {}
     for name, tensor in tensors.items():
@@ -106,14 +104,13 @@ def _check_meta(model: nn.Module, plan: Plan, store: OffloadStore | None) -> Non
                                 "real weights")
 
 
-def _write_store(model: nn.Module, units: list[Unit], offload_dir: str | Path | None) -> OffloadStore:
+def _write_store(tensors: dict[str, torch.Tensor], units: list[Unit], offload_dir: str | Path | None) -> OffloadStore:
     if offload_dir is None:
         names = ", ".join(u.name for u in units[:3])
         raise DispatchError(
             f"the plan offloads {len(units)} unit(s) ({names}, ...) to disk but no offload_dir was given; "
             "pass offload_dir='path/to/dir' or raise max_memory so everything fits"
         )
-    tensors = _named_tensors(model)
     chosen, files = {}, {}
     for unit in units:
         for name in unit.tensors:
@@ -261,7 +258,7 @@ def _read_back(state: DispatchState, item: _Streamed, device: torch.device) -> t
 def _restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -> None:
     """Undo :func:`_apply`. Streamed weights are read back first, so a store that fails to
     read raises before anything changes."""
-    replacements = {id(t) for t in _named_tensors(model).values()} if rollback and state.replaced else set()
+    replacements = {id(t) for _, t in all_named_tensors(model)} if rollback and state.replaced else set()
     back = {key: _read_back(state, state.streamed[key], device) for key, (_, device) in state.original.items()
             if key in state.streamed and key not in replacements}
     for handle in state.handles:

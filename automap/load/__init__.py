@@ -26,6 +26,7 @@ from automap.load.empty import empty_model
 from automap.load.keys import match_keys
 from automap.load.materialise import Loaded, Task, install, materialise, plan_tasks
 from automap.profile import ExampleInputs
+from automap.profile.units import all_named_tensors
 from automap.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -96,21 +97,16 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
 def _offloaded_names(model: nn.Module, tasks: list[Task]) -> set[str]:
     """Every name (tied aliases too) of a tensor that stays in the offload store."""
     offloaded = {id(t.tensor) for t in tasks if t.device is None}
-    return {n for n, t in _named_tensors(model).items() if id(t) in offloaded}
+    return {n for n, t in all_named_tensors(model, remove_duplicate=False) if id(t) in offloaded}
 
 
 def _verify(model: nn.Module, on_purpose: set[str]) -> None:
     """Every tensor holds data, except the ones offloaded on purpose."""
-    left = [n for n, t in _named_tensors(model).items() if t.device.type == "meta" and n not in on_purpose]
+    left = [n for n, t in all_named_tensors(model, remove_duplicate=False)
+            if t.device.type == "meta" and n not in on_purpose]
     if left:
         raise CheckpointError(f"{len(left)} tensor(s) are still on meta after loading, first {left[:3]}; "
                               "the plan does not cover them: plan this model again")
-
-
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from automap.load.checkpoint import Checkpoint
 from automap.load.keys import Match
 from automap.offload import DTYPE_NAMES, Entry, OffloadStore
 from automap.plan import Plan
+from automap.profile.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ class Loaded:
 
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
     """Every tensor of the model once, in execution order, with where it goes."""
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
     execution = torch.device(plan.execution_device)
     tasks = []
     for unit, where in zip(plan.units, plan.placement):
