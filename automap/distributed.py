@@ -62,7 +62,11 @@ def split_spec(plan: Plan) -> dict[str, SplitPoint]:
         >>> split_spec(plan)
         {'model.layers.2': <SplitPoint.BEGINNING: 1>}
     """
-    return {stage.units[0]: SplitPoint.BEGINNING for stage in rank_stages(plan)[1:]}
+    return _split_points(rank_stages(plan))
+
+
+def _split_points(stages: tuple[Stage, ...]) -> dict[str, SplitPoint]:
+    return {stage.units[0]: SplitPoint.BEGINNING for stage in stages[1:]}
 
 
 def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: ExampleInputs | None = None,
@@ -158,8 +162,8 @@ def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, 
         raise PipelineError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if not 0 <= rank < world_size:
         raise PipelineError(f"rank {rank} is outside 0..{world_size - 1}")
-    spec = split_spec(plan) if world_size > 1 else {}
-    rank_stages(plan, world_size)
+    stages = rank_stages(plan, world_size)
+    spec = _split_points(stages)
     mb_args, mb_kwargs = split_batch(tuple(example_args), dict(example_kwargs or {}), chunks)[0]
     try:
         pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec)
@@ -174,7 +178,7 @@ def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, 
                             f"a split point in {sorted(spec)} is not called as a module in forward")
     stage = pipe.build_stage(rank, torch.device(device), group)
     log.info("rank %d/%d runs stage %d (%s, ...) with %s, %d micro-batches", rank, world_size, rank,
-             ", ".join(plan_stages(plan)[rank].units[:3]), schedule, chunks)
+             ", ".join(stages[rank].units[:3]), schedule, chunks)
     return RankPipeline(stage, make_schedule(stage, schedule, chunks, loss_fn), stage.submod, rank, world_size)
 
 
