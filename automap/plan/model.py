@@ -131,9 +131,6 @@ class Plan:
     def bytes_on(self, device_name: str) -> int:
         return sum(u.weight_bytes for u, d in zip(self.units, self.placement) if d == device_name)
 
-    def flops_on(self, device_name: str) -> int:
-        return sum(u.flops for u, d in zip(self.units, self.placement) if d == device_name)
-
     def link_seconds(self, nbytes: int, src: str, dst: str) -> float:
         """Predicted time to move ``nbytes`` between two devices (the slower link bounds it)."""
         if src == dst or nbytes == 0:

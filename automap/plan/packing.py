@@ -44,8 +44,7 @@ def _scatter(chain: Chain, rooms: Sequence[int], ranges: Sequence[Range | None])
         if span is None:
             continue
         start, stop = span
-        while stop > start and (sum(chain.weight[start:stop]) + max(chain.activation[start:stop]) > rooms[j]):
-            stop -= 1
+        stop = min(stop, fill(chain, [rooms[j]], start)[1])  # the longest part of the range that fits
         for i in range(start, stop):
             owner[i] = j
     weights = [sum(chain.weight[i] for i in range(len(chain)) if owner[i] == j) for j in range(len(rooms))]

@@ -57,12 +57,12 @@ class Slot:
     floor: int = 0
 
 
-def memory_reach(chain: Chain, room: int, with_activations: bool = True, floor: int = 0) -> list[int]:
+def memory_reach(chain: Chain, room: int, floor: int = 0) -> list[int]:
     """``reach[s]``: the largest ``e`` such that items ``s..e-1`` fit in ``room`` bytes
     (weights summed, activations as the largest one, at least ``floor``); ``reach[s] == s``
     when item ``s`` alone does not fit. Non-decreasing in ``s``, computed in O(n)."""
     n = len(chain)
-    act = chain.activation if with_activations else [0] * n
+    act = chain.activation
     reach = [0] * (n + 1)
     window: deque[int] = deque()  # indices of the range, activations decreasing
     end, total = 0, 0
@@ -87,8 +87,7 @@ def memory_reach(chain: Chain, room: int, with_activations: bool = True, floor: 
     return reach
 
 
-def fill(chain: Chain, rooms: Sequence[int], start: int = 0, with_activations: bool = True,
-         floors: Sequence[int] = ()) -> tuple[list[Range], int]:
+def fill(chain: Chain, rooms: Sequence[int], start: int = 0, floors: Sequence[int] = ()) -> tuple[list[Range], int]:
     """Greedy fill: each room in turn takes as many items as fit. Returns the ranges and the
     end reached; no contiguous split reaches further (feasibility shrinks with the range).
     O(n + k): each item is looked at once, plus once per room where it does not fit."""
@@ -97,7 +96,7 @@ def fill(chain: Chain, rooms: Sequence[int], start: int = 0, with_activations: b
     for j, room in enumerate(rooms):
         end, total, peak = position, 0, floors[j] if j < len(floors) else 0
         while end < n:
-            act = max(peak, chain.activation[end]) if with_activations else peak
+            act = max(peak, chain.activation[end])
             if total + chain.weight[end] + act > room:
                 break
             total, peak, end = total + chain.weight[end], act, end + 1
