@@ -60,7 +60,6 @@ class TraceResult:
     flows: list[Flow] = field(default_factory=list)
     unit_inputs: dict[str, Any] = field(default_factory=dict)
     total_flops: int = 0
-    total_train_flops: int = 0
 
 
 @dataclass
@@ -88,11 +87,11 @@ class _Call:
 class Tracer(TorchDispatchMode):
     """Attributes ops, FLOPs, tensor flows and live bytes to units (see the module docstring)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], record_inputs: bool) -> None:
+    def __init__(self, state: Mapping[str, torch.Tensor], record_inputs: bool, probe_backward: bool) -> None:
         super().__init__()
         self.total_flops = 0
         self.record_inputs = record_inputs
-        self.probe_backward = False
+        self.probe_backward = probe_backward
         self.in_backward = False
         self.state_storage: dict[int, str] = {}
         for name, t in state.items():
@@ -300,7 +299,7 @@ class Tracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ results
 
-    def finish(self, total_flops: int, total_train_flops: int) -> TraceResult:
+    def finish(self, total_flops: int) -> TraceResult:
         """Resolve segments to units and return the per-unit results."""
         owner, tpos = self._resolve()
         r = self.result
@@ -312,7 +311,7 @@ class Tracer(TorchDispatchMode):
                     r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
         r.first_use = {name: unit for name, seg in self.seg_use.items() if (unit := owner[seg]) is not None}
         r.flows = self._flows(owner, tpos)
-        r.total_flops, r.total_train_flops = total_flops, total_train_flops
+        r.total_flops = total_flops
         return r
 
     def _resolve(self) -> tuple[list[str | None], list[int]]:
@@ -388,8 +387,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     Raises:
         ProfileError: the forward failed; the message says in which unit.
     """
-    tracer = Tracer(state, record_inputs)
-    tracer.probe_backward = backward
+    tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
     modules = dict(model.named_modules(remove_duplicate=False))
     with ExitStack() as stack:
@@ -413,8 +411,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         forward_flops = tracer.total_flops
         if backward:
             _backward(output, tracer)
-        train_flops = tracer.total_flops
-    return tracer.finish(forward_flops, train_flops if backward else 0)
+    return tracer.finish(forward_flops)
 
 
 def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer) -> Any:
