@@ -52,14 +52,15 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class _Mapped(NamedTuple):
-    """One open file of the store: its map and the whole map as a uint8 tensor (tensors are
-    slices of it), where its data starts, its header, its identity."""
+    """One open file of the store, checked against the index once when mapped: its map, its
+    identity, and per store name the byte range of its data and the tensor viewing it (a
+    slice of the whole map), so that reading a weight is a lookup."""
 
     mapping: mmap.mmap | None
-    start: int
-    header: dict
     signature: tuple[int, int, int]
-    whole: torch.Tensor | None = None
+    spans: dict[str, tuple[int, int]]
+    views: dict[str, torch.Tensor]
+    address: int  # of the map's first byte; 0 for an empty file
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -141,6 +142,9 @@ class OffloadStore:
     def __init__(self, directory: str | os.PathLike[str], entries: Mapping[str, Entry]):
         self.directory = Path(directory)
         self.entries = dict(entries)
+        self._names: dict[str, list[str]] = {}  # file -> the store names it holds
+        for name, entry in self.entries.items():
+            self._names.setdefault(entry.file, []).append(name)
         self._maps: dict[str, _Mapped] = {}
 
     # ---------------------------------------------------------------- reading
@@ -169,25 +173,52 @@ class OffloadStore:
 
     def check_files(self) -> None:
         """Raise :class:`OffloadError` if a file is missing, truncated or lacks a tensor."""
-        for file in sorted({e.file for e in self.entries.values()}):
+        for file in sorted(self._names):
             self._mapped(file)
 
     def _mapped(self, file: str) -> _Mapped:
         if file not in self._maps:
-            path = self._path(file)
-            start, header = read_header(path)
-            end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-            size = path.stat().st_size
-            if size < start + end:
-                raise OffloadError(
-                    f"offload file {path} is truncated: {size} bytes, its header needs {start + end}; "
-                    "restore it, or delete the offload directory and dispatch (or load) again"
-                )
-            with open(path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-                whole = _as_tensor(mapping) if mapping is not None else None
-                self._maps[file] = _Mapped(mapping, start, header, _signature(path), whole)
+            self._maps[file] = self._map(file)
         return self._maps[file]
+
+    def _map(self, file: str) -> _Mapped:
+        path = self._path(file)
+        start, header = read_header(path)
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        size = path.stat().st_size
+        if size < start + end:
+            raise OffloadError(
+                f"offload file {path} is truncated: {size} bytes, its header needs {start + end}; "
+                "restore it, or delete the offload directory and dispatch (or load) again"
+            )
+        spans = {name: self._span(name, start, header) for name in self._names.get(file, [])}
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        whole = _as_tensor(mapping) if mapping is not None else None
+        views = {name: self._view(name, whole, *span) for name, span in spans.items()}
+        address = whole.data_ptr() if whole is not None else 0
+        return _Mapped(mapping, _signature(path), spans, views, address)
+
+    def _span(self, name: str, start: int, header: Mapping[str, dict]) -> tuple[int, int]:
+        """The absolute byte range of ``name`` in its file, checked against the index."""
+        entry = self.entries[name]
+        info = header.get(entry.key)
+        if info is None:
+            raise OffloadError(f"offload file {self.path_of(entry)} has no tensor {entry.key!r}; it was changed after writing")
+        begin, end = (int(x) for x in info["data_offsets"])
+        if info["dtype"] != entry.dtype or tuple(info["shape"]) != entry.shape or end - begin != entry.nbytes:
+            raise OffloadError(
+                f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
+                f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
+            )
+        return start + begin, start + end
+
+    def _view(self, name: str, whole: torch.Tensor | None, begin: int, end: int) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = DTYPES[entry.dtype]
+        if entry.nbytes == 0 or whole is None:
+            return torch.empty(entry.shape, dtype=dtype)
+        return whole[begin:end].view(dtype).view(entry.shape)
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         """Raise :class:`OffloadError` if a file holding one of ``names`` was replaced,
@@ -206,7 +237,7 @@ class OffloadStore:
 
     def _remap(self, file: str, old: _Mapped, now: tuple[int, int, int]) -> None:
         del self._maps[file]
-        path, names = self._path(file), [n for n, e in self.entries.items() if e.file == file]
+        path, names = self._path(file), self._names[file]
         hint = "restore the file, or delete the offload directory and dispatch (or load) again"
         try:
             self._mapped(file)
@@ -219,45 +250,21 @@ class OffloadStore:
             raise
         log.warning("offload file %s changed on disk but still matches its checksums; using it", path)
 
-    def _span(self, name: str) -> tuple[mmap.mmap | None, int, int]:
-        """The map holding ``name`` and the byte range of its data."""
-        mapping, begin, end, _ = self._located(name)
-        return mapping, begin, end
-
-    def _located(self, name: str) -> tuple[mmap.mmap | None, int, int, int]:
-        """As :meth:`_span`, plus the address of the map."""
-        entry = self.entries[name]
-        mapped = self._mapped(entry.file)
-        info = mapped.header.get(entry.key)
-        if info is None:
-            raise OffloadError(f"offload file {self.path_of(entry)} has no tensor {entry.key!r}; it was changed after writing")
-        begin, end = (int(x) for x in info["data_offsets"])
-        if info["dtype"] != entry.dtype or tuple(info["shape"]) != entry.shape or end - begin != entry.nbytes:
-            raise OffloadError(
-                f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
-                f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
-            )
-        address = mapped.whole.data_ptr() if mapped.whole is not None else 0
-        return mapped.mapping, mapped.start + begin, mapped.start + end, address
-
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as a zero-copy CPU view of its file."""
-        entry = self.entries[name]
-        _, begin, end = self._span(name)
-        dtype = DTYPES[entry.dtype]
-        whole = self._maps[entry.file].whole
-        if entry.nbytes == 0 or whole is None:
-            return torch.empty(entry.shape, dtype=dtype)
-        return whole[begin:end].view(dtype).view(entry.shape)
+        return self._mapped(self.entries[name].file).views[name]
 
     def advise(self, names: Iterable[str], populate: bool = True) -> None:
         """Ask the kernel to bring the pages of ``names`` into memory now: readahead of every
         range is queued at once (large reads, no waiting), then, with ``populate``, the pages
         are mapped in as they arrive, so the compute thread later takes no page faults. The
         GIL is released meanwhile."""
-        spans = [(address + begin - begin % _PAGE, end - begin + begin % _PAGE)
-                 for mapping, begin, end, address in (self._located(n) for n in names)
-                 if mapping is not None and end > begin]
+        spans = []
+        for name in names:
+            mapped = self._mapped(self.entries[name].file)
+            begin, end = mapped.spans[name]
+            if mapped.mapping is not None and end > begin:
+                spans.append((mapped.address + begin - begin % _PAGE, end - begin + begin % _PAGE))
         for start, length in spans:
             _madvise(start, length, mmap.MADV_WILLNEED)
         if populate:
