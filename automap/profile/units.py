@@ -116,12 +116,17 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    """Groups of names (parameters and buffers) that refer to the same tensor."""
+def _names_per_tensor(model: nn.Module) -> list[list[str]]:
+    """Every name of each distinct parameter or buffer, in definition order."""
     by_id: dict[int, list[str]] = {}
     for name, tensor in all_named_tensors(model, remove_duplicate=False):
         by_id.setdefault(id(tensor), []).append(name)
-    return [tuple(names) for names in by_id.values() if len(names) > 1]
+    return list(by_id.values())
+
+
+def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names (parameters and buffers) that refer to the same tensor."""
+    return [tuple(names) for names in _names_per_tensor(model) if len(names) > 1]
 
 
 def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -159,10 +164,7 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
     ranked = sorted(units, key=position)
     prefixes = {alias: unit for unit, names in unit_aliases(model, units).items() for alias in (unit, *names)}
     owned: dict[str, tuple[list[str], list[str]]] = {n: ([], []) for n in units}
-    names_of: dict[int, list[str]] = {}
-    for name, tensor in all_named_tensors(model, remove_duplicate=False):
-        names_of.setdefault(id(tensor), []).append(name)
-    for names in names_of.values():
+    for names in _names_per_tensor(model):
         held = [(u, n) for u, n in ((_holder(n, prefixes), n) for n in names) if u is not None]
         if held:
             unit, name = min(held, key=lambda h: position(h[0]))
