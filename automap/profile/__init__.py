@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -145,7 +146,7 @@ def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, t
     by_dtype: dict[str, int] = {}
     for n in names:
         key = str(tensors[n].dtype).removeprefix("torch.")
-        by_dtype[key] = by_dtype.get(key, 0) + tensors[n].numel() * tensors[n].element_size()
+        by_dtype[key] = by_dtype.get(key, 0) + tensor_bytes(tensors[n], None)
     return Unit(
         name=name,
         tensors=tuple(names),
@@ -165,8 +166,6 @@ def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, t
 
 def _with_timing(model: nn.Module, prof: Profile, trace: TraceResult, device: str | torch.device | None,
                  dtype: torch.dtype | None, repeats: int) -> Profile:
-    from dataclasses import replace
-
     seconds = measure_units(model, trace.unit_inputs, device, dtype=dtype, repeats=repeats)
     units = tuple(replace(u, seconds=seconds.get(u.name)) for u in prof.units)
     return replace(prof, units=units, measured_device=str(torch.device(device)) if device is not None else "")
