@@ -246,11 +246,11 @@ def _hook_loose_owners(model: nn.Module, plan: Plan, modules: dict[str, nn.Modul
 
 
 def _read_back(state: DispatchState, item: _Streamed, device: torch.device) -> torch.Tensor:
-    """A streamed tensor's weights as a tensor of its own on ``device`` (not a file view)."""
+    """A streamed tensor's weights as a tensor of its own on ``device`` (not a file view).
+    The caller checks the store's files first (:meth:`OffloadStore.check_unchanged`)."""
     if item.name in state.host:
         return state.host[item.name].to(device)
     assert state.store is not None
-    state.store.check_unchanged([item.name])
     source = state.store.get(item.name)
     return torch.empty_like(source, device=device).copy_(source)
 
@@ -259,8 +259,11 @@ def _restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) 
     """Undo :func:`_apply`. Streamed weights are read back first, so a store that fails to
     read raises before anything changes."""
     replacements = {id(t) for _, t in all_named_tensors(model)} if rollback and state.replaced else set()
-    back = {key: _read_back(state, state.streamed[key], device) for key, (_, device) in state.original.items()
-            if key in state.streamed and key not in replacements}
+    wanted = {key: device for key, (_, device) in state.original.items()
+              if key in state.streamed and key not in replacements}
+    if state.store is not None:  # one stat per file, not one per tensor
+        state.store.check_unchanged([n for n in (state.streamed[k].name for k in wanted) if n not in state.host])
+    back = {key: _read_back(state, state.streamed[key], device) for key, device in wanted.items()}
     for handle in state.handles:
         handle.remove()
     state.handles.clear()
