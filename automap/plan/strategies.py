@@ -144,8 +144,7 @@ def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], s
     slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0, floor if i == 0 else 0)
              for i, (d, room) in enumerate(zip(compute, rooms))]
     if strategy == "balanced_low_0" and len(slots) > 1:
-        slots[0] = Slot(slots[0].room, slots[0].speed * LOW_0_SPEED_FACTOR, slots[0].link, slots[0].base,
-                        slots[0].floor)
+        slots[0] = replace(slots[0], speed=slots[0].speed * LOW_0_SPEED_FACTOR)
     ranges = min_bottleneck(chain, slots, anchor_first)
     assert ranges is not None, "the chain was checked to fit before balancing"
     return ranges
