@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from automap.devices import MaxMemory, Reserve, detect_devices, parse_reserve
-from automap.dispatch import dispatch_plan, state_of
-from automap.errors import DeviceMapError, DispatchError, PlanError
+from automap.dispatch import check_not_dispatched, dispatch_plan, state_of
+from automap.errors import DeviceMapError, PlanError
 from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
 from automap.profile import ExampleInputs, Profile, default_example_inputs, profile
 
@@ -125,8 +125,7 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
         >>> model = automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="offload")
         >>> model(x)  # same outputs as before
     """
-    if state_of(model) is not None:
-        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir)
     return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)

@@ -11,7 +11,7 @@ The package: :mod:`~automap.dispatch.place` (dispatch_plan, undispatch),
 (moving nested inputs), :mod:`~automap.dispatch.state`.
 """
 from automap.dispatch.place import dispatch_plan, undispatch
-from automap.dispatch.state import DispatchState, state_of
+from automap.dispatch.state import DispatchState, check_not_dispatched, state_of
 from automap.dispatch.values import send
 
-__all__ = ["DispatchState", "dispatch_plan", "send", "state_of", "undispatch"]
+__all__ = ["DispatchState", "check_not_dispatched", "dispatch_plan", "send", "state_of", "undispatch"]

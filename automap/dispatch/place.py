@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from automap.devices import check_present
-from automap.dispatch.state import _STATES, DispatchState, _Group, _Streamed
+from automap.dispatch.state import _STATES, DispatchState, _Group, _Streamed, check_not_dispatched
 from automap.dispatch.streaming import _placeholder, _refuse_grad, _reset_stale, _stream_in, _stream_out
 from automap.dispatch.values import _move_inputs, _move_outputs
 from automap.errors import AutomapError, DispatchError
@@ -37,8 +37,7 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     Raises:
         DispatchError, DeviceError, OffloadError: the model is left exactly as it was.
     """
-    if model in _STATES:
-        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    check_not_dispatched(model)
     tensors = _named_tensors(model)
     _check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from automap.errors import DispatchError
 from automap.offload import Loader, OffloadStore
 from automap.plan import Plan
 
@@ -57,3 +58,10 @@ _STATES: "weakref.WeakKeyDictionary[nn.Module, DispatchState]" = weakref.WeakKey
 def state_of(model: nn.Module) -> DispatchState | None:
     """The dispatch state of ``model``, or None when it is not dispatched."""
     return _STATES.get(model)
+
+
+def check_not_dispatched(model: nn.Module) -> None:
+    """Raise :class:`DispatchError` when ``model`` is dispatched already (before planning it
+    again, which would fail on the hooked model with a less useful message)."""
+    if model in _STATES:
+        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")

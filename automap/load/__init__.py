@@ -19,8 +19,8 @@ from torch import nn
 
 from automap.api import DeviceMap, plan
 from automap.devices import MaxMemory, check_present
-from automap.dispatch import dispatch_plan, state_of
-from automap.errors import CheckpointError, DispatchError
+from automap.dispatch import check_not_dispatched, dispatch_plan
+from automap.errors import CheckpointError
 from automap.load.checkpoint import Checkpoint, open_checkpoint
 from automap.load.empty import empty_model
 from automap.load.keys import match_keys
@@ -70,8 +70,7 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
     Example:
         >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
     """
-    if state_of(model) is not None:
-        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    check_not_dispatched(model)
     start = time.perf_counter()
     with open_checkpoint(checkpoint) as ckpt:
         match = match_keys(model, ckpt)
