@@ -8,7 +8,8 @@ through torch's own hook API, never patching ``module.forward``, and keeps every
 
 The package: :mod:`~automap.dispatch.place` (dispatch_plan, undispatch),
 :mod:`~automap.dispatch.streaming` (offloaded units' hooks), :mod:`~automap.dispatch.values`
-(moving nested inputs), :mod:`~automap.dispatch.state`.
+(moving nested inputs), :mod:`~automap.dispatch.swap` (replacing tensor objects, e.g. off
+meta), :mod:`~automap.dispatch.state`.
 """
 from automap.dispatch.place import dispatch_plan, undispatch
 from automap.dispatch.state import DispatchState, check_not_dispatched, state_of

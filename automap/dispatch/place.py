@@ -10,6 +10,7 @@ from torch import nn
 from automap.devices import check_present
 from automap.dispatch.state import _STATES, DispatchState, _Group, _Streamed, check_not_dispatched
 from automap.dispatch.streaming import _placeholder, _refuse_grad, _reset_stale, _stream_in, _stream_out
+from automap.dispatch.swap import install
 from automap.dispatch.values import _move_inputs, _move_outputs
 from automap.errors import AutomapError, DispatchError
 from automap.offload import Loader, OffloadStore
@@ -135,17 +136,8 @@ def _off_meta(model: nn.Module, state: DispatchState) -> None:
     """Give every meta tensor (all of them streamed, see :func:`_check_meta`) a 0-element CPU
     object of its own, since ``.data`` cannot move a tensor off meta. Every module that refers
     to one gets the same replacement, so ties survive; the old objects are kept for rollback."""
-    fresh: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for key, old in table.items():
-                if old is None or old.device.type != "meta":
-                    continue
-                if id(old) not in fresh:
-                    new = _placeholder(old)
-                    fresh[id(old)] = nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new
-                state.replaced.append((table, key, old))
-                table[key] = fresh[id(old)]  # type: ignore[assignment]
+    fresh = {id(t): _placeholder(t) for _, t in all_named_tensors(model) if t.device.type == "meta"}
+    state.replaced = install(model, fresh)
 
 
 def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str | torch.device | None,
@@ -273,8 +265,8 @@ def _restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) 
             tensor.data = back[key]
         elif key not in state.streamed and tensor.device != device:
             tensor.data = tensor.data.to(device)
-    for table, key, old in reversed(state.replaced if rollback else []):
-        table[key] = old
+    if rollback:
+        install(model, state.replaced)
     if state.store is not None:
         state.store.close()
 

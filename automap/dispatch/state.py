@@ -47,8 +47,8 @@ class DispatchState:
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     groups: list[_Group] = field(default_factory=list)
     loader: Loader | None = None
-    # (table, key, meta tensor) for every meta tensor replaced by a placeholder: put back on rollback.
-    replaced: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    # The meta tensors replaced by placeholders, by id of the placeholder: put back on rollback.
+    replaced: dict[int, torch.Tensor] = field(default_factory=dict)
     live: int = 0  # streamed tensors held in right now
 
 

@@ -20,11 +20,12 @@ from torch import nn
 from automap.api import DeviceMap, plan
 from automap.devices import MaxMemory, check_present
 from automap.dispatch import check_not_dispatched, dispatch_plan
+from automap.dispatch.swap import install
 from automap.errors import CheckpointError
 from automap.load.checkpoint import Checkpoint, open_checkpoint
 from automap.load.empty import empty_model
 from automap.load.keys import match_keys
-from automap.load.materialise import Loaded, Task, install, materialise, plan_tasks
+from automap.load.materialise import Loaded, Task, materialise, plan_tasks
 from automap.profile import ExampleInputs
 from automap.profile.units import all_named_tensors
 from automap.units import format_bytes

@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -180,31 +180,3 @@ class _ReadOnDemand(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.tasks)
 
-
-def install(model: nn.Module, fresh: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Put the new tensors in place of the old (by ``id``), in every module that refers to
-    them, so that tied weights stay one object (``.data`` cannot move a tensor off meta).
-
-    Returns:
-        The inverse mapping: ``install(model, undo)`` puts the old objects back.
-    """
-    wrapped: dict[int, torch.Tensor] = {}
-    undo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for table in tables:
-            for key, old in table.items():
-                if old is None or id(old) not in fresh:
-                    continue
-                if id(old) not in wrapped:
-                    wrapped[id(old)] = _like(old, fresh[id(old)])
-                    undo[id(wrapped[id(old)])] = old
-                table[key] = wrapped[id(old)]
-    return undo
-
-
-def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    if not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
-        return new
-    cls = type(old) if type(old) is not nn.Parameter else nn.Parameter
-    return cls(new, requires_grad=old.requires_grad and new.is_floating_point())
