@@ -11,6 +11,7 @@ from automap.devices import MaxMemory, Reserve, detect_devices, parse_reserve
 from automap.dispatch import check_not_dispatched, dispatch_plan, state_of
 from automap.errors import DeviceMapError, PlanError
 from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
+from automap.plan.usermap import normalise_device_map
 from automap.profile import ExampleInputs, Profile, default_example_inputs, profile
 
 DeviceMap = str | Mapping[str, int | str] | Plan
@@ -86,13 +87,11 @@ def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], device
     modules = {name for name, _ in model.named_modules()}
     tensors = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
     tensors.update(dict.fromkeys(n for n, _ in model.named_buffers(remove_duplicate=False)))
-    # The map's module keys are the units: whatever it keeps together stays together.
-    units = [k for k in device_map if isinstance(k, str) and k in modules]
-    plan_units = [u for u in units if any(t == u or t.startswith(u + ".") or u == "" for t in tensors)]
-    unknown = [k for k in device_map if k not in modules and k not in tensors]
-    if unknown:
-        plan_units = units  # let the validator name the unknown key
-    prof = profile(model, example_inputs, dtype=dtype, units=plan_units or [""])
+    normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
+    # The map's module keys that hold tensors are the units: what it keeps together stays together.
+    holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
+    units = [k for k in device_map if k in modules and k in holders]
+    prof = profile(model, example_inputs, dtype=dtype, units=units or [""])
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
 
 

@@ -13,8 +13,14 @@ from automap.profile.units import longest_prefix as lookup_device
 from automap.units import format_bytes
 
 
-def _normalise(device_map: Mapping[str, int | str], tensor_names: set[str],
-               module_names: set[str]) -> dict[str, str]:
+def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[str] | Mapping[str, object],
+                         module_names: set[str]) -> dict[str, str]:
+    """``device_map`` with canonical device names, after checking every key names a module or
+    tensor of the model and every value names a device.
+
+    Raises:
+        DeviceMapError: an unknown key or an unknown device.
+    """
     normalised: dict[str, str] = {}
     for key, value in device_map.items():
         if not isinstance(key, str):
@@ -86,7 +92,7 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
             is left without a device, or one unit is split over several devices.
     """
     tensors: Sequence[str] = list(tensor_names)
-    normalised = _normalise(device_map, set(tensors), module_names)
+    normalised = normalise_device_map(device_map, set(tensors), module_names)
     missing = [t for t in tensors if lookup_device(normalised, t) is None]
     if missing:
         raise DeviceMapError(
