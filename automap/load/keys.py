@@ -16,6 +16,7 @@ from torch import nn
 
 from automap.errors import CheckpointError
 from automap.load.checkpoint import Checkpoint
+from automap.profile.units import all_named_tensors
 
 Rename = tuple[str, Callable[[str], str]]
 
@@ -41,8 +42,7 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
             shapes that differ (counts and the first names of each).
     """
     expected = dict(model.state_dict(keep_vars=True))
-    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    known = {n for n, _ in all_named_tensors(model, remove_duplicate=False)}
     how, rename = _best_rename(expected, checkpoint.tensors)
     renamed = {rename(k): k for k in checkpoint.tensors}
     sources: dict[str, str] = {}
