@@ -144,6 +144,17 @@ class Plan:
 
     def cuts(self) -> tuple[Cut, ...]:
         """Every boundary where consecutive units compute on different devices."""
+        return self._cuts
+
+    def summary(self) -> tuple[DeviceSummary, ...]:
+        """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
+        streaming of offloaded weights, plus the transfers into it). Activations count on
+        accelerators, those of offloaded units on the execution device, where they run."""
+        return self._summary
+
+    # Cached like execution_device: the report, the JSON and the predicted times each read them.
+    @cached_property
+    def _cuts(self) -> tuple[Cut, ...]:
         result = []
         for i in range(1, len(self.units)):
             src, dst = self.compute_device(self.placement[i - 1]), self.compute_device(self.placement[i])
@@ -153,10 +164,8 @@ class Plan:
                                   self.link_seconds(nbytes, src, dst)))
         return tuple(result)
 
-    def summary(self) -> tuple[DeviceSummary, ...]:
-        """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
-        streaming of offloaded weights, plus the transfers into it). Activations count on
-        accelerators, those of offloaded units on the execution device, where they run."""
+    @cached_property
+    def _summary(self) -> tuple[DeviceSummary, ...]:
         total_flops = sum(u.flops for u in self.units) or 1
         incoming: dict[str, float] = {}
         for cut in self.cuts():
