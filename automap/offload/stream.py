@@ -68,8 +68,9 @@ class Loader:
         Raises:
             OffloadError: a store file changed, was truncated or deleted.
         """
+        stored = [n for n in names if n not in self.host] if self.store is not None else []
         if self.store is not None:
-            self.store.check_unchanged([n for n in names if n not in self.host])
+            self.store.check_unchanged(stored)
         got: dict[str, torch.Tensor] = {}
         event = None
         future = self._pending.pop(key, None)
@@ -83,7 +84,7 @@ class Loader:
         elif not self._cuda and self.store is not None:
             # Not prefetched (the first unit, or a guess that missed): queue the reads of the
             # whole unit now rather than page by page as the compute thread faults.
-            self.store.advise([n for n in names if n not in self.host], populate=False)
+            self.store.advise(stored, populate=False)
         missing = tuple(n for n in names if n not in got)
         if missing:
             more, event2 = self._fetch(missing, False)
