@@ -13,6 +13,7 @@ from automap.errors import DeviceMapError, PlanError
 from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
 from automap.plan.usermap import normalise_device_map
 from automap.profile import ExampleInputs, Profile, default_example_inputs, profile
+from automap.profile.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
 
@@ -85,8 +86,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
 def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple,
                    example_inputs: ExampleInputs | None, dtype: torch.dtype | None) -> Plan:
     modules = {name for name, _ in model.named_modules()}
-    tensors = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
-    tensors.update(dict.fromkeys(n for n, _ in model.named_buffers(remove_duplicate=False)))
+    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     # The map's module keys that hold tensors are the units: what it keeps together stays together.
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}

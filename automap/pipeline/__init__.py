@@ -27,6 +27,7 @@ from automap.pipeline.microbatch import (batch_size, chunk_sizes, chunks_for_spl
 from automap.pipeline.runner import _PIPELINED, Chunks, Pipeline
 from automap.pipeline.stages import Stage, plan_stages
 from automap.plan import Plan
+from automap.profile.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ def _indexed(device: torch.device) -> torch.device:
 
 
 def _place_units(model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: tuple[torch.device, ...]) -> None:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
     where = {name: device for stage, device in zip(stages, real) for name in stage.units}
     for unit in plan.units:
         for name in unit.tensors:

@@ -12,6 +12,7 @@ from torch import nn
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
 from automap.plan import Plan
 from automap.plan.usermap import lookup_device
+from automap.profile.units import all_named_tensors
 from automap.report.facts import ReportError
 
 if TYPE_CHECKING:
@@ -48,14 +49,8 @@ def placement(model: nn.Module) -> Plan:
     return _undispatched(model)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
-
-
 def _dispatched(model: nn.Module, plan: Plan, streamed: set[int]) -> Plan:
-    tensors = _named_tensors(model)
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
     found, notes = [], []
     for unit, planned in zip(plan.units, plan.placement):
         where = {}
@@ -100,7 +95,7 @@ def _undispatched(model: nn.Module) -> Plan:
 
     prof = profile(model)
     hf_map = {k: canonical_name(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
-    tensors = _named_tensors(model)
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
     notes: list[str] = []
     found = tuple(_device_of_unit(u, tensors, hf_map, notes) for u in prof.units)
     base = Plan(units=prof.units, devices=detect_devices(), placement=found, strategy="actual",
