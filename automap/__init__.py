@@ -4,21 +4,18 @@
     >>> model = automap.dispatch(model, device_map="auto")
     >>> print(automap.placement(model).report())
 """
-from automap.api import dispatch, plan
+from automap.api import dispatch, load, plan
 from automap.devices import DeviceSpec, detect_devices
-from automap.dispatch import undispatch
 from automap.errors import (AutomapError, CheckpointError, DeviceError, DeviceMapError, DispatchError,
                             OffloadError, PipelineError, PlanError, ProfileError, ReportError, SizeError,
                             SpecError)
-from automap.plan import Plan
-from automap.profile import Profile, Unit, profile
-from automap.units import format_bytes, parse_size
-
-# Imported eagerly, after their subpackages: the function binds the package attribute, so
-# `automap.load(...)` and `automap.pipeline(...)` stay functions whatever is imported later.
-from automap.load import empty_model, load  # noqa: E402  (isort: keep after the core)
-from automap.pipeline import pipeline  # noqa: E402
-from automap.report import placement  # noqa: E402
+from automap.planning import Plan
+from automap.profiling import Profile, Unit, profile
+from automap.loading import empty_model
+from automap.pipelining import pipeline
+from automap.report import placement
+from automap.runtime import undispatch
+from automap.sizes import format_bytes, parse_size
 
 __version__ = "0.1.0"
 

@@ -1,19 +1,25 @@
-"""The front doors: :func:`plan` and :func:`dispatch` connect profile -> plan -> dispatch."""
+"""The front doors: :func:`plan`, :func:`dispatch` and :func:`load` connect profile -> plan ->
+dispatch, and checkpoint -> plan -> dispatch."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from automap.devices import MaxMemory, Reserve, detect_devices, parse_reserve
-from automap.dispatch import check_not_dispatched, dispatch_plan, state_of
+from automap.devices import MaxMemory, Reserve, check_present, detect_devices, parse_reserve
+from automap.runtime import check_not_dispatched, dispatch_plan, state_of
+from automap.runtime.swap import install
 from automap.errors import DeviceMapError, PlanError
-from automap.plan import STRATEGIES, Plan, make_plan, plan_from_device_map
-from automap.plan.usermap import normalise_device_map
-from automap.profile import ExampleInputs, Profile, default_example_inputs, profile
-from automap.profile.units import all_named_tensors
+from automap.loading import (clean_on_failure, log_summary, match_keys, materialise, offloaded_names,
+                             open_checkpoint, plan_tasks, verify_loaded)
+from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
+from automap.planning.usermap import normalise_device_map
+from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
 
@@ -67,8 +73,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
                              speeds=speeds, links=links)
     if isinstance(device_map, str):
-        if device_map not in STRATEGIES:
-            raise PlanError(f"unknown strategy {device_map!r}; use one of {', '.join(STRATEGIES)}, a dict, or a Plan")
+        get_strategy(device_map)  # an unknown name fails before any profiling
         if isinstance(model, Profile):
             prof = model
         else:
@@ -128,3 +133,62 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir)
     return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
+
+
+def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: DeviceMap = "auto",
+         max_memory: MaxMemory | None = None, *, offload_dir: str | os.PathLike[str] | None = None,
+         dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
+         example_inputs: ExampleInputs | None = None, quiet: bool = False) -> nn.Module:
+    """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
+
+    The model is planned on meta first; then every tensor is read on its own (never a whole
+    shard) to its GPU or to CPU RAM, or kept in the offload store. Offloaded tensors of a
+    safetensors checkpoint already in the target dtype are referenced in place: nothing is
+    copied or written. Tied weights stay tied; buffers missing from the checkpoint keep the
+    values computed at init (build the model in :func:`empty_model`).
+
+    Args:
+        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
+        checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
+            shards (with or without ``model.safetensors.index.json``).
+        device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`; pass a
+            :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
+        offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
+            source, buffers computed at init in a unit on disk). Not needed when every offloaded
+            tensor comes from a safetensors checkpoint already in the target dtype.
+        dtype: convert floating-point weights and buffers to this dtype on the way, as
+            ``model.to(dtype)`` would.
+        quiet: no progress bar (it only appears for loads longer than a second).
+
+    Returns:
+        ``model``, loaded and dispatched; :func:`automap.undispatch` brings it back to CPU.
+
+    Raises:
+        CheckpointError: missing, corrupt, truncated or unsafe checkpoint; missing, unexpected
+            or mis-shaped keys. Nothing is left half-written in ``offload_dir``.
+        PlanError, DispatchError: as for :func:`automap.dispatch`.
+
+    Example:
+        >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
+    """
+    check_not_dispatched(model)
+    start = time.perf_counter()
+    with open_checkpoint(checkpoint) as ckpt:
+        match = match_keys(model, ckpt)
+        chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
+                      dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir))
+        for device in chosen.used_devices:
+            check_present(device)  # before reading anything
+        tasks = plan_tasks(model, chosen, match, dtype)
+        with clean_on_failure(offload_dir):
+            loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)
+            on_purpose = offloaded_names(model, tasks)
+            undo = install(model, loaded.fresh)
+            try:
+                verify_loaded(model, on_purpose)
+                dispatch_plan(model, chosen, store=loaded.store)
+            except BaseException:
+                install(model, undo)  # the skeleton as it was: nothing half-loaded either
+                raise
+    log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
+    return model

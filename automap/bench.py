@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from automap.units import format_bytes
+from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import time
 from typing import Any, NoReturn, Sequence
 
 from automap.errors import AutomapError, DeviceError, SizeError
+from automap.planning import STRATEGIES
 
 _PLAN_EXAMPLES = """\
 SPEC names the model, built on the meta device (no weights, nothing downloaded):
@@ -78,7 +79,7 @@ def _add_plan(commands: Any) -> None:
                       help="config fields (hf) or keyword arguments (torchvision, factory); repeatable")
     plan.add_argument("--max-memory", metavar="DEV=SIZE,...",
                       help="device budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB (default: this machine)")
-    plan.add_argument("--strategy", default="auto", choices=("auto", "balanced", "balanced_low_0", "sequential"),
+    plan.add_argument("--strategy", default="auto", choices=tuple(STRATEGIES),
                       help="how to spread units over the GPUs (default: auto)")
     plan.add_argument("--batch", type=int, default=1, metavar="N", help="example batch size (default: 1)")
     plan.add_argument("--seq-len", type=int, default=128, metavar="N",

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from automap.api import dispatch, plan
-from automap.dispatch import undispatch
+from automap.runtime import undispatch
 from automap.report import placement
-from automap.units import format_bytes
+from automap.sizes import format_bytes
 
 
 def _resnet50() -> tuple[nn.Module, tuple[Any, ...]]:

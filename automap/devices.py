@@ -13,7 +13,7 @@ from typing import Mapping, Sequence, Union
 import torch
 
 from automap.errors import DeviceError
-from automap.units import parse_size
+from automap.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ Reserve = Union[int, str, Mapping[Union[int, str], Union[int, float, str]], None
 
 # Sustained compute (FLOP/s) and the bandwidth (bytes/s) of the link that feeds the device.
 # They are deliberately round numbers: what matters to the balancer is their ratio, and a
-# measured profile (automap.profile.calibrated_device and Profile.with_measured_time) replaces them when precision matters.
+# measured profile (automap.profiling.calibrated_device and Profile.with_measured_time) replaces them when precision matters.
 DEFAULT_FLOPS = {"cuda": 100e12, "xpu": 50e12, "mps": 10e12, "cpu": 2e11, "disk": 0.0}
 DEFAULT_LINK = {"cuda": 25e9, "xpu": 25e9, "mps": 50e9, "cpu": 25e9, "disk": 2e9}
 ACCELERATORS = ("cuda", "xpu", "mps")

@@ -24,9 +24,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from automap.devices import detect_devices
 from automap.errors import AutomapError, PipelineError
-from automap.pipeline import Stage, plan_stages, split_batch
-from automap.plan import Plan, make_plan
-from automap.profile import ExampleInputs, profile
+from automap.pipelining import Stage, plan_stages, split_batch
+from automap.planning import Plan, make_plan
+from automap.profiling import ExampleInputs, profile
 
 log = logging.getLogger(__name__)
 

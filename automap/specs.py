@@ -258,9 +258,9 @@ def example_inputs_for(model: nn.Module, batch: int, seq_len: int) -> tuple[Any,
     """Meta example inputs for ``model`` at ``batch`` x ``seq_len`` and a description of them.
 
     transformers vision models get ``pixel_values`` at their config's image size; everything
-    else gets :func:`automap.profile.default_example_inputs`.
+    else gets :func:`automap.profiling.default_example_inputs`.
     """
-    from automap.profile import default_example_inputs
+    from automap.profiling import default_example_inputs
 
     config = getattr(model, "config", None)
     if config is not None and getattr(model, "main_input_name", None) == "pixel_values":
@@ -283,7 +283,7 @@ class SpecPlan:
 
     def headline(self, seconds: float) -> str:
         """``'LlamaForCausalLM (hf:llama): 68.98B parameters, 128.48 GiB at bfloat16; planned ...'``."""
-        from automap.units import format_bytes
+        from automap.sizes import format_bytes
 
         dtype = self.dtype or next((p.dtype for p in self.built.model.parameters() if p.is_floating_point()),
                                    torch.float32)
@@ -323,7 +323,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         1
     """
     from automap.api import plan
-    from automap.profile import profile
+    from automap.profiling import profile
 
     from automap.devices import parse_max_memory
 

@@ -179,7 +179,7 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str):
     from torch import nn
 
     import automap
-    from automap.dispatch import dispatch_plan, state_of
+    from automap.runtime import dispatch_plan, state_of
     from automap.offload import OffloadStore, checkpoint_entries
 
     plan = automap.Plan.from_json((root / f"plan-{device}.json").read_text())

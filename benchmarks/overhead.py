@@ -55,7 +55,7 @@ class Tower(nn.Module):
 
 def with_automap(model: nn.Module) -> nn.Module:
     import automap
-    from automap.dispatch import dispatch_plan
+    from automap.runtime import dispatch_plan
 
     device_map = {f"blocks.{i}": "cpu" for i in range(UNITS)}
     return dispatch_plan(model, automap.plan(model, device_map), always_hook=True, output_device="cpu")

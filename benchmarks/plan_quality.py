@@ -28,9 +28,9 @@ from torch import nn
 import automap
 from automap.devices import DeviceSpec, make_device
 from automap.errors import AutomapError
-from automap.plan import Plan, make_plan, plan_from_device_map
-from automap.plan.strategies import all_cut_bytes, make_items
-from automap.profile import Profile, Unit
+from automap.planning import Plan, make_plan, plan_from_device_map
+from automap.planning.layout import all_cut_bytes, make_items
+from automap.profiling import Profile, Unit
 
 log = logging.getLogger("plan_quality")
 

@@ -39,8 +39,8 @@ from torch import nn
 import automap
 from automap.devices import DEFAULT_FLOPS, detect_devices
 from automap.distributed import FREE_LINK_BYTES_PER_SECOND
-from automap.pipeline import chunks_for_split_size, plan_stages
-from automap.plan import Plan, make_plan
+from automap.pipelining import chunks_for_split_size, plan_stages
+from automap.planning import Plan, make_plan
 from automap.report.figure import bar_chart
 
 log = logging.getLogger("benchmarks.tutorial")
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="comma-separated micro-batch sizes, e.g. 4,2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("automap.pipeline").setLevel(logging.ERROR)  # the BatchNorm note, once per config
+    logging.getLogger("automap.pipelining").setLevel(logging.ERROR)  # the BatchNorm note, once per config
     setup = detect_setup()
     overrides = {k: v for k, v in {"repeats": args.repeats, "batch": args.batch, "image": args.image,
                                    "split_sizes": args.split_sizes}.items() if v is not None}

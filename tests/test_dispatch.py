@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import automap
-from automap.dispatch import dispatch_plan, state_of
+from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import OffloadStore, checkpoint_entries
 from conftest import ToyModel, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5
@@ -338,7 +338,7 @@ def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
     from transformers.cache_utils import DynamicCache
     from transformers.modeling_outputs import BaseModelOutput
 
-    from automap.dispatch import send
+    from automap.runtime import send
 
     @dataclasses.dataclass
     class Batch:

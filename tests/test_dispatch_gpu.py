@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import automap
-from automap.dispatch import dispatch_plan, state_of
+from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError
 from conftest import ToyModel, tiny_gpt2, tiny_llama
 

@@ -14,8 +14,8 @@ from safetensors.torch import save_file, save_model
 
 import automap
 from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
-from automap.dispatch import state_of
-from automap.load.checkpoint import Checkpoint
+from automap.runtime import state_of
+from automap.loading.checkpoint import Checkpoint
 from conftest import logits_of, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
 
@@ -339,7 +339,7 @@ def test_failed_dispatch_leaves_the_skeleton_as_it_was(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise DispatchError("simulated dispatch failure")
 
-    monkeypatch.setattr(importlib.import_module("automap.load"), "dispatch_plan", refuse)
+    monkeypatch.setattr(importlib.import_module("automap.api"), "dispatch_plan", refuse)
     with pytest.raises(DispatchError, match="simulated"):
         automap.load(skeleton, tmp_path / "llama.safetensors", _alternate_map(real), offload_dir=tmp_path / "off",
                      quiet=True)
@@ -361,7 +361,7 @@ def test_devices_missing_here_fail_before_reading(tmp_path, monkeypatch):
 
 
 def test_progress_bar_on_stderr_unless_quiet(tmp_path, capfd, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("automap.load.materialise"), "PROGRESS_DELAY_SECONDS", 0)
+    monkeypatch.setattr(importlib.import_module("automap.loading.materialise"), "PROGRESS_DELAY_SECONDS", 0)
     real = tiny_llama(layers=2)
     save_model(real, str(tmp_path / "m.safetensors"))
     automap.load(_empty(real), tmp_path / "m.safetensors", quiet=True)

@@ -14,9 +14,9 @@ from torch import nn
 
 import automap
 from automap.errors import PipelineError
-from automap.pipeline import (StageCost, best_chunks, chunk_sizes, chunks_for_split_size, pipeline_seconds,
+from automap.pipelining import (StageCost, best_chunks, chunk_sizes, chunks_for_split_size, pipeline_seconds,
                               plan_stages, split_batch)
-from automap.pipeline.cost import HANDOFF_SECONDS
+from automap.pipelining.cost import HANDOFF_SECONDS
 from conftest import tiny_llama, weight_bytes
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
@@ -133,7 +133,7 @@ def test_batchnorm_matches_in_eval_and_normalises_per_microbatch_in_training(cap
     plan = automap.plan(model, {"conv1": 0, "bn1": 0, "layer1": 0, "layer2": 0, "layer3": 1, "layer4": 1,
                                 "fc": 1}, example_inputs=(x[:2],))
     plain = copy.deepcopy(model)
-    with caplog.at_level("WARNING", logger="automap.pipeline"):
+    with caplog.at_level("WARNING", logger="automap.pipelining.runner"):
         pipe = automap.pipeline(model, plan, chunks=3, devices=ON_CPU)
     assert "BatchNorm" in caplog.text and "'bn1'" in caplog.text
     with torch.no_grad():

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import automap
 from automap.devices import make_device
 from automap.errors import DeviceMapError, PlanError
-from automap.plan import Plan, make_plan
-from automap.plan.partition import Chain, Slot, fill, memory_reach, min_bottleneck
-from automap.plan.strategies import all_cut_bytes, build_plan
-from automap.profile import Profile, Unit
+from automap.planning import Plan, make_plan
+from automap.planning.partition import Chain, Slot, fill, memory_reach, min_bottleneck
+from automap.planning.layout import all_cut_bytes, build_plan
+from automap.profiling import Profile, Unit
 from conftest import tiny_gpt2, tiny_llama, weight_bytes
 
 MB = 10**6
@@ -380,7 +380,7 @@ def test_user_map_becomes_a_plan_and_reports_split_ties():
     device_map = {"transformer.wte": 0, "transformer.wpe": 0, "transformer.drop": 0, "transformer.h.0": 0,
                   "transformer.h.1": 1, "transformer.ln_f": 1, "lm_head": 1}
     plan = automap.plan(model, device_map, max_memory={0: "1GB", 1: "1GB"})
-    assert plan.strategy == "user"
+    assert plan.origin == "user"
     assert plan.device_of("transformer.h.1") == "cuda:1"
     assert any("tied weights split" in w and "lm_head" in w for w in plan.warnings)
 
@@ -408,3 +408,22 @@ def test_plan_device_map_works_with_accelerate_and_transformers(tmp_path):
     dispatched = dispatch_model(tiny_llama(layers=4), device_map=plan.device_map, offload_dir=str(tmp_path / "acc"))
     with torch.no_grad():
         assert torch.allclose(dispatched(ids).logits, expected, atol=1e-5)
+
+
+def test_a_new_strategy_is_one_registration(resnet50_profile):
+    """Strategies are looked up by name: registering a split function makes it a device_map."""
+    from automap.planning import STRATEGIES, register_strategy
+
+    @register_strategy("last_gpu_only", "everything on the last computing device")
+    def last_gpu_only(chain, slots, anchor_first):
+        return [None] * (len(slots) - 1) + [(0, len(chain))]
+
+    try:
+        devices = (make_device("cuda:0", 10**10), make_device("cuda:1", 10**10))
+        plan = make_plan(resnet50_profile, devices, "last_gpu_only")
+        assert set(plan.placement) == {"cuda:1"} and plan.strategy == "last_gpu_only"
+        assert automap.plan(resnet50_profile, "last_gpu_only", {0: "10GB", 1: "10GB"}).placement == plan.placement
+    finally:
+        del STRATEGIES["last_gpu_only"]
+    with pytest.raises(PlanError, match="unknown strategy 'last_gpu_only'"):
+        make_plan(resnet50_profile, devices, "last_gpu_only")

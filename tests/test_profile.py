@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import automap
 from automap.devices import DeviceSpec
 from automap.errors import AutomapError, ProfileError
-from automap.profile import calibrated_device, default_example_inputs, find_units
-from automap.profile.metaops import MemoTable
+from automap.profiling import calibrated_device, default_example_inputs, find_units
+from automap.profiling.metaops import MemoTable
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
 
 
@@ -265,7 +265,7 @@ class Reused(nn.Module):
 def test_repeated_and_uncalled_units_are_reported(caplog):
     model = Reused()
     model.register_buffer("spare", torch.zeros(2))  # held by the root, never read
-    with caplog.at_level(logging.WARNING, logger="automap.profile"):
+    with caplog.at_level(logging.WARNING, logger="automap.profiling"):
         prof = automap.profile(model, (torch.zeros(4, 8),))
     unit = {u.name: u for u in prof.units}
     assert unit["block"].calls == 2 and prof.repeated == ("block",)

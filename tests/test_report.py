@@ -154,11 +154,11 @@ def _bar_widths(ax, colour: str) -> dict[int, float]:
 
 
 def test_figure_bars_carry_the_plans_numbers(spread_plan):
-    from automap.report.figure import _MEMORY_COLOURS, device_colours
+    from automap.report.figure import MEMORY_COLOURS, device_colours
 
     fig = draw(spread_plan)
     memory, flops = fig.axes[0], fig.axes[1]
-    weights = _bar_widths(memory, _MEMORY_COLOURS["weights"])
+    weights = _bar_widths(memory, MEMORY_COLOURS["weights"])
     colours = device_colours(spread_plan)
     for row_index, row in enumerate(spread_plan.summary()):
         expected = 100 * row.weight_bytes / row.device.capacity_bytes
@@ -177,7 +177,7 @@ def test_placement_of_dispatched_model_matches_its_plan(tmp_path):
     automap.dispatch(model, chosen, offload_dir=tmp_path)
     try:
         actual = automap.placement(model)
-        assert actual.strategy == "actual"
+        assert actual.origin == "actual"
         assert actual.placement == chosen.placement and "disk" in actual.placement
         assert not [w for w in actual.warnings if "plan put it" in w or "split" in w]
         assert "actual placement" in actual.report()

@@ -1,5 +1,5 @@
 """Where a model's tensors really are, as a :class:`~automap.plan.Plan` that the text, JSON and
-figure render like any other (its strategy is ``"actual"``)."""
+figure render like any other (its origin is ``Origin.ACTUAL``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
-from automap.plan import Plan
-from automap.plan.usermap import lookup_device
-from automap.profile.units import all_named_tensors
+from automap.planning import Origin, Plan
+from automap.profiling.units import longest_prefix
+from automap.profiling.units import all_named_tensors
 from automap.report.facts import ReportError
 
 if TYPE_CHECKING:
-    from automap.profile import Unit
+    from automap.profiling import Unit
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def placement(model: nn.Module) -> Plan:
     unit is put where its tensors are; meta tensors follow ``model.hf_device_map``.
 
     Returns:
-        A :class:`Plan` with ``strategy == "actual"``: ``print(placement(model).report())``,
+        A :class:`Plan` with ``origin == Origin.ACTUAL``: ``print(placement(model).report())``,
         ``automap.report.figure(placement(model), "actual.png")``.
 
     Raises:
@@ -41,7 +41,7 @@ def placement(model: nn.Module) -> Plan:
         >>> automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="off")
         >>> print(automap.placement(model).report())
     """
-    from automap.dispatch import state_of
+    from automap.runtime import state_of
 
     state = state_of(model)
     if state is not None:
@@ -87,18 +87,18 @@ def _as_plan(plan: Plan, found: tuple[str, ...], notes: list[str]) -> Plan:
     extra = tuple(make_device(d, 0) for d in sorted(set(found)) if d not in known)
     return dataclasses.replace(
         plan, devices=tuple(sorted(plan.devices + extra, key=DeviceSpec.sort_key)), placement=found,
-        strategy="actual", warnings=tuple(plan.warnings) + tuple(notes))
+        origin=Origin.ACTUAL, warnings=tuple(plan.warnings) + tuple(notes))
 
 
 def _undispatched(model: nn.Module) -> Plan:
-    from automap.profile import profile
+    from automap.profiling import profile
 
     prof = profile(model)
     hf_map = {k: canonical_name(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     notes: list[str] = []
     found = tuple(_device_of_unit(u, tensors, hf_map, notes) for u in prof.units)
-    base = Plan(units=prof.units, devices=detect_devices(), placement=found, strategy="actual",
+    base = Plan(units=prof.units, devices=detect_devices(), placement=found, strategy="", origin=Origin.ACTUAL,
                 tie_groups=prof.tie_groups, example=prof.example,
                 cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units))))
     return _as_plan(base, found, notes)
@@ -109,7 +109,7 @@ def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Map
     counts: dict[str, int] = {}
     for name in unit.tensors:
         tensor = tensors[name]
-        device = lookup_device(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
+        device = longest_prefix(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
         if device is None:
             raise ReportError(
                 f"tensor {name!r} is on meta (no data) and the model has no hf_device_map saying where it "

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from automap.errors import ReportError
-from automap.units import format_bytes
+from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from automap.plan import Cut, DeviceSummary, Plan
+    from automap.planning import Cut, DeviceSummary, Plan
 
 
 @dataclass(frozen=True)

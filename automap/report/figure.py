@@ -7,18 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from automap.planning.model import Origin
 from automap.report.facts import Facts, ReportError, facts_of, format_seconds, short_name
 from automap.report.text import unit_ranges
-from automap.units import format_bytes
+from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from automap.plan import DeviceSummary, Plan
+    from automap.planning import DeviceSummary, Plan
 
 FORMATS = ("png", "svg", "pdf")
 _ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#CCB974")
 _KIND_COLOURS = {"cpu": "#DD8452", "disk": "#937860"}
 # Memory parts get neutral colours of their own so they are not read as devices.
-_MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "reserve": "#C44E52"}
+MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "reserve": "#C44E52"}
 _LABEL_CHARS = 110  # legend lines are cut here; the text report has the full ranges
 
 
@@ -102,7 +103,7 @@ def device_colours(plan: Plan) -> dict[str, str]:
 
 
 def _title(plan: Plan, facts: Facts) -> str:
-    what = "actual placement" if plan.strategy == "actual" else f"automap plan ({plan.strategy})"
+    what = "actual placement" if plan.origin is Origin.ACTUAL else f"automap plan ({plan.source})"
     return (f"{what}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights; "
             f"bottleneck {facts.bottleneck_device or '-'} {format_seconds(facts.bottleneck_seconds)}, "
             f"forward {format_seconds(facts.forward_seconds)}")
@@ -126,7 +127,7 @@ def _memory_panel(ax: Any, facts: Facts) -> None:
     peak = 100.0
     for y, row in enumerate(facts.rows):
         peak = max(peak, _memory_row(ax, y, row))
-    handles = [Patch(color=colour, label=part) for part, colour in _MEMORY_COLOURS.items()]
+    handles = [Patch(color=colour, label=part) for part, colour in MEMORY_COLOURS.items()]
     handles.append(Patch(facecolor="none", edgecolor="#444444", label="capacity"))
     ax.set_xlim(0, min(peak, _MAX_PERCENT) + 32)
     ax.set_xticks(range(0, int(min(peak, _MAX_PERCENT)) + 1, 25))
@@ -149,7 +150,7 @@ def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
                          ("reserve", row.reserve_bytes)):
         width = 100 * nbytes / cap
         shown = max(0.0, min(left + width, _MAX_PERCENT) - left)
-        ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=_MEMORY_COLOURS[part], height=0.6)
+        ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=MEMORY_COLOURS[part], height=0.6)
         left += width
     ax.text(min(max(left, 100), _MAX_PERCENT) + 1.5, y, f"{format_bytes(row.used_bytes)} ({left:.0f}%)",
             va="center", fontsize=8)

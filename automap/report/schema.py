@@ -7,20 +7,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from automap.plan import Plan, plan_to_dict
+from automap.planning import JSON_VERSION, Plan
 from automap.report.facts import Facts, ReportError, facts_of, short_name
 from automap.report.text import unit_ranges
 
 if TYPE_CHECKING:
-    from automap.plan import DeviceSummary
+    from automap.planning import DeviceSummary
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    """``plan`` as a JSON-ready dict: :meth:`Plan.to_json`'s keys, each ``"devices"`` entry
-    completed with what the report shows (headroom, units, ranges, ...), plus ``"totals"``
-    and ``"report_warnings"``. The schema is documented in ``docs/plan-schema.md``.
-
-    :meth:`Plan.from_json` reads it back (the added keys are derived, so it ignores them).
+    """``plan`` as a JSON-ready dict, as documented in ``docs/plan-schema.md``: the plan's own
+    keys (what :meth:`Plan.from_json` reads back), per-device summaries with what the report
+    shows (headroom, units, ranges, ...), ``"totals"`` and ``"report_warnings"``. The one place
+    the schema is written.
 
     Example:
         >>> data = plan_dict(plan)
@@ -28,18 +27,31 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         (0, 0)
     """
     facts = facts_of(plan)
-    data = plan_to_dict(plan)
-    extra = {row.device.name: _device_extra(plan, row) for row in facts.rows}
-    data["devices"] = [{**entry, **extra.get(entry["name"], {})} for entry in data["devices"]]
-    data["cuts"] = [asdict(cut) for cut in facts.cuts]
-    data["totals"] = _totals_dict(plan, facts)
-    data["report_warnings"] = list(facts.warnings)
-    return data
+    return {
+        "version": JSON_VERSION,
+        "strategy": plan.source,
+        "origin": plan.origin.value,
+        "example": plan.example,
+        "execution_device": plan.execution_device,
+        "device_map": plan.device_map,
+        "devices": [_device_dict(plan, row) for row in facts.rows],
+        "bottleneck_seconds": plan.bottleneck_seconds,
+        "forward_seconds": plan.forward_seconds,
+        "cuts": [asdict(cut) for cut in facts.cuts],
+        "units": [{**asdict(u), "device": d} for u, d in zip(plan.units, plan.placement)],
+        "tie_groups": [list(g) for g in plan.tie_groups],
+        "cut_bytes": list(plan.cut_bytes),
+        "warnings": list(plan.warnings),
+        "reserves": {name: nbytes for name, nbytes in plan.reserves},
+        "totals": _totals_dict(plan, facts),
+        "report_warnings": list(facts.warnings),
+    }
 
 
-def _device_extra(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
+def _device_dict(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
     capacity = row.device.capacity_bytes
     return {
+        **asdict(row.device),
         "map_value": row.device.map_value,
         "weight_bytes": row.weight_bytes,
         "activation_bytes": row.activation_bytes,

@@ -4,11 +4,12 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Sequence
 
+from automap.planning.model import Origin
 from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name
-from automap.units import format_bytes
+from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from automap.plan import Plan
+    from automap.planning import Plan
 
 WIDTH = 80
 MAX_CUT_LINES = 12  # an interleaved (offloaded) plan can have dozens; the totals count them all
@@ -62,14 +63,14 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 
 
 def _header(plan: Plan, facts: Facts) -> str:
-    actual = plan.strategy == "actual"
+    actual = plan.origin is Origin.ACTUAL
     inputs = "the given example inputs" if plan.example == "given" else plan.example
     if not plan.example:
         how = "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)"
     else:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
     checked = sum(len(u.tensors) for u in plan.units)
-    title = f"actual placement ({checked} tensors checked)" if actual else f"plan ({plan.strategy})"
+    title = f"actual placement ({checked} tensors checked)" if actual else f"plan ({plan.source})"
     line = (f"automap {title}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights, "
             f"execution on {plan.execution_device}; {how}")
     return "\n".join(_wrap(line))

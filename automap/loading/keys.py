@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from automap.errors import CheckpointError
-from automap.load.checkpoint import Checkpoint
-from automap.profile.units import all_named_tensors
+from automap.loading.checkpoint import Checkpoint
+from automap.profiling.units import all_named_tensors
 
 Rename = tuple[str, Callable[[str], str]]
 

@@ -6,11 +6,11 @@ from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
 from automap.errors import DeviceError, DeviceMapError
-from automap.plan.model import Plan
-from automap.plan.strategies import build_plan, tie_roots
-from automap.profile import Profile
-from automap.profile.units import longest_prefix as lookup_device
-from automap.units import format_bytes
+from automap.planning.model import Origin, Plan
+from automap.planning.layout import build_plan, tie_roots
+from automap.profiling import Profile
+from automap.profiling.units import longest_prefix
+from automap.sizes import format_bytes
 
 
 def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[str] | Mapping[str, object],
@@ -40,7 +40,7 @@ def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[
 
 def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
     unit = profile.units[index]
-    spots = {lookup_device(normalised, t) for t in unit.tensors} or {lookup_device(normalised, unit.name + ".x")}
+    spots = {longest_prefix(normalised, t) for t in unit.tensors} or {longest_prefix(normalised, unit.name + ".x")}
     spots.discard(None)
     if len(spots) > 1:
         raise DeviceMapError(
@@ -93,7 +93,7 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     """
     tensors: Sequence[str] = list(tensor_names)
     normalised = normalise_device_map(device_map, set(tensors), module_names)
-    missing = [t for t in tensors if lookup_device(normalised, t) is None]
+    missing = [t for t in tensors if longest_prefix(normalised, t) is None]
     if missing:
         raise DeviceMapError(
             f"device_map leaves {len(missing)} tensor(s) without a device, first {missing[:5]}; "
@@ -104,6 +104,6 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     all_devices = tuple(sorted(devices + tuple(extra), key=DeviceSpec.sort_key))
     default = all_devices[0].name
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
-    plan = build_plan(profile, all_devices, placement, "user", {})
+    plan = build_plan(profile, all_devices, placement, "", {}, origin=Origin.USER)
     notes = _split_ties(plan, profile) + _over_capacity(plan)
     return replace(plan, warnings=plan.warnings + tuple(notes))

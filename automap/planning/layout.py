@@ -1,13 +1,12 @@
-"""Strategies: from a profile and devices to a :class:`Plan`.
+"""Layout: from a profile, devices and a strategy to a :class:`Plan`.
 
 Units become *items* (a unit plus the units tied to it, which must share its device), items
 form a chain in execution order, and the chain is split over tiers: accelerators first, then
 CPU RAM, then disk.
 
 - When the accelerators can hold every item (weights, activations of the profiled batch, the
-  user's reserve) nothing goes to CPU or disk. ``"balanced"`` takes the contiguous split that
-  minimises the slowest stage (:func:`~automap.plan.partition.min_bottleneck`),
-  ``"sequential"`` fills device after device. If no contiguous split of whole units fits but
+  user's reserve) nothing goes to CPU or disk; the registered strategy
+  (:mod:`automap.planning.strategies`) splits the chain over them. If no contiguous split of whole units fits but
   the units can be packed out of order, they are (a warning says so): extra cuts cost
   microseconds, streaming offloaded weights costs far more.
 - Otherwise the accelerators keep one contiguous run of items (possibly after a few offloaded
@@ -23,19 +22,16 @@ from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
-from automap.plan.model import Plan
-from automap.plan.packing import pack_out_of_order
-from automap.plan.partition import Chain, Range, Slot, fill, min_bottleneck
-from automap.profile import Profile
-from automap.profile.units import longest_prefix
-from automap.units import format_bytes
+from automap.planning.model import Origin, Plan
+from automap.planning.packing import pack_out_of_order
+from automap.planning.partition import Chain, Range, Slot, fill
+from automap.planning.strategies import Strategy, get_strategy
+from automap.profiling import Profile
+from automap.profiling.units import longest_prefix
+from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-# Under "balanced_low_0" GPU 0 is balanced as if half as fast: generate() runs its logits
-# processing, sampling and the model's inputs and outputs there, as transformers expects.
-LOW_0_SPEED_FACTOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -134,20 +130,13 @@ def _room(device: DeviceSpec, reserve: Mapping[str, int]) -> int:
     return max(device.capacity_bytes - reserve.get(device.name, 0), 0)
 
 
-def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], strategy: str,
+def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], strategy: Strategy,
             base: float = 0.0, floor: int = 0, anchor_first: bool = False) -> list[Range | None]:
-    """Split ``chain`` (known to fit) over the computing devices; the first of them also
-    runs the offloaded units (``base`` seconds, ``floor`` activation bytes)."""
-    if strategy == "sequential":
-        ranges, _ = fill(chain, rooms, floors=[floor])
-        return [r if r[1] > r[0] else None for r in ranges]
+    """Split ``chain`` (known to fit) over the computing devices with ``strategy``; the first
+    of them also runs the offloaded units (``base`` seconds, ``floor`` activation bytes)."""
     slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0, floor if i == 0 else 0)
              for i, (d, room) in enumerate(zip(compute, rooms))]
-    if strategy == "balanced_low_0" and len(slots) > 1:
-        slots[0] = replace(slots[0], speed=slots[0].speed * LOW_0_SPEED_FACTOR)
-    ranges = min_bottleneck(chain, slots, anchor_first)
-    assert ranges is not None, "the chain was checked to fit before balancing"
-    return ranges
+    return strategy.split(chain, slots, anchor_first)
 
 
 # Leading items that may be offloaded too, when the execution device cannot keep them beside
@@ -224,7 +213,7 @@ def _offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: De
     return total
 
 
-def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: Mapping[str, int]) -> Layout:
+def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout:
     """Device per item: everything on the computing devices when it fits, else tiers."""
     compute, storage = _tiers(devices)
     if not compute:
@@ -257,7 +246,7 @@ def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: str, reserve: 
 
 
 def _offloaded(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], storage: Sequence[DeviceSpec],
-               strategy: str, reserve: Mapping[str, int], chosen: _Offload) -> Layout:
+               strategy: Strategy, reserve: Mapping[str, int], chosen: _Offload) -> Layout:
     """Place the offloaded items in storage and split the kept ones over the computing devices."""
     n = len(chain)
     where = _store(chain, [*range(chosen.head), *range(chosen.point, n)], storage, reserve)
@@ -337,7 +326,8 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     Args:
         profile: the model's units in execution order.
         devices: where units may go (hypothetical devices are fine), fastest tier first.
-        strategy: ``"auto"`` / ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+        strategy: a registered strategy's name (:mod:`automap.planning.strategies`):
+            ``"auto"`` / ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
         reserve: bytes to keep free per device name (KV cache, optimizer state).
 
     Returns:
@@ -350,8 +340,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     Example:
         >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
     """
-    if strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)} or a dict")
+    chosen = get_strategy(strategy)
     if not devices:
         raise PlanError("no devices to place on; give max_memory={'cpu': '8GiB'} or similar")
     devices = tuple(sorted(devices, key=DeviceSpec.sort_key))
@@ -359,7 +348,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     cuts = all_cut_bytes(profile)
     items = make_items(profile, cuts)
     check_items_fit(profile, items, devices, reserve)
-    placed = layout(items.chain, devices, strategy, reserve)
+    placed = layout(items.chain, devices, chosen, reserve)
     placement = [""] * len(profile.units)
     for members, where in zip(items.members, placed.devices):
         for i in members:
@@ -369,9 +358,9 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
 
 def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
                reserves: Mapping[str, int], cuts: Sequence[int] | None = None,
-               notes: Sequence[str] = ()) -> Plan:
+               notes: Sequence[str] = (), origin: Origin = Origin.STRATEGY) -> Plan:
     """Assemble a :class:`Plan` and the notes a user should read."""
-    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy,
+    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy, origin=origin,
                 tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
                 example=profile.example,
                 reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from automap.plan import Plan
+from automap.planning import Plan
 
 
 @dataclass(frozen=True)

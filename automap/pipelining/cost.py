@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from automap.devices import make_device
-from automap.pipeline.stages import Stage
-from automap.plan import Plan
+from automap.pipelining.stages import Stage
+from automap.planning import Plan
 
 # Round figures, as in automap.devices. An op (a leaf module's forward) costs ~10 us of
 # dispatch and launch; its backward about twice that. A hand-off is a thread wake-up plus a

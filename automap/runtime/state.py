@@ -11,11 +11,11 @@ from torch.utils.hooks import RemovableHandle
 
 from automap.errors import DispatchError
 from automap.offload import Loader, OffloadStore
-from automap.plan import Plan
+from automap.planning import Plan
 
 
 @dataclass(eq=False)
-class _Streamed:
+class Streamed:
     """An offloaded tensor: the live object, its store name, and how many units hold it in."""
 
     tensor: torch.Tensor
@@ -24,14 +24,14 @@ class _Streamed:
 
 
 @dataclass(eq=False)
-class _Group:
+class Group:
     """The offloaded tensors one unit needs (its own and tied ones owned elsewhere), and the
     group expected to run after it (prefetched while this one computes)."""
 
     key: str
     where: str
-    items: list[_Streamed]
-    next: _Group | None = None
+    items: list[Streamed]
+    next: Group | None = None
     saving: Any = None  # the saved-tensor hooks active while the unit runs with grad enabled
 
 
@@ -43,25 +43,25 @@ class DispatchState:
     handles: list[RemovableHandle] = field(default_factory=list)
     original: dict[int, tuple[torch.Tensor, torch.device]] = field(default_factory=dict)
     store: OffloadStore | None = None
-    streamed: dict[int, _Streamed] = field(default_factory=dict)
+    streamed: dict[int, Streamed] = field(default_factory=dict)
     host: dict[str, torch.Tensor] = field(default_factory=dict)
-    groups: list[_Group] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
     loader: Loader | None = None
     # The meta tensors replaced by placeholders, by id of the placeholder: put back on rollback.
     replaced: dict[int, torch.Tensor] = field(default_factory=dict)
     live: int = 0  # streamed tensors held in right now
 
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, DispatchState]" = weakref.WeakKeyDictionary()
+STATES: "weakref.WeakKeyDictionary[nn.Module, DispatchState]" = weakref.WeakKeyDictionary()
 
 
 def state_of(model: nn.Module) -> DispatchState | None:
     """The dispatch state of ``model``, or None when it is not dispatched."""
-    return _STATES.get(model)
+    return STATES.get(model)
 
 
 def check_not_dispatched(model: nn.Module) -> None:
     """Raise :class:`DispatchError` when ``model`` is dispatched already (before planning it
     again, which would fail on the hooked model with a less useful message)."""
-    if model in _STATES:
+    if model in STATES:
         raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from automap.devices import check_present
-from automap.dispatch.state import _STATES, DispatchState, _Group, _Streamed, check_not_dispatched
-from automap.dispatch.streaming import _placeholder, _refuse_grad, _reset_stale, _stream_in, _stream_out
-from automap.dispatch.swap import install
-from automap.dispatch.values import _move_inputs, _move_outputs
+from automap.runtime.state import STATES, DispatchState, Group, Streamed, check_not_dispatched
+from automap.runtime.streaming import placeholder, refuse_grad, reset_stale, stream_in, stream_out
+from automap.runtime.swap import install
+from automap.runtime.values import move_inputs, move_outputs
 from automap.errors import AutomapError, DispatchError
 from automap.offload import Loader, OffloadStore
-from automap.plan import Plan
-from automap.profile import Unit
-from automap.profile.units import all_named_tensors
+from automap.planning import Plan
+from automap.profiling import Unit
+from automap.profiling.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
         if isinstance(exc, AutomapError):
             raise
         raise DispatchError(f"dispatching {type(model).__name__} failed ({exc}); the model was left as it was") from exc
-    _STATES[model] = state
+    STATES[model] = state
     log.info("dispatched %s: %d unit(s), %d offloaded, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
@@ -136,7 +136,7 @@ def _off_meta(model: nn.Module, state: DispatchState) -> None:
     """Give every meta tensor (all of them streamed, see :func:`_check_meta`) a 0-element CPU
     object of its own, since ``.data`` cannot move a tensor off meta. Every module that refers
     to one gets the same replacement, so ties survive; the old objects are kept for rollback."""
-    fresh = {id(t): _placeholder(t) for _, t in all_named_tensors(model) if t.device.type == "meta"}
+    fresh = {id(t): placeholder(t) for _, t in all_named_tensors(model) if t.device.type == "meta"}
     state.replaced = install(model, fresh)
 
 
@@ -159,7 +159,7 @@ def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: st
         # resident itself), so a tie split between RAM and disk stays one parameter.
         own = owned.get(unit.name, [])
         items = own + _aliases(modules[unit.name], state, own)
-        group = _Group(unit.name, where, items) if items else None
+        group = Group(unit.name, where, items) if items else None
         if group is not None:
             state.groups.append(group)
         if needs_hooks:
@@ -167,15 +167,15 @@ def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: st
     if state.groups:
         _link(state.groups)
         state.loader = Loader(state.store, state.host, execution)
-        state.handles.append(model.register_forward_pre_hook(_reset_stale(state), prepend=True))
+        state.handles.append(model.register_forward_pre_hook(reset_stale(state), prepend=True))
     if needs_hooks:
         _hook_loose_owners(model, plan, modules, tensors, state)
     if output_device is not None:
-        state.handles.append(model.register_forward_hook(_move_outputs(torch.device(output_device))))
+        state.handles.append(model.register_forward_hook(move_outputs(torch.device(output_device))))
 
 
 def _offload_tensors(state: DispatchState, unit: Unit, where: str, tensors: dict[str, torch.Tensor],
-                     execution: torch.device) -> list[_Streamed]:
+                     execution: torch.device) -> list[Streamed]:
     """Move the unit's tensors out to where they live between uses (host RAM, pinned when a
     GPU executes, or the store) and leave placeholders behind."""
     items = []
@@ -189,14 +189,14 @@ def _offload_tensors(state: DispatchState, unit: Unit, where: str, tensors: dict
         elif state.store is None or name not in state.store.entries:
             raise DispatchError(f"unit {unit.name!r} is placed on disk but the offload store has no tensor "
                                 f"{name!r}; pass a store that holds it, or an offload_dir to write one")
-        items.append(state.streamed.setdefault(id(tensor), _Streamed(tensor, name)))
+        items.append(state.streamed.setdefault(id(tensor), Streamed(tensor, name)))
         if tensor.requires_grad:
-            state.handles.append(tensor.register_hook(_refuse_grad(name)))
-        tensor.data = _placeholder(tensor)
+            state.handles.append(tensor.register_hook(refuse_grad(name)))
+        tensor.data = placeholder(tensor)
     return items
 
 
-def _aliases(module: nn.Module, state: DispatchState, own: list[_Streamed]) -> list[_Streamed]:
+def _aliases(module: nn.Module, state: DispatchState, own: list[Streamed]) -> list[Streamed]:
     """Streamed tensors reachable from ``module`` that another unit owns (tied weights)."""
     mine = {id(i.tensor) for i in own}
     found = []
@@ -207,18 +207,18 @@ def _aliases(module: nn.Module, state: DispatchState, own: list[_Streamed]) -> l
     return found
 
 
-def _link(groups: list[_Group]) -> None:
+def _link(groups: list[Group]) -> None:
     """Each group prefetches the next in plan order; the last the first (the next forward,
     or the next token of ``generate``)."""
     for i, group in enumerate(groups):
         group.next = groups[(i + 1) % len(groups)] if len(groups) > 1 else None
 
 
-def _hook_unit(module: nn.Module, state: DispatchState, device: torch.device, group: _Group | None) -> None:
-    state.handles.append(module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True))
+def _hook_unit(module: nn.Module, state: DispatchState, device: torch.device, group: Group | None) -> None:
+    state.handles.append(module.register_forward_pre_hook(move_inputs(device), with_kwargs=True))
     if group is not None:
-        state.handles.append(module.register_forward_pre_hook(_stream_in(state, group)))
-        state.handles.append(module.register_forward_hook(_stream_out(state, group)))
+        state.handles.append(module.register_forward_pre_hook(stream_in(state, group)))
+        state.handles.append(module.register_forward_hook(stream_out(state, group)))
 
 
 def _hook_loose_owners(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
@@ -230,13 +230,13 @@ def _hook_loose_owners(model: nn.Module, plan: Plan, modules: dict[str, nn.Modul
         for name in unit.loose:
             owners.setdefault(name.rpartition(".")[0], tensors[name].device)
     for owner, device in owners.items():
-        state.handles.insert(0, modules[owner].register_forward_pre_hook(_move_inputs(device), with_kwargs=True))
+        state.handles.insert(0, modules[owner].register_forward_pre_hook(move_inputs(device), with_kwargs=True))
 
 
 # ------------------------------------------------------------------ undo
 
 
-def _read_back(state: DispatchState, item: _Streamed, device: torch.device) -> torch.Tensor:
+def _read_back(state: DispatchState, item: Streamed, device: torch.device) -> torch.Tensor:
     """A streamed tensor's weights as a tensor of its own on ``device`` (not a file view).
     The caller checks the store's files first (:meth:`OffloadStore.check_unchanged`)."""
     if item.name in state.host:
@@ -283,9 +283,9 @@ def undispatch(model: nn.Module) -> nn.Module:
     Example:
         >>> automap.undispatch(automap.dispatch(model, max_memory={"cpu": "1GB"}, offload_dir="off"))
     """
-    state = _STATES.get(model)
+    state = STATES.get(model)
     if state is None:
         raise DispatchError(f"{type(model).__name__} is not dispatched by automap; nothing to undo")
     _restore(model, state)
-    del _STATES[model]
+    del STATES[model]
     return model

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from automap.errors import ProfileError
-from automap.profile.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
-from automap.profile.graph import build_graph
-from automap.profile.result import Flow, Profile, Unit
-from automap.profile.timing import calibrated_device, measure_units
-from automap.profile.trace import TraceResult, run_trace
-from automap.profile.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
+from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
+from automap.profiling.graph import build_graph
+from automap.profiling.result import Flow, Profile, Unit
+from automap.profiling.timing import calibrated_device, measure_units
+from automap.profiling.trace import TraceResult, run_trace
+from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
                                    tie_groups, unit_aliases)
 
 log = logging.getLogger(__name__)

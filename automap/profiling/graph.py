@@ -4,7 +4,7 @@ A tensor produced by one unit and read by several later ones (T5's encoder state
 every decoder block; Llama's cos/sin, read by every layer) is drawn as a relay: producer ->
 first reader -> next reader ..., as a pipeline carries it from stage to stage. Then exactly one
 of its edges crosses any cut it is live across, and summing ``bytes`` over the edges a cut
-crosses gives :meth:`Profile.cut_bytes <automap.profile.result.Profile.cut_bytes>` without
+crosses gives :meth:`Profile.cut_bytes <automap.profiling.result.Profile.cut_bytes>` without
 counting a tensor twice.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import networkx as nx
 
-from automap.profile.result import INPUT, OUTPUT, Flow, Unit, live_bytes
+from automap.profiling.result import INPUT, OUTPUT, Flow, Unit, live_bytes
 
 
 def build_graph(units: Sequence[Unit], flows: Sequence[Flow]) -> nx.DiGraph:

@@ -36,9 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from automap.errors import ProfileError
-from automap.profile.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
+from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
                                      unique_bytes, unpack_saved)
-from automap.profile.result import INPUT, OUTPUT, Flow
+from automap.profiling.result import INPUT, OUTPUT, Flow
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from torch.utils._pytree import tree_map
 
 from automap.devices import DeviceSpec
 from automap.errors import ProfileError
-from automap.profile.metaops import TensorSpec
+from automap.profiling.metaops import TensorSpec
 
 if TYPE_CHECKING:
-    from automap.profile.result import Profile
+    from automap.profiling.result import Profile
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def measure_units(model: nn.Module, unit_inputs: Mapping[str, Any], device: str 
 
     Args:
         model: the model (real or on meta); only copies of single units are moved.
-        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profile.metaops.TensorSpec`
+        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profiling.metaops.TensorSpec`
             leaves, as recorded by the traced forward.
         device: where to run.
         dtype: run floating-point weights and inputs at this dtype.

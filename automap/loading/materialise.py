@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -19,11 +21,12 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
-from automap.load.checkpoint import Checkpoint
-from automap.load.keys import Match
+from automap.loading.checkpoint import Checkpoint
+from automap.loading.keys import Match
 from automap.offload import DTYPE_NAMES, Entry, OffloadStore
-from automap.plan import Plan
-from automap.profile.units import all_named_tensors
+from automap.planning import Plan
+from automap.profiling.units import all_named_tensors
+from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -179,4 +182,51 @@ class _ReadOnDemand(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.tasks)
+
+
+def offloaded_names(model: nn.Module, tasks: list[Task]) -> set[str]:
+    """Every name (tied aliases too) of a tensor that stays in the offload store."""
+    offloaded = {id(t.tensor) for t in tasks if t.device is None}
+    return {n for n, t in all_named_tensors(model, remove_duplicate=False) if id(t) in offloaded}
+
+
+def verify_loaded(model: nn.Module, on_purpose: set[str]) -> None:
+    """Every tensor holds data, except the ones offloaded on purpose."""
+    left = [n for n, t in all_named_tensors(model, remove_duplicate=False)
+            if t.device.type == "meta" and n not in on_purpose]
+    if left:
+        raise CheckpointError(f"{len(left)} tensor(s) are still on meta after loading, first {left[:3]}; "
+                              "the plan does not cover them: plan this model again")
+
+
+@contextmanager
+def clean_on_failure(offload_dir: str | os.PathLike[str] | None) -> Iterator[None]:
+    """On any error, remove what this load created in ``offload_dir`` (and the folder itself
+    when the load created it), so no half-written store is left behind."""
+    if offload_dir is None:
+        yield
+        return
+    root = Path(offload_dir)
+    existed = root.exists()
+    before = set(os.listdir(root)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
+        elif root.is_dir():
+            for name in set(os.listdir(root)) - before:
+                path = root / name
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        raise
+
+
+def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, how: str, seconds: float) -> None:
+    by_device: dict[str, int] = {}
+    for task in tasks:
+        where = str(task.device) if task.device is not None else "offload store"
+        by_device[where] = by_device.get(where, 0) + task.nbytes
+    placed = ", ".join(f"{format_bytes(n)} to {d}" for d, n in by_device.items())
+    log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d",
+             type(model).__name__, seconds, how, placed, loaded.referenced, loaded.written)
 

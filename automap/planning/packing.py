@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from automap.devices import DeviceSpec
-from automap.plan.partition import Chain, Range, Slot, fill, min_bottleneck
+from automap.planning.partition import Chain, Range, Slot, fill, min_bottleneck
 
 
 def pack_out_of_order(chain: Chain, compute: Sequence[DeviceSpec],

@@ -9,13 +9,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from automap.dispatch.state import DispatchState, _Group, _Streamed
+from automap.runtime.state import DispatchState, Group, Streamed
 from automap.errors import DispatchError
 
 log = logging.getLogger(__name__)
 
 
-def _placeholder(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+def placeholder(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """What an offloaded tensor holds between uses: no elements, so any use outside its unit
     fails loudly with a shape error instead of computing with stale or zero weights. (``meta``
     would be clearer but ``.data`` cannot switch a CPU tensor to meta.)"""
@@ -24,7 +24,7 @@ def _placeholder(tensor: torch.Tensor, device: torch.device | None = None) -> to
     return torch.empty(0, dtype=tensor.dtype, device=device)
 
 
-def _check_trainable(module: nn.Module, group: _Group) -> None:
+def _check_trainable(module: nn.Module, group: Group) -> None:
     if module.training and torch.is_grad_enabled() and any(i.tensor.requires_grad for i in group.items):
         raise DispatchError(
             f"unit {group.key!r} is offloaded ({group.where}) and its parameters require grad; automap does "
@@ -34,7 +34,7 @@ def _check_trainable(module: nn.Module, group: _Group) -> None:
         )
 
 
-def _stream_in(state: DispatchState, group: _Group) -> Callable:
+def stream_in(state: DispatchState, group: Group) -> Callable:
     def hook(module: nn.Module, args: tuple) -> None:
         assert state.loader is not None
         _check_trainable(module, group)
@@ -67,7 +67,7 @@ class _SavedWeight:
     stride: tuple[int, ...]
 
 
-def _save_by_name(state: DispatchState, group: _Group) -> tuple[Callable, Callable]:
+def _save_by_name(state: DispatchState, group: Group) -> tuple[Callable, Callable]:
     loaded = {i.tensor.data_ptr(): i.name for i in group.items if i.tensor.numel()}
 
     def pack(tensor: torch.Tensor) -> Any:
@@ -83,7 +83,7 @@ def _save_by_name(state: DispatchState, group: _Group) -> tuple[Callable, Callab
     return pack, unpack
 
 
-def _refuse_grad(name: str) -> Callable:
+def refuse_grad(name: str) -> Callable:
     def hook(grad: torch.Tensor) -> None:
         raise DispatchError(
             f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
@@ -92,18 +92,18 @@ def _refuse_grad(name: str) -> Callable:
     return hook
 
 
-def _release(item: _Streamed) -> None:
+def _release(item: Streamed) -> None:
     item.users = 0
-    item.tensor.data = _placeholder(item.tensor, item.tensor.device)
+    item.tensor.data = placeholder(item.tensor, item.tensor.device)
 
 
-def _end_saving(group: _Group) -> None:
+def _end_saving(group: Group) -> None:
     if group.saving is not None:
         group.saving.__exit__(None, None, None)
         group.saving = None
 
 
-def _stream_out(state: DispatchState, group: _Group) -> Callable:
+def stream_out(state: DispatchState, group: Group) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         _end_saving(group)
         for item in group.items:
@@ -114,7 +114,7 @@ def _stream_out(state: DispatchState, group: _Group) -> Callable:
     return hook
 
 
-def _reset_stale(state: DispatchState) -> Callable:
+def reset_stale(state: DispatchState) -> Callable:
     """A forward that raised inside a unit never ran that unit's post-hook, leaving weights
     held in; the next top-level forward releases them so memory stays within budget."""
     def hook(module: nn.Module, args: tuple) -> None:

@@ -19,15 +19,15 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from automap.dispatch import state_of
+from automap.runtime import state_of
 from automap.errors import PipelineError
-from automap.pipeline.cost import StageCost, best_chunks, pipeline_seconds, stage_costs
-from automap.pipeline.microbatch import (batch_size, chunk_sizes, chunks_for_split_size, merge_outputs,
+from automap.pipelining.cost import StageCost, best_chunks, pipeline_seconds, stage_costs
+from automap.pipelining.microbatch import (batch_size, chunk_sizes, chunks_for_split_size, merge_outputs,
                                          split_batch)
-from automap.pipeline.runner import _PIPELINED, Chunks, Pipeline
-from automap.pipeline.stages import Stage, plan_stages
-from automap.plan import Plan
-from automap.profile.units import all_named_tensors
+from automap.pipelining.runner import PIPELINED, Chunks, Pipeline
+from automap.pipelining.stages import Stage, plan_stages
+from automap.planning import Plan
+from automap.profiling.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
         >>> torch.testing.assert_close(pipe(x), model(x))
     """
     _check_chunks(chunks)
-    if model in _PIPELINED:
+    if model in PIPELINED:
         raise PipelineError(f"{type(model).__name__} is already pipelined; call .close() on its Pipeline first")
     plan = _resolve_plan(model, plan, devices)
     if plan.offloaded_units:
@@ -80,7 +80,7 @@ def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
         _place_units(model, plan, stages, real)
     _warn_batch_norm(model)
     pipe = Pipeline(model, stages, real, chunks, plan)
-    _PIPELINED[model] = pipe
+    PIPELINED[model] = pipe
     log.info("pipelining %s over %d stage(s) (%s), chunks=%s", type(model).__name__, len(stages),
              " -> ".join(str(d) for d in real), chunks)
     return pipe

@@ -1,18 +1,49 @@
 """The :class:`Plan`: where every placement unit lives, what each device holds and does, and
-what it is predicted to cost. Built by :mod:`automap.plan.strategies` or from a user map.
+what it is predicted to cost. Built by :mod:`automap.planning.layout` or from a user map.
 """
 from __future__ import annotations
 
+import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
-from automap.profile import Unit
+from automap.profiling import Unit
 
 JSON_VERSION = 1
+
+
+class Origin(str, enum.Enum):
+    """Where a :class:`Plan` came from. A ``str`` enum, so ``plan.origin == "user"`` reads as it
+    should and JSON writes the plain value."""
+
+    STRATEGY = "strategy"  # a registered strategy chose it (``Plan.strategy`` names which)
+    USER = "user"  # a device map the user gave
+    ACTUAL = "actual"  # automap.placement(model): where a model's tensors really are
+
+
+# How a plan is turned into text and JSON belongs to automap.report, which imports this module;
+# report registers its renderers here when it is imported (``import automap`` always imports
+# it), so Plan.report() and Plan.to_json() work without planning importing report.
+Renderer = Callable[..., str]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def register_renderer(kind: str, renderer: Renderer) -> None:
+    """Make ``renderer`` the one :meth:`Plan.report` (``"text"``) or :meth:`Plan.to_json`
+    (``"json"``) uses."""
+    RENDERERS[kind] = renderer
+
+
+def _render(kind: str, plan: Plan, **options: Any) -> str:
+    try:
+        renderer = RENDERERS[kind]
+    except KeyError:
+        raise PlanError(f"no {kind} renderer is registered; import automap (or automap.report) first") from None
+    return renderer(plan, **options)
 
 
 @dataclass(frozen=True)
@@ -53,7 +84,8 @@ class Plan:
         units: the profile's units, in execution order.
         devices: the devices the plan could use, fastest tier first.
         placement: the device name of each unit (aligned with ``units``).
-        strategy: the strategy that made it (``"user"`` for a given device map).
+        strategy: the registered strategy that made it; for a user map or an actual placement
+            (see ``origin``), the strategy of the plan it came from, or "".
         tie_groups: tensor names that share storage (kept on one device).
         cut_bytes: bytes crossing the boundary before each unit (``cut_bytes[0]`` is the input).
         example: how the profile's example inputs were chosen ("" = bytes only).
@@ -61,6 +93,8 @@ class Plan:
         reserves: ``(device name, bytes)`` kept free on a device beyond weights and
             activations: the largest offloaded unit on the execution device, plus the user's
             ``reserve`` (KV cache, optimizer state).
+        origin: whether a strategy, a user's device map or a dispatched model's actual
+            placement gave it.
     """
 
     units: tuple[Unit, ...]
@@ -72,6 +106,12 @@ class Plan:
     example: str = ""
     warnings: tuple[str, ...] = field(default=())
     reserves: tuple[tuple[str, int], ...] = ()
+    origin: Origin = Origin.STRATEGY
+
+    @property
+    def source(self) -> str:
+        """What the report and JSON call it: the strategy's name, or ``"user"`` / ``"actual"``."""
+        return self.strategy if self.origin is Origin.STRATEGY else self.origin.value
 
     # -------------------------------------------------------------- lookups
 
@@ -216,45 +256,17 @@ class Plan:
 
     def report(self) -> str:
         """A human-readable table: per device bytes, share of FLOPs and unit range."""
-        from automap.report import render_text
-
-        return render_text(self)
+        return _render("text", self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (docs/plan-schema.md): the plan's own keys, a top-level
         ``"device_map"``, and the report's per-device summaries, totals and warnings."""
-        from automap.report.schema import to_json
-
-        return to_json(self, indent=indent)
+        return _render("json", self, indent=indent)
 
     @staticmethod
     def from_json(text: str) -> Plan:
         """Rebuild a plan written by :meth:`to_json`."""
         return plan_from_dict(json.loads(text))
-
-
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    return {
-        "version": JSON_VERSION,
-        "strategy": plan.strategy,
-        "example": plan.example,
-        "execution_device": plan.execution_device,
-        "device_map": plan.device_map,
-        "devices": [
-            {**asdict(row.device), "used_bytes": row.used_bytes, "weight_bytes": row.weight_bytes,
-             "activation_bytes": row.activation_bytes, "reserve_bytes": row.reserve_bytes,
-             "flops_share": row.flops_share, "stage_seconds": row.stage_seconds}
-            for row in plan.summary()
-        ],
-        "bottleneck_seconds": plan.bottleneck_seconds,
-        "forward_seconds": plan.forward_seconds,
-        "cuts": [asdict(c) for c in plan.cuts()],
-        "units": [{**asdict(u), "device": d} for u, d in zip(plan.units, plan.placement)],
-        "tie_groups": [list(g) for g in plan.tie_groups],
-        "cut_bytes": list(plan.cut_bytes),
-        "warnings": list(plan.warnings),
-        "reserves": {name: nbytes for name, nbytes in plan.reserves},
-    }
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
@@ -270,11 +282,13 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         Unit(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in u.items() if k in fields})
         for u in data["units"]
     )
+    origin, strategy = _origin_of(data)
     return Plan(
         units=units,
         devices=devices,
         placement=tuple(u["device"] for u in data["units"]),
-        strategy=data["strategy"],
+        strategy=strategy,
+        origin=origin,
         tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
         cut_bytes=tuple(int(c) for c in data.get("cut_bytes", [])),
         example=data.get("example", ""),
@@ -283,3 +297,13 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     )
 
 
+def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
+    """``(origin, strategy)`` from plan JSON; files from before ``"origin"`` existed wrote
+    ``"user"`` or ``"actual"`` as the strategy."""
+    strategy = str(data.get("strategy", ""))
+    try:
+        origin = Origin(data.get("origin") or (strategy if strategy in ("user", "actual") else "strategy"))
+    except ValueError:
+        raise PlanError(f"plan JSON has origin {data.get('origin')!r}; expected one of "
+                        f"{', '.join(o.value for o in Origin)}") from None
+    return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)

@@ -11,14 +11,14 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 import torch
 from torch import nn
 
-from automap.dispatch import send
+from automap.runtime import send
 from automap.errors import PipelineError
-from automap.pipeline.cost import best_chunks, stage_costs
-from automap.pipeline.microbatch import batch_size, input_bytes, merge_outputs, split_batch
-from automap.pipeline.stages import Stage
-from automap.plan import Plan
+from automap.pipelining.cost import best_chunks, stage_costs
+from automap.pipelining.microbatch import batch_size, input_bytes, merge_outputs, split_batch
+from automap.pipelining.stages import Stage
+from automap.planning import Plan
 
-log = logging.getLogger("automap.pipeline")
+log = logging.getLogger(__name__)
 
 Chunks = int | Literal["auto"]
 
@@ -81,7 +81,7 @@ class _Modes:
             yield
 
 
-_PIPELINED: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDictionary()
+PIPELINED: "weakref.WeakKeyDictionary[nn.Module, Pipeline]" = weakref.WeakKeyDictionary()
 
 
 class Pipeline(nn.Module):
@@ -146,8 +146,8 @@ class Pipeline(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if _PIPELINED.get(self.module) is self:
-            del _PIPELINED[self.module]
+        if PIPELINED.get(self.module) is self:
+            del PIPELINED[self.module]
         return self.module
 
     # -------------------------------------------------------------- running

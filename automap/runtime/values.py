@@ -45,7 +45,7 @@ def _on(values: tuple, device: torch.device) -> bool:
     return True
 
 
-def _move_inputs(device: torch.device) -> Callable:
+def move_inputs(device: torch.device) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if _on(args, device) and (not kwargs or _on(tuple(kwargs.values()), device)):
             return None
@@ -56,7 +56,7 @@ def _move_inputs(device: torch.device) -> Callable:
     return hook
 
 
-def _move_outputs(device: torch.device) -> Callable:
+def move_outputs(device: torch.device) -> Callable:
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         return send(output, device)
     return hook

@@ -1,0 +1,19 @@
+"""The balancer: which device each placement unit goes to.
+
+Pure and deterministic: a :class:`Plan` is a function of a :class:`~automap.profile.Profile`
+and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
+
+- :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;
+- :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
+- :mod:`automap.planning.strategies`: the named strategies, one registration each;
+- :mod:`automap.planning.layout`: items, tie groups, tiers, offloading and reserves;
+- :mod:`automap.planning.packing`: the out-of-order fallback before offloading;
+- :mod:`automap.planning.usermap`: user device maps, validated.
+"""
+from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict
+from automap.planning.layout import build_plan, make_plan
+from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
+from automap.planning.usermap import plan_from_device_map
+
+__all__ = ["JSON_VERSION", "STRATEGIES", "Strategy", "build_plan", "get_strategy", "register_strategy", "Cut", "DeviceSummary", "Plan", "make_plan", "plan_from_device_map",
+           "Origin", "plan_from_dict"]

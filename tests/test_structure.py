@@ -1,0 +1,131 @@
+"""The package's seams, checked from the source with ``ast``: imports point one way (DESIGN.md's
+layer order), the import graph has no cycle, and no module imports another's underscore names.
+Every import counts, including those inside functions and under ``TYPE_CHECKING``."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "automap"
+
+# DESIGN.md: sizes/errors <- devices <- profiling <- planning <- offload <- runtime <- loading <-
+# report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
+LAYERS = {
+    "errors": 0, "sizes": 0,
+    "devices": 1,
+    "profiling": 2,
+    "planning": 3,
+    "offload": 4,
+    "runtime": 5,
+    "loading": 6,
+    "report": 7, "pipelining": 7, "distributed": 7,
+    "api": 8,
+    "cli": 9, "specs": 9, "bench": 9, "demo": 9, "__main__": 9, "accelerate_compat": 8,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, str, int]]:
+    """``(target module, imported name or "", line)`` for every import in ``path``."""
+    found = []
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "automap"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "automap":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, "", node.lineno) if sub in known else (base, alias.name, node.lineno))
+    return found
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")
+    if len(parts) == 1:
+        return 10  # automap/__init__.py: the public surface imports everything
+    return LAYERS[parts[1]]
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted({n.split(".")[1] for n in modules() if "." in n and n.split(".")[1] not in LAYERS})
+    assert not unknown, f"give these parts a layer in LAYERS (and DESIGN.md): {unknown}"
+
+
+def test_imports_point_one_way():
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for target, _, line in imports_of(name, path, known):
+            if target in known and layer(target) > layer(name):
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} {name} imports {target}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_import_graph_has_no_cycle():
+    known = modules()
+    graph = nx.DiGraph()
+    for name, path in known.items():
+        graph.add_node(name)
+        for target, _, _ in imports_of(name, path, known):
+            if target in known and target != name:
+                graph.add_edge(name, target)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def private_module(target: str, importer: str) -> bool:
+    """A module named ``_x`` is private to its package: only its siblings may import it."""
+    parent, _, leaf = target.rpartition(".")
+    return leaf.startswith("_") and leaf != "__main__" and not importer.startswith(parent + ".")
+
+
+def test_no_module_imports_another_modules_private_names():
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for target, imported, line in imports_of(name, path, known):
+            if imported.startswith("_") or private_module(target, name):
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {imported or target} from {target}")
+    assert not wrong, "private names used across modules (make them public or move the code):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from automap.planning.model import _secret\n", "private"),
+    ("from automap.report import render_text\n", "layer"),
+    ("from .partition import Chain\n", "relative"),
+])
+def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
+    """The checks above are only worth something if they can fail: feed them a fake module
+    of automap.planning (written under tmp_path, read as if it sat in the package)."""
+    fake = tmp_path / "probe.py"
+    fake.write_text(source)
+    known = modules()
+    found = imports_of("automap.planning.probe", fake, known)
+    if expected == "private":
+        assert any(i.startswith("_") for _, i, _ in found)
+    elif expected == "layer":
+        assert any(layer(t) > layer("automap.planning.probe") for t, _, _ in found if t in known)
+    else:
+        assert [t for t, _, _ in found] == ["automap.planning.partition"]
