@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -19,6 +20,7 @@ from automap.loading import (clean_on_failure, log_summary, match_keys, material
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
 from automap.planning.usermap import normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.profiling.kvcache import check_batch, profile_generation, prompt_inputs
 from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
@@ -27,8 +29,9 @@ DeviceMap = str | Mapping[str, int | str] | Plan
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          dtype: torch.dtype | None = None, offload_dir: str | Path | None = None,
-         reserve: Reserve = None, batch: int | None = None, speeds: Mapping[str, float] | None = None,
-         links: Mapping[str, float] | None = None) -> Plan:
+         reserve: Reserve = None, batch: int | None = None, max_length: int | None = None,
+         speeds: Mapping[str, float] | None = None, links: Mapping[str, float] | None = None,
+         bandwidths: Mapping[str, float] | None = None) -> Plan:
     """Decide where each placement unit of ``model`` goes.
 
     ``"auto"``/``"balanced"`` keep everything on the accelerators when they can hold it
@@ -36,6 +39,12 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     stage (compute plus incoming transfers) is as fast as possible; otherwise the accelerators
     hold as much as they can, then CPU RAM, then disk. ``"balanced_low_0"`` keeps GPU 0 light;
     ``"sequential"`` fills GPU 0, 1, ..., then CPU, then disk.
+
+    With ``max_length``, the plan is for ``generate``: each device also keeps room for the KV
+    cache (or other generation state) of the units that compute on it, for ``batch`` sequences
+    of ``max_length`` tokens, measured by running a prefill and a decode step on meta; the
+    example inputs are the prompt, so activations are the prefill's. ``plan.report()`` then
+    shows a KV column and the predicted prefill time and decode tokens/s, with what limits them.
 
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
@@ -48,15 +57,20 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         reserve: bytes to keep free for KV cache or optimizer state: one size for every
             computing device (``"2GiB"``) or per device (``{0: "4GiB", 1: "1GiB"}``).
         batch: profile at this batch size (default example inputs only) so that activations
-            are reserved for the batch you will run.
-        speeds, links: FLOP/s and link bytes/s per device name or kind, replacing defaults
-            (e.g. ``speeds={"cuda": 300e12}, links={"cuda": 300e9}`` for NVLink H100s).
+            are reserved for the batch you will run; with ``max_length``, the sequences
+            generated together (default: the example inputs' batch, else 1).
+        max_length: plan for ``generate(max_length=...)``: tokens per sequence at the end,
+            prompt included (the decoder's tokens for an encoder-decoder).
+        speeds, links, bandwidths: FLOP/s, link bytes/s and memory bytes/s per device name or
+            kind, replacing defaults (e.g. ``speeds={"cuda": 300e12}, links={"cuda": 300e9}``
+            for NVLink H100s; ``bandwidths`` set decode predictions).
 
     Returns:
         A :class:`Plan`; ``plan.device_map`` is the Hugging Face / accelerate form.
 
     Raises:
-        PlanError: unknown strategy, or the model cannot fit.
+        PlanError: unknown strategy, the model cannot fit, ``batch`` < 1, or ``max_length``
+            not longer than the prompt.
         DeviceMapError: a dict map names unknown modules or leaves tensors without a device.
 
     Example:
@@ -71,39 +85,67 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
             "they are with automap.placement(model), or call automap.undispatch(model) before planning again"
         )
     devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
-                             speeds=speeds, links=links)
+                             speeds=speeds, links=links, bandwidths=bandwidths)
+    if batch is not None:
+        check_batch(batch)  # fails before any profiling
+    generation = _Generate(batch, max_length)
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
         if isinstance(model, Profile):
+            if max_length is not None and model.generation is None:
+                raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
+                                "or a Profile from automap.profiling.kvcache.profile_generation")
             prof = model
         else:
-            if example_inputs is None and batch is not None:
-                example_inputs, _ = default_example_inputs(model, batch=batch)
-            prof = profile(model, example_inputs, no_split=no_split, dtype=dtype)
+            prof = _profile(model, example_inputs, no_split, dtype, generation)
         return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
-        return _plan_user_map(model, device_map, devices, example_inputs, dtype)
+        return _plan_user_map(model, device_map, devices, example_inputs, dtype, generation)
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
 
+@dataclass(frozen=True)
+class _Generate:
+    """What :func:`plan` was asked to plan a generation for (``max_length`` None: none)."""
+
+    batch: int | None
+    max_length: int | None
+
+
+def _profile(model: nn.Module, example_inputs: ExampleInputs | None, no_split: Iterable[str | type] | None,
+             dtype: torch.dtype | None, generation: _Generate, units: list[str] | None = None) -> Profile:
+    """The profile a plan needs: at the example inputs (at ``batch``), or for a generation at
+    its prompt, with each unit's cache measured."""
+    if generation.max_length is None:
+        if example_inputs is None and generation.batch is not None:
+            example_inputs, _ = default_example_inputs(model, batch=generation.batch)
+        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units)
+    inputs, how = prompt_inputs(model, example_inputs, generation.batch or 1, generation.max_length)
+    prof = profile(model, inputs, no_split=no_split, dtype=dtype, units=units, backward=False)
+    prof = replace(prof, example=how if prof.example else "")
+    return profile_generation(model, prof, inputs, batch=generation.batch, max_length=generation.max_length,
+                              dtype=dtype)
+
+
 def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple,
-                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None) -> Plan:
+                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None, generation: _Generate) -> Plan:
     modules = {name for name, _ in model.named_modules()}
     tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     # The map's module keys that hold tensors are the units: what it keeps together stays together.
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
     units = [k for k in device_map if k in modules and k in holders]
-    prof = profile(model, example_inputs, dtype=dtype, units=units or [""])
+    prof = _profile(model, example_inputs, None, dtype, generation, units or [""])
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
 
 
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
              offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
              example_inputs: ExampleInputs | None = None,
-             output_device: str | torch.device | None = None) -> nn.Module:
+             output_device: str | torch.device | None = None, batch: int | None = None,
+             max_length: int | None = None) -> nn.Module:
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
     Offloaded units compute on the execution device (the fastest accelerator in the plan, else
@@ -118,6 +160,8 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
         device_map, max_memory, no_split, example_inputs: as for :func:`plan`.
         offload_dir: directory for disk-offloaded weights; required when anything goes to disk.
         output_device: move the model's outputs here (default: where they were produced).
+        batch, max_length: plan for ``generate`` (see :func:`plan`): each device keeps room
+            for the KV cache of its layers, and ``generate`` keeps each layer's cache there.
 
     Returns:
         ``model``, placed and hooked. :func:`undispatch` undoes it.
@@ -131,14 +175,15 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     """
     check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                  offload_dir=offload_dir)
+                  offload_dir=offload_dir, batch=batch, max_length=max_length)
     return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
 
 
 def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: DeviceMap = "auto",
          max_memory: MaxMemory | None = None, *, offload_dir: str | os.PathLike[str] | None = None,
          dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
-         example_inputs: ExampleInputs | None = None, quiet: bool = False) -> nn.Module:
+         example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
+         max_length: int | None = None) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
 
     The model is planned on meta first; then every tensor is read on its own (never a whole
@@ -151,8 +196,9 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
         checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
             shards (with or without ``model.safetensors.index.json``).
-        device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`; pass a
-            :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
+        device_map, max_memory, no_split, example_inputs, batch, max_length: as for
+            :func:`automap.plan`; pass a :class:`~automap.Plan` as ``device_map`` to use the
+            planner's other options.
         offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
             source, buffers computed at init in a unit on disk). Not needed when every offloaded
             tensor comes from a safetensors checkpoint already in the target dtype.
@@ -176,7 +222,8 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
     with open_checkpoint(checkpoint) as ckpt:
         match = match_keys(model, ckpt)
         chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                      dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir))
+                      dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
+                      batch=batch, max_length=max_length)
         for device in chosen.used_devices:
             check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)

@@ -71,8 +71,9 @@ def _add_plan(commands: Any) -> None:
     plan = commands.add_parser(
         "plan", help="plan a model (any size, on meta) and print/save the plan",
         description="Build SPEC on the meta device (no weights, nothing downloaded), profile it at\n"
-                    "--batch x --seq-len and plan it for the devices in --max-memory. Prints the\n"
-                    "report; --json and --figure save the plan.",
+                    "--batch x --seq-len and plan it for the devices in --max-memory (with\n"
+                    "--max-length, for generate(): the KV cache reserved where its layers live).\n"
+                    "Prints the report; --json and --figure save the plan.",
         epilog=_PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("spec", metavar="SPEC", help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, module:factory")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V,...",
@@ -83,7 +84,10 @@ def _add_plan(commands: Any) -> None:
                       help="how to spread units over the GPUs (default: auto)")
     plan.add_argument("--batch", type=int, default=1, metavar="N", help="example batch size (default: 1)")
     plan.add_argument("--seq-len", type=int, default=128, metavar="N",
-                      help="example sequence length for token models (default: 128)")
+                      help="example sequence length for token models (default: 128); the prompt with --max-length")
+    plan.add_argument("--max-length", type=int, default=None, metavar="N",
+                      help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
+                           "device keeps room for its layers' KV cache, and the report predicts tokens/s")
     plan.add_argument("--dtype", metavar="DTYPE", help="dtype the model runs in: fp32, fp16, bf16, fp8 "
                                                        "(default: the config's, else fp32)")
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
@@ -136,7 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
         args.spec, parse_overrides(args.overrides),
         max_memory=parse_max_memory_arg(args.max_memory) if args.max_memory else None,
         strategy=args.strategy, batch=args.batch, seq_len=args.seq_len,
-        dtype=parse_dtype(args.dtype) if args.dtype else None)
+        dtype=parse_dtype(args.dtype) if args.dtype else None, max_length=args.max_length)
     if not args.quiet:
         print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())

@@ -25,6 +25,9 @@ Reserve = Union[int, str, Mapping[Union[int, str], Union[int, float, str]], None
 # measured profile (automap.profiling.calibrated_device and Profile.with_measured_time) replaces them when precision matters.
 DEFAULT_FLOPS = {"cuda": 100e12, "xpu": 50e12, "mps": 10e12, "cpu": 2e11, "disk": 0.0}
 DEFAULT_LINK = {"cuda": 25e9, "xpu": 25e9, "mps": 50e9, "cpu": 25e9, "disk": 2e9}
+# Bandwidth of the device's own memory (bytes/s): what bounds a decode step, which reads every
+# resident weight and the cache once per token. HBM of a data-centre GPU, dual-channel DDR.
+DEFAULT_MEMORY = {"cuda": 2e12, "xpu": 1e12, "mps": 2e11, "cpu": 2e10, "disk": 2e9}
 ACCELERATORS = ("cuda", "xpu", "mps")
 _KIND_ORDER = {"cuda": 0, "xpu": 1, "mps": 2, "cpu": 3, "disk": 4}
 
@@ -40,6 +43,8 @@ class DeviceSpec:
         flops_per_second: sustained compute; 0 for disk, which never computes.
         link_bytes_per_second: bandwidth of the link to the other devices (PCIe/NVLink for a
             GPU, host-to-device for CPU RAM, read bandwidth for disk).
+        memory_bytes_per_second: bandwidth of its own memory, read by the computations on it
+            (HBM, DDR); for disk, its read bandwidth.
     """
 
     name: str
@@ -47,6 +52,7 @@ class DeviceSpec:
     capacity_bytes: int
     flops_per_second: float
     link_bytes_per_second: float
+    memory_bytes_per_second: float = 0.0
 
     @property
     def is_accelerator(self) -> bool:
@@ -123,7 +129,8 @@ def _kind(name: str) -> str:
 
 
 def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | None = None,
-                link_bytes_per_second: float | None = None) -> DeviceSpec:
+                link_bytes_per_second: float | None = None,
+                memory_bytes_per_second: float | None = None) -> DeviceSpec:
     """Build a :class:`DeviceSpec` with per-kind default speeds unless given."""
     kind = _kind(canonical_name(name))
     return DeviceSpec(
@@ -132,6 +139,8 @@ def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | Non
         capacity_bytes=int(capacity_bytes),
         flops_per_second=DEFAULT_FLOPS[kind] if flops_per_second is None else float(flops_per_second),
         link_bytes_per_second=DEFAULT_LINK[kind] if link_bytes_per_second is None else float(link_bytes_per_second),
+        memory_bytes_per_second=DEFAULT_MEMORY[kind] if memory_bytes_per_second is None
+        else float(memory_bytes_per_second),
     )
 
 
@@ -187,7 +196,8 @@ def _detect_accelerators() -> dict[str, int]:
 
 def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | None = None,
                    speeds: Mapping[str, float] | None = None,
-                   links: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
+                   links: Mapping[str, float] | None = None,
+                   bandwidths: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
     """The devices a plan may use, fastest tier first.
 
     With ``max_memory`` the devices are exactly the ones it names (they need not exist on
@@ -201,6 +211,8 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
         speeds: optional FLOP/s per device name or kind, e.g. ``{"cuda": 300e12}``.
         links: optional link bandwidth (bytes/s) per device name or kind, e.g. ``{"cuda": 300e9}``
             for NVLink.
+        bandwidths: optional memory bandwidth (bytes/s) per device name or kind, e.g.
+            ``{"cuda": 3.35e12, "cpu": 12e9}``: what decode speed predictions read.
 
     Example:
         >>> detect_devices({0: "20GiB", 1: "20GiB", "cpu": "64GiB"}, speeds={"cuda": 300e12})
@@ -214,6 +226,7 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
     devices = [make_device(name, cap) for name, cap in budget.items()]
     devices = [_override(d, "flops_per_second", speeds) for d in devices]
     devices = [_override(d, "link_bytes_per_second", links) for d in devices]
+    devices = [_override(d, "memory_bytes_per_second", bandwidths) for d in devices]
     return tuple(sorted(devices, key=DeviceSpec.sort_key))
 
 

@@ -301,7 +301,8 @@ def _count(n: int) -> str:
 
 def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
               max_memory: Mapping[int | str, Any] | None = None, strategy: str = "auto",
-              batch: int = 1, seq_len: int = 128, dtype: torch.dtype | None = None) -> SpecPlan:
+              batch: int = 1, seq_len: int = 128, dtype: torch.dtype | None = None,
+              max_length: int | None = None) -> SpecPlan:
     """Build the model a SPEC names on meta, profile it at ``batch`` x ``seq_len`` and plan it.
 
     Args:
@@ -311,12 +312,15 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         strategy: ``auto``, ``balanced``, ``balanced_low_0`` or ``sequential``.
         batch, seq_len: size of the example inputs (token models use both, image models batch).
         dtype: the dtype the model will run in; default: the config's, else as built (fp32).
+        max_length: plan for ``generate``: ``batch`` sequences whose ``seq_len``-token prompts
+            grow to ``max_length`` tokens; each device keeps room for its layers' KV cache.
 
     Returns:
         A :class:`SpecPlan` with the built model and its :class:`~automap.plan.Plan`.
 
     Raises:
-        SpecError: bad SPEC or overrides. PlanError: the model does not fit.
+        SpecError: bad SPEC or overrides. PlanError: the model does not fit, or ``max_length``
+            is not longer than the prompt.
 
     Example:
         >>> plan_spec("torchvision:resnet50", max_memory={0: "60MB", 1: "60MB"}).plan.device_map["fc"]
@@ -324,6 +328,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     """
     from automap.api import plan
     from automap.profiling import profile
+    from automap.profiling.kvcache import profile_generation
 
     from automap.devices import parse_max_memory
 
@@ -337,4 +342,6 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     # Plans are for inference: tracing a backward pass too would double the time for nothing.
     prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False)
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
+    if max_length is not None:
+        prof = profile_generation(built.model, prof, inputs, batch=batch, max_length=max_length, dtype=chosen_dtype)
     return SpecPlan(built, plan(prof, strategy, max_memory), chosen_dtype)

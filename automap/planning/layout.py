@@ -96,7 +96,8 @@ def tie_roots(profile: Profile) -> list[int]:
 
 
 def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
-    """Merge tied units into items; work is FLOPs, or bytes when the profile has no FLOPs."""
+    """Merge tied units into items; work is FLOPs, or bytes when the profile has no FLOPs.
+    An item's weight is what stays where it computes: its weights and its generation cache."""
     roots = tie_roots(profile)
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(roots):
@@ -107,7 +108,7 @@ def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
     work = [float(sum(units[i].flops if by_flops else units[i].weight_bytes for i in m)) for m in members]
     return Items(members, Chain(
         work=work,
-        weight=[sum(units[i].weight_bytes for i in m) for m in members],
+        weight=[sum(units[i].weight_bytes + units[i].kv_bytes for i in m) for m in members],
         activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
         cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
     ))
@@ -347,13 +348,49 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     reserve = dict(reserve or {})
     cuts = all_cut_bytes(profile)
     items = make_items(profile, cuts)
-    check_items_fit(profile, items, devices, reserve)
-    placed = layout(items.chain, devices, chosen, reserve)
-    placement = [""] * len(profile.units)
+    try:
+        check_items_fit(profile, items, devices, reserve)
+        placed = layout(items.chain, devices, chosen, reserve)
+        if profile.total_kv_bytes:
+            placed = reserve_offloaded_kv(profile, items, devices, chosen, reserve, placed)
+    except PlanError as exc:
+        if not profile.total_kv_bytes or profile.generation is None:
+            raise
+        g = profile.generation
+        raise PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
+                        f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs "
+                        "less)") from exc
+    placement = _unit_devices(items, placed, len(profile.units))
+    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts, placed.notes)
+
+
+def _unit_devices(items: Items, placed: Layout, count: int) -> list[str]:
+    placement = [""] * count
     for members, where in zip(items.members, placed.devices):
         for i in members:
             placement[i] = where
-    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts, placed.notes)
+    return placement
+
+
+def reserve_offloaded_kv(profile: Profile, items: Items, devices: tuple[DeviceSpec, ...], strategy: Strategy,
+                         reserve: Mapping[str, int], placed: Layout) -> Layout:
+    """Lay out again until the execution device keeps room for the generation cache of the
+    offloaded units: they compute there, so their cache lives there, not in the tier their
+    weights stream from. Each round can only offload more, so a few rounds settle."""
+    extra: dict[str, int] = {}
+    for _ in range(len(items.members)):
+        sketch = Plan(units=profile.units, devices=devices, placement=tuple(_unit_devices(items, placed, len(profile.units))),
+                      strategy=strategy.name)
+        need = sum(u.kv_bytes for u, d in zip(sketch.units, sketch.placement) if sketch.is_offloaded(d))
+        executor = sketch.execution_device
+        if need <= extra.get(executor, 0):
+            break
+        extra[executor] = need
+        placed = layout(items.chain, devices, strategy,
+                        {name: reserve.get(name, 0) + extra.get(name, 0) for name in {*reserve, *extra}})
+    # The cache shows as the execution device's KV, not as a reserve.
+    reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in placed.reserves.items()}
+    return replace(placed, reserves=reserves)
 
 
 def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
@@ -362,7 +399,7 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
     """Assemble a :class:`Plan` and the notes a user should read."""
     plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy, origin=origin,
                 tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
-                example=profile.example,
+                example=profile.example, generation=profile.generation,
                 reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)))
     found = list(notes)
     if plan.offloaded_units:

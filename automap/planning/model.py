@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
-from automap.devices import DeviceSpec
+from automap.devices import DEFAULT_MEMORY, DeviceSpec
 from automap.errors import PlanError
 from automap.profiling import Unit
+from automap.profiling.result import Generation
 
 JSON_VERSION = 1
 
@@ -58,10 +59,11 @@ class DeviceSummary:
     flops: int
     flops_share: float
     stage_seconds: float
+    kv_bytes: int = 0  # the generation cache of the units computing there
 
     @property
     def used_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class Plan:
             ``reserve`` (KV cache, optimizer state).
         origin: whether a strategy, a user's device map or a dispatched model's actual
             placement gave it.
+        generation: the generation (batch, max_length) whose cache the units' ``kv_bytes``
+            reserve where they compute; None when not planned for one.
     """
 
     units: tuple[Unit, ...]
@@ -107,6 +111,7 @@ class Plan:
     warnings: tuple[str, ...] = field(default=())
     reserves: tuple[tuple[str, int], ...] = ()
     origin: Origin = Origin.STRATEGY
+    generation: Generation | None = None
 
     @property
     def source(self) -> str:
@@ -189,7 +194,8 @@ class Plan:
     def summary(self) -> tuple[DeviceSummary, ...]:
         """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
         streaming of offloaded weights, plus the transfers into it). Activations count on
-        accelerators, those of offloaded units on the execution device, where they run."""
+        accelerators, those of offloaded units on the execution device, where they run; the
+        generation cache counts where its units compute (offloaded ones' on the execution device)."""
         return self._summary
 
     # Cached like execution_device: the report, the JSON and the predicted times each read them.
@@ -212,9 +218,11 @@ class Plan:
             incoming[cut.dst_device] = incoming.get(cut.dst_device, 0.0) + cut.seconds
         reserves = dict(self.reserves)
         peak: dict[str, int] = {}
+        kv: dict[str, int] = {}
         for unit, where in zip(self.units, self.placement):
             compute = self.compute_device(where)
             peak[compute] = max(peak.get(compute, 0), unit.peak_activation_bytes)
+            kv[compute] = kv.get(compute, 0) + unit.kv_bytes
         rows = []
         for device in self.devices:
             units = [u for u, d in zip(self.units, self.placement) if d == device.name]
@@ -228,7 +236,8 @@ class Plan:
             # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
             activations = peak.get(device.name, 0) if device.is_accelerator else 0
             rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
-                                      reserves.get(device.name, 0), flops, flops / total_flops, seconds))
+                                      reserves.get(device.name, 0), flops, flops / total_flops, seconds,
+                                      kv.get(device.name, 0)))
         return tuple(rows)
 
     def compute_seconds(self) -> dict[str, float]:
@@ -274,7 +283,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         raise PlanError(f"plan JSON has version {data.get('version')!r}; this automap reads version {JSON_VERSION}")
     devices = tuple(
         DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
-                   float(d["link_bytes_per_second"]))
+                   float(d["link_bytes_per_second"]),
+                   float(d.get("memory_bytes_per_second", DEFAULT_MEMORY.get(d["kind"], 0.0))))
         for d in data["devices"]
     )
     fields = set(Unit.__dataclass_fields__)
@@ -294,7 +304,15 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         example=data.get("example", ""),
         warnings=tuple(data.get("warnings", [])),
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
+        generation=_generation_of(data.get("generation")),
     )
+
+
+def _generation_of(data: Mapping[str, Any] | None) -> Generation | None:
+    if not data:
+        return None
+    fields = set(Generation.__dataclass_fields__)
+    return Generation(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields})
 
 
 def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:

@@ -40,6 +40,11 @@ class Unit:
         dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
         input_bytes: bytes of the tensors passed to the unit (largest call).
         seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).
+        kv_bytes: bytes of the generation cache the unit holds after ``generate`` to
+            ``Generation.max_length`` (storages, as allocated); 0 without a planned generation.
+        kv_read_bytes: cache bytes the unit reads in one decode step, averaged over the decode.
+        decode_flops: forward FLOPs of the unit in one decode step (one token per sequence),
+            averaged over the decode.
     """
 
     name: str
@@ -56,10 +61,41 @@ class Unit:
     dtype_bytes: dict[str, int] = field(default_factory=dict)
     input_bytes: int = 0
     seconds: float | None = None
+    kv_bytes: int = 0
+    kv_read_bytes: int = 0
+    decode_flops: int = 0
 
     @property
     def weight_bytes(self) -> int:
         return self.param_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The generation a profile was measured for (see :mod:`automap.profiling.kvcache`).
+
+    Attributes:
+        batch: sequences decoded together.
+        max_length: tokens per sequence at the end, as ``generate(max_length=...)`` counts them
+            (the decoder's tokens for an encoder-decoder).
+        prompt_length: tokens the decoder starts from (the prompt; 1, the start token, for an
+            encoder-decoder).
+        encoder_length: tokens of an encoder-decoder's input (0: decoder only).
+        cache: the class of the cache the model keeps between decode steps ("" = none).
+        notes: what a reader of the plan should know (no cache, bytes not attributed to a unit).
+    """
+
+    batch: int
+    max_length: int
+    prompt_length: int
+    encoder_length: int = 0
+    cache: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def new_tokens(self) -> int:
+        """Decode steps after the prefill (each adds one token per sequence)."""
+        return max(self.max_length - self.prompt_length - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +151,8 @@ class Profile:
         flows: every tensor passed between units, with positions (see :meth:`cut_bytes`).
         dtype: the dtype bytes are counted at ("" = as stored).
         measured_device: where ``Unit.seconds`` were measured ("" = not measured).
+        generation: the generation the units' ``kv_bytes`` and ``decode_flops`` were measured
+            for (None: not planned for generation).
     """
 
     model_name: str
@@ -126,6 +164,11 @@ class Profile:
     flows: tuple[Flow, ...] = field(default=(), compare=False)
     dtype: str = ""
     measured_device: str = ""
+    generation: Generation | None = None
+
+    @property
+    def total_kv_bytes(self) -> int:
+        return sum(u.kv_bytes for u in self.units)
 
     @property
     def total_flops(self) -> int:

@@ -60,6 +60,8 @@ class TraceResult:
     flows: list[Flow] = field(default_factory=list)
     unit_inputs: dict[str, Any] = field(default_factory=dict)
     total_flops: int = 0
+    output: Any = None  # what the forward returned, when run with keep_output
+    producers: dict[int, str] = field(default_factory=dict)  # id of a storage alive at the end -> its unit
 
 
 @dataclass
@@ -314,6 +316,12 @@ class Tracer(TorchDispatchMode):
         r.total_flops = total_flops
         return r
 
+    def producers(self) -> dict[int, str]:
+        """The unit that produced (or last wrote) each storage alive now, by ``id``."""
+        owner, _ = self._resolve()
+        return {key: unit for key, rec in self.storages.items()
+                if rec.segment >= 0 and (unit := owner[rec.segment]) is not None}
+
     def _resolve(self) -> tuple[list[str | None], list[int]]:
         """Each segment's unit and execution position; code between units goes to the next
         unit to run for the first time (or the last unit, after the last one)."""
@@ -370,7 +378,7 @@ class _FusedAttention(TorchFunctionMode):
 
 
 def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-              units: Sequence[str], *, backward: bool, record_inputs: bool) -> TraceResult:
+              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool = False) -> TraceResult:
     """Run ``model`` with ``state`` (meta tensors) on meta inputs and measure every unit.
 
     Args:
@@ -380,6 +388,8 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         units: unit names to hook.
         backward: also run a backward pass for ``train_flops``.
         record_inputs: keep the shapes each unit was called with (for timing).
+        keep_output: return the forward's output too (``TraceResult.output``): the storages it
+            keeps alive, such as a generation cache, are then still in ``TraceResult.producers``.
 
     Returns:
         A :class:`TraceResult`.
@@ -411,7 +421,10 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         forward_flops = tracer.total_flops
         if backward:
             _backward(output, tracer)
-    return tracer.finish(forward_flops)
+    result = tracer.finish(forward_flops)
+    if keep_output:
+        result.output, result.producers = output, tracer.producers()
+    return result
 
 
 def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer) -> Any:

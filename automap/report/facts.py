@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from automap.errors import ReportError
+from automap.planning.decode import DecodePrediction, predict_decode
 from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ class Facts:
         bottleneck_seconds, forward_seconds: the plan's predictions.
         tie_splits: warnings for tied tensors whose units sit on different devices.
         warnings: the plan's own warnings, then what the report notices (split ties,
-            overfull devices).
+            overfull devices, a generation planned without a cache).
+        decode: the predicted prefill and decode speed (None: not planned for a generation).
     """
 
     rows: tuple[DeviceSummary, ...]
@@ -41,6 +43,12 @@ class Facts:
     forward_seconds: float
     tie_splits: tuple[str, ...]
     warnings: tuple[str, ...]
+    decode: DecodePrediction | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        """The generation cache reserved over all devices."""
+        return sum(r.kv_bytes for r in self.rows)
 
     @property
     def cut_seconds(self) -> float:
@@ -68,6 +76,7 @@ def facts_of(plan: Plan) -> Facts:
         forward_seconds=plan.forward_seconds,
         tie_splits=splits,
         warnings=_warnings(plan, rows, splits),
+        decode=predict_decode(plan),
     )
 
 
@@ -128,4 +137,6 @@ def _warnings(plan: Plan, rows: tuple[DeviceSummary, ...], splits: tuple[str, ..
         if _over_capacity(row):
             notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
                          f"{format_bytes(row.device.capacity_bytes)}")
+    if plan.generation is not None:
+        notes += plan.generation.notes
     return tuple(notes)

@@ -19,14 +19,14 @@ FORMATS = ("png", "svg", "pdf")
 _ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#CCB974")
 _KIND_COLOURS = {"cpu": "#DD8452", "disk": "#937860"}
 # Memory parts get neutral colours of their own so they are not read as devices.
-MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "reserve": "#C44E52"}
+MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "kv cache": "#8172B3", "reserve": "#C44E52"}
 _LABEL_CHARS = 110  # legend lines are cut here; the text report has the full ranges
 
 
 def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
     """Draw ``plan`` and save it to ``path`` (``.png``, ``.svg`` or ``.pdf``).
 
-    Top left: per device, weights / activations / reserve as a share of its capacity. Top
+    Top left: per device, weights / activations / KV cache / reserve as a share of its capacity. Top
     right: each device's share of the model's FLOPs and its predicted stage time. Bottom: a
     strip of the units in execution order, coloured by device, with the cuts marked.
 
@@ -139,7 +139,7 @@ def _memory_panel(ax: Any, facts: Facts) -> None:
 
 
 def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
-    """Draw one device's weights / activations / reserve against its capacity; return the % used."""
+    """Draw one device's weights / activations / KV cache / reserve against its capacity; return the % used."""
     cap = row.device.capacity_bytes
     if cap <= 0:  # a device found in an actual placement that no plan budgeted
         ax.text(1.5, y, f"{format_bytes(row.used_bytes)} (capacity unknown)", va="center", fontsize=8)
@@ -147,7 +147,7 @@ def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
     ax.barh(y, 100, color="none", edgecolor="#444444", linewidth=0.8, height=0.6)
     left = 0.0
     for part, nbytes in (("weights", row.weight_bytes), ("activations", row.activation_bytes),
-                         ("reserve", row.reserve_bytes)):
+                         ("kv cache", row.kv_bytes), ("reserve", row.reserve_bytes)):
         width = 100 * nbytes / cap
         shown = max(0.0, min(left + width, _MAX_PERCENT) - left)
         ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=MEMORY_COLOURS[part], height=0.6)

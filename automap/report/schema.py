@@ -45,6 +45,28 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "reserves": {name: nbytes for name, nbytes in plan.reserves},
         "totals": _totals_dict(plan, facts),
         "report_warnings": list(facts.warnings),
+        "generation": _generation_dict(plan, facts),
+    }
+
+
+def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
+    """The planned generation (what :meth:`Plan.from_json` reads back) and, for the report,
+    its predicted speed."""
+    if plan.generation is None or facts.decode is None:
+        return None
+    decode = facts.decode
+    limit = decode.limit
+    return {
+        **asdict(plan.generation),
+        "kv_bytes": facts.kv_bytes,
+        "prefill_seconds": decode.prefill_seconds,
+        "decode_step_seconds": decode.step_seconds,
+        "decode_tokens_per_second": decode.tokens_per_second,
+        "decode_limit": asdict(limit) if limit is not None else None,
+        "decode_summary": decode.describe(),
+        "decode_hint": decode.hint,
+        "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
+                         for s in decode.steps],
     }
 
 
@@ -56,6 +78,7 @@ def _device_dict(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
         "weight_bytes": row.weight_bytes,
         "activation_bytes": row.activation_bytes,
         "reserve_bytes": row.reserve_bytes,
+        "kv_bytes": row.kv_bytes,
         "used_bytes": row.used_bytes,
         "used_fraction": row.used_bytes / capacity if capacity else 0.0,
         "headroom_bytes": capacity - row.used_bytes,
@@ -73,6 +96,7 @@ def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
     return {
         "units": len(plan.units),
         "weight_bytes": facts.weight_bytes,
+        "kv_bytes": facts.kv_bytes,
         "flops": sum(u.flops for u in plan.units),
         "used_devices": list(facts.used_devices),
         "spill_bytes": facts.spill_bytes,

@@ -15,6 +15,9 @@ WIDTH = 80
 MAX_CUT_LINES = 12  # an interleaved (offloaded) plan can have dozens; the totals count them all
 _HEAD = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'use%':>5} {'headroom':>10} "
          f"{'flops%':>6} {'stage':>9}")
+# With a planned generation, a KV column (the cache of the units computing there, part of "used").
+_HEAD_KV = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'kv':>10} {'use%':>5} {'headroom':>10} "
+            f"{'flops%':>6} {'stage':>8}")
 
 
 def unit_ranges(names: Sequence[str]) -> str:
@@ -45,15 +48,18 @@ def _next_in_run(current: str, candidate: str, stem: str) -> bool:
 def render_text(plan: Plan) -> str:
     """Render ``plan`` for an 80-column terminal.
 
-    Per device: kind, capacity, bytes used and %, headroom, FLOPs share, predicted stage time
-    and unit ranges; then every cut (units either side, bytes crossing, transfer time); then
-    totals (bottleneck, predicted forward time) and warnings.
+    Per device: kind, capacity, bytes used (and of them the KV cache, for a plan made for a
+    generation) and %, headroom, FLOPs share, predicted stage time and unit ranges; then every
+    cut (units either side, bytes crossing, transfer time); then totals (bottleneck, predicted
+    forward time), the generation (prefill time, decode tokens/s and its limit, a hint) and
+    warnings.
 
     Example:
         >>> print(render_text(automap.plan(model, max_memory={0: "20GiB", 1: "20GiB"})))
     """
     facts = facts_of(plan)
-    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _warnings(facts)]
+    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _generation(plan, facts),
+                _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -77,14 +83,16 @@ def _header(plan: Plan, facts: Facts) -> str:
 
 
 def _devices(plan: Plan, facts: Facts) -> str:
-    lines = [_HEAD]
+    with_kv = plan.generation is not None
+    lines = [_HEAD_KV if with_kv else _HEAD]
     for s in facts.rows:
         cap = s.device.capacity_bytes
         pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"  # capacity 0: unknown (actual placement)
         headroom = format_bytes(cap - s.used_bytes) if cap else "-"
         stage = format_seconds(s.stage_seconds) if s.units else "-"
-        lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10} "
-                     f"{pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>9}")
+        kv = f" {format_bytes(s.kv_bytes) if s.kv_bytes else '-':>10}" if with_kv else ""
+        lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10}"
+                     f"{kv} {pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>{8 if with_kv else 9}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
         span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
@@ -115,6 +123,22 @@ def _totals(facts: Facts) -> str:
             f"predicted forward {format_seconds(facts.forward_seconds)} "
             f"({format_seconds(facts.cut_seconds)} of it in transfers)"]
     return "\n".join(_wrap("; ".join(t for t in text if t) + ".", " " * 8, first="totals: "))
+
+
+def _generation(plan: Plan, facts: Facts) -> str:
+    generation, decode = plan.generation, facts.decode
+    if generation is None or decode is None:
+        return ""
+    prompt = (f"encoder input {generation.encoder_length} tokens" if generation.encoder_length
+              else f"prompt {generation.prompt_length}")
+    cache = (f"{format_bytes(facts.kv_bytes)} of {generation.cache} on "
+             f"{', '.join(r.device.name for r in facts.rows if r.kv_bytes)}" if facts.kv_bytes else "no cache reserved")
+    text = (f"{generation.batch} x {generation.max_length:,} tokens ({prompt}); {cache}; prefill "
+            f"~{format_seconds(decode.prefill_seconds)}; {decode.describe()}.")
+    lines = _wrap(text, " " * 12, first="generation: ")
+    if decode.hint:
+        lines += _wrap(decode.hint + ".", " " * 12, first="      hint: ")
+    return "\n".join(lines)
 
 
 def _warnings(facts: Facts) -> str:

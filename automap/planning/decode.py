@@ -1,0 +1,237 @@
+"""Predicted generation speed: the prefill, and decode tokens per second with what limits it.
+
+A decode step feeds one token per sequence through every unit, so it is bound by bytes moved
+far more often than by FLOPs: each computing device reads the weights resident in its memory
+and its units' generation cache once per step, and the execution device also receives the
+offloaded units' weights over their tier's link (disk reads, host-to-device copies) every
+step. Per computing device a step costs
+
+    max(decode FLOPs / FLOP/s,  (resident weights + cache read) / memory bandwidth
+                                + streamed weights / link bandwidth)
+
+(computing overlaps the reads and the stream; the reads and the stream of one device share
+its time), and devices take their turns, so a step is the sum over devices. The largest term
+that binds names the limit; tokens per second is ``batch / step``. FLOPs and cache bytes grow
+with the batch, weights and streams do not: that is what a larger batch amortises. The prefill
+is the plan's predicted forward at its example inputs (the prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from automap.devices import DEFAULT_MEMORY, DeviceSpec
+from automap.planning.model import Plan
+from automap.sizes import format_bytes
+
+# Batches tried when looking for the one that amortises a stream or a weight read.
+_MAX_BATCH = 4096
+_WHAT = {"compute": "of compute on", "weights": "of weights read from", "cache": "of KV cache read from",
+         "stream": "streamed from"}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of a decode step's cost.
+
+    Attributes:
+        kind: ``"compute"`` (FLOPs), ``"weights"`` or ``"cache"`` (bytes read from the device's
+            memory) or ``"stream"`` (offloaded weights moved from a tier to the execution device).
+        device: the computing device, or for a stream the tier it comes from.
+        amount: FLOPs or bytes per step.
+        seconds: predicted seconds per step.
+        binds: whether it sets its computing device's time (compute, or else the reads and
+            streams together).
+    """
+
+    kind: str
+    device: str
+    amount: float
+    seconds: float
+    binds: bool = True
+
+    def describe(self) -> str:
+        """``'17.3 GB streamed from disk'``, ``'1.25 TFLOP of compute on cuda:0'``."""
+        return f"{_decimal(self.amount, 'FLOP' if self.kind == 'compute' else 'B')} {_WHAT[self.kind]} {self.device}"
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """One computing device's share of a decode step: its compute, and what it moves."""
+
+    device: str
+    compute: Term
+    moved: tuple[Term, ...]
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute.seconds, sum(t.seconds for t in self.moved))
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        return (self.compute, *self.moved)
+
+
+@dataclass(frozen=True)
+class DecodePrediction:
+    """Predicted speed of ``generate`` for the plan's generation (batch x max_length).
+
+    Attributes:
+        batch, prompt_length, max_length: the generation planned.
+        prefill_seconds: the prompt's forward (all sequences).
+        steps: what one decode step (one token for every sequence, averaged over the decode)
+            spends its time on, per computing device, in execution order.
+        hint: what would move the limit.
+    """
+
+    batch: int
+    prompt_length: int
+    max_length: int
+    prefill_seconds: float
+    steps: tuple[DeviceStep, ...]
+    hint: str
+
+    @property
+    def step_seconds(self) -> float:
+        """One decode step: the computing devices take their turns."""
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        return tuple(t for s in self.steps for t in s.terms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second over the whole batch."""
+        return self.batch / self.step_seconds if self.step_seconds > 0 else float("inf")
+
+    @property
+    def limit(self) -> Term | None:
+        """What costs a step the most, summed over devices (see :func:`_limit`)."""
+        return _limit(self.steps)
+
+    def describe(self) -> str:
+        """``'decode limited by 17.3 GB streamed from disk per step: ~0.1 tokens/s at batch 1'``."""
+        speed = f"~{_rate(self.tokens_per_second)} tokens/s at batch {self.batch}"
+        limit = self.limit
+        return f"decode limited by {limit.describe()} per step: {speed}" if limit else f"decode {speed}"
+
+
+def _limit(steps: Iterable[DeviceStep]) -> Term | None:
+    """The costliest kind of binding term, summed over the devices that take their turns
+    (streams apart per tier): ``'138 GB of weights read from cuda:0, cuda:1'``."""
+    groups: dict[tuple[str, str], list[Term]] = {}
+    for t in (t for s in steps for t in s.terms if t.binds):
+        groups.setdefault((t.kind, t.device if t.kind == "stream" else ""), []).append(t)
+    if not groups:
+        return None
+    terms = max(groups.values(), key=lambda ts: sum(t.seconds for t in ts))
+    return Term(terms[0].kind, ", ".join(dict.fromkeys(t.device for t in terms)),
+                sum(t.amount for t in terms), sum(t.seconds for t in terms))
+
+
+def predict_decode(plan: Plan) -> DecodePrediction | None:
+    """The decode prediction of ``plan`` (see the module docstring), or None when it was not
+    planned for a generation (``automap.plan(..., batch=, max_length=)``).
+
+    Example:
+        >>> print(predict_decode(automap.plan(model, max_memory=..., batch=1, max_length=2048)).describe())
+        decode limited by 17.3 GB streamed from disk per step: ~0.1 tokens/s at batch 1
+    """
+    generation = plan.generation
+    if generation is None:
+        return None
+    steps = decode_steps(plan, 1.0)
+    return DecodePrediction(generation.batch, generation.prompt_length, generation.max_length,
+                            plan.forward_seconds, steps, _hint(plan, steps))
+
+
+def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
+    """The terms of one decode step, with FLOPs and cache reads ``scale`` times the planned
+    batch's (weights and streams stay: a batch shares them)."""
+    flops: dict[str, float] = {}
+    reads: dict[tuple[str, str], float] = {}
+    streams: dict[str, dict[str, float]] = {}
+    for unit, where in zip(plan.units, plan.placement):
+        compute = plan.compute_device(where)
+        flops[compute] = flops.get(compute, 0.0) + unit.decode_flops * scale
+        reads[(compute, "cache")] = reads.get((compute, "cache"), 0.0) + unit.kv_read_bytes * scale
+        if plan.is_offloaded(where):
+            tier = streams.setdefault(compute, {})
+            tier[where] = tier.get(where, 0.0) + unit.weight_bytes
+        else:
+            reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + unit.weight_bytes
+    return tuple(_device_step(plan, plan.device(name), flops.get(name, 0.0),
+                              {k: reads.get((name, k), 0.0) for k in ("weights", "cache")}, streams.get(name, {}))
+                 for name in dict.fromkeys(plan.compute_device(d) for d in plan.placement))
+
+
+def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
+                 streams: dict[str, float]) -> DeviceStep:
+    memory = device.memory_bytes_per_second or DEFAULT_MEMORY.get(device.kind, 1.0)
+    moved = [Term(kind, device.name, nbytes, nbytes / memory) for kind, nbytes in reads.items() if nbytes]
+    moved += [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
+              for tier, nbytes in streams.items() if nbytes]
+    compute = Term("compute", device.name, flops, flops / max(device.flops_per_second, 1.0))
+    bound_by_compute = compute.seconds >= sum(t.seconds for t in moved)
+    return DeviceStep(device.name, replace(compute, binds=bound_by_compute),
+                      tuple(replace(t, binds=not bound_by_compute) for t in moved))
+
+
+def _hint(plan: Plan, steps: tuple[DeviceStep, ...]) -> str:
+    limit = _limit(steps)
+    if limit is None or limit.seconds == 0:
+        return ""
+    if limit.kind == "compute":
+        return (f"compute-bound on {limit.device}: a larger batch no longer raises tokens/s; a faster device "
+                f"(speeds=...) or more devices sharing the layers would")
+    if limit.kind == "cache":
+        return ("the KV cache read grows with batch and length: a shorter max_length, fewer sequences per "
+                "step, or the layers spread over more devices (read in parallel) raise tokens/s per sequence")
+    hint = _batch_hint(plan, limit)
+    if limit.kind == "stream":
+        offloaded = sum(plan.bytes_on(d.name) for d in plan.devices if plan.is_offloaded(d.name))
+        resident = (f"{format_bytes(offloaded)} more memory on {plan.execution_device} (max_memory) would keep "
+                    "every weight resident")
+        hint = f"{resident}; or {hint}" if hint else resident
+    return hint or f"{limit.describe()} limits every batch that fits"
+
+
+def _batch_hint(plan: Plan, limit: Term) -> str:
+    """The smallest batch (doubling) at which ``limit`` stops limiting, else the largest whose
+    cache still fits beside the weights, with its speed; "" when no larger batch fits."""
+    generation = plan.generation
+    assert generation is not None
+    kv = sum(u.kv_bytes for u in plan.units)
+    free = sum(r.device.capacity_bytes - r.used_bytes for r in plan.summary()
+               if r.device.name in {plan.compute_device(d) for d in plan.placement})
+    shared = "stream" if limit.kind == "stream" else "weight reads"
+    batch, fits = generation.batch, generation.batch
+    while batch < _MAX_BATCH:
+        batch *= 2
+        if kv * (batch / generation.batch - 1) > free:
+            break
+        fits = batch
+        steps = decode_steps(plan, batch / generation.batch)
+        top = _limit(steps)
+        if top is not None and (top.kind, top.device) != (limit.kind, limit.device):
+            return (f"decode more sequences at once, which share the {shared}: at batch {batch} the limit moves "
+                    f"to {top.describe()} (~{_rate(batch / sum(s.seconds for s in steps))} tokens/s; its KV "
+                    f"cache needs {format_bytes(kv * batch // generation.batch)})")
+    if fits == generation.batch:
+        return ""
+    steps = decode_steps(plan, fits / generation.batch)
+    return (f"decode more sequences at once, which share the {shared}: batch {fits} still fits "
+            f"(~{_rate(fits / sum(s.seconds for s in steps))} tokens/s)")
+
+
+def _decimal(amount: float, unit: str) -> str:
+    """``1.73e10, "B"`` -> ``'17.3 GB'``: decimal prefixes, as bandwidths are quoted."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if amount >= scale:
+            return f"{amount / scale:.3g} {prefix}{unit}"
+    return f"{amount:.3g} {unit}"
+
+
+def _rate(tokens_per_second: float) -> str:
+    return f"{tokens_per_second:.3g}" if tokens_per_second >= 0.01 else f"{tokens_per_second:.1e}"

@@ -1,0 +1,302 @@
+"""The generation cache, measured: the bytes each unit keeps between decode steps, and what
+one decode step costs.
+
+Nothing is derived from a config's field names. On the meta device the model runs as
+``generate`` runs it: a prefill with ``use_cache=True``, then one decode step (one token per
+sequence) fed the cache the prefill returned. The cache is what the output hands back under
+the name of one of ``forward``'s arguments (``cache``, ``past_key_values``, ...); every tensor
+reachable from it is attributed to the unit whose code produced its storage (the tracer keeps
+each storage's producer). So multi-head, grouped- and multi-query attention, sliding windows
+(a layer keeps only its window), encoder-decoder cross-attention (computed once, at the first
+step) and recurrent states (Mamba's, the same size at any length) come out as allocated, and
+a model that returns no cache reserves nothing.
+
+Two runs bracket the decode: the prompt and one step (the first decode step), and
+``max_length - 2`` tokens and one step (the last step: its cache, ``max_length - 1`` tokens,
+is what ``generate(max_length=...)`` holds at the end). A unit reserves the storages of the
+last; the cache bytes a step reads and its FLOPs are the mean of the two, which is exact for
+a cache that grows linearly or stays put.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from automap.errors import PlanError
+from automap.profiling.inputs import ExampleInputs, default_example_inputs, to_meta
+from automap.profiling.result import Generation, Profile
+from automap.profiling.trace import TraceResult, run_trace
+from automap.profiling.units import all_named_tensors
+from automap.sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+_ATOMS = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device, type)
+
+
+@dataclass
+class _Step:
+    """What one prefill-and-step run measured, per unit."""
+
+    cache: str
+    held: dict[str, int] = field(default_factory=dict)  # storage bytes of the cache after the step
+    read: dict[str, int] = field(default_factory=dict)  # bytes of the cache tensors (views) after it
+    flops: dict[str, int] = field(default_factory=dict)  # FLOPs of the step
+    unattributed: int = 0
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """The token input of a generation: which argument, how long, and the encoder's input."""
+
+    name: str
+    batch: int
+    length: int
+    encoder: bool
+
+
+def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through containers and object attributes (a
+    transformers ``Cache`` keeps them in layer objects), each once; modules are not entered."""
+    stack, seen = [obj], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (_ATOMS, nn.Module)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif hasattr(value, "__dict__"):
+            stack.extend(vars(value).values())
+
+
+def find_cache(output: Any, forward_params: Sequence[str]) -> tuple[str, Any] | None:
+    """``(argument name, cache)``: the value of ``output`` that ``forward`` takes back under
+    the same name (what ``generate`` feeds the next step), or None when there is none."""
+    if not isinstance(output, Mapping):
+        return None
+    for key, value in output.items():
+        if key in forward_params and value is not None and not isinstance(value, torch.Tensor):
+            return str(key), value
+    return None
+
+
+def cache_bytes(cache: Any, producers: Sequence[Mapping[int, str]]) -> tuple[dict[str, int], dict[str, int], int]:
+    """Bytes of ``cache``'s tensors per producing unit: ``(storage bytes, tensor bytes,
+    bytes no unit produced)``. ``producers`` are looked up in turn (latest run first)."""
+    held: dict[str, int] = {}
+    read: dict[str, int] = {}
+    storages: set[int] = set()
+    views: set[tuple] = set()
+    unattributed = 0
+    for t in held_tensors(cache):
+        st = t.untyped_storage()
+        unit = next((p[id(st)] for p in producers if id(st) in p), None)
+        view = (id(st), t.storage_offset(), tuple(t.shape), t.stride())
+        if unit is None:
+            if id(st) not in storages:
+                unattributed += st.nbytes()
+        else:
+            if id(st) not in storages:
+                held[unit] = held.get(unit, 0) + st.nbytes()
+            if view not in views:
+                read[unit] = read.get(unit, 0) + t.numel() * t.element_size()
+        storages.add(id(st))
+        views.add(view)
+    return held, read, unattributed
+
+
+@contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode, as ``generate`` runs it; each module's flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None) -> _Prompt | None:
+    """The token argument of a generation and the prompt's length, from the example inputs
+    (a ``batch x tokens`` tensor under the model's ``main_input_name``, ``input_ids`` or first
+    positional); None when they have none."""
+    name = getattr(model, "main_input_name", "input_ids")
+    if isinstance(example_inputs, Mapping):
+        name = name if name in example_inputs else "input_ids"
+        ids = example_inputs.get(name)
+    elif isinstance(example_inputs, (tuple, list)) and example_inputs:
+        ids = example_inputs[0]
+    else:
+        ids = example_inputs
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        return None
+    encoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    return _Prompt(name if isinstance(example_inputs, Mapping) else "input_ids", int(ids.shape[0]), int(ids.shape[1]),
+                   encoder)
+
+
+# Tokens of a derived prompt (when no example inputs are given): a chat turn's worth, at most
+# half of max_length so that the decode, not the prefill, is what gets planned.
+DEFAULT_PROMPT_TOKENS = 128
+
+
+def prompt_inputs(model: nn.Module, example_inputs: ExampleInputs | None, batch: int,
+                  max_length: int) -> tuple[ExampleInputs | None, str]:
+    """The prompt a generation starts from, and how it was chosen: ``example_inputs`` when
+    given, else (transformers token models) ``batch`` sequences of ``DEFAULT_PROMPT_TOKENS``
+    tokens (at most half of ``max_length``), an encoder-decoder's decoder starting from one
+    token, as ``generate`` starts it.
+
+    Raises:
+        PlanError: ``batch`` or ``max_length`` out of range.
+    """
+    check_generation(0, batch, max_length, True)
+    if example_inputs is not None:
+        return example_inputs, "given"
+    encoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    tokens = DEFAULT_PROMPT_TOKENS if encoder else max(1, min(DEFAULT_PROMPT_TOKENS, max_length // 2))
+    inputs, how = default_example_inputs(model, seq_len=tokens, batch=batch)
+    if encoder and isinstance(inputs, dict) and "decoder_input_ids" in inputs:
+        inputs = {**inputs, "decoder_input_ids": inputs["decoder_input_ids"][:, :1]}
+        how = how.replace("(+ decoder_input_ids)", "(+ 1 decoder token)")
+    return inputs, how
+
+
+def _token_kwargs(prompt: _Prompt, batch: int, tokens: int) -> dict[str, Any]:
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    if not prompt.encoder:
+        return {prompt.name: ids}
+    encoder_ids = torch.zeros(batch, prompt.length, dtype=torch.long, device="meta")
+    return {prompt.name: encoder_ids, "decoder_input_ids": ids}
+
+
+def _step_kwargs(prompt: _Prompt, batch: int, prefill: TraceResult, cache: tuple[str, Any]) -> dict[str, Any]:
+    """The next step's arguments: one token per sequence, the cache, and for an
+    encoder-decoder the encoder's states (the encoder runs once)."""
+    ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
+    if not prompt.encoder:
+        return {prompt.name: ids, cache[0]: cache[1]}
+    states = prefill.output["encoder_last_hidden_state"]
+    return {"decoder_input_ids": ids, "encoder_outputs": (states,), cache[0]: cache[1]}
+
+
+def _run(model: nn.Module, state: Mapping[str, torch.Tensor], units: Sequence[str], kwargs: dict[str, Any],
+         params: Sequence[str]) -> TraceResult:
+    if "use_cache" in params:
+        kwargs = {**kwargs, "use_cache": True}
+    return run_trace(model, state, (), kwargs, units, backward=False, record_inputs=False, keep_output=True)
+
+
+def _prefill_and_step(model: nn.Module, state: Mapping[str, torch.Tensor], units: Sequence[str], prompt: _Prompt,
+                      batch: int, tokens: int) -> _Step | None:
+    params = list(inspect.signature(model.forward).parameters)
+    prefill = _run(model, state, units, _token_kwargs(prompt, batch, tokens), params)
+    cache = find_cache(prefill.output, params)
+    if cache is None:
+        return None
+    step = _run(model, state, units, _step_kwargs(prompt, batch, prefill, cache), params)
+    after = find_cache(step.output, params) or cache
+    held, read, unattributed = cache_bytes(after[1], [step.producers, prefill.producers])
+    return _Step(type(after[1]).__name__, held, read, dict(step.flops), unattributed)
+
+
+def check_batch(batch: int) -> None:
+    """Raise :class:`PlanError` unless ``batch`` is a whole number of sequences, 1 or more."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"batch={batch!r}: plan for 1 or more sequences (or images), e.g. batch=1")
+
+
+def check_generation(prompt_length: int, batch: int, max_length: int, encoder: bool) -> None:
+    """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
+    check_batch(batch)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise PlanError(f"max_length={max_length!r}: a generation needs at least 2 tokens (max_length counts "
+                        "the prompt and the new tokens, as generate(max_length=...) does)")
+    if not encoder and max_length <= prompt_length:
+        raise PlanError(f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
+                        f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "
+                        "or a shorter prompt in example_inputs")
+
+
+def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleInputs | None, *,
+                       batch: int | None, max_length: int, dtype: torch.dtype | None = None) -> Profile:
+    """``prof`` with each unit's cache bytes and decode cost for ``batch`` sequences grown to
+    ``max_length`` tokens (see the module docstring).
+
+    Args:
+        model: the profiled model (real or on meta); it is not changed.
+        prof: its profile at the prompt (``example_inputs``), from :func:`automap.profile`.
+        example_inputs: the prompt; its token tensor gives the prompt's batch and length.
+        batch: sequences decoded together (default: the prompt's batch).
+        max_length: tokens per sequence at the end, prompt included.
+        dtype: the dtype the model runs in (the cache's dtype follows it).
+
+    Returns:
+        A new :class:`Profile` whose units carry ``kv_bytes``, ``kv_read_bytes`` and
+        ``decode_flops`` and whose ``generation`` says what was planned (with a note when the
+        model keeps no cache: then nothing is reserved).
+
+    Raises:
+        PlanError: ``batch`` < 1 or not the prompt's, ``max_length`` < 2, or ``max_length`` not
+            longer than the prompt.
+        ProfileError: the model's forward failed on meta.
+
+    Example:
+        >>> prof = profile_generation(model, automap.profile(model), None, batch=8, max_length=2048)
+        >>> format_bytes(prof.total_kv_bytes)
+    """
+    prompt = prompt_of(model, example_inputs)
+    if prompt is None:
+        batch = 1 if batch is None else batch
+        check_generation(0, batch, max_length, True)
+        note = (f"{type(model).__name__} takes no batch x tokens input in the example inputs, so no cache "
+                "was planned; pass example_inputs={'input_ids': ...} to plan one")
+        return replace(prof, generation=Generation(batch, max_length, 0, notes=(note,)))
+    if batch is not None and batch != prompt.batch:
+        raise PlanError(f"batch={batch} but the example inputs hold {prompt.batch} prompt(s); give one prompt per "
+                        "sequence decoded together, or leave batch out")
+    batch = prompt.batch
+    check_generation(prompt.length, batch, max_length, prompt.encoder)
+    start = 1 if prompt.encoder else prompt.length  # the decoder's tokens before the first step
+    encoder_length = prompt.length if prompt.encoder else 0
+    units = [u.name for u in prof.units]
+    state = {name: to_meta(t, dtype) for name, t in all_named_tensors(model)}
+    with _eval(model), torch.no_grad():
+        first = _prefill_and_step(model, state, units, prompt, batch, start)
+        last = _prefill_and_step(model, state, units, prompt, batch, max(max_length - 2, 1)) if first else None
+    if first is None or last is None:
+        note = (f"{type(model).__name__} returns no cache from its forward, so nothing is reserved for one; "
+                "each decode step recomputes the whole sequence")
+        return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
+    return _with_cache(prof, first, last, Generation(batch, max_length, start, encoder_length, last.cache))
+
+
+def _with_cache(prof: Profile, first: _Step, last: _Step, generation: Generation) -> Profile:
+    units = tuple(replace(u, kv_bytes=last.held.get(u.name, 0),
+                          kv_read_bytes=_mean(first.read, last.read, u.name),
+                          decode_flops=_mean(first.flops, last.flops, u.name)) for u in prof.units)
+    notes = []
+    if last.unattributed:
+        notes.append(f"{format_bytes(last.unattributed)} of the cache was made outside every unit and is not "
+                     "reserved on a device")
+    if not any(u.kv_bytes for u in units):
+        notes.append(f"the {last.cache} the model returns holds no tensors: nothing reserved for it")
+    log.info("generation cache of %s for %d x %d tokens: %s (%s)", prof.model_name, generation.batch,
+             generation.max_length, format_bytes(sum(u.kv_bytes for u in units)), last.cache)
+    return replace(prof, units=units, generation=replace(generation, notes=tuple(notes)))
+
+
+def _mean(first: Mapping[str, int], last: Mapping[str, int], name: str) -> int:
+    return (first.get(name, 0) + last.get(name, 0)) // 2
