@@ -160,3 +160,22 @@ def test_bench_compares_with_accelerate(capsys, tmp_path, monkeypatch):
         assert 0.5 <= row["busiest_gpu_flops_share"] <= 1.0
         assert sum(row["gpu_bytes"]) + row["spill_bytes"] == pytest.approx(sum(rows[0]["gpu_bytes"]) + rows[0]["spill_bytes"])
     assert rows[0]["spill_bytes"] == 0  # 45 MB of weights fit on 2 x 30 MB without CPU
+
+
+def test_70b_planned_for_generation_reserves_its_cache_and_predicts_decode(capsys, tmp_path):
+    code, out, err = _run(capsys, "plan", "hf:llama", "--set", LLAMA_70B, "--max-memory", "0=80GiB,1=80GiB,cpu=200GiB",
+                          "--dtype", "bf16", "--batch", "16", "--max-length", "8192", "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "generation: 16 x 8,192 tokens (prompt 128)" in flat and "decode limited by" in flat
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["generation"]["kv_bytes"] == data["totals"]["kv_bytes"] > 0
+    for device in data["devices"]:
+        assert device["used_bytes"] <= device["capacity_bytes"]
+
+
+def test_max_length_shorter_than_the_prompt_exits_1_with_one_line(capsys):
+    code, out, err = _run(capsys, "plan", "hf:gpt2", "--set", "n_layer=2", "--max-memory", "cpu=2GiB",
+                          "--seq-len", "64", "--max-length", "32")
+    assert code == 1 and err.count("\n") == 1
+    assert "max_length=32 is not longer than the prompt (64 tokens)" in err

@@ -1,0 +1,74 @@
+"""The decode prediction (planning/decode.py) on hand-made plans whose numbers are known: which
+term limits a step, the step time it gives, and the hint that moves the limit."""
+from __future__ import annotations
+
+import pytest
+
+from automap.devices import make_device
+from automap.planning import Plan
+from automap.planning.decode import predict_decode
+from automap.profiling import Unit
+from automap.profiling.result import Generation
+
+GB = 10**9
+
+
+def _unit(name: str, weights: int, kv_read: int = 0, flops: int = 0, kv: int = 0) -> Unit:
+    return Unit(name, (f"{name}.w",), param_bytes=weights, kv_bytes=kv, kv_read_bytes=kv_read, decode_flops=flops,
+                calls=1)
+
+
+def _plan(units, placement, devices, batch: int = 1) -> Plan:
+    return Plan(units=tuple(units), devices=tuple(devices), placement=tuple(placement), strategy="auto",
+                generation=Generation(batch, 1024, 128, cache="DynamicCache"))
+
+
+def _gpu(name: str, capacity: int = 80 * GB):
+    return make_device(name, capacity, flops_per_second=100e12, link_bytes_per_second=25e9,
+                       memory_bytes_per_second=2e12)
+
+
+def test_resident_weights_bound_a_step_by_memory_bandwidth():
+    plan = _plan([_unit("a", 10 * GB, kv_read=2 * GB, flops=10**9)], ["cuda:0"], [_gpu("cuda:0")])
+    decode = predict_decode(plan)
+    assert decode.step_seconds == pytest.approx(12 * GB / 2e12)
+    assert decode.tokens_per_second == pytest.approx(1 / decode.step_seconds)
+    assert decode.limit.kind == "weights" and decode.limit.amount == 10 * GB
+    assert decode.describe().startswith("decode limited by 10 GB of weights read from cuda:0 per step: ~")
+
+
+def test_a_stream_from_disk_adds_to_the_reads_and_is_named_with_a_fix():
+    units = [_unit("a", 10 * GB), _unit("b", 17 * GB)]
+    devices = [_gpu("cuda:0"), make_device("disk", 10**13, link_bytes_per_second=2e9)]
+    decode = predict_decode(_plan(units, ["cuda:0", "disk"], devices))
+    assert decode.step_seconds == pytest.approx(10 * GB / 2e12 + 17 * GB / 2e9)
+    assert (decode.limit.kind, decode.limit.device) == ("stream", "disk")
+    assert "decode limited by 17 GB streamed from disk per step: ~0.118 tokens/s at batch 1" in decode.describe()
+    assert "more memory on cuda:0 (max_memory) would keep every weight resident" in decode.hint
+
+
+def test_compute_bound_step_and_its_hint():
+    plan = _plan([_unit("a", GB, flops=10**15)], ["cuda:0"], [_gpu("cuda:0")], batch=64)
+    decode = predict_decode(plan)
+    assert decode.step_seconds == pytest.approx(10.0)
+    assert decode.tokens_per_second == pytest.approx(6.4)
+    assert decode.limit.kind == "compute" and "compute-bound on cuda:0" in decode.hint
+
+
+def test_devices_take_turns_and_the_limit_sums_them():
+    units = [_unit("a", 10 * GB), _unit("b", 30 * GB)]
+    decode = predict_decode(_plan(units, ["cuda:0", "cuda:1"], [_gpu("cuda:0"), _gpu("cuda:1")]))
+    assert decode.step_seconds == pytest.approx(40 * GB / 2e12)
+    assert decode.limit.describe() == "40 GB of weights read from cuda:0, cuda:1"
+
+
+def test_a_larger_batch_amortises_the_weights_until_the_cache_or_compute_limits():
+    plan = _plan([_unit("a", 10 * GB, kv_read=GB // 2, flops=2 * 10**10, kv=GB)], ["cuda:0"], [_gpu("cuda:0")])
+    hint = predict_decode(plan).hint
+    # Weights (10 GB) stay; the cache read grows with the batch and passes them at batch 32.
+    assert "at batch 32 the limit moves to 16 GB of KV cache read from cuda:0" in hint
+
+
+def test_no_generation_no_prediction():
+    plan = Plan(units=(_unit("a", GB),), devices=(_gpu("cuda:0"),), placement=("cuda:0",), strategy="auto")
+    assert predict_decode(plan) is None
