@@ -6,7 +6,9 @@ holding 1.3x the model in total, and 0.6x with CPU and disk behind), each planne
 judged by one cost model (automap's Plan): bytes spilled to CPU/disk, the busiest GPU's FLOPs
 share, the bottleneck relative to the optimal contiguous split (an independent O(k n^2)
 dynamic programme), and planning time (median of repeats). Also: 1,000 units on 8 devices,
-and the tutorial's hand split of ResNet-50 beside automap's.
+the tutorial's hand split of ResNet-50 beside automap's, and Llama-2-70B planned for
+``generate`` at 16 x 8,192 tokens on 2 x 80 GiB: whether each planner's map leaves every GPU
+room for the KV cache of its layers (the cache measured on meta by automap, for both maps).
 
     .venv/bin/python -m benchmarks.plan_quality --json benchmarks/notes/plan_quality.json
 """
@@ -31,6 +33,7 @@ from automap.errors import AutomapError
 from automap.planning import Plan, make_plan, plan_from_device_map
 from automap.planning.layout import all_cut_bytes, make_items
 from automap.profiling import Profile, Unit
+from automap.profiling.kvcache import profile_generation
 
 log = logging.getLogger("plan_quality")
 
@@ -142,8 +145,7 @@ def _judge(plan: Plan, best: float | None, seconds: float) -> dict[str, Any]:
     gpu_rows = [r for r in plan.summary() if r.device.is_accelerator]
     spilled = sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator)
     streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
-    over = [r for r in gpu_rows if r.weight_bytes + r.activation_bytes
-            + (streamed if r.device.name == plan.execution_device else 0) > r.device.capacity_bytes]
+    over = [r for r in gpu_rows if _gpu_need(plan, r, streamed) > r.device.capacity_bytes]
     return {
         "oom": bool(over),
         "spilled_bytes": spilled,
@@ -152,6 +154,59 @@ def _judge(plan: Plan, best: float | None, seconds: float) -> dict[str, Any]:
         "bottleneck_vs_optimum": plan.bottleneck_seconds / best if best else None,
         "planning_seconds": seconds,
     }
+
+
+def _gpu_need(plan: Plan, row: Any, streamed: int) -> int:
+    """What a GPU must hold at run time: weights, activations, the KV cache of the units
+    computing there, and on the execution device the largest streamed unit."""
+    staging = streamed if row.device.name == plan.execution_device else 0
+    return row.weight_bytes + row.activation_bytes + row.kv_bytes + staging
+
+
+def generation_fit(batch: int = 16, max_length: int = 8192) -> dict[str, Any]:
+    """Llama-2-70B shape in bf16 on 2 x 80 GiB GPUs (+ 200 GiB CPU RAM) planned for ``generate``
+    of ``batch`` x ``max_length`` tokens: per GPU, weights + prefill activations + KV cache
+    (+ the streamed unit on the execution device) against its capacity, for automap's plan and
+    for accelerate's map (balanced, as ``device_map="auto"``), both judged with the same cache."""
+    case = next(c for c in CASES if c.name == "Llama-70B")
+    dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = case.build().eval()
+    prompt = {"input_ids": torch.zeros(batch, 128, dtype=torch.long, device="meta")}
+    prof = automap.profile(model, prompt, no_split=case.no_split, dtype=dtype, backward=False)
+    prof = profile_generation(model, prof, prompt, batch=batch, max_length=max_length, dtype=dtype)
+    gib = 2**30
+    devices = (make_device("cuda:0", 80 * gib), make_device("cuda:1", 80 * gib), make_device("cpu", 200 * gib),
+               make_device("disk", 2**40))
+    tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    modules = {n for n, _ in model.named_modules()}
+    plans = {"automap": make_plan(prof, devices, "auto")}
+    balanced = _accelerate_maps(model, devices, Case(case.name, case.build, case.no_split, dtype))["accelerate balanced"]
+    plans["accelerate balanced"] = plan_from_device_map(prof, devices, balanced(), tensors, modules)
+    result: dict[str, Any] = {"batch": batch, "max_length": max_length, "kv_bytes": prof.total_kv_bytes}
+    for label, plan in plans.items():
+        streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
+        rows = [{"device": r.device.name, "capacity_bytes": r.device.capacity_bytes, "weight_bytes": r.weight_bytes,
+                 "activation_bytes": r.activation_bytes, "kv_bytes": r.kv_bytes,
+                 "need_bytes": _gpu_need(plan, r, streamed)} for r in plan.summary() if r.device.is_accelerator]
+        result[label] = {"gpus": rows, "overflows": any(r["need_bytes"] > r["capacity_bytes"] for r in rows),
+                         "spilled_bytes": sum(plan.bytes_on(d.name) for d in devices if not d.is_accelerator)}
+    return result
+
+
+def generation_markdown(fit: dict[str, Any]) -> str:
+    gib = 2**30
+    lines = [f"Llama-2-70B bf16, 2 x 80 GiB, generate {fit['batch']} x {fit['max_length']:,} tokens "
+             f"(KV cache {fit['kv_bytes'] / gib:.1f} GiB)", "",
+             "| planner | GPU | weights | activations | KV cache | needs / capacity | overflows |", "|---|---|---|---|---|---|---|"]
+    for label in ("automap", "accelerate balanced"):
+        for r in fit[label]["gpus"]:
+            lines.append(f"| {label} | {r['device']} | {r['weight_bytes'] / gib:.1f} GiB | "
+                         f"{r['activation_bytes'] / gib:.2f} GiB | {r['kv_bytes'] / gib:.1f} GiB | "
+                         f"{r['need_bytes'] / gib:.1f} / {r['capacity_bytes'] / gib:.0f} GiB | "
+                         f"{'**yes**' if r['need_bytes'] > r['capacity_bytes'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -> list[dict[str, Any]]:
@@ -252,15 +307,26 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--models", nargs="*", default=[c.name for c in CASES])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--generation-only", action="store_true",
+                        help="only the 70B generation check (seconds, not minutes)")
     args = parser.parse_args()
+    if args.generation_only:
+        fit = generation_fit()
+        print(generation_markdown(fit))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(fit, f, indent=2)
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     rows = []
     for case in CASES:
         if case.name in args.models:
             rows += run_case(case, [2, 4, 8], [1.3, 0.6], args.repeats)
-    result = {"rows": rows, "speed_1000x8": synthetic_speed(), "tutorial_resnet50": tutorial_split()}
+    result = {"rows": rows, "speed_1000x8": synthetic_speed(), "tutorial_resnet50": tutorial_split(),
+              "generation_70b": generation_fit()}
     print(markdown(rows))
+    print(generation_markdown(result["generation_70b"]))
     print(json.dumps({k: result[k] for k in ("speed_1000x8", "tutorial_resnet50")}, indent=2))
     if args.json:
         with open(args.json, "w") as f:

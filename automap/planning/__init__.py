@@ -8,7 +8,8 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 - :mod:`automap.planning.strategies`: the named strategies, one registration each;
 - :mod:`automap.planning.layout`: items, tie groups, tiers, offloading and reserves;
 - :mod:`automap.planning.packing`: the out-of-order fallback before offloading;
-- :mod:`automap.planning.usermap`: user device maps, validated.
+- :mod:`automap.planning.usermap`: user device maps, validated;
+- :mod:`automap.planning.decode`: a generation's predicted prefill and decode tokens/s.
 """
 from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict
 from automap.planning.layout import build_plan, make_plan

@@ -132,14 +132,15 @@ def _limit(steps: Iterable[DeviceStep]) -> Term | None:
 
 def predict_decode(plan: Plan) -> DecodePrediction | None:
     """The decode prediction of ``plan`` (see the module docstring), or None when it was not
-    planned for a generation (``automap.plan(..., batch=, max_length=)``).
+    planned for a generation (``automap.plan(..., batch=, max_length=)``) or its model keeps
+    no cache (then ``generate`` recomputes every token each step, which this does not model).
 
     Example:
         >>> print(predict_decode(automap.plan(model, max_memory=..., batch=1, max_length=2048)).describe())
         decode limited by 17.3 GB streamed from disk per step: ~0.1 tokens/s at batch 1
     """
     generation = plan.generation
-    if generation is None:
+    if generation is None or not generation.cache:
         return None
     steps = decode_steps(plan, 1.0)
     return DecodePrediction(generation.batch, generation.prompt_length, generation.max_length,

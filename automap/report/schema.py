@@ -52,21 +52,21 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
 def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
     """The planned generation (what :meth:`Plan.from_json` reads back) and, for the report,
     its predicted speed."""
-    if plan.generation is None or facts.decode is None:
+    if plan.generation is None:
         return None
     decode = facts.decode
-    limit = decode.limit
+    limit = decode.limit if decode is not None else None
     return {
         **asdict(plan.generation),
         "kv_bytes": facts.kv_bytes,
-        "prefill_seconds": decode.prefill_seconds,
-        "decode_step_seconds": decode.step_seconds,
-        "decode_tokens_per_second": decode.tokens_per_second,
+        "prefill_seconds": plan.forward_seconds,
+        "decode_step_seconds": decode.step_seconds if decode is not None else None,
+        "decode_tokens_per_second": decode.tokens_per_second if decode is not None else None,
         "decode_limit": asdict(limit) if limit is not None else None,
-        "decode_summary": decode.describe(),
-        "decode_hint": decode.hint,
+        "decode_summary": decode.describe() if decode is not None else "",
+        "decode_hint": decode.hint if decode is not None else "",
         "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
-                         for s in decode.steps],
+                         for s in decode.steps] if decode is not None else [],
     }
 
 

@@ -127,12 +127,15 @@ def _totals(facts: Facts) -> str:
 
 def _generation(plan: Plan, facts: Facts) -> str:
     generation, decode = plan.generation, facts.decode
-    if generation is None or decode is None:
+    if generation is None:
         return ""
     prompt = (f"encoder input {generation.encoder_length} tokens" if generation.encoder_length
               else f"prompt {generation.prompt_length}")
     cache = (f"{format_bytes(facts.kv_bytes)} of {generation.cache} on "
              f"{', '.join(r.device.name for r in facts.rows if r.kv_bytes)}" if facts.kv_bytes else "no cache reserved")
+    if decode is None:
+        return "\n".join(_wrap(f"{generation.batch} x {generation.max_length:,} tokens; {cache}; no decode "
+                               "prediction (see warnings).", " " * 12, first="generation: "))
     text = (f"{generation.batch} x {generation.max_length:,} tokens ({prompt}); {cache}; prefill "
             f"~{format_seconds(decode.prefill_seconds)}; {decode.describe()}.")
     lines = _wrap(text, " " * 12, first="generation: ")
