@@ -278,3 +278,22 @@ def test_on_a_gpu_the_cache_stays_on_it_across_steps(tmp_path):
     assert torch.equal(got, plain)
     assert all(p == pointers[0] for p in pointers)
     assert {d for _, d in pointers[0]} == {torch.device("cuda:0")}
+
+
+def test_load_plans_for_generation_and_generates_the_same_tokens(tmp_path):
+    from safetensors.torch import save_model
+    from transformers import LlamaForCausalLM
+
+    real = tiny_llama(layers=4)
+    ids = torch.randint(3, 256, (8, 6), generator=torch.Generator().manual_seed(4))
+    expected = _generate(real, ids, 64).sequences
+    save_model(real, str(tmp_path / "llama.safetensors"))
+    budget, prompt = {"cpu": "1000KiB"}, {"input_ids": ids}
+    with_kv = automap.plan(real, max_memory=budget, example_inputs=prompt, max_length=64)
+    assert with_kv.offloaded_units != automap.plan(real, max_memory=budget, example_inputs=prompt).offloaded_units
+    with automap.empty_model():
+        skeleton = LlamaForCausalLM(real.config).eval()
+    model = automap.load(skeleton, tmp_path / "llama.safetensors", max_memory=budget, offload_dir=tmp_path / "offload",
+                         max_length=64, example_inputs=prompt, quiet=True)
+    assert automap.placement(model).offloaded_units == with_kv.offloaded_units
+    assert torch.equal(_generate(model, ids, 64).sequences, expected)
