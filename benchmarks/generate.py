@@ -17,14 +17,15 @@ clock and the process's CPU time), so the prefill (first forward) and the decode
 are timed apart, and decode tokens/s is ``B * (forwards - 1) / (end of last - end of first)``.
 The tokens of every process are compared with the all-in-RAM model's.
 
-A ``calibrate`` process measures this machine's constants, in CPU time of one thread (wall
-time on a shared machine measures the other jobs): memory bandwidth (a matrix-vector product
-over 512 MB in RAM), the same over the checkpoint's tensors mmapped with a warm page cache,
-each pass first asking the kernel to map them (``MADV_POPULATE_READ``, as an mmap offload
-store does before a unit runs): what "disk" reads cost here, and FLOP/s of the model's matrix shape with as many rows as a
-decode step has (the batch) and as a prefill has (batch x prompt): CPU GEMMs with few rows run
-far below peak. Each batch is planned with its decode constants, so its predicted decode
-tokens/s can be set against the measured tokens per CPU-second.
+A ``calibrate`` process (three, medians taken) measures this machine's constants in CPU time
+of one thread (wall time on a shared machine measures the other jobs), each apart from the
+others as ``automap.planning.decode`` adds them up on a CPU: memory bandwidth (a sum over 512
+MB in RAM); the "disk" link with a warm page cache (the checkpoint's tensors mmapped, each pass
+first asking the kernel to map them, ``MADV_POPULATE_READ``, as an mmap offload store does
+before a unit runs, then read); and FLOP/s of the model's MLP matrix product with as many rows
+as a decode step has (the batch) and as a prefill has (batch x prompt), the time its weights
+take to read from RAM taken out: CPU GEMMs with few rows run far below peak. Each batch is planned with its decode constants, so
+its predicted decode tokens/s can be set against the measured tokens per CPU-second.
 
     .venv/bin/python -m benchmarks.generate --root /tmp/automap-gen --rounds 3
 """
@@ -70,29 +71,30 @@ def _median_cpu_seconds(fn, repeats: int = 7) -> float:
 
 
 def calibrate(root: Path, batches: list[int], hidden: int) -> dict[str, Any]:
-    """Memory bandwidth (GEMV over 512 MB in RAM), warm page-cache bandwidth (GEMV over the
-    checkpoint's tensors, mmapped), FLOP/s of the MLP's matrix with ``batch`` rows (a decode
-    step) and ``batch x PROMPT`` rows (the prefill), in CPU seconds."""
+    """Memory bandwidth (a read of 512 MB in RAM), warm page-cache bandwidth (the checkpoint's
+    tensors mmapped, mapped in and read), FLOP/s of the MLP's matrix product with ``batch`` rows
+    (a decode step) and ``batch x PROMPT`` rows (the prefill) beyond the time its weights take
+    to read, in CPU seconds."""
     import numpy as np
     import torch
 
     weights = torch.randn(8192, 16384)  # 512 MB
-    x = torch.randn(16384)
-    memory = weights.numel() * 4 / _median_cpu_seconds(lambda: torch.mv(weights, x))
+    memory = weights.numel() * 4 / _median_cpu_seconds(weights.sum)
     del weights
-    mlp = torch.randn(int(hidden * 2.6875), hidden)
+    mlp = torch.randn(int(hidden * 2.6875), hidden)  # the model's up/gate projection
+    read = mlp.numel() * 4 / memory
     flops = {}
     for rows in sorted({*batches, *(b * PROMPT for b in batches)}):
         inputs = torch.randn(rows, hidden)
-        flops[str(rows)] = 2 * rows * mlp.numel() / _median_cpu_seconds(lambda: torch.nn.functional.linear(inputs, mlp))
+        seconds = _median_cpu_seconds(lambda: torch.nn.functional.linear(inputs, mlp))
+        flops[str(rows)] = 2 * rows * mlp.numel() / max(seconds - read, 0.1 * seconds)
     mapped = _mmapped_matrices(root / CHECKPOINT, np)
-    vectors = {id(m): torch.randn(m.shape[1]) for m in mapped}
     nbytes = sum(m.numel() * 4 for m in mapped)
 
     def read_mapped() -> None:
         for m in mapped:
             _populate(m)
-            torch.mv(m, vectors[id(m)])
+            m.sum()
 
     page_cache = nbytes / _median_cpu_seconds(read_mapped, repeats=3)
     return {"cpu_memory_bytes_per_second": memory, "cpu_flops_per_second_by_rows": flops,
@@ -161,7 +163,9 @@ def skeleton(layers: int, hidden: int):
 
 
 def make_plan(root: Path, layers: int, hidden: int, batch: int, max_length: int, budget_share: float,
-              constants: dict[str, float] | None) -> Path:
+              constants: dict[str, Any] | None, folder: Path | None = None) -> Path:
+    """Plan batch ``batch`` for the budget with this machine's ``constants``; write it to ``folder``
+    (default ``root``), where every worker reads it."""
     import automap
 
     budget = int((root / CHECKPOINT).stat().st_size * budget_share)
@@ -172,7 +176,8 @@ def make_plan(root: Path, layers: int, hidden: int, batch: int, max_length: int,
         links = {"disk": constants["page_cache_bytes_per_second"]}  # warm page cache: the "disk" reads
     plan = automap.plan(skeleton(layers, hidden), max_memory={"cpu": budget}, batch=batch, max_length=max_length,
                         example_inputs={"input_ids": prompts(batch)}, speeds=speeds, links=links, bandwidths=bandwidths)
-    path = root / f"plan-b{batch}.json"
+    path = (folder or root) / f"plan-b{batch}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json())
     return path
 
@@ -257,7 +262,7 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
         mine = [r for r in results if r["batch"] == batch]
         tps = {k: statistics.median(r["decode_tokens_per_second"] for r in mine if r["kind"] == k) for k in KINDS}
         cpu_tps = {k: statistics.median(r["decode_tokens_per_cpu_second"] for r in mine if r["kind"] == k) for k in KINDS}
-        reference = next(r["tokens"] for r in mine if r["kind"] == "ram")
+        reference = next(r.get("tokens") for r in mine if r["kind"] == "ram")
         decode = predict_decode(plan)
         assert decode is not None
         offloaded = sum(plan.bytes_on(d.name) for d in plan.devices if plan.is_offloaded(d.name))
@@ -269,7 +274,7 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
             "automap_vs_ram": tps["automap"] / tps["ram"],
             "automap_vs_accelerate_cpu_time": cpu_tps["automap"] / cpu_tps["accelerate"],
             "automap_vs_ram_cpu_time": cpu_tps["automap"] / cpu_tps["ram"],
-            "tokens_identical": all(r["tokens"] == reference for r in mine),
+            "tokens_identical": all(r.get("tokens") == reference for r in mine) if reference is not None else None,
             "prefill_seconds": {k: statistics.median(r["prefill_seconds"] for r in mine if r["kind"] == k)
                                 for k in KINDS},
             "prefill_cpu_seconds": {k: statistics.median(r["prefill_cpu_seconds"] for r in mine if r["kind"] == k)
@@ -328,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch intra-op threads in every process (default 1: on a shared machine two "
                              "OpenMP threads spin-wait behind other jobs)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--resummarise", type=Path, default=None, metavar="JSON",
+                        help="recompute the summary of an earlier run (its constants and timings) with this code")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     max_length = PROMPT + args.new_tokens
@@ -341,10 +348,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.role != "main":
         print(json.dumps(worker(args.role, args.root, args.layers, args.hidden, args.batch, max_length, args.runs)))
         return
+    if args.resummarise:
+        resummarise(args.resummarise, args)
+        return
     build_checkpoint(args.root, args.layers, args.hidden)
     constants = None if args.no_calibrate else _median_constants([run_fresh(
-        "benchmarks.generate", "calibrate", "--root", str(args.root), "--hidden", str(args.hidden),
-        "--threads", str(args.threads), "--batches", *map(str, args.batches)) for _ in range(3)])
+        "benchmarks.generate", "calibrate", "--root", str(args.root), "--threads", str(args.threads),
+        "--hidden", str(args.hidden), "--batches", *map(str, args.batches)) for _ in range(3)])
     log.info("constants: %s", constants)
     plans = {b: make_plan(args.root, args.layers, args.hidden, b, max_length, args.budget_share, constants)
              for b in args.batches}
@@ -357,10 +367,27 @@ def main(argv: list[str] | None = None) -> None:
         for kind, batch in order:
             log.info("round %d: %s at batch %d in a fresh process", round_ + 1, kind, batch)
             results.append(run_fresh("benchmarks.generate", kind, "--batch", str(batch), *flags))
-    report = {"summary": summarise(results, plans, constants), "constants": constants, "threads": args.threads, "max_length": max_length,
-              "prompt_tokens": PROMPT, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in results]}
-    text = json.dumps(report, indent=1)
-    (args.out or args.root / "generate.json").write_text(text)
+    report = {"summary": summarise(results, plans, constants), "constants": constants, "threads": args.threads,
+              "max_length": max_length, "prompt_tokens": PROMPT, "settings": _settings(args), "runs": results}
+    (args.out or args.root / "generate.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["summary"], indent=1))
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"layers": args.layers, "hidden": args.hidden, "budget_share": args.budget_share, "batches": args.batches,
+            "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": args.runs, "threads": args.threads}
+
+
+def resummarise(path: Path, args: argparse.Namespace) -> None:
+    """Plan again with the run's stored constants and settings (into ``--root``/resummarised)
+    and rewrite its summary: predictions follow this code, timings stay as measured."""
+    report = json.loads(path.read_text())
+    settings = {**_settings(args), **report.get("settings", {})}
+    plans = {b: make_plan(args.root, settings["layers"], settings["hidden"], b, report["max_length"],
+                          settings["budget_share"], report["constants"], folder=args.root / "resummarised")
+             for b in settings["batches"]}
+    report["summary"] = summarise(report["runs"], plans, report["constants"])
+    path.write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))
 
 

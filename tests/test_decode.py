@@ -37,14 +37,25 @@ def test_resident_weights_bound_a_step_by_memory_bandwidth():
     assert decode.describe().startswith("decode limited by 10 GB of weights read from cuda:0 per step: ~")
 
 
-def test_a_stream_from_disk_adds_to_the_reads_and_is_named_with_a_fix():
-    units = [_unit("a", 10 * GB), _unit("b", 17 * GB)]
+def test_a_stream_to_a_gpu_overlaps_its_work_and_is_named_with_a_fix():
+    units = [_unit("a", 10 * GB, flops=10**14), _unit("b", 17 * GB)]
     devices = [_gpu("cuda:0"), make_device("disk", 10**13, link_bytes_per_second=2e9)]
     decode = predict_decode(_plan(units, ["cuda:0", "disk"], devices))
-    assert decode.step_seconds == pytest.approx(10 * GB / 2e12 + 17 * GB / 2e9)
+    assert decode.step_seconds == pytest.approx(17 * GB / 2e9)  # the copy engine streams while it computes
     assert (decode.limit.kind, decode.limit.device) == ("stream", "disk")
     assert "decode limited by 17 GB streamed from disk per step: ~0.118 tokens/s at batch 1" in decode.describe()
     assert "more memory on cuda:0 (max_memory) would keep every weight resident" in decode.hint
+
+
+def test_on_a_cpu_compute_reads_and_stream_add_up():
+    cpu = make_device("cpu", 10 * GB, flops_per_second=1e10, memory_bytes_per_second=2e10)
+    disk = make_device("disk", 10**13, link_bytes_per_second=1e10)
+    units = [_unit("a", GB, flops=10**10), _unit("b", 2 * GB, flops=10**10)]
+    decode = predict_decode(_plan(units, ["cpu", "disk"], [cpu, disk], batch=8))
+    # 2e10 FLOP / 1e10 + 1 GB / 2e10 + 2 GB / 1e10: the cores compute, read and map in turn.
+    assert decode.step_seconds == pytest.approx(2.0 + 0.05 + 0.2)
+    assert all(t.binds for t in decode.terms)
+    assert decode.limit.kind == "compute" and decode.tokens_per_second == pytest.approx(8 / 2.25)
 
 
 def test_compute_bound_step_and_its_hint():

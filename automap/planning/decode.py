@@ -6,14 +6,20 @@ and its units' generation cache once per step, and the execution device also rec
 offloaded units' weights over their tier's link (disk reads, host-to-device copies) every
 step. Per computing device a step costs
 
-    max(decode FLOPs / FLOP/s,  (resident weights + cache read) / memory bandwidth
-                                + streamed weights / link bandwidth)
+    compute = decode FLOPs / FLOP/s
+    reads   = (resident weights + cache read) / memory bandwidth
+    stream  = streamed weights / link bandwidth
+    accelerator:  max(compute, reads, stream)   (it overlaps them: a copy engine streams while
+                                                 thousands of threads hide memory latency)
+    CPU:          compute + reads + stream      (a few cores take turns: the small matrix
+                                                 products of a decode step hide little of their
+                                                 memory reads, and the cores map or copy what
+                                                 streams in themselves)
 
-(computing overlaps the reads and the stream; the reads and the stream of one device share
-its time), and devices take their turns, so a step is the sum over devices. The largest term
-that binds names the limit; tokens per second is ``batch / step``. FLOPs and cache bytes grow
-with the batch, weights and streams do not: that is what a larger batch amortises. The prefill
-is the plan's predicted forward at its example inputs (the prompt).
+and devices take their turns, so a step is the sum over devices. The largest term that binds
+names the limit; tokens per second is ``batch / step``. FLOPs and cache bytes grow with the
+batch, weights and streams do not: that is what a larger batch amortises. The prefill is the
+plan's predicted forward at its example inputs (the prompt).
 """
 from __future__ import annotations
 
@@ -40,8 +46,8 @@ class Term:
         device: the computing device, or for a stream the tier it comes from.
         amount: FLOPs or bytes per step.
         seconds: predicted seconds per step.
-        binds: whether it sets its computing device's time (compute, or else the reads and
-            streams together).
+        binds: whether it adds to its computing device's time (on a CPU every part does; on
+            an accelerator only the largest of compute, reads and streams).
     """
 
     kind: str
@@ -57,19 +63,28 @@ class Term:
 
 @dataclass(frozen=True)
 class DeviceStep:
-    """One computing device's share of a decode step: its compute, and what it moves."""
+    """One computing device's share of a decode step: its compute, its memory reads and the
+    weights streamed to it; ``overlapped`` when they run side by side (an accelerator), not
+    one after another (a CPU)."""
 
     device: str
     compute: Term
-    moved: tuple[Term, ...]
+    reads: tuple[Term, ...]
+    streams: tuple[Term, ...]
+    overlapped: bool
 
     @property
     def seconds(self) -> float:
-        return max(self.compute.seconds, sum(t.seconds for t in self.moved))
+        compute, reads, streams = _parts(self.compute, self.reads, self.streams)
+        return max(compute, reads, streams) if self.overlapped else compute + reads + streams
 
     @property
     def terms(self) -> tuple[Term, ...]:
-        return (self.compute, *self.moved)
+        return (self.compute, *self.reads, *self.streams)
+
+
+def _parts(compute: Term, reads: Iterable[Term], streams: Iterable[Term]) -> tuple[float, float, float]:
+    return compute.seconds, sum(t.seconds for t in reads), sum(t.seconds for t in streams)
 
 
 @dataclass(frozen=True)
@@ -170,13 +185,18 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
 def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
                  streams: dict[str, float]) -> DeviceStep:
     memory = device.memory_bytes_per_second or DEFAULT_MEMORY.get(device.kind, 1.0)
-    moved = [Term(kind, device.name, nbytes, nbytes / memory) for kind, nbytes in reads.items() if nbytes]
-    moved += [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
+    read = [Term(kind, device.name, nbytes, nbytes / memory) for kind, nbytes in reads.items() if nbytes]
+    stream = [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
               for tier, nbytes in streams.items() if nbytes]
     compute = Term("compute", device.name, flops, flops / max(device.flops_per_second, 1.0))
-    bound_by_compute = compute.seconds >= sum(t.seconds for t in moved)
-    return DeviceStep(device.name, replace(compute, binds=bound_by_compute),
-                      tuple(replace(t, binds=not bound_by_compute) for t in moved))
+    overlapped = device.is_accelerator
+    if not overlapped:  # every part adds to the step
+        return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped)
+    c, r, s = _parts(compute, read, stream)
+    top = max(c, r, s)  # the part that sets the device's time; the others hide behind it
+    return DeviceStep(device.name, replace(compute, binds=c == top),
+                      tuple(replace(t, binds=r == top and c < top) for t in read),
+                      tuple(replace(t, binds=s == top and c < top and r < top) for t in stream), overlapped)
 
 
 def _hint(plan: Plan, steps: tuple[DeviceStep, ...]) -> str:
