@@ -14,8 +14,8 @@ from automap.devices import MaxMemory, Reserve, check_present, detect_devices, p
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import DeviceMapError, PlanError
-from automap.loading import (clean_on_failure, log_summary, match_keys, materialise, offloaded_names,
-                             open_checkpoint, plan_tasks, verify_loaded)
+from automap.loading import (log_summary, match_keys, materialise, offloaded_names, open_checkpoint, plan_tasks,
+                             verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
 from automap.planning.usermap import normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
@@ -180,15 +180,15 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         for device in chosen.used_devices:
             check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
-        with clean_on_failure(offload_dir):
-            loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)
-            on_purpose = offloaded_names(model, tasks)
-            undo = install(model, loaded.fresh)
-            try:
-                verify_loaded(model, on_purpose)
-                dispatch_plan(model, chosen, store=loaded.store)
-            except BaseException:
-                install(model, undo)  # the skeleton as it was: nothing half-loaded either
-                raise
+        loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)  # cleans up what it wrote if it fails
+        on_purpose = offloaded_names(model, tasks)
+        undo = install(model, loaded.fresh)
+        try:
+            verify_loaded(model, on_purpose)
+            dispatch_plan(model, chosen, source=loaded.source)
+        except BaseException:
+            install(model, undo)  # the skeleton as it was: nothing half-loaded either
+            loaded.discard()  # and no store this load created is left on disk
+            raise
     log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
     return model

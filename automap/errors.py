@@ -41,6 +41,12 @@ class CheckpointError(AutomapError):
     """A checkpoint is missing, corrupt, unsafe, or does not match the model."""
 
 
+class FormatError(CheckpointError, OffloadError):
+    """A safetensors file (a checkpoint or a store file) breaks the format: a header that is
+    not an object, bad offsets, overlapping or out-of-bounds ranges, an unknown dtype, or a
+    truncated file. Caught as either a :class:`CheckpointError` or an :class:`OffloadError`."""
+
+
 class PipelineError(AutomapError):
     """Pipelined execution was asked for with inconsistent settings."""
 
