@@ -19,6 +19,7 @@ from automap.loading import (log_summary, match_keys, materialise, offloaded_nam
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
 from automap.planning.usermap import normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.profiling.refine import Splitter
 from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
@@ -74,13 +75,15 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
                              speeds=speeds, links=links)
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
+        refine = None
         if isinstance(model, Profile):
             prof = model
         else:
             if example_inputs is None and batch is not None:
                 example_inputs, _ = default_example_inputs(model, batch=batch)
             prof = profile(model, example_inputs, no_split=no_split, dtype=dtype)
-        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices))
+            refine = Splitter(model, example_inputs=example_inputs, no_split=no_split, dtype=dtype)
+        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine)
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
@@ -14,6 +14,11 @@ from automap.errors import PlanError
 from automap.profiling import Unit
 
 JSON_VERSION = 1
+
+# What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
+# a streamed unit pays it twice more (weights in, weights out). It makes splitting a unit into
+# more units cost something in the predicted time, as it does when the model runs.
+HOOK_SECONDS = 3e-6
 
 
 class Origin(str, enum.Enum):
@@ -95,6 +100,12 @@ class Plan:
             ``reserve`` (KV cache, optimizer state).
         origin: whether a strategy, a user's device map or a dispatched model's actual
             placement gave it.
+        executor: the execution device when the planner chose it (``"cpu"`` while GPUs
+            keep some units: the CPU computes the units placed on it and streams those on
+            disk); ``""``: the first accelerator used, else the CPU.
+        choices: what the planner decided and why, for the report: units split (into how
+            many pieces, and the reason), units kept whole, and the alternative chosen by
+            predicted forward time.
     """
 
     units: tuple[Unit, ...]
@@ -107,6 +118,8 @@ class Plan:
     warnings: tuple[str, ...] = field(default=())
     reserves: tuple[tuple[str, int], ...] = ()
     origin: Origin = Origin.STRATEGY
+    executor: str = ""
+    choices: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -136,7 +149,10 @@ class Plan:
 
     @cached_property
     def execution_device(self) -> str:
-        """Where offloaded units compute: the first accelerator in the plan, else the CPU."""
+        """Where offloaded units compute: the planner's ``executor`` when it chose one, else
+        the first accelerator in the plan, else the CPU."""
+        if self.executor:
+            return self.executor
         for name in self.used_devices:
             if self.device(name).is_accelerator:
                 return name
@@ -248,9 +264,20 @@ class Plan:
         return max(self.compute_seconds().values(), default=0.0)
 
     @property
+    def hook_seconds(self) -> float:
+        """Predicted overhead of automap's hooks per forward: none when the whole model
+        computes on one device with nothing streamed (dispatch hooks nothing then), else
+        :data:`HOOK_SECONDS` per unit call, three times for a streamed unit."""
+        if len({self.compute_device(d) for d in self.placement}) <= 1 and not self.offloaded_units:
+            return 0.0
+        return HOOK_SECONDS * sum(max(u.calls, 1) * (3 if self.is_offloaded(d) else 1)
+                                  for u, d in zip(self.units, self.placement))
+
+    @property
     def forward_seconds(self) -> float:
-        """Predicted time of one unpipelined forward: every stage in turn."""
-        return sum(s.stage_seconds for s in self.summary())
+        """Predicted time of one unpipelined forward: every stage in turn, plus the hooks'
+        overhead (:attr:`hook_seconds`)."""
+        return sum(s.stage_seconds for s in self.summary()) + self.hook_seconds
 
     # -------------------------------------------------------------- rendering
 
@@ -283,7 +310,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         for u in data["units"]
     )
     origin, strategy = _origin_of(data)
-    return Plan(
+    plan = Plan(
         units=units,
         devices=devices,
         placement=tuple(u["device"] for u in data["units"]),
@@ -294,7 +321,11 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         example=data.get("example", ""),
         warnings=tuple(data.get("warnings", [])),
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
+        choices=tuple(data.get("choices", [])),
     )
+    executor = str(data.get("execution_device", ""))
+    # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.
+    return replace(plan, executor=executor) if executor and executor != plan.execution_device else plan
 
 
 def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:

@@ -25,8 +25,8 @@ from automap.profiling.graph import build_graph
 from automap.profiling.result import Flow, Profile, Unit
 from automap.profiling.timing import calibrated_device, measure_units
 from automap.profiling.trace import TraceResult, run_trace
-from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
-                                   tie_groups, unit_aliases)
+from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, stray_reads,
+                                   tensor_bytes, tie_groups, unit_aliases)
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         uncalled=tuple(uncalled) if trace.order else (),
         flows=tuple(trace.flows),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
+        strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
     )
 
 

@@ -40,6 +40,10 @@ class Unit:
         dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
         input_bytes: bytes of the tensors passed to the unit (largest call).
         seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).
+        split_from: the unit this one was split out of (``""``: not split), see
+            :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
+            runs outside every unit, so every unit split from it computes on one device, and
+            the module's inputs are sent there.
     """
 
     name: str
@@ -56,6 +60,7 @@ class Unit:
     dtype_bytes: dict[str, int] = field(default_factory=dict)
     input_bytes: int = 0
     seconds: float | None = None
+    split_from: str = ""
 
     @property
     def weight_bytes(self) -> int:
@@ -115,6 +120,10 @@ class Profile:
         flows: every tensor passed between units, with positions (see :meth:`cut_bytes`).
         dtype: the dtype bytes are counted at ("" = as stored).
         measured_device: where ``Unit.seconds`` were measured ("" = not measured).
+        strays: tensors the traced forward read while no unit holding them ran (a module's
+            own code reading a child's weight, as ``nn.MultiheadAttention`` reads
+            ``out_proj.weight``); such a tensor cannot be streamed in with its unit. Tensors
+            held by a non-unit module (``Unit.loose``) are never strays.
     """
 
     model_name: str
@@ -126,6 +135,7 @@ class Profile:
     flows: tuple[Flow, ...] = field(default=(), compare=False)
     dtype: str = ""
     measured_device: str = ""
+    strays: tuple[str, ...] = ()
 
     @property
     def total_flops(self) -> int:

@@ -57,6 +57,7 @@ class TraceResult:
     output_bytes: dict[str, int] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
     first_use: dict[str, str] = field(default_factory=dict)
+    readers: dict[str, frozenset[str | None]] = field(default_factory=dict)
     flows: list[Flow] = field(default_factory=list)
     unit_inputs: dict[str, Any] = field(default_factory=dict)
     total_flops: int = 0
@@ -110,6 +111,7 @@ class Tracer(TorchDispatchMode):
         self.live = 0
         self.raw_flows: dict[tuple[int, int, tuple], tuple[int, int]] = {}
         self.seg_use: dict[str, int] = {}
+        self.readers: defaultdict[str, set[str | None]] = defaultdict(set)
         self._uid = 0
         self._probing = False
         self._leaf: torch.Tensor | None = None
@@ -185,6 +187,7 @@ class Tracer(TorchDispatchMode):
         name = self.state_storage.get(id(st))
         if name is not None:
             self.seg_use.setdefault(name, seg)
+            self.readers[name].add(self.segments[seg].unit)
             return
         rec = self.storages.get(id(st))
         if rec is not None and rec.segment != seg:
@@ -310,6 +313,7 @@ class Tracer(TorchDispatchMode):
                 if self.probe_backward:  # else not measured: 0, never a guess
                     r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
         r.first_use = {name: unit for name, seg in self.seg_use.items() if (unit := owner[seg]) is not None}
+        r.readers = {name: frozenset(units) for name, units in self.readers.items()}
         r.flows = self._flows(owner, tpos)
         r.total_flops = total_flops
         return r

@@ -80,6 +80,21 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
     return units
 
 
+def tensor_children(name: str, module: nn.Module) -> list[str]:
+    """Names of ``module``'s children that hold tensors, the blocks of a child
+    ``ModuleList``/``ModuleDict`` in its place (a container that is never called itself)."""
+    found = []
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if not _has_tensors(child):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += tensor_children(full, child)
+        else:
+            found.append(full)
+    return found
+
+
 def check_units(model: nn.Module, units: Sequence[str]) -> list[str]:
     """Validate explicit unit names; a second name of one module object is dropped.
 
@@ -175,6 +190,35 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
         owned[unit][0].append(name)
         owned[unit][1].append(name)
     return owned
+
+
+def stray_reads(model: nn.Module, units: Sequence[str], readers: Mapping[str, Iterable[str | None]],
+                loose: Iterable[str]) -> list[str]:
+    """Tensors read while no unit holding them ran: by a module's own code between units, or by
+    a unit whose module does not hold them. Tensors in ``loose`` (held by a non-unit module,
+    kept resident where they run) never count.
+
+    Args:
+        model: the model.
+        units: unit names.
+        readers: tensor name (any of its names) -> the units running when it was read (None:
+            code between units).
+        loose: names of loose tensors.
+
+    Returns:
+        The first name of each such tensor, in definition order.
+    """
+    prefixes = {alias: unit for unit, names in unit_aliases(model, units).items() for alias in (unit, *names)}
+    skip = set(loose)
+    found = []
+    for names in _names_per_tensor(model):
+        seen = {r for n in names for r in readers.get(n, ())}
+        if not seen or skip.intersection(names):
+            continue
+        holders = {_holder(n, prefixes) for n in names}
+        if any(r is None or r not in holders for r in seen):
+            found.append(names[0])
+    return found
 
 
 def longest_prefix(mapping: Mapping[str, _V], name: str) -> _V | None:

@@ -42,6 +42,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "tie_groups": [list(g) for g in plan.tie_groups],
         "cut_bytes": list(plan.cut_bytes),
         "warnings": list(plan.warnings),
+        "choices": list(plan.choices),
         "reserves": {name: nbytes for name, nbytes in plan.reserves},
         "totals": _totals_dict(plan, facts),
         "report_warnings": list(facts.warnings),

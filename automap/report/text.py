@@ -47,13 +47,15 @@ def render_text(plan: Plan) -> str:
 
     Per device: kind, capacity, bytes used and %, headroom, FLOPs share, predicted stage time
     and unit ranges; then every cut (units either side, bytes crossing, transfer time); then
-    totals (bottleneck, predicted forward time) and warnings.
+    totals (bottleneck, predicted forward time), the planner's choices (units split, the
+    alternative kept by predicted time) and warnings.
 
     Example:
         >>> print(render_text(automap.plan(model, max_memory={0: "20GiB", 1: "20GiB"})))
     """
     facts = facts_of(plan)
-    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _warnings(facts)]
+    sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _choices(plan),
+                _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -115,6 +117,16 @@ def _totals(facts: Facts) -> str:
             f"predicted forward {format_seconds(facts.forward_seconds)} "
             f"({format_seconds(facts.cut_seconds)} of it in transfers)"]
     return "\n".join(_wrap("; ".join(t for t in text if t) + ".", " " * 8, first="totals: "))
+
+
+def _choices(plan: Plan) -> str:
+    """What the planner split and chose, and why (nothing when it had nothing to choose)."""
+    if not plan.choices:
+        return ""
+    lines = ["choices:"]
+    for note in plan.choices:
+        lines += _wrap(note, "    ", first="  - ")
+    return "\n".join(lines)
 
 
 def _warnings(facts: Facts) -> str:

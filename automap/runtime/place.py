@@ -86,6 +86,11 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
         bad = [t for t in unit.tensors if t not in tensors]
         if bad:
             raise DispatchError(f"the plan names tensors {bad[:3]} that the model lacks; plan this model again")
+    for name, devices in split_devices(plan).items():
+        if name not in modules or len(devices) > 1:
+            raise DispatchError(f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
+                                "own forward code runs between them, so they must compute on one device; plan the "
+                                "model again with automap.plan")
 
 
 def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, str]]:
@@ -207,6 +212,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
             state.hooks.append(StreamWeights(group, state.transfer, state.lock).attach(modules[group.key]))
     if needs_hooks:
         hook_loose_owners(plan, modules, tensors, state)
+        hook_split_units(plan, modules, state)
     if output_device is not None:
         state.hooks.append(MoveOutputs(torch.device(output_device)).attach(model))
 
@@ -254,6 +260,22 @@ def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[s
             owners.setdefault(name.rpartition(".")[0], tensors[name].device)
     for owner, device in owners.items():
         state.hooks.append(MoveInputs(device).attach(modules[owner]))
+
+
+def split_devices(plan: Plan) -> dict[str, set[str]]:
+    """For each unit the planner split (``Unit.split_from``), where its pieces compute."""
+    found: dict[str, set[str]] = {}
+    for unit, where in zip(plan.units, plan.placement):
+        if unit.split_from:
+            found.setdefault(unit.split_from, set()).add(plan.compute_device(where))
+    return found
+
+
+def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
+    """A split unit's own forward code (a residual add) runs between its pieces, on what it
+    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`)."""
+    for name, devices in split_devices(plan).items():
+        state.hooks.append(MoveInputs(torch.device(next(iter(devices)))).attach(modules[name]))
 
 
 # ------------------------------------------------------------------ undo
