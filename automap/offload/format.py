@@ -166,10 +166,19 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+# Where each tensor's data starts in a file automap writes: a multiple of this many bytes, as
+# torch's CPU allocator aligns tensors. Kernels (oneDNN's convolutions among them) pick their
+# path by alignment, so a weight read in place from a less aligned offset computes a slightly
+# different result (~1e-7 relative) than the same weight in RAM; aligned, they match bit for bit.
+DATA_ALIGN = 64
+
+
 def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
     """The header bytes for ``tensors`` and the order their data follows it in: largest
-    element size first (as safetensors orders them), so every tensor starts aligned for its
-    dtype; the header is padded with spaces to 8 bytes."""
+    element size first (as safetensors orders them). Every tensor starts at a multiple of
+    :data:`DATA_ALIGN` bytes in the file: the header is padded with spaces to end there, and
+    zero bytes fill the gap after a tensor whose size is not a multiple (automap's parser
+    reads such files; the safetensors library wants no gaps, and never reads automap's store)."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -178,10 +187,11 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
         if t.dtype not in DTYPE_NAMES:
             raise FormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         nbytes = t.numel() * t.element_size()
+        offset += -offset % DATA_ALIGN
         entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGN)
     return struct.pack("<Q", len(text)) + text, order
 
 
@@ -199,6 +209,7 @@ def write_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]
     with open(path, "xb") as f:
         written += f.write(head)
         for name in order:
+            written += f.write(bytes(-(written - len(head)) % DATA_ALIGN))
             if tensors[name].numel():
                 written += f.write(_bytes_of(tensors[name]))
     return written

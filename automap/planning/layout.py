@@ -15,14 +15,15 @@ With accelerators:
 - ``packed``: no contiguous split fits, but the groups can be packed out of order.
 - ``streamed``: the accelerators keep one contiguous run of groups (possibly after a few
   offloaded leading ones, such as an embedding), chosen to keep the most bytes; the rest lives
-  in CPU RAM, then on disk, and is streamed item by item to the execution device, which keeps
+  in CPU RAM while it has room, else on disk, and is streamed item by item to the execution
+  device (any accelerator: the one that keeps the most bytes resident), which keeps
   room for the largest streamed item (a split unit streams piece by piece). Pieces read from
   disk pass through pinned staging, counted in the CPU budget.
 - ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
   accelerator that is the whole model on the CPU.
 
-On the CPU alone the CPU keeps items in order while its budget lasts; the rest stay on disk,
+On the CPU alone, CPU RAM takes each item (in execution order) that still fits its budget; the rest stay on disk,
 read through the page cache (the store is memory-mapped), which needs no budget. A CPU budget
 bounds the weights kept in RAM, as accelerate reads ``max_memory["cpu"]``; activations are
 reserved where running out is fatal: on accelerators.
@@ -264,17 +265,15 @@ def _choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int]) -
 
 def _store(weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec],
            reserve: Mapping[str, int], held: Mapping[str, int] | None = None) -> dict[int, DeviceSpec] | None:
-    """Items ``order`` to storage tiers in turn (CPU RAM, then disk), each tier filled in
-    execution order less ``held`` bytes; None when they overflow."""
-    held = held or {}
+    """Items ``order`` to storage tiers, each to the first tier (CPU RAM, then disk) with room
+    left for it, less ``held`` bytes per tier; None when one fits none."""
+    free = [room(d, reserve) - (held or {}).get(d.name, 0) for d in storage]
     where: dict[int, DeviceSpec] = {}
-    tier, used = 0, 0
     for i in order:
-        while tier < len(storage) and used + weights[i] > room(storage[tier], reserve) - held.get(storage[tier].name, 0):
-            tier, used = tier + 1, 0
-        if tier == len(storage):
+        tier = next((t for t, left in enumerate(free) if weights[i] <= left), None)
+        if tier is None:
             return None
-        where[i], used = storage[tier], used + weights[i]
+        where[i], free[tier] = storage[tier], free[tier] - weights[i]
     return where
 
 

@@ -150,9 +150,9 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
     if kept:
         more = f", and {len(kept) - _LISTED} more" if len(kept) > _LISTED else ""
         notes.append(f"kept whole: {'; '.join(kept[:_LISTED])}{more}")
-    if len(pool) > 1:
+    if len(pool) > 1 or tier is not tiers[0]:
         others = sorted((p for p in pool if p[2] is not best), key=lambda p: p[2].plan.forward_seconds)
-        listed = ", ".join(f"{_describe(c, i)} {_ms(c.plan)}" for _, i, c in others[:_LISTED])
+        listed = ", ".join(f"{_describe(c, i)} {_ms(c.plan)}" for _, i, c in others[:_LISTED]) or "none"
         notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({why}); "
                      f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
     return replace(best.plan, choices=tuple(notes))

@@ -18,8 +18,10 @@ sends the module's inputs there. Deterministic: the same model and names give th
 """
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -100,7 +102,7 @@ class Splitter:
                 return (), f"its class {kind} is in no_split"
             children = tensor_children(name, module)
             if not children:
-                return (), f"a leaf module ({kind})"
+                return (), f"leaf {kind}"
             if len(children) > 1 or any(True for _ in module.parameters(recurse=False)) \
                     or any(True for _ in module.buffers(recurse=False)):
                 return tuple(children), ""
@@ -109,11 +111,27 @@ class Splitter:
     def _retrace(self, base: Profile, pieces: Mapping[str, tuple[str, ...]]) -> tuple[Profile | None, dict[str, str]]:
         units = [n for u in base.units for n in pieces.get(u.name, (u.name,))]
         try:
-            finer = profile(self.model, self.example_inputs, dtype=self.dtype, units=units)
+            with _quiet(logging.getLogger("automap.profiling")):
+                finer = profile(self.model, self.example_inputs, dtype=self.dtype, units=units,
+                                backward=base.total_train_flops > 0)
         except ProfileError as exc:
             return None, {name: f"tracing with its pieces failed ({exc})" for name in pieces}
         bad = {name: why for name, parts in pieces.items() if (why := _unrunnable(finer, parts))}
         return (None if bad else _marked(base, finer, pieces)), bad
+
+
+@contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """Drop ``logger``'s warnings for a while: a rejected split's uncalled pieces are expected
+    there, and the reason goes into the plan's choices instead."""
+    def drop(record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING
+
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _unrunnable(finer: Profile, parts: Sequence[str]) -> str:

@@ -78,7 +78,9 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
                                 "was the plan made for another model?")
         module = modules[unit.name]
-        if plan.is_offloaded(plan.device_of(unit.name)) and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # A container is never called unless its class has a forward (torchvision's _DenseBlock).
+        never_called = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+        if plan.is_offloaded(plan.device_of(unit.name)) and never_called:
             children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
             raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
                                 f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
