@@ -24,16 +24,27 @@ SHARES = (0.3, 0.1)
 MAX_ABS_DIFF = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these inputs are small, and two OpenMP threads spin-wait behind any
+    other job on a 2-core machine (benchmarks/notes/offload.md), which made the sweep 2x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _runs_within(model: nn.Module, inputs: tuple | dict, expected: torch.Tensor, folder: Path,
                  generate: Callable[[nn.Module], torch.Tensor] | None = None,
                  tokens: torch.Tensor | None = None) -> None:
     """At each share of the weights' bytes as CPU budget: a plan that keeps the budget, and a
     dispatched model with the plain model's outputs (and tokens)."""
     call = (lambda m: m(*inputs)) if isinstance(inputs, tuple) else (lambda m: m(**inputs))
+    profile = automap.profile(model, inputs, backward=False)  # one trace for both budgets
     for share in SHARES:
         budget = int(share * weight_bytes(model))
         where = folder / f"offload-{share}"
-        plan = automap.plan(model, max_memory={"cpu": budget}, example_inputs=inputs, offload_dir=where)
+        plan = automap.plan(profile, max_memory={"cpu": budget}, offload_dir=where)
         assert plan.execution_device == "cpu"
         assert plan.bytes_on("cpu") <= budget and plan.bytes_on("disk") > 0, f"{share:.0%}: {plan.report()}"
         automap.dispatch(model, plan, offload_dir=where)

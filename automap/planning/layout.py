@@ -458,8 +458,8 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
     activations, or the CPU, from its RAM or from disk (which needs no RAM).
 
     Raises:
-        PlanError: an item fits nowhere; the message names it, its class when ``no_split``
-            keeps it whole is up to the caller (see :mod:`automap.planning.splitting`).
+        PlanError: an item fits nowhere; the message names it and the numbers
+            (:mod:`automap.planning.splitting` adds the units it could not split, and why).
     """
     runners = [d for d in devices if d.kind != "disk"]
     if not runners:

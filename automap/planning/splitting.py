@@ -150,7 +150,7 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
     if kept:
         more = f", and {len(kept) - _LISTED} more" if len(kept) > _LISTED else ""
         notes.append(f"kept whole: {'; '.join(kept[:_LISTED])}{more}")
-    if len(pool) > 1 or tier is not tiers[0]:
+    if len(pool) > 1 or best.kind == CPU_COMPUTES:
         others = sorted((p for p in pool if p[2] is not best), key=lambda p: p[2].plan.forward_seconds)
         listed = ", ".join(f"{_describe(c, i)} {_ms(c.plan)}" for _, i, c in others[:_LISTED]) or "none"
         notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({why}); "
