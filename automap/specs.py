@@ -322,10 +322,10 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         >>> plan_spec("torchvision:resnet50", max_memory={0: "60MB", 1: "60MB"}).plan.device_map["fc"]
         1
     """
-    from automap.api import plan
+    from automap.devices import detect_devices, parse_max_memory
+    from automap.planning import make_plan
     from automap.profiling import profile
-
-    from automap.devices import parse_max_memory
+    from automap.profiling.refine import Splitter
 
     if batch < 1 or seq_len < 1:
         raise SpecError(f"--batch and --seq-len must be >= 1, got batch={batch}, seq_len={seq_len}")
@@ -337,4 +337,5 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     # Plans are for inference: tracing a backward pass too would double the time for nothing.
     prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False)
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
-    return SpecPlan(built, plan(prof, strategy, max_memory), chosen_dtype)
+    splitter = Splitter(built.model, example_inputs=inputs, dtype=chosen_dtype)  # units that do not fit split
+    return SpecPlan(built, make_plan(prof, detect_devices(max_memory), strategy, refine=splitter), chosen_dtype)

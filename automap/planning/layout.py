@@ -15,18 +15,18 @@ With accelerators:
 - ``packed``: no contiguous split fits, but the groups can be packed out of order.
 - ``streamed``: the accelerators keep one contiguous run of groups (possibly after a few
   offloaded leading ones, such as an embedding), chosen to keep the most bytes; the rest lives
-  in CPU RAM while it has room, else on disk, and is streamed item by item to the execution
-  device (any accelerator: the one that keeps the most bytes resident), which keeps
-  room for the largest streamed item (a split unit streams piece by piece). Pieces read from
-  disk pass through pinned staging, counted in the CPU budget.
+  in CPU RAM where it has room, else on disk, and is streamed item by item to the execution
+  device (the accelerator with which the most bytes stay resident), which keeps room for the
+  largest streamed item (a split unit streams piece by piece). Items read from disk pass
+  through pinned staging, counted in the CPU budget.
 - ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
   accelerator that is the whole model on the CPU.
 
-On the CPU alone, CPU RAM takes each item (in execution order) that still fits its budget; the rest stay on disk,
-read through the page cache (the store is memory-mapped), which needs no budget. A CPU budget
-bounds the weights kept in RAM, as accelerate reads ``max_memory["cpu"]``; activations are
-reserved where running out is fatal: on accelerators.
+On the CPU alone, RAM takes each item (in execution order) that still fits its budget; the rest
+stay on disk, read through the page cache (the store is memory-mapped), which needs no budget.
+A CPU budget bounds the weights kept in RAM, as accelerate reads ``max_memory["cpu"]``;
+activations are reserved where running out is fatal: on accelerators.
 """
 from __future__ import annotations
 
@@ -321,25 +321,15 @@ def layout_options(items: Items, devices: Sequence[DeviceSpec], strategy: Strate
     if fill(groups.chain, rooms)[1] == len(groups.chain):
         ranges = _stages(groups.chain, compute, rooms, strategy)
         return [Option(RESIDENT, _assign(groups, ranges, compute, dict(reserve)))]
-    options = []
-    packed = pack_out_of_order(groups.chain, compute, rooms) if len(compute) > 1 else None
-    if packed is not None:
-        owner, cuts = packed
-        note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
-                f"order ({cuts} cuts for {len(compute)} devices)")
-        names = [""] * len(items.chain)
-        for g, j in zip(groups.items, owner):
-            for i in g:
-                names[i] = compute[j].name
-        options.append(Option(PACKED, Layout(tuple(names), dict(reserve), (note,))))
+    packed = _packed(groups, compute, rooms, reserve) if len(compute) > 1 else None
+    options = [Option(PACKED, packed)] if packed is not None else []
     fits = sum(items.chain.weight) <= sum(room(d, reserve) for d in [*compute, *storage])
+    host = any(d.kind == "cpu" for d in storage)
     if fits:
         streamed = _streamed(groups, items, compute, rooms, storage, strategy, reserve)
-        host = next((d for d in storage if d.kind == "cpu"), None)
         computed = _cpu_computes(groups, items, compute, rooms, storage, strategy, reserve) if host else None
         options += [Option(kind, found) for kind, found in ((STREAMED, streamed), (CPU_COMPUTES, computed)) if found]
     if not options:
-        host = any(d.kind == "cpu" for d in storage)
         reason = ("" if not (fits and storage) else "no accelerator can hold its units beside the room to stream the largest "
                   "offloaded one" + ("" if host else ", and no CPU budget lets the CPU compute them (allow 'cpu' "
                                                      "in max_memory)"))
@@ -348,10 +338,23 @@ def layout_options(items: Items, devices: Sequence[DeviceSpec], strategy: Strate
     return options
 
 
+def _packed(groups: _Groups, compute: Sequence[DeviceSpec], rooms: Sequence[int],
+            reserve: Mapping[str, int]) -> Layout | None:
+    """Groups packed on the accelerators out of execution order; None when they do not fit."""
+    packed = pack_out_of_order(groups.chain, compute, rooms)
+    if packed is None:
+        return None
+    owner, cuts = packed
+    note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
+            f"order ({cuts} cuts for {len(compute)} devices)")
+    names = [compute[j].name for g, j in zip(groups.items, owner) for _ in g]
+    return Layout(tuple(names), dict(reserve), (note,))
+
+
 def _on_cpu(items: Items, cpu: DeviceSpec, disks: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> Option:
-    """CPU execution: RAM keeps items in order while the budget lasts, disk the rest. Disk
-    items are memory-mapped views of the store: their pages are page cache, not RAM the
-    budget bounds, so they need no staging room."""
+    """CPU execution: RAM takes each item, in execution order, that still fits the budget;
+    disk the rest. Disk items are memory-mapped views of the store: their pages are page
+    cache, not RAM the budget bounds, so they need no staging room."""
     n = len(items.chain)
     if sum(items.chain.weight) <= room(cpu, reserve):
         return Option(RESIDENT, Layout((cpu.name,) * n, dict(reserve)))

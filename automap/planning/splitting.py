@@ -5,7 +5,7 @@
 what the accelerators cannot hold). Unless everything fits on the accelerators as it is, it
 then asks ``refine`` (:class:`automap.profiling.refine.Splitter`, which traces the model again)
 to split the units that do not fit where they must go, and lays the finer profile out again,
-round after round, down to leaf modules:
+round after round, down to leaf modules, until everything fits on the accelerators:
 
 - a unit larger than every accelerator's room (it can neither live on one nor be streamed to
   one whole);
@@ -86,14 +86,17 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     reserve = dict(reserve or {})
     levels: list[_Level] = []
     refused: dict[str, str] = {}
-    current, splits, error = profile, (), None
+    current, error = profile, None
+    splits: tuple[str, ...] = ()
     for _ in range(MAX_ROUNDS + 1):
         try:
             candidates = tuple(level_plans(current, devices, chosen, reserve))
         except PlanError as exc:
             candidates, error = (), exc
         levels.append(_Level(current, candidates, splits))
-        if refine is None or any(c.kind == RESIDENT for c in candidates):
+        # Pieces of a unit share a device, so once everything fits on the accelerators (as is,
+        # or packed out of order) splitting finer cannot do better.
+        if refine is None or any(_all_on_accelerators(c.plan) for c in candidates):
             break
         wanted = {n: why for n, why in split_targets(current, devices, reserve, candidates).items() if n not in refused}
         if not wanted:
@@ -102,8 +105,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         refused.update(refinement.refused)
         if not refinement.pieces:
             break
-        splits += tuple(f"{name} split into {len(parts)} pieces: {wanted[name]}"
-                        for name, parts in refinement.pieces.items())
+        splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
     return _best(levels, refused, error)
 
@@ -162,6 +164,21 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
 _TIER_REASONS = ("everything fits on the accelerators: the fastest such plan",
                  "the fastest plan in which the accelerators compute every unit",
                  "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those")
+
+
+def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]) -> tuple[str, ...]:
+    """One line per kind of split: ``"layer4.0 split into 7 pieces: larger than ..."``, or for
+    units split alike ``"a, b and 10 more split into 4 pieces each: ..."`` (the first's numbers)."""
+    alike: dict[tuple[int, str], list[str]] = {}
+    for name, parts in pieces.items():
+        alike.setdefault((len(parts), reasons[name].partition(" (")[0]), []).append(name)
+    notes = []
+    for (count, _), names in alike.items():
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 3 else
+                                        "".join(f", {n}" for n in names[2:]))
+        each = " each" if len(names) > 1 else ""
+        notes.append(f"{shown} split into {count} pieces{each}: {reasons[names[0]]}")
+    return tuple(notes)
 
 
 def _all_on_accelerators(plan: Plan) -> bool:

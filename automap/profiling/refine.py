@@ -160,4 +160,4 @@ def _marked(base: Profile, finer: Profile, pieces: Mapping[str, tuple[str, ...]]
             origin[part] = unit.split_from or unit.name
     kept = {u.name: u.split_from for u in base.units if u.split_from}
     units = tuple(replace(u, split_from=origin.get(u.name) or kept.get(u.name, "")) for u in finer.units)
-    return replace(finer, units=units)
+    return replace(finer, units=units, example=base.example)  # the same inputs, however they were described

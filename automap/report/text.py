@@ -121,18 +121,15 @@ def _totals(facts: Facts) -> str:
 
 def _choices(plan: Plan) -> str:
     """What the planner split and chose, and why (nothing when it had nothing to choose)."""
-    if not plan.choices:
-        return ""
-    lines = ["choices:"]
-    for note in plan.choices:
-        lines += _wrap(note, "    ", first="  - ")
-    return "\n".join(lines)
+    return _bullets("choices", plan.choices) if plan.choices else ""
 
 
 def _warnings(facts: Facts) -> str:
-    if not facts.warnings:
-        return "warnings: none"
-    lines = ["warnings:"]
-    for note in facts.warnings:
+    return _bullets("warnings", facts.warnings) if facts.warnings else "warnings: none"
+
+
+def _bullets(title: str, notes: Sequence[str]) -> str:
+    lines = [f"{title}:"]
+    for note in notes:
         lines += _wrap(note, "    ", first="  - ")
     return "\n".join(lines)
