@@ -44,7 +44,9 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
             ``"sequential"``), a dict in the Hugging Face form, or a :class:`Plan`.
         max_memory: per-device budgets, e.g. ``{0: "20GiB", "cpu": "64GiB"}``; devices this
             machine lacks are fine for planning. Detected when None.
-        no_split, example_inputs, dtype: passed to :func:`automap.profile`.
+        no_split, example_inputs, dtype: passed to :func:`automap.profile`. A unit that does
+            not fit where it must go is split into its children (the model traced again)
+            unless its class is in ``no_split``; ``plan.choices`` says what was split and why.
         offload_dir: where disk offload would go (its free space bounds "disk").
         reserve: bytes to keep free for KV cache or optimizer state: one size for every
             computing device (``"2GiB"``) or per device (``{0: "4GiB", 1: "1GiB"}``).

@@ -257,3 +257,45 @@ def test_pieces_of_one_unit_on_two_computing_devices_are_refused(resnet50_meta):
     plan = build_plan(prof, devices, placement, "manual", {})
     with pytest.raises(DispatchError, match=r"splits unit 'layer4.0' into pieces that compute on \['cuda:0', 'cuda:1'\]"):
         automap.dispatch(model, plan)
+
+
+# --------------------------------------------------------------------------- on a real GPU
+
+
+def _resnet50_and_input():
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet50().eval(), torch.randn(1, 3, 64, 64)
+
+
+@pytest.mark.cuda
+def test_split_units_stream_piece_by_piece_to_a_gpu(tmp_path):
+    import copy
+
+    model, x = _resnet50_and_input()
+    with torch.no_grad():
+        expected = copy.deepcopy(model).cuda()(x.cuda())
+    plan = automap.plan(model, max_memory={0: "20MB", "cpu": "1GB"}, example_inputs=(x,))
+    assert plan.execution_device == "cuda:0" and any(u.split_from == "layer4.0" for u in plan.units)
+    assert gpu_flops_share(plan) == 1.0
+    automap.dispatch(model, plan, offload_dir=tmp_path)
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    automap.undispatch(model)
+
+
+@pytest.mark.cuda
+def test_the_cpu_computes_what_no_gpu_can_hold_beside_gpu_units(tmp_path):
+    model, x = _resnet50_and_input()
+    with torch.no_grad():
+        expected = model(x)
+    # 8 MB: layer4's 3x3 convolutions (9.4 MB each, leaves) fit no GPU room, nor stream to one.
+    plan = automap.plan(model, max_memory={0: "8MB", "cpu": "1GB"}, example_inputs=(x,))
+    assert plan.executor == "cpu" and "cuda:0" in plan.used_devices
+    automap.dispatch(model, plan, offload_dir=tmp_path)
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-3)
+    automap.undispatch(model)

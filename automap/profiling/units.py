@@ -45,7 +45,9 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
 
     A unit is a module of a ``no_split`` class (default: the model's ``_no_split_modules``),
     a block of a ``Sequential``/``ModuleList`` stack, or a leaf module that holds tensors;
-    whatever is inside a unit is never split across devices. A module reachable under several
+    whatever is inside a unit is never split across computing devices (the planner may split a
+    unit that does not fit into its children, :mod:`automap.profiling.refine`, but they compute
+    on one device). A module reachable under several
     names (a block registered twice) is one unit, under its first name; see :func:`unit_aliases`.
 
     Args:
