@@ -234,11 +234,24 @@ def _hf_model(transformers: Any, config: Any) -> nn.Module:
     raise SpecError(f"transformers has no model class for config {type(config).__name__}")
 
 
-def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `automap plan mymodels:build` finds ./mymodels.py
+def _import_user_module(module_name: str) -> Any:
+    """Import ``module_name`` as ``python -m`` would find it, the working directory searched
+    *last* and only for this import: `automap plan mymodels:build` finds ./mymodels.py, but a
+    stray ./matplotlib.py never shadows the real one."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
+    finally:
+        if added and sys.path and sys.path[-1] == cwd:
+            sys.path.pop()
+
+
+def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
+    try:
+        module = _import_user_module(module_name)
     except ImportError as exc:
         raise SpecError(f"cannot import {module_name!r} ({exc}); SPEC kinds are torchvision:NAME, hf:FAMILY, "
                         "hf:/path/config.json or module.path:factory") from None

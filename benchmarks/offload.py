@@ -179,8 +179,8 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str):
     from torch import nn
 
     import automap
+    from automap.offload import CheckpointSource
     from automap.runtime import dispatch_plan, state_of
-    from automap.offload import OffloadStore, checkpoint_entries
 
     plan = automap.Plan.from_json((root / f"plan-{device}.json").read_text())
     model = _skeleton(layers, hidden)
@@ -193,10 +193,9 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str):
                 owner, _, key = name.rpartition(".")
                 where = "cpu" if plan.is_offloaded(placement[name]) else plan.compute_device(placement[name])
                 model.get_submodule(owner)._parameters[key] = nn.Parameter(f.get_tensor(name).to(where))
-    refs = checkpoint_entries(checkpoint, {n: n for n in on_disk})  # referenced in place: nothing written
-    store = OffloadStore.write(root / "automap-offload", {}, {}, references=refs)
-    dispatch_plan(model, plan, store=store)
-    return model, lambda: state_of(model).store.drop_pages()
+    source = CheckpointSource({n: (checkpoint, n) for n in on_disk})  # read in place: nothing written
+    dispatch_plan(model, plan, source=source)
+    return model, lambda: state_of(model).source.evict()
 
 
 def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
@@ -225,7 +224,7 @@ def preload() -> None:
     import torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import automap.dispatch  # noqa: F401
+    import automap.runtime  # noqa: F401
 
 
 def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int) -> dict:
