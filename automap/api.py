@@ -107,16 +107,19 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
     Offloaded units compute on the execution device (the fastest accelerator in the plan, else
-    the CPU) with weights brought in just before they run and released after, the next one
-    prefetched meanwhile: units on ``"disk"`` are read from ``offload_dir`` (zero-copy through
-    mmap), units on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream.
-    Training works through resident units; an offloaded unit must be frozen (or run in eval /
-    no_grad), otherwise a clear :class:`~automap.errors.DispatchError` says so.
+    the CPU) with weights brought in just before they run, the next one prefetched meanwhile:
+    units on ``"disk"`` are read from a store directory automap creates inside ``offload_dir``
+    (copy-on-write views through mmap: between forwards every parameter is a real tensor), units
+    on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream. Training works
+    through resident units; a gradient reaching an offloaded weight raises
+    :class:`~automap.errors.DispatchError` at backward (freeze it or keep it resident). See
+    ``docs/offload-safety.md`` for what is written where, locks, crashes and threads.
 
     Args:
         model: the model to place; returned hooked (the same object).
         device_map, max_memory, no_split, example_inputs: as for :func:`plan`.
-        offload_dir: directory for disk-offloaded weights; required when anything goes to disk.
+        offload_dir: directory for disk-offloaded weights (automap writes only inside an
+            ``automap-store-*`` folder of its own there); required when anything goes to disk.
         output_device: move the model's outputs here (default: where they were produced).
 
     Returns:

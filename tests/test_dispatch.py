@@ -14,7 +14,7 @@ import automap
 from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import CheckpointSource
-from conftest import (ToyModel, assert_offloaded_in_files, file_backing, ids_and_logits, logits_of, tiny_gpt2,
+from conftest import (ToyModel, file_backing, ids_and_logits, logits_of, tiny_gpt2,
                       tiny_llama, tiny_t5)
 
 

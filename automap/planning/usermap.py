@@ -6,11 +6,10 @@ from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
 from automap.errors import DeviceError, DeviceMapError
-from automap.planning.model import Origin, Plan
-from automap.planning.layout import build_plan, tie_roots
+from automap.planning.model import Origin, Plan, over_capacity_notes, tie_split_notes
+from automap.planning.layout import build_plan
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
-from automap.sizes import format_bytes
 
 
 def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[str] | Mapping[str, object],
@@ -51,31 +50,6 @@ def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], de
     return found or default
 
 
-def _split_ties(plan: Plan, profile: Profile) -> list[str]:
-    """Notes for tie groups whose units the map puts on different devices, with their cost."""
-    notes = []
-    roots = tie_roots(profile)
-    for i, root in enumerate(roots):
-        if i == root or plan.placement[i] == plan.placement[root]:
-            continue
-        owner, user = profile.units[root], profile.units[i]
-        nbytes = owner.weight_bytes  # the tied tensor is among the owner's; Unit keeps no per-tensor sizes
-        seconds = plan.link_seconds(nbytes, plan.placement[root], plan.placement[i])
-        notes.append(
-            f"tied weights split: {user.name!r} on {plan.placement[i]} shares weights with {owner.name!r} on "
-            f"{plan.placement[root]}; up to {format_bytes(nbytes)} cross devices each forward "
-            f"(~{seconds * 1e3:.2f} ms); map both to one device to avoid it"
-        )
-    return notes
-
-
-def _over_capacity(plan: Plan) -> list[str]:
-    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
-            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
-            for row in plan.summary()
-            if row.units and row.device.capacity_bytes and row.used_bytes > row.device.capacity_bytes]
-
-
 def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
                          device_map: Mapping[str, int | str], tensor_names: Iterable[str],
                          module_names: set[str]) -> Plan:
@@ -105,5 +79,5 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     default = all_devices[0].name
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
     plan = build_plan(profile, all_devices, placement, "", {}, origin=Origin.USER)
-    notes = _split_ties(plan, profile) + _over_capacity(plan)
+    notes = tie_split_notes(plan) + over_capacity_notes(plan)
     return replace(plan, warnings=plan.warnings + tuple(notes))

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from automap.errors import ReportError
 from automap.sizes import format_bytes
+
+from automap.planning.model import over_capacity_notes, tie_split_notes
 
 if TYPE_CHECKING:
     from automap.planning import Cut, DeviceSummary, Plan
@@ -55,7 +56,7 @@ def facts_of(plan: Plan) -> Facts:
     spill = sum(r.weight_bytes for r in rows if not r.device.is_accelerator) if has_accelerators else 0
     per_device = plan.compute_seconds()
     busiest = max(per_device, key=lambda name: per_device[name], default="")
-    splits = tuple(tie_splits(plan))
+    splits = tuple(tie_split_notes(plan))
     return Facts(
         rows=rows,
         cuts=plan.cuts(),
@@ -67,7 +68,7 @@ def facts_of(plan: Plan) -> Facts:
         bottleneck_seconds=plan.bottleneck_seconds,
         forward_seconds=plan.forward_seconds,
         tie_splits=splits,
-        warnings=_warnings(plan, rows, splits),
+        warnings=_warnings(plan, splits),
     )
 
 
@@ -91,41 +92,14 @@ def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     notes = []
     if row.units and plan.is_offloaded(row.device.name):
         notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
-    if _over_capacity(row):
+    if row.over_capacity:
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes
 
 
-def _over_capacity(row: DeviceSummary) -> bool:
-    return 0 < row.device.capacity_bytes < row.used_bytes  # 0: unknown (a device only found, never budgeted)
-
-
-def tie_splits(plan: Plan) -> list[str]:
-    """Warnings for groups of tied names whose units sit on different devices."""
-    found = []
-    for group in plan.tie_groups:
-        where = {name: _device_holding(plan, name) for name in group}
-        if len({d for d in where.values() if d is not None}) > 1:
-            places = ", ".join(f"{name} on {device}" for name, device in where.items())
-            found.append(f"tied weights split: {places} share one tensor; map their units to one device")
-    return found
-
-
-def _device_holding(plan: Plan, tensor_name: str) -> str | None:
-    best, device = -1, None
-    for unit, where in zip(plan.units, plan.placement):
-        if (unit.name == "" or tensor_name.startswith(unit.name + ".")) and len(unit.name) > best:
-            best, device = len(unit.name), where
-    return device
-
-
-def _warnings(plan: Plan, rows: tuple[DeviceSummary, ...], splits: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's own warnings, then what the report notices: split ties, overfull devices."""
+def _warnings(plan: Plan, splits: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's own warnings, then what the report notices (split ties, overfull devices)
+    that the planner did not already say, in the same words: the notes come from one place."""
     notes = list(plan.warnings)
-    if not any("tied weights split" in w for w in notes):  # the planner may already say it, with costs
-        notes += splits
-    for row in rows:
-        if _over_capacity(row):
-            notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
-                         f"{format_bytes(row.device.capacity_bytes)}")
+    notes += [n for n in (*splits, *over_capacity_notes(plan)) if n not in notes]
     return tuple(notes)
