@@ -61,13 +61,19 @@ def _empty(real):
 # ------------------------------------------------------------------ 1. the checkpoint is never destroyed
 
 
-def test_1_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
-    real = tiny_llama(layers=2)
+def _checkpoint_folder(tmp_path: Path, real) -> Path:
+    """A folder holding ``real`` as model.safetensors and a user's file named like a unit's store file."""
     ck = tmp_path / "ck"
     ck.mkdir()
     save_model(real, str(ck / "model.safetensors"))
+    (ck / "model_layers_0.safetensors").write_bytes(b"the user's")
+    return ck
+
+
+def test_1_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
+    real = tiny_llama(layers=2)
+    ck = _checkpoint_folder(tmp_path, real)
     (ck / "lm_head.safetensors").write_bytes(b"a user's file named like a unit")
-    (ck / "model_layers_0.safetensors").write_bytes(b"another one")
     before = digest(ck)
     ids = torch.randint(0, 256, (1, 8))
     expected = logits_of(tiny_llama(layers=2).half(), ids)
@@ -83,11 +89,7 @@ def test_1_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path)
 
 
 def test_1_a_failed_write_deletes_nothing_of_the_users(tmp_path):
-    real = tiny_llama(layers=2)
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    save_model(real, str(ck / "model.safetensors"))
-    (ck / "model_layers_0.safetensors").write_bytes(b"the user's")
+    ck = _checkpoint_folder(tmp_path, tiny_llama(layers=2))
     before = digest(ck)
     out = ok(run_python("""
         import resource, signal, sys, torch, automap
