@@ -361,3 +361,59 @@ def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
     assert isinstance(moved[2], BaseModelOutput) and moved[2].last_hidden_state.is_meta
     assert moved[3] is cache and moved[4] == 7, "caches follow their layers; other objects pass through"
     assert send(value, torch.device("cpu")) is value, "nothing to move: the same object, no rebuilding"
+
+
+# ------------------------------------------------------------------ a weight source of one's own
+
+
+class _HalfSource:
+    """A new kind of weight source, written only against the WeightSource protocol: it keeps
+    weights as fp16 bytes and widens each to fp32 once, when first asked (a toy compressed
+    store). Nothing in automap/runtime knows about it."""
+
+    def __init__(self, tensors):
+        self.packed = {n: t.detach().half() for n, t in tensors.items()}
+        self.widened, self.prefetched, self.closed = {}, [], False
+
+    def names(self):
+        return self.packed.keys()
+
+    def get(self, name):
+        if name not in self.widened:
+            self.widened[name] = self.packed[name].float()
+        return self.widened[name]
+
+    def prefetch(self, names, populate=True):
+        self.prefetched.append(tuple(names))
+
+    def check_unchanged(self, names):
+        return None
+
+    def stats(self):
+        from automap.offload import SourceStats
+
+        return SourceStats(ram_bytes=sum(t.numel() * 2 for t in self.packed.values()))
+
+    def close(self, discard=False):
+        self.closed = True
+
+
+def test_a_new_weight_source_plugs_in_without_runtime_changes(tmp_path):
+    from automap.offload import WeightSource
+
+    model = tiny_llama(layers=4)
+    plan = _disk_plan(model)
+    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    source = _HalfSource({n: t for n, t in model.state_dict().items() if n in streamed})
+    assert isinstance(source, WeightSource)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in streamed:
+                tensor.copy_(tensor.half().float())  # the precision the source keeps
+    ids, expected = ids_and_logits(model)
+    dispatch_plan(model, plan, source=source)
+    assert torch.equal(logits_of(model, ids), expected)
+    assert source.prefetched, "the runtime asked the source to prefetch the next unit"
+    assert "offloaded tensors:" in automap.placement(model).report()
+    automap.undispatch(model)
+    assert source.closed and torch.equal(logits_of(model, ids), expected)
