@@ -40,9 +40,9 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 def _header(plan: Plan, facts: Facts) -> str:
     actual = plan.origin is Origin.ACTUAL
     inputs = "the given example inputs" if plan.example == "given" else plan.example
-    if not plan.example:
-        how = ("bytes only (no trace)" if plan.origin is Origin.USER else
-               "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)")
+    if not plan.example or len(facts.untraced) == len(plan.units):
+        why = "no unit traced" if plan.example else "no trace" if plan.origin is Origin.USER else "no example inputs"
+        how = f"bytes only ({why})" if actual or plan.origin is Origin.USER else f"balanced by bytes only ({why})"
     else:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
     checked = sum(len(u.tensors) for u in plan.units)
