@@ -176,11 +176,36 @@ def test_a_meta_limit_between_units_keeps_what_ran_and_plans_the_rest_by_bytes()
     prof = automap.profile(model, (torch.zeros(2, 8), torch.tensor(3)))
     stem, *blocks = prof.units
     assert stem.name == "stem" and stem.flops == 2 * 2 * 8 * 8 and not stem.untraced
+    assert prof.total_train_flops == 0  # no backward ran: not measured, never a guess
     assert [b.name for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
     for block in blocks:
         assert block.untraced.startswith("the traced forward stopped before it ran, after unit 'stem'")
         assert block.weight_bytes == (8 * 8 + 8) * 4 and block.flops_estimated
     assert prof.uncalled == ()  # not reached is not "never called"
+
+
+class DynamicNarrow(DynamicScale):
+    """A :class:`DynamicScale` that also narrows its width: its stand-in has the wrong shape."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__(width)
+        self.proj = nn.Linear(width, out)
+
+
+def test_failures_after_a_wrong_shaped_stand_in_fall_back_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), DynamicNarrow(32, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    prof = automap.profile(model)  # the stand-in passes 32 features to a layer that takes 8
+    by_name = {u.name: u for u in prof.units}
+    assert prof.untraced == ("1", "2", "3")
+    assert "Tensor.item()" in by_name["1"].untraced
+    assert "after the stand-in for '1'" in by_name["2"].untraced
+    assert by_name["0"].flops == 2 * 16 * 32 and not by_name["0"].untraced
+
+
+def test_a_stood_in_unit_is_timed_on_a_real_device():
+    prof = automap.profile(item_model(), measure=True, device="cpu", repeats=1)
+    assert prof.units[prof.index("1")].untraced and prof.units[prof.index("1")].seconds is not None
 
 
 def test_genuine_errors_after_nothing_stood_in_still_raise():

@@ -38,7 +38,8 @@ def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[
     return normalised
 
 
-def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str], tensor_names: Iterable[str]) -> dict[str, str]:
+def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str],
+                tensor_names: Iterable[str]) -> dict[str, str]:
     """For each tensor held outside every unit (ViT's ``class_token``), the first unit inside
     its holder that ``device_map`` puts on the tensor's device: where a profile without a trace
     attaches it, so that the map's units stay whole.

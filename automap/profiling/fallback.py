@@ -5,7 +5,9 @@
 running statistics instead of the batch's, so a batch of 1 traces (train-mode BatchNorm refuses
 one value per channel); dropout draws no mask. Neither changes a FLOP count: FLOPs come from
 matmuls, convolutions and attention, which are the same in both modes (the tests check the
-totals against ``FlopCounterMode`` on the model in train mode). Flags are set directly rather
+totals against ``FlopCounterMode`` on the model in train mode). Activations were already those
+of an inference forward (saved-for-backward tensors are kept as shapes only), so the masks and
+batch statistics train mode would add are not missed. Flags are set directly rather
 than through ``model.eval()``, so a module's own ``train()`` override runs no side effect. What
 eval mode does change: code that runs only in training (Inception v3's auxiliary classifier)
 is not called by the trace; such units are planned as never called (bytes only, last).
@@ -29,9 +31,11 @@ A meta limit is handled per unit, in the one traced forward:
    convolution block returns. The forward goes on, so every later unit is traced: its FLOPs,
    activations and the bytes crossing each cut are measured as usual. Once a unit has stood
    in, any later failure is taken as its consequence (the stand-in's shape may have been
-   wrong) and stood in for as well, with a reason that says so.
+   wrong, as for a unit that narrows its input) and handled the same way, with a reason that
+   says so.
 2. A meta limit in code between units (a parent's forward) ends the forward there: the units
-   that ran keep their measurements, and the ones it never reached are *unreached*.
+   that ran keep their measurements, and the ones it never reached are *unreached*. No
+   backward runs then: every ``train_flops`` stays 0 (not measured), as with ``backward=False``.
 3. A stood-in or unreached unit is planned from what is known without running it
    (:func:`fill_untraced`): its parameter and buffer bytes (exact), and FLOPs estimated from
    its parameter bytes at the rate the traced units achieved (FLOPs per parameter byte; the
@@ -40,8 +44,8 @@ A meta limit is handled per unit, in the one traced forward:
    doing FLOPs to set the rate they stay 0, and the plan balances by bytes. ``Unit.untraced``
    says why, ``Unit.flops_estimated`` whether its FLOPs are an estimate; the report lists them.
 
-A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a user's device map
-that places every tensor needs no measurement to be dispatched.
+A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a
+user's device map that places every tensor needs no measurement to be dispatched.
 """
 from __future__ import annotations
 

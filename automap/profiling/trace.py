@@ -314,7 +314,7 @@ class Tracer(TorchDispatchMode):
         for seg, unit in enumerate(owner):
             if unit is not None:
                 r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
-                if self.probe_backward:  # else not measured: 0, never a guess
+                if self.probe_backward and not r.stopped:  # else not measured: 0, never a guess
                     r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
         r.first_use = {name: unit for name, seg in self.seg_use.items() if (unit := owner[seg]) is not None}
         r.flows = self._flows(owner, tpos)
