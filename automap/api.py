@@ -17,8 +17,8 @@ from automap.errors import DeviceMapError, PlanError
 from automap.loading import (log_summary, match_keys, materialise, offloaded_names, open_checkpoint, plan_tasks,
                              verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
-from automap.planning.usermap import normalise_device_map
-from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
@@ -36,6 +36,9 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     stage (compute plus incoming transfers) is as fast as possible; otherwise the accelerators
     hold as much as they can, then CPU RAM, then disk. ``"balanced_low_0"`` keeps GPU 0 light;
     ``"sequential"`` fills GPU 0, 1, ..., then CPU, then disk.
+
+    A dict ``device_map`` is planned without running the model unless ``example_inputs`` are
+    given (then FLOPs and cut bytes are counted for the report).
 
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
@@ -95,9 +98,16 @@ def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], device
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     # The map's module keys that hold tensors are the units: what it keeps together stays together.
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders]
-    prof = profile(model, example_inputs, dtype=dtype, units=units or [""])
+    units = [k for k in device_map if k in modules and k in holders] or [""]
+    if example_inputs is None:  # the map says where everything goes: nothing to measure
+        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
+                                loose_homes=loose_homes(device_map, units, tensors))
+    else:
+        prof = profile(model, example_inputs, dtype=dtype, units=units)
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+_MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"
 
 
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,

@@ -417,3 +417,61 @@ def test_a_new_weight_source_plugs_in_without_runtime_changes(tmp_path):
     assert "offloaded tensors:" in automap.placement(model).report()
     automap.undispatch(model)
     assert source.closed and torch.equal(logits_of(model, ids), expected)
+
+
+# ------------------------------------------------------------------ a model as users hand it over (issue 17)
+
+
+class _NormNet(nn.Module):
+    """Linear(3, 4) -> BatchNorm1d(4) -> Linear(4, 5), in its default train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.batchnorm, self.linear2 = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.linear2(self.batchnorm(self.linear1(x)))
+
+
+_ALL_ON_DISK = {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"}
+
+
+def test_train_mode_model_all_on_disk_runs_like_the_plain_one(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    assert placed.training
+    automap.dispatch(placed, _ALL_ON_DISK, offload_dir=tmp_path)  # no example_inputs, train mode
+    for _ in range(3):
+        x = torch.randn(6, 3)
+        assert torch.equal(placed(x), plain(x))  # grad on, train mode: BatchNorm uses batch statistics
+    for name in ("running_mean", "running_var"):
+        assert (getattr(placed.batchnorm, name) - getattr(plain.batchnorm, name)).abs().max() <= 1e-6, name
+    assert placed.batchnorm.num_batches_tracked.item() == 3
+
+
+def test_backward_through_a_trainable_offloaded_unit_names_the_parameter(tmp_path):
+    torch.manual_seed(0)
+    model = _NormNet()
+    automap.dispatch(model, _ALL_ON_DISK, offload_dir=tmp_path)
+    loss = model(torch.randn(6, 3)).sum()
+    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter 'linear2\.(weight|bias)'.*"
+                                            r"requires_grad_\(False\).*keep its unit resident"):
+        loss.backward()
+
+
+def test_frozen_offloaded_units_train_the_resident_part_like_the_plain_model(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    for model in (plain, placed):
+        model.batchnorm.requires_grad_(False)
+        model.linear2.requires_grad_(False)
+    automap.dispatch(placed, {"linear1": "cpu", "batchnorm": "disk", "linear2": "disk"}, offload_dir=tmp_path)
+    x, y = torch.randn(6, 3), torch.randn(6, 5)
+    losses = [nn.functional.mse_loss(m(x), y) for m in (plain, placed)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(plain.linear1.weight.grad, placed.linear1.weight.grad)
+    assert torch.equal(plain.linear1.bias.grad, placed.linear1.bias.grad)

@@ -37,6 +37,31 @@ def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[
     return normalised
 
 
+def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str],
+                tensor_names: Iterable[str]) -> dict[str, str]:
+    """For each tensor held outside every unit (ViT's ``class_token``), the first unit inside
+    its holder that ``device_map`` puts on the tensor's device: where a profile without a trace
+    attaches it, so that the map's units stay whole.
+
+    Example:
+        >>> loose_homes({"conv_proj": 0, "class_token": 1, "encoder": 1}, ["conv_proj", "encoder"], names)
+        {'class_token': 'encoder'}
+    """
+    where = {key: canonical_name(value) for key, value in device_map.items()}
+    unit_of = {u: u for u in units}
+    homes = {}
+    for name in tensor_names:
+        holder = name.rpartition(".")[0]
+        if longest_prefix(unit_of, holder) is not None:
+            continue  # held by a unit
+        device = longest_prefix(where, name)
+        for unit in units:
+            if (not holder or unit.startswith(holder + ".")) and longest_prefix(where, unit) == device:
+                homes[name] = unit
+                break
+    return homes
+
+
 def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
     unit = profile.units[index]
     spots = {longest_prefix(normalised, t) for t in unit.tensors} or {longest_prefix(normalised, unit.name + ".x")}

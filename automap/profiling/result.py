@@ -40,6 +40,11 @@ class Unit:
         dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
         input_bytes: bytes of the tensors passed to the unit (largest call).
         seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).
+        untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
+            forward cannot run on meta, or the forward stopped before it (see
+            ``profiling/fallback.py``); its bytes are exact, its other numbers are not measured.
+        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its parameter
+            bytes, not counted.
     """
 
     name: str
@@ -56,6 +61,8 @@ class Unit:
     dtype_bytes: dict[str, int] = field(default_factory=dict)
     input_bytes: int = 0
     seconds: float | None = None
+    untraced: str = ""
+    flops_estimated: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -142,6 +149,11 @@ class Profile:
     @property
     def has_compute(self) -> bool:
         return self.total_flops > 0
+
+    @property
+    def untraced(self) -> tuple[str, ...]:
+        """Units planned without a trace measuring them (``Unit.untraced`` says why)."""
+        return tuple(u.name for u in self.units if u.untraced)
 
     @property
     def repeated(self) -> tuple[str, ...]:

@@ -84,6 +84,7 @@ def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
         "bottleneck_seconds": facts.bottleneck_seconds,
         "forward_seconds": facts.forward_seconds,
         "tied_splits": list(facts.tie_splits),
+        "untraced_units": list(facts.untraced),
     }
 
 
