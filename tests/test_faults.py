@@ -374,23 +374,37 @@ def _big_model_code() -> str:
 
 
 def test_7_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_path):
+    # The writer pauses (after its third file, before renaming it into place) only so that the
+    # kill lands mid-write every time; the kill itself is a real SIGKILL.
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_big_model_code()) + textwrap.dedent("""
-        import sys, automap
+        import sys, time, automap
+        from pathlib import Path
+        import automap.offload.store as store
+        written, real = [], store.write_file
+        def write_then_pause(path, tensors, metadata=None):
+            real(path, tensors, metadata)
+            written.append(path)
+            if len(written) == 3:
+                Path(sys.argv[2]).write_text(str(path))
+                time.sleep(600)
+        store.write_file = write_then_pause
         automap.dispatch(big(), DISK, offload_dir=sys.argv[1], example_inputs=(torch.randn(1, 1024),))
-        import time; time.sleep(60)
-    """), str(tmp_path)], env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
+    """), str(tmp_path / "off"), str(tmp_path / "paused")],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and writer.poll() is None:
-            if any(p.name.endswith(".tmp") for p in tmp_path.glob("automap-store-*/.*.safetensors.*")):
-                break
-            time.sleep(0.002)
+        while not (tmp_path / "paused").exists() and writer.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert (tmp_path / "paused").exists(), writer.stderr.read().decode()[-2000:] if writer.poll() else "timeout"
         os.kill(writer.pid, signal.SIGKILL)
     finally:
         writer.wait(timeout=30)
+    assert writer.returncode == -signal.SIGKILL
+    tmp_path = tmp_path / "off"
     (store,) = store_dirs(tmp_path)
     assert json.loads((store / MANIFEST).read_text())["complete"] is False, "killed mid-write: not complete"
+    assert [p for p in store.iterdir() if p.name.endswith(".tmp")], "it died with a file half in place"
     namespace: dict = {}
     exec(textwrap.dedent(_big_model_code()), namespace)
     model, x = namespace["big"](), torch.randn(2, 1024)
