@@ -198,8 +198,8 @@ def architectures(dry: bool) -> dict[str, Arch]:
 def three_tiers(model: nn.Module, inputs: Any, dry: bool) -> dict[str, Any]:
     """A device map over the model's units, in execution order, cycling GPU, CPU RAM, disk
     (tied units share the first one's tier; tensors of no unit, like ViT's class token, stay
-    resident). In a dry run the CPU executes: its "GPU" units
-    are resident on the CPU, and its "CPU" units go to disk, streamed like the rest."""
+    resident). In a dry run the CPU executes: its "GPU" units are resident on the CPU, and its
+    "CPU" units go to disk, streamed like the rest."""
     prof = automap.profile(model, inputs)
     tiers = ("cpu", "disk", "disk") if dry else (0, "cpu", "disk")
     order = {u.name: i for i, u in enumerate(prof.units)}
