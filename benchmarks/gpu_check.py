@@ -43,6 +43,7 @@ import argparse  # noqa: E402 - after the variable above, before anything import
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -115,13 +116,17 @@ def _child(step: Step, ctx: Any, pipe: Any) -> None:
         pipe.close()
 
 
-def run_step(step: Step, ctx: Any, seconds_left: float) -> dict[str, Any]:
-    """Run ``step`` in a forked process, killed when ``seconds_left`` run out. Should an import
-    have initialised CUDA in this process after all, the step is spawned instead (a forked
-    child could not use the GPU)."""
+# What a forked child says when this process had initialised CUDA after all: then spawn.
+POISONED_FORK = re.compile(r"re-initialize CUDA in forked|CUDA.*initiali[sz]ation (error|failed)|"
+                           r"initiali[sz]ation error.*CUDA", re.IGNORECASE)
+
+
+def run_step(step: Step, ctx: Any, seconds_left: float, method: str = "fork") -> dict[str, Any]:
+    """Run ``step`` in a child process (forked, or spawned: slower to start, but safe should
+    this process have initialised CUDA after all), killed when ``seconds_left`` run out."""
     import torch
 
-    fork = multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    fork = multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else method)
     reader, writer = fork.Pipe(duplex=False)
     process = fork.Process(target=_child, args=(step, ctx, writer), name=f"gpu-check-{step.name}")
     process.start()
@@ -152,6 +157,7 @@ def headline(record: dict[str, Any]) -> str:
 def run_all(chosen: list[Step], ctx: Any, budget: float) -> list[dict[str, Any]]:
     started = time.monotonic()
     records: list[dict[str, Any]] = []
+    method = "fork"
     for number, step in enumerate(chosen, 1):
         left = budget - (time.monotonic() - started)
         if step.gpus > ctx.gpus and not ctx.dry:
@@ -162,7 +168,11 @@ def run_all(chosen: list[Step], ctx: Any, budget: float) -> list[dict[str, Any]]
         else:
             print(f"[gpu-check] {number}/{len(chosen)} {step.name} ...", flush=True)
             begin = time.monotonic()
-            record = run_step(step, ctx, left)
+            record = run_step(step, ctx, left, method)
+            if method == "fork" and record["status"] == "failed" and POISONED_FORK.search(record["error"]):
+                method = "spawn"  # an import initialised CUDA in this process: this and later steps spawn
+                print(f"[gpu-check] {step.name}: CUDA unusable in a forked process; spawning the steps", flush=True)
+                record = run_step(step, ctx, budget - (time.monotonic() - started), method)
             record["seconds"] = round(time.monotonic() - begin, 2)
         record = {"name": step.name, **record}
         records.append(record)

@@ -94,3 +94,16 @@ def test_a_step_still_running_when_the_budget_ends_is_killed_and_said_so(tmp_pat
     assert time.monotonic() - start < 30
     assert records[1]["status"] == "skipped" and "killed at the" in records[1]["error"]
     assert records[2]["status"] == "skipped" and records[2]["error"].startswith("skipped: out of time")
+
+
+def test_a_step_can_be_spawned_instead_of_forked(tmp_path):
+    from functools import partial
+
+    from benchmarks import gpu_check, gpu_steps
+    from benchmarks.gpu_steps import Context
+
+    step = gpu_check.Step("environment", partial(gpu_steps.environment), 1)
+    record = gpu_check.run_step(step, Context(dry=True, out=tmp_path, scratch=tmp_path), 120, method="spawn")
+    assert record["status"] == "ok" and record["result"]["gpu_count"] == 0
+    assert gpu_check.POISONED_FORK.search("RuntimeError: Cannot re-initialize CUDA in forked subprocess.")
+    assert gpu_check.POISONED_FORK.search("CUDA error: initialization error")
