@@ -155,3 +155,19 @@ def test_forwards_from_several_threads_take_turns_and_are_right(tmp_path):
         t.join()
     assert not errors and not wrong
     assert _at_home(model)
+
+
+def test_placement_counts_the_staging_buffer_as_pinned_host_memory(tmp_path):
+    from automap.offload.transfer import aligned
+    from automap.sizes import format_bytes
+
+    model = tiny_llama(layers=4)
+    _dispatch(model, _LLAMA_MAP, tmp_path)
+    state = state_of(model)
+    assert state.stats().pinned_bytes == 0, "the staging buffer is allocated by the first staged unit"
+    logits_of(model, torch.randint(0, 256, (1, 6)))
+    # One buffer, reused: the largest streamed unit's bytes, each tensor aligned to 256 bytes.
+    staging = max(sum(aligned(state.source.get(n).nbytes) for n in group.names) for group in state.groups)
+    assert state.transfer.pinned_bytes == staging == state.stats().pinned_bytes
+    report = automap.placement(model).report()
+    assert f"{format_bytes(staging)} of pinned host memory (RAM copies and staging)" in report
