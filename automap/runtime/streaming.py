@@ -56,11 +56,31 @@ class StreamWeights(Hook):
         self._inside = threading.local()  # per thread: swap-ins not yet undone
         self._saving: ExitStack | None = None
 
+    # Hook bodies do I/O (stat, readahead), take locks and swap tensors: work that torch.compile
+    # cannot trace. Each body is a function dynamo skips (torch.compiler.disable), so a compiled
+    # model breaks its graph at a streamed unit's boundaries (before it; after it too where a
+    # device copy is swapped back), never inside the unit; the branch choosing a body is traced.
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.transfer.swaps:
-            self.transfer.take(self.group.key, self.group.names)
-            self._prefetch_next()
-            return None
+        if self.transfer.swaps:
+            self._enter()
+        else:
+            self._touch()
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.transfer.swaps:
+            self._leave(module.training)
+        return None
+
+    @torch.compiler.disable
+    def _touch(self) -> None:
+        """CPU execution: the weights are the views the parameters hold; check their files
+        and read ahead."""
+        self.transfer.take(self.group.key, self.group.names)
+        self._prefetch_next()
+
+    @torch.compiler.disable
+    def _enter(self) -> None:
         self.lock.acquire()
         try:
             self._swap_in()
@@ -68,17 +88,16 @@ class StreamWeights(Hook):
             self.lock.release()
             raise
         self._inside.depth = getattr(self._inside, "depth", 0) + 1
-        return None
 
-    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self.transfer.swaps or not getattr(self._inside, "depth", 0):
-            return None  # CPU execution, or this thread's pre never ran (an earlier hook raised)
+    @torch.compiler.disable
+    def _leave(self, training: bool) -> None:
+        if not getattr(self._inside, "depth", 0):
+            return  # this thread's pre never ran (an earlier hook raised)
         self._inside.depth -= 1
         try:
-            self._swap_out(module.training)
+            self._swap_out(training)
         finally:
             self.lock.release()
-        return None
 
     def _prefetch_next(self) -> None:
         ahead = self.group.next
