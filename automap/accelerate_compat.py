@@ -36,7 +36,7 @@ from automap.devices import MaxMemory
 from automap.errors import CheckpointError, DispatchError, PlanError
 from automap.loading import empty_model
 from automap.planning import Plan
-from automap.runtime import state_of, undispatch
+from automap.runtime import check_not_dispatched, state_of, undispatch
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
         DispatchError: an unsupported argument, or the model cannot be dispatched (unchanged).
     """
     _refuse(dispatch_model, state_dict=state_dict, offload_index=offload_index)
+    check_not_dispatched(model)  # by automap or accelerate: before planning the hooked model
     chosen = plan(model, device_map, offload_dir=offload_dir)
     _check_main_device(main_device, chosen)
     dispatch(model, chosen, offload_dir=offload_dir)
