@@ -48,22 +48,26 @@ class StreamWeights(Hook):
         group: the unit's offloaded tensors and the group that runs after it.
         transfer: the model's transfer to the execution device.
         lock: the model's lock for swapped-in weights (accelerator execution).
+        files: the model's :class:`CheckFiles` (CPU execution), which lets a compiled forward
+            skip this hook once it has checked every file.
     """
 
-    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock):
+    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock, files: CheckFiles | None = None):
         super().__init__()
-        self.group, self.transfer, self.lock = group, transfer, lock
+        self.group, self.transfer, self.lock, self.files = group, transfer, lock, files
         self._inside = threading.local()  # per thread: swap-ins not yet undone
         self._saving: ExitStack | None = None
 
     # Hook bodies do I/O (stat, readahead), take locks and swap tensors: work that torch.compile
     # cannot trace. Each body is a function dynamo skips (torch.compiler.disable), so a compiled
-    # model breaks its graph at a streamed unit's boundaries (before it; after it too where a
-    # device copy is swapped back), never inside the unit; the branch choosing a body is traced.
+    # model breaks its graph at a streamed unit's boundaries, never inside the unit. On CPU
+    # execution nothing moves (the parameters are the views): once the model's own hook has
+    # checked every file for this forward (CheckFiles), a compiled forward skips the body, and
+    # compiles whole.
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.transfer.swaps:
             self._enter()
-        else:
+        elif not (torch.compiler.is_compiling() and self.files is not None and self.files.checked):
             self._touch()
         return None
 
@@ -134,6 +138,37 @@ class StreamWeights(Hook):
                 if item.tensor._version != item.version or (item.is_buffer and training):
                     item.home.copy_(item.tensor.data)  # what the unit changed stays changed
                 item.tensor.data = item.home
+
+
+class CheckFiles(Hook):
+    """On the model itself, when units stream on CPU execution: before each forward, checks
+    every file behind the offloaded weights (one ``stat`` each) and reads the first streamed
+    unit ahead; ``checked`` stays True until the forward returns (or raises). A compiled forward
+    then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
+    graph break. A forward that did not come through the model's hooks (``model.forward(...)``,
+    ``torch.compile(model.forward)``) finds ``checked`` False and checks unit by unit, as in
+    eager mode, where the units check their own files anyway."""
+
+    def __init__(self, groups: list[Group], transfer: Transfer):
+        super().__init__()
+        self.first, self.transfer = groups[0], transfer
+        self.names = [n for group in groups[1:] for n in group.names]
+        self.checked = False
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._check()
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.checked = False
+        return None
+
+    @torch.compiler.disable
+    def _check(self) -> None:
+        self.checked = False
+        self.transfer.source.check_unchanged(self.names)
+        self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
+        self.checked = True
 
 
 def check_at_home(item: Streamed, unit: str) -> None:
