@@ -26,6 +26,7 @@ import logging
 import os
 from collections import OrderedDict
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -132,9 +133,10 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
     """
     _refuse(dispatch_model, state_dict=state_dict, offload_index=offload_index)
     check_not_dispatched(model)  # by automap or accelerate: before planning the hooked model
-    chosen = plan(model, device_map, offload_dir=offload_dir)
+    folder = None if offload_dir is None else Path(offload_dir)
+    chosen = plan(model, device_map, offload_dir=folder)
     _check_main_device(main_device, chosen)
-    dispatch(model, chosen, offload_dir=offload_dir)
+    dispatch(model, chosen, offload_dir=folder)
     return _with_device_map(model, device_map)
 
 
@@ -200,7 +202,7 @@ def grouped(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
 
 def _prefixes(device_map: Mapping[str, Any]) -> set[str]:
     """Every module path above a key: ``"a.b.c"`` gives ``""``, ``"a"`` and ``"a.b"``."""
-    found = set()
+    found: set[str] = set()
     for key in device_map:
         parts = key.split(".")
         found.update(".".join(parts[:i]) for i in range(len(parts)))

@@ -1,4 +1,5 @@
-"""The hook of a unit whose weights are offloaded: :class:`StreamWeights`.
+"""The hook of a unit whose weights are offloaded (:class:`StreamWeights`), and the model's check
+of the files behind them (:class:`CheckFiles`).
 
 Between forwards every offloaded parameter and buffer holds its *home*: the weight source's real
 CPU tensor (a copy-on-write view of a store or checkpoint file, or a tensor in host RAM). So
@@ -21,6 +22,11 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
 Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
 gradient reaching one raises :class:`~automap.errors.DispatchError` at backward time, naming the
 parameter and the fixes. Forwards in train mode, and training of resident units, are unaffected.
+
+Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
+streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
+compiled forward that the model's :class:`CheckFiles` has checked skips them and compiles whole
+(``docs/compile.md``).
 """
 from __future__ import annotations
 
