@@ -197,14 +197,14 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
         raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
                         "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
     config = read_config(path)
-    model = _on_meta(path, lambda: _hf_model(config))
+    model = _on_meta(path, lambda: _hf_model(config, guess=False))  # its weights need the real class
     with open_checkpoint(path) as checkpoint:
         take_stored_dtypes(model, checkpoint, match_keys(model, checkpoint))
         files = {s.file for s in checkpoint.tensors.values()}
         source = (f"sizes and dtypes of {len(checkpoint.tensors)} tensors from {len(files)} checkpoint "
                   f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read")
     count = sum(p.numel() for p in model.parameters())
-    return BuiltModel(model, f"{type(model).__name__} ({path})", count, None, source)
+    return BuiltModel(model, f"{type(model).__name__} ({path})", count, source=source)
 
 
 def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
@@ -247,8 +247,8 @@ def _check_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> 
                         _did_you_mean(unknown[0], sorted(known)))
 
 
-def _hf_model(config: Any) -> nn.Module:
-    model = instantiate(config)
+def _hf_model(config: Any, guess: bool = True) -> nn.Module:
+    model = instantiate(config, guess=guess)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise SpecError(f"transformers has no model class for {', '.join(map(str, names))}")

@@ -87,17 +87,19 @@ def config_dtype(config: Any) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def instantiate(config: Any) -> nn.Module | None:
+def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
     """Construct the model ``config`` describes (in the caller's device/dtype context): the
     class its ``architectures`` entry names, else the first of :data:`AUTO_CLASSES` the family
-    has. None when transformers has no class for it (a model with remote code)."""
+    has. None when transformers has no class for it. A config naming classes transformers lacks
+    (a model with remote code) gives None too, unless ``guess``: then the family's heads are
+    tried (good enough to plan a config; weights would need the real class)."""
     transformers = import_transformers()
     for arch in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls(config)
-    if getattr(config, "architectures", None):
-        return None  # it names classes transformers does not have: guessing a head would mislead
+    if getattr(config, "architectures", None) and not guess:
+        return None
     for auto_name in AUTO_CLASSES:
         try:
             return getattr(transformers, auto_name).from_config(config)
