@@ -1,11 +1,12 @@
 """The front doors: :func:`plan`, :func:`dispatch` and :func:`load` connect profile -> plan ->
-dispatch, and checkpoint -> plan -> dispatch."""
+dispatch, and checkpoint -> plan -> dispatch (``load`` also builds the model of a Hugging Face
+folder itself)."""
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, overload
 
 import torch
 from torch import nn
@@ -13,12 +14,12 @@ from torch import nn
 from automap.devices import MaxMemory, Reserve, check_present, detect_devices, parse_reserve
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
-from automap.errors import DeviceMapError, PlanError
-from automap.loading import (log_summary, match_keys, materialise, offloaded_names, open_checkpoint, plan_tasks,
-                             verify_loaded)
+from automap.errors import CheckpointError, DeviceMapError, PlanError
+from automap.loading import (build_from_folder, log_summary, match_keys, materialise, offloaded_names, open_checkpoint,
+                             plan_tasks, verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
-from automap.planning.usermap import normalise_device_map
-from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.refine import Splitter
 from automap.profiling.units import all_named_tensors
 
@@ -37,6 +38,9 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     stage (compute plus incoming transfers) is as fast as possible; otherwise the accelerators
     hold as much as they can, then CPU RAM, then disk. ``"balanced_low_0"`` keeps GPU 0 light;
     ``"sequential"`` fills GPU 0, 1, ..., then CPU, then disk.
+
+    A dict ``device_map`` is planned without running the model unless ``example_inputs`` are
+    given (then FLOPs and cut bytes are counted for the report).
 
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
@@ -100,9 +104,16 @@ def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], device
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     # The map's module keys that hold tensors are the units: what it keeps together stays together.
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders]
-    prof = profile(model, example_inputs, dtype=dtype, units=units or [""])
+    units = [k for k in device_map if k in modules and k in holders] or [""]
+    if example_inputs is None:  # the map says where everything goes: nothing to measure
+        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
+                                loose_homes=loose_homes(device_map, units, tensors))
+    else:
+        prof = profile(model, example_inputs, dtype=dtype, units=units)
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+_MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"
 
 
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
@@ -112,16 +123,19 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
     Offloaded units compute on the execution device (the fastest accelerator in the plan, else
-    the CPU) with weights brought in just before they run and released after, the next one
-    prefetched meanwhile: units on ``"disk"`` are read from ``offload_dir`` (zero-copy through
-    mmap), units on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream.
-    Training works through resident units; an offloaded unit must be frozen (or run in eval /
-    no_grad), otherwise a clear :class:`~automap.errors.DispatchError` says so.
+    the CPU) with weights brought in just before they run, the next one prefetched meanwhile:
+    units on ``"disk"`` are read from a store directory automap creates inside ``offload_dir``
+    (copy-on-write views through mmap: between forwards every parameter is a real tensor), units
+    on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream. Training works
+    through resident units; a gradient reaching an offloaded weight raises
+    :class:`~automap.errors.DispatchError` at backward (freeze it or keep it resident). See
+    ``docs/offload-safety.md`` for what is written where, locks, crashes and threads.
 
     Args:
         model: the model to place; returned hooked (the same object).
         device_map, max_memory, no_split, example_inputs: as for :func:`plan`.
-        offload_dir: directory for disk-offloaded weights; required when anything goes to disk.
+        offload_dir: directory for disk-offloaded weights (automap writes only inside an
+            ``automap-store-*`` folder of its own there); required when anything goes to disk.
         output_device: move the model's outputs here (default: where they were produced).
 
     Returns:
@@ -140,11 +154,37 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
 
 
-def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: DeviceMap = "auto",
-         max_memory: MaxMemory | None = None, *, offload_dir: str | os.PathLike[str] | None = None,
+PathLike = str | os.PathLike[str]
+
+
+@overload
+def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
+         offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
+         quiet: bool = False) -> nn.Module: ...
+
+
+@overload
+def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
+         *, offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
+         quiet: bool = False) -> nn.Module: ...
+
+
+def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
+         max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
          dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
          example_inputs: ExampleInputs | None = None, quiet: bool = False) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
+
+    Two forms:
+
+    - ``load(model, checkpoint, ...)``: a skeleton you built (under :func:`empty_model`) and
+      the checkpoint to fill it from;
+    - ``load(folder, ...)``: a Hugging Face model folder (``config.json`` beside its weights,
+      as ``save_pretrained`` writes it). The model is built from the config's
+      ``architectures`` entry on meta (needs transformers), at ``dtype`` or else the config's
+      dtype, then loaded from the same folder. The other arguments are keywords.
 
     The model is planned on meta first; then every tensor is read on its own (never a whole
     shard) to its GPU or to CPU RAM, or kept in the offload store. Offloaded tensors of a
@@ -153,9 +193,10 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
     values computed at init (build the model in :func:`empty_model`).
 
     Args:
-        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
+        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced),
+            or the path of a Hugging Face model folder.
         checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
-            shards (with or without ``model.safetensors.index.json``).
+            shards (with or without ``model.safetensors.index.json``). Not given with a folder.
         device_map, max_memory, no_split, example_inputs: as for :func:`automap.plan`; pass a
             :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
         offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
@@ -166,16 +207,21 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         quiet: no progress bar (it only appears for loads longer than a second).
 
     Returns:
-        ``model``, loaded and dispatched; :func:`automap.undispatch` brings it back to CPU.
+        ``model`` (or the model built from ``folder``), loaded and dispatched;
+        :func:`automap.undispatch` brings it back to CPU.
 
     Raises:
         CheckpointError: missing, corrupt, truncated or unsafe checkpoint; missing, unexpected
-            or mis-shaped keys. Nothing is left half-written in ``offload_dir``.
+            or mis-shaped keys; a folder without config.json. Nothing is left half-written in
+            ``offload_dir``.
+        DependencyError: a folder was given and transformers is not installed.
         PlanError, DispatchError: as for :func:`automap.dispatch`.
 
     Example:
         >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
+        >>> model = automap.load("path/to/llama", max_memory={"cpu": "8GiB"}, offload_dir="offload")
     """
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype)
     check_not_dispatched(model)
     start = time.perf_counter()
     with open_checkpoint(checkpoint) as ckpt:
@@ -197,3 +243,22 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
             raise
     log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
     return model
+
+
+def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
+                          dtype: torch.dtype | None) -> tuple[nn.Module, PathLike]:
+    """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
+    if isinstance(model, nn.Module):
+        if checkpoint is None:
+            raise CheckpointError(f"automap.load({type(model).__name__}) needs the checkpoint to read: "
+                                  "automap.load(model, 'path/to/checkpoint'), or give only a Hugging Face folder: "
+                                  "automap.load('path/to/folder')")
+        return model, checkpoint
+    if not isinstance(model, (str, os.PathLike)):
+        raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
+                              f"not a {type(model).__name__}")
+    if checkpoint is not None:
+        raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
+                              "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
+                              "or build the model yourself and call automap.load(model, checkpoint)")
+    return build_from_folder(model, dtype), model

@@ -55,5 +55,10 @@ class SpecError(AutomapError, ValueError):
     """A model SPEC or command-line argument (--set, --max-memory, --dtype) could not be understood."""
 
 
+class DependencyError(AutomapError, ImportError):
+    """A library that one call needs (transformers, to build a model from a Hugging Face
+    folder's ``config.json``) is not installed; the message says what to install."""
+
+
 class ReportError(AutomapError):
     """A report could not be written (unknown picture format, missing folder, unwritable path)."""

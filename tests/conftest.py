@@ -86,22 +86,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def file_backing(tensor: torch.Tensor):
-    """The file whose mapping holds ``tensor``'s bytes (from /proc/self/maps), or None when
-    they are anonymous memory: how a test tells an offloaded weight (a view of a store or
-    checkpoint file) from one held in RAM."""
-    from pathlib import Path
+    """The file a tensor's bytes are mapped from (None: anonymous memory): how a test tells an
+    offloaded weight (a view of a store or checkpoint file) from one held in RAM."""
+    from automap.offload import backing_file
 
-    address = tensor.data_ptr()
-    if tensor.numel() == 0 or tensor.device.type != "cpu":
-        return None
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if start <= address < end:
-                path = fields[5].strip() if len(fields) > 5 else ""
-                return Path(path) if path.startswith("/") else None
-    return None
+    return backing_file(tensor)
 
 
 def streamed_files(model: nn.Module) -> dict[str, object]:

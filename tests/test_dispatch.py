@@ -14,7 +14,7 @@ import automap
 from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import CheckpointSource
-from conftest import (ToyModel, assert_offloaded_in_files, file_backing, ids_and_logits, logits_of, tiny_gpt2,
+from conftest import (ToyModel, file_backing, ids_and_logits, logits_of, tiny_gpt2,
                       tiny_llama, tiny_t5)
 
 
@@ -361,3 +361,117 @@ def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
     assert isinstance(moved[2], BaseModelOutput) and moved[2].last_hidden_state.is_meta
     assert moved[3] is cache and moved[4] == 7, "caches follow their layers; other objects pass through"
     assert send(value, torch.device("cpu")) is value, "nothing to move: the same object, no rebuilding"
+
+
+# ------------------------------------------------------------------ a weight source of one's own
+
+
+class _HalfSource:
+    """A new kind of weight source, written only against the WeightSource protocol: it keeps
+    weights as fp16 bytes and widens each to fp32 once, when first asked (a toy compressed
+    store). Nothing in automap/runtime knows about it."""
+
+    def __init__(self, tensors):
+        self.packed = {n: t.detach().half() for n, t in tensors.items()}
+        self.widened, self.prefetched, self.closed = {}, [], False
+
+    def names(self):
+        return self.packed.keys()
+
+    def get(self, name):
+        if name not in self.widened:
+            self.widened[name] = self.packed[name].float()
+        return self.widened[name]
+
+    def prefetch(self, names, populate=True):
+        self.prefetched.append(tuple(names))
+
+    def check_unchanged(self, names):
+        return None
+
+    def stats(self):
+        from automap.offload import SourceStats
+
+        return SourceStats(ram_bytes=sum(t.numel() * 2 for t in self.packed.values()))
+
+    def close(self, discard=False):
+        self.closed = True
+
+
+def test_a_new_weight_source_plugs_in_without_runtime_changes(tmp_path):
+    from automap.offload import WeightSource
+
+    model = tiny_llama(layers=4)
+    plan = _disk_plan(model)
+    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    source = _HalfSource({n: t for n, t in model.state_dict().items() if n in streamed})
+    assert isinstance(source, WeightSource)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in streamed:
+                tensor.copy_(tensor.half().float())  # the precision the source keeps
+    ids, expected = ids_and_logits(model)
+    dispatch_plan(model, plan, source=source)
+    assert torch.equal(logits_of(model, ids), expected)
+    assert source.prefetched, "the runtime asked the source to prefetch the next unit"
+    assert "offloaded tensors:" in automap.placement(model).report()
+    automap.undispatch(model)
+    assert source.closed and torch.equal(logits_of(model, ids), expected)
+
+
+# ------------------------------------------------------------------ a model as users hand it over (issue 17)
+
+
+class _NormNet(nn.Module):
+    """Linear(3, 4) -> BatchNorm1d(4) -> Linear(4, 5), in its default train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.batchnorm, self.linear2 = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.linear2(self.batchnorm(self.linear1(x)))
+
+
+_ALL_ON_DISK = {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"}
+
+
+def test_train_mode_model_all_on_disk_runs_like_the_plain_one(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    assert placed.training
+    automap.dispatch(placed, _ALL_ON_DISK, offload_dir=tmp_path)  # no example_inputs, train mode
+    for _ in range(3):
+        x = torch.randn(6, 3)
+        assert torch.equal(placed(x), plain(x))  # grad on, train mode: BatchNorm uses batch statistics
+    for name in ("running_mean", "running_var"):
+        assert (getattr(placed.batchnorm, name) - getattr(plain.batchnorm, name)).abs().max() <= 1e-6, name
+    assert placed.batchnorm.num_batches_tracked.item() == 3
+
+
+def test_backward_through_a_trainable_offloaded_unit_names_the_parameter(tmp_path):
+    torch.manual_seed(0)
+    model = _NormNet()
+    automap.dispatch(model, _ALL_ON_DISK, offload_dir=tmp_path)
+    loss = model(torch.randn(6, 3)).sum()
+    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter 'linear2\.(weight|bias)'.*"
+                                            r"requires_grad_\(False\).*keep its unit resident"):
+        loss.backward()
+
+
+def test_frozen_offloaded_units_train_the_resident_part_like_the_plain_model(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    for model in (plain, placed):
+        model.batchnorm.requires_grad_(False)
+        model.linear2.requires_grad_(False)
+    automap.dispatch(placed, {"linear1": "cpu", "batchnorm": "disk", "linear2": "disk"}, offload_dir=tmp_path)
+    x, y = torch.randn(6, 3), torch.randn(6, 5)
+    losses = [nn.functional.mse_loss(m(x), y) for m in (plain, placed)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(plain.linear1.weight.grad, placed.linear1.weight.grad)
+    assert torch.equal(plain.linear1.bias.grad, placed.linear1.bias.grad)

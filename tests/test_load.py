@@ -14,7 +14,6 @@ from safetensors.torch import save_file, save_model
 
 import automap
 from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
-from automap.runtime import state_of
 from automap.loading.checkpoint import Checkpoint
 from conftest import (assert_offloaded_in_files, file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama, tiny_t5,
                       weight_bytes)

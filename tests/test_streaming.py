@@ -107,8 +107,7 @@ def test_batchnorm_statistics_of_a_streamed_unit_are_written_back(tmp_path):
     torch.manual_seed(0)
     plain = _WithNorm()
     placed = copy.deepcopy(plain)
-    plan = automap.plan(placed, {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"},
-                        example_inputs=(torch.randn(8, 3),))
+    plan = automap.plan(placed, {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"})
     dispatch_plan(placed, plan, offload_dir=tmp_path, transfer=_staged)
     with torch.no_grad():
         for _ in range(3):
@@ -156,3 +155,19 @@ def test_forwards_from_several_threads_take_turns_and_are_right(tmp_path):
         t.join()
     assert not errors and not wrong
     assert _at_home(model)
+
+
+def test_placement_counts_the_staging_buffer_as_pinned_host_memory(tmp_path):
+    from automap.offload.transfer import aligned
+    from automap.sizes import format_bytes
+
+    model = tiny_llama(layers=4)
+    _dispatch(model, _LLAMA_MAP, tmp_path)
+    state = state_of(model)
+    assert state.stats().pinned_bytes == 0, "the staging buffer is allocated by the first staged unit"
+    logits_of(model, torch.randint(0, 256, (1, 6)))
+    # One buffer, reused: the largest streamed unit's bytes, each tensor aligned to 256 bytes.
+    staging = max(sum(aligned(state.source.get(n).nbytes) for n in group.names) for group in state.groups)
+    assert state.transfer.pinned_bytes == staging == state.stats().pinned_bytes
+    report = automap.placement(model).report()
+    assert f"{format_bytes(staging)} of pinned host memory (RAM copies and staging)" in report

@@ -9,7 +9,7 @@
 - :mod:`~automap.offload.transfer`: bringing weights to the execution device, one unit ahead.
 """
 from automap.offload.format import DTYPE_NAMES, DTYPES, Header, TensorInfo, read_header, write_file
-from automap.offload.mapped import MappedFile
+from automap.offload.mapped import MappedFile, backing_file
 from automap.offload.reference import CheckpointSource
 from automap.offload.source import MappedSource, RamSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, checksum,
@@ -20,4 +20,4 @@ from automap.offload.transfer import (CudaOps, DeviceOps, HostCopyOps, PageTrans
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceOps",
            "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
            "Record", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
-           "WeightSource", "checksum", "make_transfer", "read_header", "read_manifest", "write_file"]
+           "WeightSource", "backing_file", "checksum", "make_transfer", "read_header", "read_manifest", "write_file"]

@@ -27,7 +27,7 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
@@ -199,6 +199,21 @@ class MappedFile:
             os.close(fd)
 
 
-def map_files(files: Mapping[Path, Iterable[str]]) -> dict[Path, MappedFile]:
-    """Map each file for the keys it must provide (all or nothing)."""
-    return {path: MappedFile(path, keys) for path, keys in files.items()}
+def backing_file(tensor: torch.Tensor) -> Path | None:
+    """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
+    they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
+    store or checkpoint file, from one held in RAM."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return Path(path) if path.startswith("/") else None
+    except OSError:
+        return None
+    return None

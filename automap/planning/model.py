@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.profiling import Unit
+from automap.profiling.units import longest_prefix
+from automap.sizes import format_bytes
 
 JSON_VERSION = 1
 
@@ -67,6 +69,11 @@ class DeviceSummary:
     @property
     def used_bytes(self) -> int:
         return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+
+    @property
+    def over_capacity(self) -> bool:
+        """Holds more than its budget (a capacity of 0 means unknown: a device only found)."""
+        return 0 < self.device.capacity_bytes < self.used_bytes
 
 
 @dataclass(frozen=True)
@@ -338,3 +345,33 @@ def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
         raise PlanError(f"plan JSON has origin {data.get('origin')!r}; expected one of "
                         f"{', '.join(o.value for o in Origin)}") from None
     return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)
+
+
+# ------------------------------------------------------------------ notes on a plan (one home each)
+
+
+def over_capacity_notes(plan: Plan) -> list[str]:
+    """A warning per device that holds more than its budget."""
+    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
+            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
+            for row in plan.summary() if row.units and row.over_capacity]
+
+
+def tie_split_notes(plan: Plan) -> list[str]:
+    """A warning per group of tied names whose units sit on different devices, with the bytes
+    that cross each forward and their cost."""
+    where = {u.name: d for u, d in zip(plan.units, plan.placement)}
+    owner = {t: u for u in plan.units for t in u.tensors}
+    notes = []
+    for group in plan.tie_groups:
+        held = {name: longest_prefix(where, name.rpartition(".")[0]) for name in group}
+        devices = sorted({d for d in held.values() if d is not None})
+        if len(devices) < 2:
+            continue
+        unit = next((owner[n] for n in group if n in owner), None)
+        nbytes = unit.weight_bytes if unit is not None else 0  # Unit keeps no per-tensor sizes: an upper bound
+        seconds = plan.link_seconds(nbytes, devices[0], devices[1])
+        places = ", ".join(f"{name} on {device}" for name, device in held.items())
+        notes.append(f"tied weights split: {places} share one tensor; up to {format_bytes(nbytes)} cross devices "
+                     f"each forward (~{seconds * 1e3:.2f} ms); map their units to one device to avoid it")
+    return notes

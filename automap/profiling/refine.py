@@ -10,7 +10,9 @@ only when that trace shows the pieces can run as units:
 - its forward calls every piece (``nn.MultiheadAttention`` never calls ``out_proj``);
 - no piece's tensor is read outside that piece's own forward (the same ``out_proj.weight``,
   read by the attention's own code), so each piece's weights can be streamed in with it;
-- its pieces run one after another, with no other unit in between.
+- its pieces run one after another, with no other unit in between;
+- the trace measured every piece (none stood in, see ``profiling/fallback.py``); a unit the
+  trace could not run is not split either.
 
 The split module's own code (a residual add) still runs outside every unit, so its pieces are
 marked with ``Unit.split_from``: the planner keeps them on one computing device and the runtime
@@ -72,12 +74,15 @@ class Splitter:
     def __call__(self, base: Profile, names: Sequence[str]) -> Refinement:
         """Split each unit of ``base`` named in ``names`` that can be split."""
         called = {u.name for u in base.units if u.calls > 0}
+        untraced = {u.name: u.untraced for u in base.units if u.untraced}
         pieces: dict[str, tuple[str, ...]] = {}
         refused: dict[str, str] = {}
         for name in names:
             found, why = self.pieces_of(name)
             if not why and not base.example:
                 why = "no traced forward to check a split against (profiled without example inputs)"
+            if not why and name in untraced:
+                why = f"not traced ({untraced[name]})"
             if not why and name not in called:
                 why = "never called in the traced forward"
             if why:
@@ -139,6 +144,9 @@ def _unrunnable(finer: Profile, parts: Sequence[str]) -> str:
     uncalled = [p for p in parts if p in set(finer.uncalled)]
     if uncalled:
         return f"its forward never calls {uncalled[0]!r}"
+    untraced = next((u for u in finer.units if u.name in parts and u.untraced), None)
+    if untraced is not None:
+        return f"{untraced.name!r} cannot be traced ({untraced.untraced})"
     strays = set(finer.strays)
     position = {u.name: i for i, u in enumerate(finer.units)}
     for unit in finer.units:

@@ -40,6 +40,11 @@ class Unit:
         dtype_bytes: bytes of the owned tensors per stored dtype (``{"float32": ...}``).
         input_bytes: bytes of the tensors passed to the unit (largest call).
         seconds: measured median forward time on ``Profile.measured_device`` (None: not measured).
+        untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
+            forward cannot run on meta, or the forward stopped before it (see
+            ``profiling/fallback.py``); its bytes are exact, its other numbers are not measured.
+        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its parameter
+            bytes, not counted.
         split_from: the unit this one was split out of (``""``: not split), see
             :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
             runs outside every unit, so every unit split from it computes on one device, and
@@ -60,6 +65,8 @@ class Unit:
     dtype_bytes: dict[str, int] = field(default_factory=dict)
     input_bytes: int = 0
     seconds: float | None = None
+    untraced: str = ""
+    flops_estimated: bool = False
     split_from: str = ""
 
     @property
@@ -152,6 +159,11 @@ class Profile:
     @property
     def has_compute(self) -> bool:
         return self.total_flops > 0
+
+    @property
+    def untraced(self) -> tuple[str, ...]:
+        """Units planned without a trace measuring them (``Unit.untraced`` says why)."""
+        return tuple(u.name for u in self.units if u.untraced)
 
     @property
     def repeated(self) -> tuple[str, ...]:

@@ -133,12 +133,18 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def _names_per_tensor(model: nn.Module) -> list[list[str]]:
-    """Every name of each distinct parameter or buffer, in definition order."""
+def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
+    """Names grouped by the tensor object they refer to (tied weights share one group), in
+    order of first appearance: the one rule for what "tied" means."""
     by_id: dict[int, list[str]] = {}
-    for name, tensor in all_named_tensors(model, remove_duplicate=False):
+    for name, tensor in named:
         by_id.setdefault(id(tensor), []).append(name)
     return list(by_id.values())
+
+
+def _names_per_tensor(model: nn.Module) -> list[list[str]]:
+    """Every name of each distinct parameter or buffer, in definition order."""
+    return names_by_identity(all_named_tensors(model, remove_duplicate=False))
 
 
 def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:

@@ -13,7 +13,7 @@ from automap.devices import DeviceSpec, canonical_name, detect_devices, make_dev
 from automap.offload import SourceStats
 from automap.planning import Origin, Plan
 from automap.profiling.units import all_named_tensors, longest_prefix
-from automap.report.facts import ReportError
+from automap.errors import ReportError
 from automap.runtime import state_of
 from automap.sizes import format_bytes
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automap.planning import JSON_VERSION, Plan
-from automap.report.facts import Facts, ReportError, facts_of, short_name
+from automap.errors import ReportError
+from automap.report.facts import Facts, facts_of, short_name
 from automap.report.text import unit_ranges
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
         "bottleneck_seconds": facts.bottleneck_seconds,
         "forward_seconds": facts.forward_seconds,
         "tied_splits": list(facts.tie_splits),
+        "untraced_units": list(facts.untraced),
     }
 
 

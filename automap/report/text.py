@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from automap.planning.model import Origin
-from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name
+from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name, unit_ranges
 from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -15,31 +15,6 @@ WIDTH = 80
 MAX_CUT_LINES = 12  # an interleaved (offloaded) plan can have dozens; the totals count them all
 _HEAD = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'use%':>5} {'headroom':>10} "
          f"{'flops%':>6} {'stage':>9}")
-
-
-def unit_ranges(names: Sequence[str]) -> str:
-    """Collapse consecutive numbered units into ranges.
-
-    Example:
-        >>> unit_ranges(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"])
-        'model.embed_tokens, model.layers.0-2'
-    """
-    parts: list[str] = []
-    i = 0
-    while i < len(names):
-        stem, _, last = names[i].rpartition(".")
-        j = i
-        if last.isdigit():
-            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem):
-                j += 1
-        parts.append(names[i] if j == i else f"{names[i]}-{names[j].rpartition('.')[2]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
-def _next_in_run(current: str, candidate: str, stem: str) -> bool:
-    cand_stem, _, cand_last = candidate.rpartition(".")
-    return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
 
 
 def render_text(plan: Plan) -> str:
@@ -67,8 +42,9 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 def _header(plan: Plan, facts: Facts) -> str:
     actual = plan.origin is Origin.ACTUAL
     inputs = "the given example inputs" if plan.example == "given" else plan.example
-    if not plan.example:
-        how = "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)"
+    if not plan.example or len(facts.untraced) == len(plan.units):
+        why = "no unit traced" if plan.example else "no trace" if plan.origin is Origin.USER else "no example inputs"
+        how = f"bytes only ({why})" if actual or plan.origin is Origin.USER else f"balanced by bytes only ({why})"
     else:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
     checked = sum(len(u.tensors) for u in plan.units)

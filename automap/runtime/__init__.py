@@ -4,7 +4,8 @@ weights in just before their unit runs (the next one prefetched while it compute
 - :mod:`~automap.runtime.place`: :func:`dispatch_plan` and :func:`undispatch`;
 - :mod:`~automap.runtime.hooks`: the hook lifecycle (attach / pre / post / detach), moving inputs
   and outputs;
-- :mod:`~automap.runtime.streaming`: the hook of an offloaded unit;
+- :mod:`~automap.runtime.streaming`: the hook of an offloaded unit, and the model's check of
+  the files behind its offloaded weights;
 - :mod:`~automap.runtime.state`: what a dispatched model carries, and :func:`state_of`;
 - :mod:`~automap.runtime.values`: moving nested inputs; :mod:`~automap.runtime.swap`: replacing
   tensor objects (off meta) with ties kept.

@@ -16,7 +16,7 @@ from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, forget, remember, state_of
-from automap.runtime.streaming import StreamWeights, refuse_grad
+from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,11 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
         assert state.source is not None
         link(state.groups)
         state.transfer = transfer(state.source, execution)
+        files = None if state.transfer.swaps else CheckFiles(state.groups, state.transfer)
         for group in state.groups:
-            state.hooks.append(StreamWeights(group, state.transfer, state.lock).attach(modules[group.key]))
+            state.hooks.append(StreamWeights(group, state.transfer, state.lock, files).attach(modules[group.key]))
+        if files is not None:
+            state.hooks.append(files.attach(model))
     if needs_hooks:
         hook_loose_owners(plan, modules, tensors, state)
         hook_split_units(plan, modules, state)

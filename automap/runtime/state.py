@@ -107,7 +107,24 @@ def forget(model: nn.Module) -> None:
 
 
 def check_not_dispatched(model: nn.Module) -> None:
-    """Raise :class:`DispatchError` when ``model`` is dispatched already (before planning it
-    again, which would fail on the hooked model with a less useful message)."""
+    """Raise :class:`DispatchError` when ``model`` is dispatched already, by automap or by
+    accelerate (before planning it again, which would fail on the hooked model with a less
+    useful message)."""
     if model in _STATES:
         raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    check_no_accelerate_hooks(model)
+
+
+def check_no_accelerate_hooks(model: nn.Module) -> None:
+    """Refuse a model that accelerate dispatched (``dispatch_model``, ``cpu_offload``,
+    ``from_pretrained(device_map=...)``): its hooks replace the modules' forwards and move
+    weights behind automap's back. automap does not remove them itself: only the caller knows
+    whether the weights they would leave on meta matter."""
+    hooked = [name or "(the model)" for name, module in model.named_modules() if hasattr(module, "_hf_hook")]
+    if hooked:
+        raise DispatchError(
+            f"{type(model).__name__} is dispatched by accelerate: {len(hooked)} module(s) carry its hooks (first "
+            f"{hooked[:3]}). Remove them before automap places it: from accelerate.hooks import "
+            "remove_hook_from_module; remove_hook_from_module(model, recurse=True) — weights accelerate offloaded "
+            "come back only if the model had them before its dispatch; otherwise load it with automap.load, or "
+            "from_pretrained without device_map")

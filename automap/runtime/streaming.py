@@ -1,4 +1,5 @@
-"""The hook of a unit whose weights are offloaded: :class:`StreamWeights`.
+"""The hook of a unit whose weights are offloaded (:class:`StreamWeights`), and the model's check
+of the files behind them (:class:`CheckFiles`).
 
 Between forwards every offloaded parameter and buffer holds its *home*: the weight source's real
 CPU tensor (a copy-on-write view of a store or checkpoint file, or a tensor in host RAM). So
@@ -21,6 +22,11 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
 Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
 gradient reaching one raises :class:`~automap.errors.DispatchError` at backward time, naming the
 parameter and the fixes. Forwards in train mode, and training of resident units, are unaffected.
+
+Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
+streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
+compiled forward that the model's :class:`CheckFiles` has checked skips them and compiles whole
+(``docs/compile.md``).
 """
 from __future__ import annotations
 
@@ -48,19 +54,43 @@ class StreamWeights(Hook):
         group: the unit's offloaded tensors and the group that runs after it.
         transfer: the model's transfer to the execution device.
         lock: the model's lock for swapped-in weights (accelerator execution).
+        files: the model's :class:`CheckFiles` (CPU execution), which lets a compiled forward
+            skip this hook once it has checked every file.
     """
 
-    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock):
+    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock, files: CheckFiles | None = None):
         super().__init__()
-        self.group, self.transfer, self.lock = group, transfer, lock
+        self.group, self.transfer, self.lock, self.files = group, transfer, lock, files
         self._inside = threading.local()  # per thread: swap-ins not yet undone
         self._saving: ExitStack | None = None
 
+    # Hook bodies do I/O (stat, readahead), take locks and swap tensors: work that torch.compile
+    # cannot trace. Each body is a function dynamo skips (torch.compiler.disable), so a compiled
+    # model breaks its graph at a streamed unit's boundaries, never inside the unit. On CPU
+    # execution nothing moves (the parameters are the views): once the model's own hook has
+    # checked every file for this forward (CheckFiles), a compiled forward skips the body, and
+    # compiles whole.
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.transfer.swaps:
-            self.transfer.take(self.group.key, self.group.names)
-            self._prefetch_next()
-            return None
+        if self.transfer.swaps:
+            self._enter()
+        elif not (torch.compiler.is_compiling() and self.files is not None and self.files.checked):
+            self._touch()
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.transfer.swaps:
+            self._leave(module.training)
+        return None
+
+    @torch.compiler.disable
+    def _touch(self) -> None:
+        """CPU execution: the weights are the views the parameters hold; check their files
+        and read ahead."""
+        self.transfer.take(self.group.key, self.group.names)
+        self._prefetch_next()
+
+    @torch.compiler.disable
+    def _enter(self) -> None:
         self.lock.acquire()
         try:
             self._swap_in()
@@ -68,17 +98,16 @@ class StreamWeights(Hook):
             self.lock.release()
             raise
         self._inside.depth = getattr(self._inside, "depth", 0) + 1
-        return None
 
-    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self.transfer.swaps or not getattr(self._inside, "depth", 0):
-            return None  # CPU execution, or this thread's pre never ran (an earlier hook raised)
+    @torch.compiler.disable
+    def _leave(self, training: bool) -> None:
+        if not getattr(self._inside, "depth", 0):
+            return  # this thread's pre never ran (an earlier hook raised)
         self._inside.depth -= 1
         try:
-            self._swap_out(module.training)
+            self._swap_out(training)
         finally:
             self.lock.release()
-        return None
 
     def _prefetch_next(self) -> None:
         ahead = self.group.next
@@ -115,6 +144,37 @@ class StreamWeights(Hook):
                 if item.tensor._version != item.version or (item.is_buffer and training):
                     item.home.copy_(item.tensor.data)  # what the unit changed stays changed
                 item.tensor.data = item.home
+
+
+class CheckFiles(Hook):
+    """On the model itself, when units stream on CPU execution: before each forward, checks
+    every file behind the offloaded weights (one ``stat`` each) and reads the first streamed
+    unit ahead; ``checked`` stays True until the forward returns (or raises). A compiled forward
+    then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
+    graph break. A forward that did not come through the model's hooks (``model.forward(...)``,
+    ``torch.compile(model.forward)``) finds ``checked`` False and checks unit by unit, as in
+    eager mode, where the units check their own files anyway."""
+
+    def __init__(self, groups: list[Group], transfer: Transfer):
+        super().__init__()
+        self.first, self.transfer = groups[0], transfer
+        self.names = [n for group in groups[1:] for n in group.names]
+        self.checked = False
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._check()
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.checked = False
+        return None
+
+    @torch.compiler.disable
+    def _check(self) -> None:
+        self.checked = False
+        self.transfer.source.check_unchanged(self.names)
+        self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
+        self.checked = True
 
 
 def check_at_home(item: Streamed, unit: str) -> None:
