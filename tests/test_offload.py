@@ -271,3 +271,17 @@ def test_discarding_a_new_store_removes_only_what_it_created(tmp_path):
     store.close(discard=True)
     assert not (tmp_path / "off").exists(), "the folder automap made is gone again"
     assert (tmp_path / "mine.txt").read_text() == "the user's file"
+
+
+def test_store_files_are_aligned_and_valid_safetensors(tmp_path):
+    """Every tensor starts 64-byte aligned (kernels then compute as from RAM), and the padding
+    is declared, so the safetensors library itself reads automap's files."""
+    from safetensors import safe_open
+
+    store = _write(tmp_path)
+    for name in _tensors():
+        assert store.get(name).data_ptr() % 64 == 0, name
+    with safe_open(str(store.directory / "a.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("a.bias"), _tensors()["a.bias"])
+    with safe_open(str(store.directory / "b.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("b.weight"), _tensors()["b.weight"])

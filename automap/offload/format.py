@@ -171,15 +171,19 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 # path by alignment, so a weight read in place from a less aligned offset computes a slightly
 # different result (~1e-7 relative) than the same weight in RAM; aligned, they match bit for bit.
 DATA_ALIGN = 64
+PADDING = "__automap_padding_"
 
 
 def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
     """The header bytes for ``tensors`` and the order their data follows it in: largest
     element size first (as safetensors orders them). Every tensor starts at a multiple of
     :data:`DATA_ALIGN` bytes in the file: the header is padded with spaces to end there, and
-    zero bytes fill the gap after a tensor whose size is not a multiple (automap's parser
-    reads such files; the safetensors library wants no gaps, and never reads automap's store)."""
+    the zero bytes after a tensor whose size is not a multiple are declared as a ``U8``
+    padding entry (:data:`PADDING`), since the format allows no unindexed gaps: the file stays
+    one that the safetensors library itself reads."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    if any(n.startswith(PADDING) for n in order):
+        raise FormatError(f"tensor names starting with {PADDING!r} are reserved for padding in automap's files")
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
@@ -187,7 +191,10 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
         if t.dtype not in DTYPE_NAMES:
             raise FormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         nbytes = t.numel() * t.element_size()
-        offset += -offset % DATA_ALIGN
+        gap = -offset % DATA_ALIGN
+        if gap:
+            entries[f"{PADDING}{len(entries)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            offset += gap
         entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
