@@ -1,12 +1,13 @@
 """The front doors: :func:`plan`, :func:`dispatch` and :func:`load` connect profile -> plan ->
-dispatch, and checkpoint -> plan -> dispatch."""
+dispatch, and checkpoint -> plan -> dispatch (``load`` also builds the model of a Hugging Face
+folder itself)."""
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, overload
 
 import torch
 from torch import nn
@@ -14,13 +15,14 @@ from torch import nn
 from automap.devices import MaxMemory, Reserve, check_present, detect_devices, parse_reserve
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
-from automap.errors import DeviceMapError, PlanError
-from automap.loading import (clean_on_failure, log_summary, match_keys, materialise, offloaded_names,
-                             open_checkpoint, plan_tasks, verify_loaded)
+from automap.errors import CheckpointError, DeviceMapError, PlanError
+from automap.loading import (build_from_folder, log_summary, match_keys, materialise, offloaded_names, open_checkpoint,
+                             plan_tasks, verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
-from automap.planning.usermap import normalise_device_map
-from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile
+from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.kvcache import check_batch, profile_generation, prompt_inputs
+from automap.profiling.refine import Splitter
 from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
@@ -46,13 +48,18 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     example inputs are the prompt, so activations are the prefill's. ``plan.report()`` then
     shows a KV column and the predicted prefill time and decode tokens/s, with what limits them.
 
+    A dict ``device_map`` is planned without running the model unless ``example_inputs`` are
+    given (then FLOPs and cut bytes are counted for the report).
+
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
         device_map: a strategy (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
             ``"sequential"``), a dict in the Hugging Face form, or a :class:`Plan`.
         max_memory: per-device budgets, e.g. ``{0: "20GiB", "cpu": "64GiB"}``; devices this
             machine lacks are fine for planning. Detected when None.
-        no_split, example_inputs, dtype: passed to :func:`automap.profile`.
+        no_split, example_inputs, dtype: passed to :func:`automap.profile`. A unit that does
+            not fit where it must go is split into its children (the model traced again)
+            unless its class is in ``no_split``; ``plan.choices`` says what was split and why.
         offload_dir: where disk offload would go (its free space bounds "disk").
         reserve: bytes to keep free for KV cache or optimizer state: one size for every
             computing device (``"2GiB"``) or per device (``{0: "4GiB", 1: "1GiB"}``).
@@ -91,14 +98,16 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     generation = _Generate(batch, max_length)
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
+        refine = None
         if isinstance(model, Profile):
             if max_length is not None and model.generation is None:
                 raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
                                 "or a Profile from automap.profiling.kvcache.profile_generation")
             prof = model
         else:
-            prof = _profile(model, example_inputs, no_split, dtype, generation)
-        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices))
+            prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
+            refine = Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
+        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine)
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
@@ -115,18 +124,19 @@ class _Generate:
 
 
 def _profile(model: nn.Module, example_inputs: ExampleInputs | None, no_split: Iterable[str | type] | None,
-             dtype: torch.dtype | None, generation: _Generate, units: list[str] | None = None) -> Profile:
-    """The profile a plan needs: at the example inputs (at ``batch``), or for a generation at
-    its prompt, with each unit's cache measured."""
+             dtype: torch.dtype | None, generation: _Generate,
+             units: list[str] | None = None) -> tuple[Profile, ExampleInputs | None]:
+    """The profile a plan needs and the inputs it was traced with: the example inputs (at
+    ``batch``), or for a generation its prompt, with each unit's cache measured."""
     if generation.max_length is None:
         if example_inputs is None and generation.batch is not None:
             example_inputs, _ = default_example_inputs(model, batch=generation.batch)
-        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units)
+        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units), example_inputs
     inputs, how = prompt_inputs(model, example_inputs, generation.batch or 1, generation.max_length)
     prof = profile(model, inputs, no_split=no_split, dtype=dtype, units=units, backward=False)
     prof = replace(prof, example=how if prof.example else "")
     return profile_generation(model, prof, inputs, batch=generation.batch, max_length=generation.max_length,
-                              dtype=dtype)
+                              dtype=dtype), inputs
 
 
 def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple,
@@ -136,9 +146,16 @@ def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], device
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     # The map's module keys that hold tensors are the units: what it keeps together stays together.
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders]
-    prof = _profile(model, example_inputs, None, dtype, generation, units or [""])
+    units = [k for k in device_map if k in modules and k in holders] or [""]
+    if example_inputs is None and generation.max_length is None:  # the map says where everything goes
+        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
+                                loose_homes=loose_homes(device_map, units, tensors))
+    else:
+        prof, _ = _profile(model, example_inputs, None, dtype, generation, units)
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+_MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"
 
 
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
@@ -149,16 +166,19 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
     Offloaded units compute on the execution device (the fastest accelerator in the plan, else
-    the CPU) with weights brought in just before they run and released after, the next one
-    prefetched meanwhile: units on ``"disk"`` are read from ``offload_dir`` (zero-copy through
-    mmap), units on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream.
-    Training works through resident units; an offloaded unit must be frozen (or run in eval /
-    no_grad), otherwise a clear :class:`~automap.errors.DispatchError` says so.
+    the CPU) with weights brought in just before they run, the next one prefetched meanwhile:
+    units on ``"disk"`` are read from a store directory automap creates inside ``offload_dir``
+    (copy-on-write views through mmap: between forwards every parameter is a real tensor), units
+    on ``"cpu"`` while a GPU executes are copied from pinned RAM on a side stream. Training works
+    through resident units; a gradient reaching an offloaded weight raises
+    :class:`~automap.errors.DispatchError` at backward (freeze it or keep it resident). See
+    ``docs/offload-safety.md`` for what is written where, locks, crashes and threads.
 
     Args:
         model: the model to place; returned hooked (the same object).
         device_map, max_memory, no_split, example_inputs: as for :func:`plan`.
-        offload_dir: directory for disk-offloaded weights; required when anything goes to disk.
+        offload_dir: directory for disk-offloaded weights (automap writes only inside an
+            ``automap-store-*`` folder of its own there); required when anything goes to disk.
         output_device: move the model's outputs here (default: where they were produced).
         batch, max_length: plan for ``generate`` (see :func:`plan`): each device keeps room
             for the KV cache of its layers, and ``generate`` keeps each layer's cache there.
@@ -179,12 +199,38 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
 
 
-def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: DeviceMap = "auto",
-         max_memory: MaxMemory | None = None, *, offload_dir: str | os.PathLike[str] | None = None,
+PathLike = str | os.PathLike[str]
+
+
+@overload
+def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
+         offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
+         quiet: bool = False, batch: int | None = None, max_length: int | None = None) -> nn.Module: ...
+
+
+@overload
+def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
+         *, offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
+         quiet: bool = False, batch: int | None = None, max_length: int | None = None) -> nn.Module: ...
+
+
+def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
+         max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
          dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
          example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
          max_length: int | None = None) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
+
+    Two forms:
+
+    - ``load(model, checkpoint, ...)``: a skeleton you built (under :func:`empty_model`) and
+      the checkpoint to fill it from;
+    - ``load(folder, ...)``: a Hugging Face model folder (``config.json`` beside its weights,
+      as ``save_pretrained`` writes it). The model is built from the config's
+      ``architectures`` entry on meta (needs transformers), at ``dtype`` or else the config's
+      dtype, then loaded from the same folder. The other arguments are keywords.
 
     The model is planned on meta first; then every tensor is read on its own (never a whole
     shard) to its GPU or to CPU RAM, or kept in the offload store. Offloaded tensors of a
@@ -193,9 +239,10 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
     values computed at init (build the model in :func:`empty_model`).
 
     Args:
-        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced).
+        model: a skeleton from :func:`empty_model` (or any model; its weights are replaced),
+            or the path of a Hugging Face model folder.
         checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
-            shards (with or without ``model.safetensors.index.json``).
+            shards (with or without ``model.safetensors.index.json``). Not given with a folder.
         device_map, max_memory, no_split, example_inputs, batch, max_length: as for
             :func:`automap.plan`; pass a :class:`~automap.Plan` as ``device_map`` to use the
             planner's other options.
@@ -207,16 +254,21 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         quiet: no progress bar (it only appears for loads longer than a second).
 
     Returns:
-        ``model``, loaded and dispatched; :func:`automap.undispatch` brings it back to CPU.
+        ``model`` (or the model built from ``folder``), loaded and dispatched;
+        :func:`automap.undispatch` brings it back to CPU.
 
     Raises:
         CheckpointError: missing, corrupt, truncated or unsafe checkpoint; missing, unexpected
-            or mis-shaped keys. Nothing is left half-written in ``offload_dir``.
+            or mis-shaped keys; a folder without config.json. Nothing is left half-written in
+            ``offload_dir``.
+        DependencyError: a folder was given and transformers is not installed.
         PlanError, DispatchError: as for :func:`automap.dispatch`.
 
     Example:
         >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
+        >>> model = automap.load("path/to/llama", max_memory={"cpu": "8GiB"}, offload_dir="offload")
     """
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype)
     check_not_dispatched(model)
     start = time.perf_counter()
     with open_checkpoint(checkpoint) as ckpt:
@@ -227,15 +279,34 @@ def load(model: nn.Module, checkpoint: str | os.PathLike[str], device_map: Devic
         for device in chosen.used_devices:
             check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
-        with clean_on_failure(offload_dir):
-            loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)
-            on_purpose = offloaded_names(model, tasks)
-            undo = install(model, loaded.fresh)
-            try:
-                verify_loaded(model, on_purpose)
-                dispatch_plan(model, chosen, store=loaded.store)
-            except BaseException:
-                install(model, undo)  # the skeleton as it was: nothing half-loaded either
-                raise
+        loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)  # cleans up what it wrote if it fails
+        on_purpose = offloaded_names(model, tasks)
+        undo = install(model, loaded.fresh)
+        try:
+            verify_loaded(model, on_purpose)
+            dispatch_plan(model, chosen, source=loaded.source)
+        except BaseException:
+            install(model, undo)  # the skeleton as it was: nothing half-loaded either
+            loaded.discard()  # and no store this load created is left on disk
+            raise
     log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
     return model
+
+
+def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
+                          dtype: torch.dtype | None) -> tuple[nn.Module, PathLike]:
+    """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
+    if isinstance(model, nn.Module):
+        if checkpoint is None:
+            raise CheckpointError(f"automap.load({type(model).__name__}) needs the checkpoint to read: "
+                                  "automap.load(model, 'path/to/checkpoint'), or give only a Hugging Face folder: "
+                                  "automap.load('path/to/folder')")
+        return model, checkpoint
+    if not isinstance(model, (str, os.PathLike)):
+        raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
+                              f"not a {type(model).__name__}")
+    if checkpoint is not None:
+        raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
+                              "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
+                              "or build the model yourself and call automap.load(model, checkpoint)")
+    return build_from_folder(model, dtype), model

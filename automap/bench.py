@@ -118,11 +118,13 @@ def score(case: str, tool: str, plan: Any) -> BenchRow:
 def run_case(case: BenchCase) -> list[BenchRow]:
     """Plan ``case`` with automap and with accelerate; score both."""
     from automap.api import plan
-    from automap.specs import plan_spec
+    from automap.specs import example_inputs_for, plan_spec
 
     ours = plan_spec(case.spec, case.overrides, max_memory=case.max_memory, dtype=case.dtype)
     theirs_map = accelerate_map(ours.built.model, case.max_memory, case.dtype)
-    theirs = plan(ours.built.model, theirs_map, case.max_memory, dtype=case.dtype)
+    # A dict map plans without a trace unless given inputs; these score it by the same FLOPs.
+    inputs, _ = example_inputs_for(ours.built.model, batch=1, seq_len=128)
+    theirs = plan(ours.built.model, theirs_map, case.max_memory, dtype=case.dtype, example_inputs=inputs)
     return [score(case.name, "automap", ours.plan), score(case.name, "accelerate", theirs)]
 
 

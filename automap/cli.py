@@ -21,6 +21,8 @@ SPEC names the model, built on the meta device (no weights, nothing downloaded):
   hf:llama                    a transformers family from its default config, with --set
                               overrides of config fields (hf:t5, hf:gpt2, hf:qwen2, ...)
   hf:/path/config.json        a local transformers config file (or its directory)
+  path/to/model-folder        a Hugging Face folder (config.json and weights): tensor sizes
+                              and dtypes from the checkpoint's headers, no weights read
   module.path:factory         a function returning an nn.Module (./module/path.py works)
 
 --max-memory names the devices to plan for; they need not exist on this machine:
@@ -34,6 +36,7 @@ examples:
 num_attention_heads=64,num_key_value_heads=8 --max-memory 0=80GiB,1=80GiB,cpu=200GiB \\
       --dtype bf16 --json plan.json --figure plan.png
   automap plan hf:mistral --strategy balanced_low_0 --max-memory 0=24GiB,1=24GiB,2=24GiB
+  automap plan ./Llama-3-8B --max-memory 0=16GiB,cpu=32GiB
 """
 
 
@@ -75,7 +78,8 @@ def _add_plan(commands: Any) -> None:
                     "--max-length, for generate(): the KV cache reserved where its layers live).\n"
                     "Prints the report; --json and --figure save the plan.",
         epilog=_PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("spec", metavar="SPEC", help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, module:factory")
+    plan.add_argument("spec", metavar="SPEC",
+                      help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, a model folder, module:factory")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V,...",
                       help="config fields (hf) or keyword arguments (torchvision, factory); repeatable")
     plan.add_argument("--max-memory", metavar="DEV=SIZE,...",
@@ -89,7 +93,8 @@ def _add_plan(commands: Any) -> None:
                       help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
                            "device keeps room for its layers' KV cache, and the report predicts tokens/s")
     plan.add_argument("--dtype", metavar="DTYPE", help="dtype the model runs in: fp32, fp16, bf16, fp8 "
-                                                       "(default: the config's, else fp32)")
+                                                       "(default: a folder's checkpoint dtypes, else the "
+                                                       "config's, else fp32)")
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
     plan.add_argument("--quiet", action="store_true", help="print no report (still writes --json/--figure)")

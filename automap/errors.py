@@ -41,12 +41,23 @@ class CheckpointError(AutomapError):
     """A checkpoint is missing, corrupt, unsafe, or does not match the model."""
 
 
+class FormatError(CheckpointError, OffloadError):
+    """A safetensors file (a checkpoint or a store file) breaks the format: a header that is
+    not an object, bad offsets, overlapping or out-of-bounds ranges, an unknown dtype, or a
+    truncated file. Caught as either a :class:`CheckpointError` or an :class:`OffloadError`."""
+
+
 class PipelineError(AutomapError):
     """Pipelined execution was asked for with inconsistent settings."""
 
 
 class SpecError(AutomapError, ValueError):
     """A model SPEC or command-line argument (--set, --max-memory, --dtype) could not be understood."""
+
+
+class DependencyError(AutomapError, ImportError):
+    """A library that one call needs (transformers, to build a model from a Hugging Face
+    folder's ``config.json``) is not installed; the message says what to install."""
 
 
 class ReportError(AutomapError):

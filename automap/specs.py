@@ -6,6 +6,9 @@ A SPEC is one of:
 - ``hf:llama`` — a transformers model family built from its default config with ``--set``
   overrides, e.g. ``hf:llama --set num_hidden_layers=80,hidden_size=8192``;
 - ``hf:/path/config.json`` (or a directory holding one) — a local transformers config;
+- ``path/to/folder`` — a Hugging Face model folder (``config.json`` and its weights): the model
+  its config names, with the sizes and dtypes of the checkpoint's tensors read from their
+  safetensors headers (no weight is read);
 - ``module.path:factory`` — any function returning an ``nn.Module`` (``--set`` gives its
   keyword arguments); the working directory is importable.
 
@@ -28,23 +31,24 @@ import torch
 from torch import nn
 
 from automap.errors import AutomapError, SpecError
+from automap.loading.hf import config_dtype, import_transformers, instantiate, is_model_folder, read_config
+from automap.sizes import format_bytes
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp8": torch.float8_e4m3fn, "float8": torch.float8_e4m3fn}
-# transformers heads to try, most useful first: a family is planned as what people run it as.
-_HF_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification",
-                    "AutoModel")
 
 
 @dataclass(frozen=True)
 class BuiltModel:
-    """A model built from a SPEC: the module (on meta), what to call it, and its dtype hint."""
+    """A model built from a SPEC: the module (on meta), what to call it, its dtype hint, and
+    where its tensor sizes came from when not from the constructor (a folder's checkpoint)."""
 
     model: nn.Module
     label: str
     parameters: int
     dtype: torch.dtype | None = None
+    source: str = ""
 
 
 def parse_value(text: str) -> Any:
@@ -112,7 +116,8 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
     """Build the model a SPEC names, on the meta device (no weights allocated).
 
     Args:
-        spec: ``torchvision:NAME``, ``hf:FAMILY``, ``hf:PATH/config.json`` or ``module.path:factory``.
+        spec: ``torchvision:NAME``, ``hf:FAMILY``, ``hf:PATH/config.json``, a model folder
+            or ``module.path:factory``.
         overrides: config fields (hf) or keyword arguments (torchvision, factories).
 
     Returns:
@@ -125,10 +130,12 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         >>> build_model("hf:llama", {"num_hidden_layers": 80}).label
         'LlamaForCausalLM (hf:llama)'
     """
+    if Path(spec).is_dir():
+        return _folder(spec, overrides or {})
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
-        raise SpecError(f"SPEC {spec!r} has no 'kind:name' form; use torchvision:resnet50, hf:llama, "
-                        "hf:/path/config.json or module.path:factory")
+        raise SpecError(f"SPEC {spec!r} has no 'kind:name' form and is not a folder; use torchvision:resnet50, "
+                        "hf:llama, hf:/path/config.json, path/to/model-folder or module.path:factory")
     settings = dict(overrides or {})
     if kind == "torchvision":
         model, dtype = _torchvision(name, settings), None
@@ -165,8 +172,7 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
-    import transformers
-
+    transformers = import_transformers()
     model_type, fields = _hf_config_source(name)
     _check_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
     try:
@@ -174,11 +180,31 @@ def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torc
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
     except Exception as exc:  # noqa: BLE001 - a config's own validation, reported in one line
         raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):  # a config.json stores "bfloat16"
-        dtype = getattr(torch, dtype, None)
-    model = _on_meta(f"hf:{name}", lambda: _hf_model(transformers, config))
-    return model, dtype if isinstance(dtype, torch.dtype) else None
+    model = _on_meta(f"hf:{name}", lambda: _hf_model(config))
+    return model, config_dtype(config)
+
+
+def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
+    """A Hugging Face folder: the model its config names, on meta, each tensor in the dtype
+    its checkpoint stores it in (the shapes must match). Only headers are read."""
+    from automap.loading import match_keys, open_checkpoint
+    from automap.loading.hf import take_stored_dtypes
+
+    if overrides:
+        raise SpecError(f"--set changes the architecture, but {path}'s weights fix it; plan "
+                        f"hf:{Path(path) / 'config.json'} --set ... to plan a changed config without the weights")
+    if not is_model_folder(path):
+        raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
+                        "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
+    config = read_config(path)
+    model = _on_meta(path, lambda: _hf_model(config, guess=False))  # its weights need the real class
+    with open_checkpoint(path) as checkpoint:
+        take_stored_dtypes(model, checkpoint, match_keys(model, checkpoint))
+        files = {s.file for s in checkpoint.tensors.values()}
+        source = (f"sizes and dtypes of {len(checkpoint.tensors)} tensors from {len(files)} checkpoint "
+                  f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read")
+    count = sum(p.numel() for p in model.parameters())
+    return BuiltModel(model, f"{type(model).__name__} ({path})", count, source=source)
 
 
 def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
@@ -221,24 +247,32 @@ def _check_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> 
                         _did_you_mean(unknown[0], sorted(known)))
 
 
-def _hf_model(transformers: Any, config: Any) -> nn.Module:
-    for arch in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls(config)
-    for auto_name in _HF_AUTO_CLASSES:
-        try:
-            return getattr(transformers, auto_name).from_config(config)
-        except ValueError:  # this head does not exist for the family: try the next
-            continue
-    raise SpecError(f"transformers has no model class for config {type(config).__name__}")
+def _hf_model(config: Any, guess: bool = True) -> nn.Module:
+    model = instantiate(config, guess=guess)
+    if model is None:
+        names = getattr(config, "architectures", None) or [type(config).__name__]
+        raise SpecError(f"transformers has no model class for {', '.join(map(str, names))}")
+    return model
+
+
+def _import_user_module(module_name: str) -> Any:
+    """Import ``module_name`` as ``python -m`` would find it, the working directory searched
+    *last* and only for this import: `automap plan mymodels:build` finds ./mymodels.py, but a
+    stray ./matplotlib.py never shadows the real one."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added and sys.path and sys.path[-1] == cwd:
+            sys.path.pop()
 
 
 def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `automap plan mymodels:build` finds ./mymodels.py
     try:
-        module = importlib.import_module(module_name)
+        module = _import_user_module(module_name)
     except ImportError as exc:
         raise SpecError(f"cannot import {module_name!r} ({exc}); SPEC kinds are torchvision:NAME, hf:FAMILY, "
                         "hf:/path/config.json or module.path:factory") from None
@@ -283,13 +317,12 @@ class SpecPlan:
 
     def headline(self, seconds: float) -> str:
         """``'LlamaForCausalLM (hf:llama): 68.98B parameters, 128.48 GiB at bfloat16; planned ...'``."""
-        from automap.sizes import format_bytes
-
         dtype = self.dtype or next((p.dtype for p in self.built.model.parameters() if p.is_floating_point()),
                                    torch.float32)
         weights = sum(u.weight_bytes for u in self.plan.units)
+        source = f" ({self.built.source})" if self.built.source else ""
         return (f"{self.built.label}: {_count(self.built.parameters)} parameters, {format_bytes(weights)} at "
-                f"{str(dtype).removeprefix('torch.')}; planned on meta in {seconds:.1f} s")
+                f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s")
 
 
 def _count(n: int) -> str:
@@ -326,11 +359,11 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         >>> plan_spec("torchvision:resnet50", max_memory={0: "60MB", 1: "60MB"}).plan.device_map["fc"]
         1
     """
-    from automap.api import plan
+    from automap.devices import detect_devices, parse_max_memory
+    from automap.planning import make_plan
     from automap.profiling import profile
     from automap.profiling.kvcache import profile_generation
-
-    from automap.devices import parse_max_memory
+    from automap.profiling.refine import Splitter
 
     if batch < 1 or seq_len < 1:
         raise SpecError(f"--batch and --seq-len must be >= 1, got batch={batch}, seq_len={seq_len}")
@@ -344,4 +377,5 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
     if max_length is not None:
         prof = profile_generation(built.model, prof, inputs, batch=batch, max_length=max_length, dtype=chosen_dtype)
-    return SpecPlan(built, plan(prof, strategy, max_memory), chosen_dtype)
+    splitter = Splitter(built.model, example_inputs=inputs, dtype=chosen_dtype)  # units that do not fit split
+    return SpecPlan(built, make_plan(prof, detect_devices(max_memory), strategy, refine=splitter), chosen_dtype)

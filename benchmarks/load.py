@@ -114,7 +114,11 @@ def worker(tool: str, checkpoint: str, budget: int, offload: str, logits_path: s
                                                  offload_folder=offload, no_split_module_classes=["LlamaDecoderLayer"])
         seconds = time.perf_counter() - start
     after = read_io()
-    resident = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type == "cpu")
+    from automap.offload import backing_file
+
+    # Weights in anonymous RAM: automap's offloaded tensors are real but file-backed views.
+    resident = sum(t.numel() * t.element_size() for t in model.state_dict().values()
+                   if t.device.type == "cpu" and backing_file(t) is None)
     with torch.no_grad():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     torch.save(logits, logits_path)

@@ -54,8 +54,9 @@ def llama_config(layers: int, hidden: int):
                        max_position_embeddings=2048, tie_word_embeddings=False)
 
 
-def build_checkpoint(root: Path, layers: int, hidden: int) -> Path:
-    """Write random fp32 weights (seeded) for the config, unless already there."""
+def build_checkpoint(root: Path, layers: int, hidden: int, dtype: str = "float32") -> Path:
+    """Write random weights (seeded) for the config in ``dtype``, unless already there. Every
+    contender's model takes the checkpoint's dtype (:func:`checkpoint_dtype`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -66,23 +67,42 @@ def build_checkpoint(root: Path, layers: int, hidden: int) -> Path:
         return path
     root.mkdir(parents=True, exist_ok=True)
     shapes = llama_shapes(llama_config(layers, hidden))
-    save_file(random_weights(shapes, shapes, torch.Generator().manual_seed(0)), str(root / f".{CHECKPOINT}.tmp"))
+    weights = random_weights(shapes, shapes, torch.Generator().manual_seed(0))
+    save_file({n: t.to(getattr(torch, dtype)) for n, t in weights.items()}, str(root / f".{CHECKPOINT}.tmp"),
+              metadata={"format": "pt"})
     os.replace(root / f".{CHECKPOINT}.tmp", path)
     return path
 
 
-def make_plan(root: Path, layers: int, hidden: int, budget_share: float, device: str) -> Path:
-    """Plan the skeleton for the budget; every worker reads this one plan."""
+def checkpoint_dtype(root: Path):
+    """The dtype of the checkpoint's weights (a norm's, so any tensor would do)."""
+    from automap.offload import DTYPES, read_header
+
+    return DTYPES[read_header(root / CHECKPOINT).tensors["model.norm.weight"].dtype]
+
+
+def in_dtype(model, dtype):
+    """``model`` with its parameters (not its buffers, as transformers loads them) in ``dtype``."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def make_plan(root: Path, layers: int, hidden: int, budget_share: float, device: str,
+              max_memory: dict[Any, int] | None = None) -> Path:
+    """Plan the skeleton for the budget (``max_memory`` instead, when given); every worker reads
+    this one plan."""
     import torch
     from transformers import LlamaForCausalLM
 
     import automap
 
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(llama_config(layers, hidden))
+        skeleton = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)), checkpoint_dtype(root))
     size = (root / CHECKPOINT).stat().st_size
     budget = int(size * budget_share)
-    max_memory: dict[Any, Any] = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": int(size * 0.3)}
+    if max_memory is None:
+        max_memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": int(size * 0.3)}
     plan = automap.plan(skeleton, max_memory=max_memory, example_inputs={"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)})
     path = root / f"plan-{device}.json"
     path.write_text(plan.to_json())
@@ -155,48 +175,52 @@ def measure(setup: Callable[[], tuple[Any, Callable[[], None]]], device: str, ru
 # ------------------------------------------------------------------ the three contenders (one per process)
 
 
-def _skeleton(layers: int, hidden: int):
+def _skeleton(root: Path, layers: int, hidden: int):
     import automap
 
     from transformers import LlamaForCausalLM
 
     with automap.empty_model():
-        return LlamaForCausalLM(llama_config(layers, hidden)).eval()
+        return in_dtype(LlamaForCausalLM(llama_config(layers, hidden)).eval(), checkpoint_dtype(root))
 
 
 def setup_ram(root: Path, layers: int, hidden: int, device: str):
     from safetensors.torch import load_file
 
-    model = _skeleton(layers, hidden)
+    model = _skeleton(root, layers, hidden)
     model.load_state_dict(load_file(str(root / CHECKPOINT), device="cuda:0" if device == "cuda" else "cpu"),
                           strict=False, assign=True)
     model.to("cuda:0" if device == "cuda" else "cpu")
     return model, lambda: None
 
 
-def setup_automap(root: Path, layers: int, hidden: int, device: str):
+def setup_automap(root: Path, layers: int, hidden: int, device: str, transfer: Callable | None = None):
+    """``transfer``: the runtime's transfer factory (default: staged copies to a GPU, pages on
+    CPU); the GPU check's dry run passes ``StagedTransfer`` with ``HostCopyOps``."""
     from safetensors import safe_open
     from torch import nn
 
     import automap
+    from automap.offload import CheckpointSource, read_header
     from automap.runtime import dispatch_plan, state_of
-    from automap.offload import OffloadStore, checkpoint_entries
 
     plan = automap.Plan.from_json((root / f"plan-{device}.json").read_text())
-    model = _skeleton(layers, hidden)
+    model = _skeleton(root, layers, hidden)
     placement = {n: d for u, d in zip(plan.units, plan.placement) for n in u.tensors}
-    on_disk = {n for n, d in placement.items() if d == "disk"}
     checkpoint = root / CHECKPOINT
+    stored = read_header(checkpoint).tensors
+    on_disk = {n for n, d in placement.items() if d == "disk" and n in stored}
     with safe_open(str(checkpoint), "pt") as f:  # resident weights (and RAM-offloaded ones) are read
         for name, param in list(model.named_parameters()):
             if name not in on_disk:
                 owner, _, key = name.rpartition(".")
                 where = "cpu" if plan.is_offloaded(placement[name]) else plan.compute_device(placement[name])
                 model.get_submodule(owner)._parameters[key] = nn.Parameter(f.get_tensor(name).to(where))
-    refs = checkpoint_entries(checkpoint, {n: n for n in on_disk})  # referenced in place: nothing written
-    store = OffloadStore.write(root / "automap-offload", {}, {}, references=refs)
-    dispatch_plan(model, plan, store=store)
-    return model, lambda: state_of(model).store.drop_pages()
+    source = CheckpointSource({n: (checkpoint, n) for n in on_disk})  # read in place: nothing written
+    # ... but for buffers computed at init (rotary frequencies) on disk: they go to a store.
+    dispatch_plan(model, plan, source=source, offload_dir=root / "automap-offload",
+                  **({"transfer": transfer} if transfer else {}))
+    return model, lambda: state_of(model).source.evict()
 
 
 def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
@@ -207,7 +231,7 @@ def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
 
     plan = automap.Plan.from_json((root / f"plan-{device}.json").read_text())
     with init_empty_weights():
-        model = LlamaForCausalLM(llama_config(layers, hidden)).eval()
+        model = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)).eval(), checkpoint_dtype(root))
     folder = root / "accelerate-offload"
     model = load_checkpoint_and_dispatch(model, str(root / CHECKPOINT), device_map=plan.device_map,
                                          offload_folder=str(folder))
@@ -225,14 +249,15 @@ def preload() -> None:
     import torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import automap.dispatch  # noqa: F401
+    import automap.runtime  # noqa: F401
 
 
-def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int) -> dict:
+def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
+                setups: dict[str, Callable] | None = None) -> dict:
     """All three set up in this one process, then timed in shuffled rounds, one forward each."""
     import random
 
-    models = {kind: setup(root, layers, hidden, device)[0] for kind, setup in SETUPS.items()}
+    models = {kind: setup(root, layers, hidden, device)[0] for kind, setup in (setups or SETUPS).items()}
     samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
     for kind, model in models.items():
         time_forwards(model, device, 1)
@@ -326,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--budget-share", type=float, default=0.25)
+    parser.add_argument("--dtype", default="float32", help="of the checkpoint written (bfloat16: use another --root)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cold-runs", type=int, default=2)
@@ -341,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         result = worker(args.role, args.root, args.layers, args.hidden, args.device, args.runs, args.cold_runs)
         print(json.dumps(result))
         return
-    build_checkpoint(args.root, args.layers, args.hidden)
+    build_checkpoint(args.root, args.layers, args.hidden, args.dtype)
     plan_path = make_plan(args.root, args.layers, args.hidden, args.budget_share, args.device)
     bandwidth = disk_bandwidth(args.root / CHECKPOINT)
     flags = ["--root", str(args.root), "--layers", str(args.layers), "--hidden", str(args.hidden), "--device",

@@ -4,11 +4,15 @@ Models are built on the meta device from their configs (random shapes, nothing d
 ResNet-50, ViT-B/16, GPT-2-XL, Llama-7B and Llama-70B. For 2/4/8 GPUs and two sizes (GPUs
 holding 1.3x the model in total, and 0.6x with CPU and disk behind), each planner's map is
 judged by one cost model (automap's Plan): bytes spilled to CPU/disk, the busiest GPU's FLOPs
-share, the bottleneck relative to the optimal contiguous split (an independent O(k n^2)
-dynamic programme), and planning time (median of repeats). Also: 1,000 units on 8 devices,
-the tutorial's hand split of ResNet-50 beside automap's, and Llama-2-70B planned for
-``generate`` at 16 x 8,192 tokens on 2 x 80 GiB: whether each planner's map leaves every GPU
-room for the KV cache of its layers (the cache measured on meta by automap, for both maps).
+share, the share of FLOPs the GPUs compute (resident or streamed to them), the bottleneck
+relative to the optimal contiguous split (an independent O(k n^2) dynamic programme), and
+planning time (median of repeats; automap's includes tracing the model again for each round of
+splitting). automap plans from its default units, which it may split (the block classes stay
+whole for transformers, whose ``_no_split_modules`` name them); accelerate gets the block
+classes as ``no_split_module_classes``. Also: 1,000 units on 8 devices, the tutorial's hand
+split of ResNet-50 beside automap's, and Llama-2-70B planned for ``generate`` at 16 x 8,192
+tokens on 2 x 80 GiB: whether each planner's map leaves every GPU room for the KV cache of its
+layers (the cache measured on meta by automap, for both maps).
 
     .venv/bin/python -m benchmarks.plan_quality --json benchmarks/notes/plan_quality.json
 """
@@ -34,6 +38,7 @@ from automap.planning import Plan, make_plan, plan_from_device_map
 from automap.planning.layout import all_cut_bytes, make_items
 from automap.profiling import Profile, Unit
 from automap.profiling.kvcache import profile_generation
+from automap.profiling.refine import Splitter
 
 log = logging.getLogger("plan_quality")
 
@@ -146,10 +151,15 @@ def _judge(plan: Plan, best: float | None, seconds: float) -> dict[str, Any]:
     spilled = sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator)
     streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
     over = [r for r in gpu_rows if _gpu_need(plan, r, streamed) > r.device.capacity_bytes]
+    total = sum(u.flops for u in plan.units) or 1
+    on_gpus = sum(u.flops for u, d in zip(plan.units, plan.placement)
+                  if plan.device(plan.compute_device(d)).is_accelerator)
     return {
         "oom": bool(over),
         "spilled_bytes": spilled,
         "busiest_gpu_flops_share": max((r.flops_share for r in gpu_rows), default=0.0),
+        "gpu_flops_share": on_gpus / total,
+        "units": len(plan.units),
         "bottleneck_seconds": plan.bottleneck_seconds,
         "bottleneck_vs_optimum": plan.bottleneck_seconds / best if best else None,
         "planning_seconds": seconds,
@@ -212,7 +222,8 @@ def generation_markdown(fit: dict[str, Any]) -> str:
 def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -> list[dict[str, Any]]:
     with torch.device("meta"):
         model = case.build().eval()
-    prof = automap.profile(model, no_split=case.no_split)
+    prof = automap.profile(model)  # the same units as no_split=case.no_split gives, but splittable
+    splitter = Splitter(model)  # the model's own _no_split_modules, if any, stay whole
     tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     modules = {n for n, _ in model.named_modules()}
@@ -223,7 +234,7 @@ def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -
             best = optimum(prof, devices[:count]) if ratio >= 1 else None
             row: dict[str, Any] = {"model": case.name, "gpus": count, "gpu_total_vs_model": ratio,
                                    "model_bytes": prof.total_bytes, "units": len(prof.units)}
-            plan, seconds = _median_seconds(lambda: make_plan(prof, devices, "auto"), repeats)
+            plan, seconds = _median_seconds(lambda: make_plan(prof, devices, "auto", refine=splitter), repeats)
             row["automap"] = _judge(plan, best, seconds)
             for label, fn in _accelerate_maps(model, devices, case).items():
                 try:
@@ -288,6 +299,7 @@ def _cell(result: dict[str, Any]) -> str:
     vs = result["bottleneck_vs_optimum"]
     spilled = result["spilled_bytes"] / 2**20
     return (f"{spilled:,.0f} MiB / {100 * result['busiest_gpu_flops_share']:.0f}% / "
+            f"{100 * result['gpu_flops_share']:.0f}% / "
             f"{'-' if vs is None else f'{vs:.2f}x'} / {1e3 * result['planning_seconds']:.1f} ms"
             + (" **OOM**" if result["oom"] else ""))
 

@@ -8,8 +8,9 @@ a ``split_size`` sweep plus ``chunks="auto"``).
 What runs where:
 - two or more GPUs: stages on cuda:0 and cuda:1, the tutorial's sizes (batch 120, 128x128,
   3 batches per run, 10 runs, split sizes 1..60); the model is ``automap.dispatch``-ed;
-- one GPU: stages on cuda:0 and the CPU, tutorial sizes, 5 runs; the plan gives each stage
-  work in proportion to its device's speed, so the CPU gets little;
+- one GPU: both stages on cuda:0, tutorial sizes, 5 runs: nothing runs in parallel, so this
+  measures what splitting and micro-batching cost (``--setup gpu-cpu`` puts the second stage on
+  the CPU instead; the plan then gives it work in proportion to its speed, so it gets little);
 - no GPU: two CPU stages at small sizes (batch 8, 32x32, 2 batches, 3 runs), one intra-op
   thread each (with two OpenMP threads on a busy 2-core machine a step is ~10x slower). The
   stages then share the machine's cores: this exercises the code and measures the pipeline's
@@ -63,13 +64,23 @@ class Setup:
     second_speed: float  # FLOP/s the plan assumes for the second stage's device
 
 
-def detect_setup() -> Setup:
+SETUPS = ("auto", "two-gpus", "one-gpu", "gpu-cpu", "cpu")
+
+
+def detect_setup(kind: str = "auto") -> Setup:
+    """The setup named ``kind`` (one of :data:`SETUPS`); ``auto``: two GPUs when there are,
+    else both stages on the one GPU (the pipeline's overhead alone), else two CPU stages."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "auto":
+        kind = "two-gpus" if gpus >= 2 else "one-gpu" if gpus == 1 else "cpu"
     tutorial = dict(batch=120, image=128, batches=3, split_sizes=(1, 3, 5, 8, 10, 12, 20, 40, 60))
-    if gpus >= 2:
+    if kind == "two-gpus":
         return Setup("2 GPUs", "cuda:0", {"cuda:0": "cuda:0", "cuda:1": "cuda:1"}, True, repeats=10,
                      second_speed=DEFAULT_FLOPS["cuda"], **tutorial)
-    if gpus == 1:
+    if kind == "one-gpu":
+        return Setup("1 GPU, both stages on it", "cuda:0", {"cuda:0": "cuda:0", "cuda:1": "cuda:0"}, False,
+                     repeats=5, second_speed=DEFAULT_FLOPS["cuda"], **tutorial)
+    if kind == "gpu-cpu":
         return Setup("1 GPU + CPU", "cuda:0", {"cuda:0": "cuda:0", "cuda:1": "cpu"}, False, repeats=5,
                      second_speed=DEFAULT_FLOPS["cpu"], **tutorial)
     return Setup("CPU only", "cpu", {"cuda:0": "cpu", "cuda:1": "cpu"}, False, batch=8, image=32, batches=2,
@@ -203,7 +214,9 @@ def run_all(setup: Setup) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/out/tutorial", help="path stem for .json and .png")
+    parser.add_argument("--setup", choices=SETUPS, default="auto", help="where the two stages run")
     parser.add_argument("--repeats", type=int, help="timed runs per configuration")
+    parser.add_argument("--batches", type=int, help="training steps per timed run")
     parser.add_argument("--batch", type=int, help="samples per batch")
     parser.add_argument("--image", type=int, help="image side in pixels")
     parser.add_argument("--threads", type=int,
@@ -213,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("automap.pipelining").setLevel(logging.ERROR)  # the BatchNorm note, once per config
-    setup = detect_setup()
+    setup = detect_setup(args.setup)
     overrides = {k: v for k, v in {"repeats": args.repeats, "batch": args.batch, "image": args.image,
-                                   "split_sizes": args.split_sizes}.items() if v is not None}
+                                   "batches": args.batches, "split_sizes": args.split_sizes}.items()
+                 if v is not None}
     setup = replace(setup, **overrides)
     threads = args.threads or (1 if setup.single == "cpu" else None)
     if threads:

@@ -83,3 +83,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none on this machine"))
         if "multi_gpu" in item.keywords and count < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; this machine has {count}"))
+
+
+def file_backing(tensor: torch.Tensor):
+    """The file a tensor's bytes are mapped from (None: anonymous memory): how a test tells an
+    offloaded weight (a view of a store or checkpoint file) from one held in RAM."""
+    from automap.offload import backing_file
+
+    return backing_file(tensor)
+
+
+def streamed_files(model: nn.Module) -> dict[str, object]:
+    """Every offloaded tensor of a dispatched model (by name) and the file it is a view of."""
+    from automap.runtime import state_of
+
+    ids = state_of(model).streamed_ids()
+    named = dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
+    return {n: file_backing(t) for n, t in named.items() if id(t) in ids}
+
+
+def assert_offloaded_in_files(model: nn.Module, under=None) -> dict[str, object]:
+    """Part of the model is offloaded, and every offloaded tensor is a real tensor (non-empty
+    where the model's is) viewing a file (under ``under`` when given), not RAM."""
+    found = streamed_files(model)
+    assert found, "part of the model must be offloaded"
+    for name, path in found.items():
+        assert path is not None, f"{name} is offloaded but its bytes are not a file mapping"
+        if under is not None:
+            assert str(path).startswith(str(under)), f"{name} views {path}, not a file under {under}"
+    return found
+
+
+def store_dirs(root) -> list:
+    """The automap store directories under ``root``."""
+    from pathlib import Path
+
+    return sorted(p for p in Path(root).glob("automap-store-*") if p.is_dir())

@@ -13,8 +13,9 @@ from torch import nn
 import automap
 from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
-from automap.offload import OffloadStore, checkpoint_entries
-from conftest import ToyModel, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5
+from automap.offload import CheckpointSource
+from conftest import (ToyModel, file_backing, ids_and_logits, logits_of, tiny_gpt2,
+                      tiny_llama, tiny_t5)
 
 
 def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
@@ -36,9 +37,11 @@ def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
 
 
 def _released(model: nn.Module) -> bool:
-    """Every offloaded tensor holds its 0-element placeholder again."""
+    """Every offloaded tensor holds its home again — the real weights, a view of the store —
+    and nothing of it stays elsewhere (no copy held after its unit ran)."""
     state = state_of(model)
-    return all(item.tensor.numel() == 0 for item in state.streamed.values())
+    return all(item.tensor.data_ptr() == item.home.data_ptr() and item.tensor.shape == item.home.shape
+               and file_backing(item.tensor) is not None for item in state.streamed.values())
 
 
 def _vision(name: str) -> tuple[nn.Module, tuple]:
@@ -130,16 +133,16 @@ def test_next_offloaded_unit_is_prefetched(tmp_path):
     model = tiny_llama(layers=4)
     plan = _disk_plan(model)
     automap.dispatch(model, plan, offload_dir=tmp_path)
-    loader, calls = state_of(model).loader, []
-    real = loader.prefetch
-    loader.prefetch = lambda key, names: (calls.append(key), real(key, names))
+    transfer, calls = state_of(model).transfer, []
+    real = transfer.prefetch
+    transfer.prefetch = lambda key, names: (calls.append(key), real(key, names))
     with torch.no_grad():
         model(torch.randint(0, 256, (1, 8)))
     offloaded = list(plan.offloaded_units)
     assert calls == offloaded[1:] + offloaded[:1]
 
 
-def test_interrupted_forward_releases_weights_on_the_next(tmp_path):
+def test_interrupted_forward_releases_weights_at_once(tmp_path):
     model = tiny_llama(layers=2)
     ids, expected = ids_and_logits(model)
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
@@ -147,7 +150,7 @@ def test_interrupted_forward_releases_weights_on_the_next(tmp_path):
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     with torch.no_grad(), pytest.raises(RuntimeError):
         model(inputs_embeds=torch.randn(1, 8, 63))  # fails inside model.layers.0
-    assert not _released(model)
+    assert _released(model)
     assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
 
@@ -207,15 +210,17 @@ def test_llama_training_with_frozen_offloaded_units_matches(tmp_path):
     _assert_same_training(plain, placed, _lm_loss(torch.randint(0, 256, (2, 10))))
 
 
-def test_training_offloaded_trainable_units_is_refused_and_model_stays_usable(tmp_path):
+def test_training_offloaded_trainable_units_is_refused_at_backward_and_model_stays_usable(tmp_path):
     model = tiny_llama(layers=4)
     ids, expected = ids_and_logits(model)
     plan = _disk_plan(model)
     automap.dispatch(model, plan, offload_dir=tmp_path)
     model.train()
-    first = plan.offloaded_units[0]
-    with pytest.raises(DispatchError, match=rf"unit '{first}' is offloaded \(disk\).*require grad.*requires_grad_"):
-        model(ids, labels=ids)
+    loss = model(ids, labels=ids).loss  # a forward in train mode runs
+    offloaded = tuple(u + "." for u in plan.offloaded_units)
+    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter '([^']+)'.*requires_grad_") as info:
+        loss.backward()
+    assert info.match(r"'(" + "|".join(u.replace(".", r"\.") for u in offloaded) + ")")
     model.eval()
     assert torch.equal(logits_of(model, ids), expected)
     assert _released(model)
@@ -228,15 +233,14 @@ def _named(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
 
 
-def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tuple[nn.Module, OffloadStore]:
+def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tuple[nn.Module, CheckpointSource]:
     """What automap.load hands dispatch_plan: resident tensors real, offloaded ones on meta and
     referenced in place in a safetensors checkpoint."""
     streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
     state = {n: t for n, t in model.state_dict().items() if n in streamed}
     save_file({n: t.contiguous() for n, t in state.items() if n != "lm_head.weight" or n in streamed},
               str(tmp_path / "ckpt.safetensors"))
-    store = OffloadStore.write(tmp_path / "off", {}, {},
-                               references=checkpoint_entries(tmp_path / "ckpt.safetensors", {n: n for n in state}))
+    store = CheckpointSource({n: (tmp_path / "ckpt.safetensors", n) for n in state})
     with torch.device("meta"):
         skeleton = type(model)(model.config).eval()
     real = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
@@ -257,11 +261,12 @@ def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
     ids, expected = ids_and_logits(model, (2, 9))
     plan = _disk_plan(model)
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
-    dispatch_plan(skeleton, plan, store=store)
+    dispatch_plan(skeleton, plan, source=store)
     assert not any(t.is_meta for t in skeleton.parameters())
     offloaded = [p for n, p in skeleton.named_parameters() if any(n.startswith(u + ".") for u in plan.offloaded_units)]
-    assert offloaded and all(p.numel() == 0 for p in offloaded), "offloaded tensors must stay unallocated"
-    assert os.listdir(tmp_path / "off") == ["automap-index.json"], "the checkpoint is referenced, not copied"
+    assert offloaded and all(file_backing(p) == (tmp_path / "ckpt.safetensors").resolve() for p in offloaded), \
+        "offloaded tensors must stay unallocated: views of the checkpoint"
+    assert not (tmp_path / "off").exists(), "the checkpoint is referenced, not copied"
     assert torch.equal(logits_of(skeleton, ids), expected)
     automap.undispatch(skeleton)
     for name, tensor in model.state_dict().items():
@@ -276,7 +281,7 @@ def test_meta_skeleton_keeps_ties(tmp_path):
                   "model.norm": "cpu", "lm_head": "disk"}
     plan = automap.plan(model, device_map)
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
-    dispatch_plan(skeleton, plan, store=store)
+    dispatch_plan(skeleton, plan, source=store)
     assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
     assert torch.equal(logits_of(skeleton, ids), expected)
 
@@ -290,7 +295,7 @@ def test_meta_tensor_kept_resident_is_refused_and_skeleton_untouched(tmp_path):
     skeleton.get_submodule(owner)._parameters[key] = nn.Parameter(torch.empty(1, device="meta"))
     before = {n: t for n, t in skeleton.named_parameters()}
     with pytest.raises(DispatchError, match=rf"'{resident}' is on meta.*keeps it resident.*automap.load"):
-        dispatch_plan(skeleton, plan, store=store)
+        dispatch_plan(skeleton, plan, source=store)
     assert {n: t for n, t in skeleton.named_parameters()}.keys() == before.keys()
     assert all(t is before[n] for n, t in skeleton.named_parameters())
     assert state_of(skeleton) is None
@@ -314,7 +319,8 @@ def test_offload_file_changed_after_writing_is_refused_until_restored(tmp_path):
     ids, expected = ids_and_logits(model)
     plan = _disk_plan(model)
     automap.dispatch(model, plan, offload_dir=tmp_path)
-    path = tmp_path / (plan.offloaded_units[0] + ".safetensors")
+    path = file_backing(model.get_submodule(plan.offloaded_units[0]).input_layernorm.weight)
+    assert path.parent.parent == tmp_path
     good = path.read_bytes()
     os.truncate(path, len(good) // 2)
     with torch.no_grad(), pytest.raises(OffloadError, match=rf"{path.name} is truncated.*restore it"):
@@ -355,3 +361,117 @@ def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
     assert isinstance(moved[2], BaseModelOutput) and moved[2].last_hidden_state.is_meta
     assert moved[3] is cache and moved[4] == 7, "caches follow their layers; other objects pass through"
     assert send(value, torch.device("cpu")) is value, "nothing to move: the same object, no rebuilding"
+
+
+# ------------------------------------------------------------------ a weight source of one's own
+
+
+class _HalfSource:
+    """A new kind of weight source, written only against the WeightSource protocol: it keeps
+    weights as fp16 bytes and widens each to fp32 once, when first asked (a toy compressed
+    store). Nothing in automap/runtime knows about it."""
+
+    def __init__(self, tensors):
+        self.packed = {n: t.detach().half() for n, t in tensors.items()}
+        self.widened, self.prefetched, self.closed = {}, [], False
+
+    def names(self):
+        return self.packed.keys()
+
+    def get(self, name):
+        if name not in self.widened:
+            self.widened[name] = self.packed[name].float()
+        return self.widened[name]
+
+    def prefetch(self, names, populate=True):
+        self.prefetched.append(tuple(names))
+
+    def check_unchanged(self, names):
+        return None
+
+    def stats(self):
+        from automap.offload import SourceStats
+
+        return SourceStats(ram_bytes=sum(t.numel() * 2 for t in self.packed.values()))
+
+    def close(self, discard=False):
+        self.closed = True
+
+
+def test_a_new_weight_source_plugs_in_without_runtime_changes(tmp_path):
+    from automap.offload import WeightSource
+
+    model = tiny_llama(layers=4)
+    plan = _disk_plan(model)
+    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    source = _HalfSource({n: t for n, t in model.state_dict().items() if n in streamed})
+    assert isinstance(source, WeightSource)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in streamed:
+                tensor.copy_(tensor.half().float())  # the precision the source keeps
+    ids, expected = ids_and_logits(model)
+    dispatch_plan(model, plan, source=source)
+    assert torch.equal(logits_of(model, ids), expected)
+    assert source.prefetched, "the runtime asked the source to prefetch the next unit"
+    assert "offloaded tensors:" in automap.placement(model).report()
+    automap.undispatch(model)
+    assert source.closed and torch.equal(logits_of(model, ids), expected)
+
+
+# ------------------------------------------------------------------ a model as users hand it over (issue 17)
+
+
+class _NormNet(nn.Module):
+    """Linear(3, 4) -> BatchNorm1d(4) -> Linear(4, 5), in its default train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.batchnorm, self.linear2 = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.linear2(self.batchnorm(self.linear1(x)))
+
+
+_ALL_ON_DISK = {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"}
+
+
+def test_train_mode_model_all_on_disk_runs_like_the_plain_one(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    assert placed.training
+    automap.dispatch(placed, _ALL_ON_DISK, offload_dir=tmp_path)  # no example_inputs, train mode
+    for _ in range(3):
+        x = torch.randn(6, 3)
+        assert torch.equal(placed(x), plain(x))  # grad on, train mode: BatchNorm uses batch statistics
+    for name in ("running_mean", "running_var"):
+        assert (getattr(placed.batchnorm, name) - getattr(plain.batchnorm, name)).abs().max() <= 1e-6, name
+    assert placed.batchnorm.num_batches_tracked.item() == 3
+
+
+def test_backward_through_a_trainable_offloaded_unit_names_the_parameter(tmp_path):
+    torch.manual_seed(0)
+    model = _NormNet()
+    automap.dispatch(model, _ALL_ON_DISK, offload_dir=tmp_path)
+    loss = model(torch.randn(6, 3)).sum()
+    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter 'linear2\.(weight|bias)'.*"
+                                            r"requires_grad_\(False\).*keep its unit resident"):
+        loss.backward()
+
+
+def test_frozen_offloaded_units_train_the_resident_part_like_the_plain_model(tmp_path):
+    torch.manual_seed(0)
+    plain = _NormNet()
+    placed = copy.deepcopy(plain)
+    for model in (plain, placed):
+        model.batchnorm.requires_grad_(False)
+        model.linear2.requires_grad_(False)
+    automap.dispatch(placed, {"linear1": "cpu", "batchnorm": "disk", "linear2": "disk"}, offload_dir=tmp_path)
+    x, y = torch.randn(6, 3), torch.randn(6, 5)
+    losses = [nn.functional.mse_loss(m(x), y) for m in (plain, placed)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(plain.linear1.weight.grad, placed.linear1.weight.grad)
+    assert torch.equal(plain.linear1.bias.grad, placed.linear1.bias.grad)

@@ -9,7 +9,7 @@ import torch
 
 import automap
 from automap.errors import DeviceError, DeviceMapError, OffloadError, PlanError
-from conftest import ids_and_logits, logits_of, tiny_llama, weight_bytes
+from conftest import assert_offloaded_in_files, ids_and_logits, logits_of, store_dirs, tiny_llama, weight_bytes
 
 
 def _snapshot(model):
@@ -38,7 +38,7 @@ def test_resnet50_with_part_on_disk_matches_plain(resnet50, tmp_path):
     plan = automap.plan(resnet50, max_memory={"cpu": budget}, example_inputs=(x,))
     assert 0 < len(plan.offloaded_units) < len(plan.units)
     automap.dispatch(resnet50, plan, offload_dir=tmp_path)
-    assert any(p.numel() == 0 for p in resnet50.parameters()), "offloaded weights must leave RAM"
+    assert_offloaded_in_files(resnet50, under=tmp_path)  # offloaded weights left RAM: views of store files
     with torch.no_grad():
         got = resnet50(x)
     assert (got - expected).abs().max().item() <= 1e-6
@@ -53,7 +53,9 @@ def test_llama_with_part_on_disk_matches_plain(tmp_path):
     ids, expected = ids_and_logits(model, (2, 12))
     snapshot = _snapshot(model)
     automap.dispatch(model, max_memory={"cpu": int(weight_bytes(model) * 0.4)}, offload_dir=tmp_path / "off")
-    assert os.path.exists(tmp_path / "off" / "automap-index.json")
+    (store,) = store_dirs(tmp_path / "off")
+    assert os.path.exists(store / "automap-store.json")
+    assert_offloaded_in_files(model, under=store)
     got = logits_of(model, ids)
     assert (got - expected).abs().max().item() <= 1e-6
     automap.undispatch(model)
@@ -101,7 +103,8 @@ def test_user_device_map_is_honoured(tmp_path):
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
                   "model.layers.1": "cpu", "model.norm": "disk", "lm_head": "cpu"}
     automap.dispatch(model, device_map, offload_dir=tmp_path)
-    assert model.model.layers[0].mlp.up_proj.weight.numel() == 0
+    offloaded = assert_offloaded_in_files(model, under=tmp_path)
+    assert "model.layers.0.mlp.up_proj.weight" in offloaded and "model.layers.1.mlp.up_proj.weight" not in offloaded
     assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)
 

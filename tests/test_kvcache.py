@@ -136,14 +136,16 @@ def test_sliding_window_and_recurrent_caches_do_not_grow_with_length():
 def test_kv_reserved_with_the_weights_changes_the_split():
     model = tiny_llama(layers=4)
     prompt = {"input_ids": torch.zeros(8, 8, dtype=torch.long)}
-    budgets = {0: "1000KiB", 1: "500KiB", "cpu": "1GiB"}
+    # Weights fit the GPU, weights and cache do not; with no CPU budget the CPU cannot compute
+    # the rest, so layers stream from disk to the GPU, and their cache stays on the GPU.
+    budgets = {0: "1100KiB", "disk": "1GiB"}
     plain = automap.plan(model, max_memory=budgets, example_inputs=prompt)
     planned = automap.plan(model, max_memory=budgets, example_inputs=prompt, max_length=64)
     assert sum(u.kv_bytes for u in planned.units) > 0
     assert plain.offloaded_units == ()
     for row in planned.summary():
         assert row.used_bytes <= row.device.capacity_bytes
-    # The cache of the layers that now stream from RAM lives on the GPU that runs them.
+    # The cache of the layers that now stream from disk lives on the GPU that runs them.
     offloaded_kv = sum(u.kv_bytes for u, d in zip(planned.units, planned.placement) if planned.is_offloaded(d))
     assert offloaded_kv > 0
     executor = next(r for r in planned.summary() if r.device.name == planned.execution_device)
@@ -297,3 +299,20 @@ def test_load_plans_for_generation_and_generates_the_same_tokens(tmp_path):
                          max_length=64, example_inputs=prompt, quiet=True)
     assert automap.placement(model).offloaded_units == with_kv.offloaded_units
     assert torch.equal(_generate(model, ids, 64).sequences, expected)
+
+
+def test_a_split_layer_keeps_its_cache_on_the_piece_that_makes_it():
+    from automap.profiling.kvcache import profile_generation
+    from automap.profiling.refine import Splitter
+
+    model = tiny_llama(layers=2)
+    prompt = {"input_ids": torch.zeros(8, 8, dtype=torch.long)}
+    prof = profile_generation(model, automap.profile(model, prompt, backward=False), prompt, batch=None,
+                              max_length=64)
+    whole = {u.name: u.kv_bytes for u in prof.units}
+    finer = Splitter(model, example_inputs=prompt, no_split=[])(prof, ["model.layers.0"]).profile
+    kv = {u.name: u.kv_bytes for u in finer.units}
+    assert finer.generation == prof.generation
+    assert kv["model.layers.0.self_attn"] == whole["model.layers.0"] > 0
+    assert kv["model.layers.0.mlp"] == 0
+    assert sum(kv.values()) == sum(whole.values())

@@ -14,9 +14,9 @@ from safetensors.torch import save_file, save_model
 
 import automap
 from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
-from automap.runtime import state_of
 from automap.loading.checkpoint import Checkpoint
-from conftest import logits_of, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from conftest import (assert_offloaded_in_files, file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama, tiny_t5,
+                      weight_bytes)
 
 
 def _empty(model: torch.nn.Module) -> torch.nn.Module:
@@ -30,7 +30,9 @@ def _empty(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _meta_names(model: torch.nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.device.type == "meta" or p.numel() == 0]
+    """Tensors without data of their own in RAM: on meta, or (offloaded) views of a file."""
+    return [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.device.type == "meta" or file_backing(p) is not None]
 
 
 def _files(folder) -> list[str]:
@@ -121,9 +123,9 @@ def test_loaded_with_part_on_disk_gives_the_original_outputs(name, fmt, tmp_path
     model = automap.load(_empty(real), source, _alternate_map(real), offload_dir=tmp_path / "off", quiet=True)
     assert _meta_names(model), "part of the model must stay offloaded"
     assert torch.equal(_output(model, inputs), expected)
-    store = state_of(model).store
-    in_checkpoint = [n for n in store.entries if n in real.state_dict()]
-    in_place = [n for n in in_checkpoint if store.entries[n].file.startswith(os.path.realpath(tmp_path / "ckpt"))]
+    files = assert_offloaded_in_files(model)
+    in_checkpoint = [n for n in files if n in real.state_dict()]
+    in_place = [n for n in in_checkpoint if str(files[n]).startswith(os.path.realpath(tmp_path / "ckpt"))]
     # Offloaded safetensors are referenced in place; pickled ones are copied into the store.
     assert in_place == ([] if fmt == "bin" else in_checkpoint)
 
@@ -152,7 +154,7 @@ def test_llama_sharded_with_index_streams_offloaded_part_in_place(tmp_path):
                   "model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "cpu",
                   "model.norm": "disk", "lm_head": "disk"}
     model = automap.load(_empty(real), tmp_path / "ckpt", device_map, offload_dir=offload, quiet=True)
-    assert model.model.layers[1].mlp.up_proj.weight.numel() == 0, "offloaded weights stay out of RAM"
+    assert file_backing(model.model.layers[1].mlp.up_proj.weight) is not None, "offloaded weights stay out of RAM"
     assert _meta_names(model)
     assert _files(offload) == [], "safetensors in the target dtype are referenced, never copied"
     assert torch.equal(logits_of(model, ids), expected)
@@ -180,7 +182,8 @@ def test_gpt2_tied_embedding_streamed_from_disk_matches(tmp_path):
     save_model(real, str(tmp_path / "gpt2.safetensors"))
     model = automap.load(_empty(real), tmp_path / "gpt2.safetensors", _alternate_map(real, ties="disk"), quiet=True)
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert model.transformer.wte.weight.numel() == 0, "the tied embedding is streamed from disk"
+    assert file_backing(model.transformer.wte.weight) == (tmp_path / "gpt2.safetensors").resolve(), \
+        "the tied embedding is streamed from disk"
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -194,7 +197,9 @@ def test_gpt2_bin_with_model_prefix_and_offload_writes_store(tmp_path):
     model = automap.load(_empty(real), tmp_path / "pytorch_model.bin", _alternate_map(real),
                          offload_dir=offload, quiet=True)
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert "automap-index.json" in _files(offload), "pickled tensors must be copied to the store"
+    assert [p.name for p in store_dirs(offload)] and all(p.is_relative_to(offload) for p in
+                                                         set(assert_offloaded_in_files(model).values())), \
+        "pickled tensors must be copied to the store"
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -208,7 +213,8 @@ def test_dtype_converts_on_the_way_and_writes_offloaded_part(tmp_path):
     model = automap.load(_empty(real), tmp_path / "llama.safetensors", _alternate_map(real),
                          offload_dir=offload, dtype=torch.bfloat16, quiet=True)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert "automap-index.json" in _files(offload), "converted tensors cannot be referenced in place"
+    assert store_dirs(offload) and all(p.is_relative_to(offload) for p in assert_offloaded_in_files(model).values()), \
+        "converted tensors cannot be referenced in place"
     assert torch.equal(logits_of(model, ids), expected)
 
 

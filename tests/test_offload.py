@@ -1,16 +1,20 @@
-"""The offload store and the loader: what is written, what is reused, what is refused, and
-that reads are zero-copy views that the loader hands out one unit ahead."""
+"""The offload store, checkpoint sources and transfers: what is written (only inside a store
+directory automap owns), what is reused, what is refused, that reads are zero-copy
+copy-on-write views, and that the transfer hands them out one unit ahead."""
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from automap.errors import OffloadError
-from automap.offload import INDEX_NAME, Loader, OffloadStore, checkpoint_entries
+from automap.offload import (LOCK, MANIFEST, CheckpointSource, HostCopyOps, MappedFile, OffloadStore, PageTransfer,
+                             StagedTransfer, TensorSpec)
+from conftest import file_backing, store_dirs
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -21,40 +25,72 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def _write(root, tensors=None) -> OffloadStore:
     tensors = tensors or _tensors()
-    return OffloadStore.write(root, tensors, {n: n.split(".")[0] for n in tensors})
+    specs = {n: TensorSpec(n.split(".")[0], t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    return OffloadStore.write(root, specs, tensors.__getitem__)
+
+
+def _manifest(store: OffloadStore) -> dict:
+    return json.loads((store.directory / MANIFEST).read_text())
 
 
 def test_round_trip_is_exact_and_zero_copy(tmp_path):
     tensors = _tensors()
     store = _write(tmp_path, tensors)
-    again = OffloadStore.open(tmp_path)
     for name, tensor in tensors.items():
-        got = again.get(name)
+        got = store.get(name)
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
-    a, b = again.get("a.weight"), again.get("a.weight")
-    assert a.data_ptr() == b.data_ptr(), "reads must be views of one map, not copies"
+    assert store.get("a.weight").data_ptr() == store.get("a.weight").data_ptr(), "reads are views, not copies"
+    assert file_backing(store.get("a.weight")) == store.directory / "a.safetensors"
     store.verify()
-    assert sorted(os.listdir(tmp_path)) == sorted(["a.safetensors", "b.safetensors", INDEX_NAME])
+    assert store_dirs(tmp_path) == [store.directory], "everything lives in one directory automap made"
+    assert sorted(os.listdir(store.directory)) == sorted(["a.safetensors", "b.safetensors", MANIFEST, LOCK])
 
 
-def test_index_records_dtype_shape_size_checksum(tmp_path):
-    _write(tmp_path)
-    index = json.loads((tmp_path / INDEX_NAME).read_text())["tensors"]
-    assert index["b.weight"]["dtype"] == "F16"
-    assert index["b.weight"]["shape"] == [16, 64]
-    assert index["b.weight"]["nbytes"] == 16 * 64 * 2
-    assert isinstance(index["b.weight"]["crc32"], int)
+def test_each_tensor_has_a_storage_of_its_own(tmp_path):
+    """So torch.save writes each tensor's bytes once, and tensors of other dtypes in one file
+    never share a storage (torch.save refuses that)."""
+    store = _write(tmp_path)
+    a, b = store.get("b.weight"), store.get("b.count")
+    assert a.untyped_storage().nbytes() == a.numel() * 2 and b.untyped_storage().nbytes() == b.numel() * 8
+    torch.save({"w": a, "c": b}, tmp_path / "saved.pt")
+    again = torch.load(tmp_path / "saved.pt")
+    assert torch.equal(again["w"], a) and torch.equal(again["c"], b)
+
+
+def test_manifest_records_dtype_shape_size_checksum(tmp_path):
+    store = _write(tmp_path)
+    manifest = _manifest(store)
+    assert manifest["complete"] is True and manifest["format"] == "automap-offload-store"
+    entry = manifest["tensors"]["b.weight"]
+    assert entry["dtype"] == "F16" and entry["shape"] == [16, 64] and entry["nbytes"] == 16 * 64 * 2
+    assert isinstance(entry["crc32"], int)
 
 
 def test_matching_store_is_reused_not_rewritten(tmp_path):
-    _write(tmp_path)
-    before = {f: os.stat(tmp_path / f).st_mtime_ns for f in ("a.safetensors", "b.safetensors")}
+    store = _write(tmp_path)
+    directory = store.directory
+    before = {f: os.stat(directory / f).st_mtime_ns for f in ("a.safetensors", "b.safetensors")}
+    store.close()
+    time.sleep(0.01)
     changed = _tensors()
     changed["b.weight"] = changed["b.weight"] + 1
-    _write(tmp_path, changed)
-    assert os.stat(tmp_path / "a.safetensors").st_mtime_ns == before["a.safetensors"]
-    assert os.stat(tmp_path / "b.safetensors").st_mtime_ns != before["b.safetensors"]
-    assert torch.equal(OffloadStore.open(tmp_path).get("b.weight"), changed["b.weight"])
+    again = _write(tmp_path, changed)
+    assert again.directory == directory, "a free store of the same tensors is reused"
+    assert os.stat(directory / "a.safetensors").st_mtime_ns == before["a.safetensors"]
+    assert os.stat(directory / "b.safetensors").st_mtime_ns != before["b.safetensors"]
+    assert torch.equal(again.get("b.weight"), changed["b.weight"])
+
+
+def test_a_store_in_use_is_never_touched_a_second_gets_its_own(tmp_path):
+    first = _write(tmp_path)
+    stamp = {f: os.stat(first.directory / f).st_mtime_ns for f in os.listdir(first.directory) if f != LOCK}
+    changed = _tensors()
+    changed["a.weight"] = changed["a.weight"] * 2
+    second = _write(tmp_path, changed)
+    assert second.directory != first.directory and len(store_dirs(tmp_path)) == 2
+    assert {f: os.stat(first.directory / f).st_mtime_ns for f in stamp} == stamp
+    assert torch.equal(first.get("a.weight"), _tensors()["a.weight"])
+    assert torch.equal(second.get("a.weight"), changed["a.weight"])
 
 
 def test_unwritable_directory_is_refused(tmp_path):
@@ -62,35 +98,43 @@ def test_unwritable_directory_is_refused(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OffloadError, match=r"file/sub is not writable.*writable directory"):
         _write(blocker / "sub")
+    assert blocker.read_text() == "x"
 
 
-def test_truncated_file_is_refused_at_open(tmp_path):
-    _write(tmp_path)
-    path = tmp_path / "a.safetensors"
+def test_truncated_file_is_refused_when_mapped(tmp_path):
+    store = _write(tmp_path)
+    path = store.directory / "a.safetensors"
     os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(OffloadError, match=r"a.safetensors is truncated: \d+ bytes, its header needs \d+"):
-        OffloadStore.open(tmp_path)
+        MappedFile(path)
 
 
-def test_missing_index_says_what_to_do(tmp_path):
-    with pytest.raises(OffloadError, match="no offload index.*dispatch again"):
-        OffloadStore.open(tmp_path)
+@pytest.mark.parametrize("damage", ["not json", "{}", '{"format": "other"}', '[1, 2]',
+                                    '{"format": "automap-offload-store", "version": 1, "complete": true}'])
+def test_a_damaged_or_foreign_manifest_means_rebuild(tmp_path, damage):
+    store = _write(tmp_path)
+    store.close()
+    (store.directory / MANIFEST).write_text(damage)
+    again = _write(tmp_path)
+    assert again.directory == store.directory
+    assert torch.equal(again.get("a.bias"), _tensors()["a.bias"])
+    assert _manifest(again)["complete"] is True
 
 
 def test_changed_bytes_fail_checksum(tmp_path):
-    _write(tmp_path)
-    path = tmp_path / "a.safetensors"
+    store = _write(tmp_path)
+    path = store.directory / "a.safetensors"
     data = bytearray(path.read_bytes())
     data[-4:] = b"\x00\x00\x80\x7f"
     path.write_bytes(bytes(data))
     with pytest.raises(OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"):
-        OffloadStore.open(tmp_path).verify()
+        store.check_unchanged(["a.weight"])
 
 
 def test_change_after_mapping_is_detected_and_a_restored_file_accepted(tmp_path):
     store = _write(tmp_path)
     store.check_unchanged(["a.weight"])
-    path = tmp_path / "a.safetensors"
+    path = store.directory / "a.safetensors"
     good = path.read_bytes()
     os.truncate(path, 200)
     with pytest.raises(OffloadError, match="a.safetensors is truncated"):
@@ -105,87 +149,139 @@ def test_change_after_mapping_is_detected_and_a_restored_file_accepted(tmp_path)
 def test_deleted_file_is_named(tmp_path):
     store = _write(tmp_path)
     store.check_unchanged(["b.weight"])
-    os.remove(tmp_path / "b.safetensors")
+    os.remove(store.directory / "b.safetensors")
     with pytest.raises(OffloadError, match="b.safetensors was deleted"):
         store.check_unchanged(["b.weight"])
+
+
+def test_writes_into_a_view_stay_in_memory_and_are_counted(tmp_path):
+    store = _write(tmp_path)
+    path = store.directory / "a.safetensors"
+    on_disk = path.read_bytes()
+    assert store.stats().written_bytes == 0
+    store.get("a.weight").mul_(2)
+    assert torch.equal(store.get("a.weight"), _tensors()["a.weight"] * 2), "the write takes effect"
+    assert path.read_bytes() == on_disk, "and never reaches the file"
+    assert store.stats().written_bytes >= 64 * 32 * 4
+    with pytest.raises(OffloadError, match="written in memory.*would lose them"):
+        store.evict()
 
 
 def test_checkpoint_is_referenced_in_place(tmp_path):
     tensors = _tensors()
     ckpt = tmp_path / "model.safetensors"
     save_file(tensors, str(ckpt))
-    refs = checkpoint_entries(ckpt, {"x." + n: n for n in tensors})
-    store = OffloadStore.write(tmp_path / "off", {}, {}, references=refs)
-    assert os.listdir(tmp_path / "off") == [INDEX_NAME], "a reference must not copy the weights"
-    again = OffloadStore.open(tmp_path / "off")
-    assert torch.equal(again.get("x.a.weight"), tensors["a.weight"])
-    assert store.path_of(again.entries["x.a.weight"]) == ckpt.resolve()
+    before = sorted(os.listdir(tmp_path))
+    source = CheckpointSource({"x." + n: (ckpt, n) for n in tensors})
+    assert sorted(os.listdir(tmp_path)) == before, "a reference must not copy or write anything"
+    assert torch.equal(source.get("x.a.weight"), tensors["a.weight"])
+    assert source.file_of("x.a.weight") == ckpt.resolve() == file_backing(source.get("x.a.weight"))
 
 
 def test_checkpoint_reference_to_missing_key_is_refused(tmp_path):
     save_file({"w": torch.ones(2)}, str(tmp_path / "m.safetensors"))
-    with pytest.raises(OffloadError, match="has no tensor 'v' \\(wanted for 'layer.v'\\)"):
-        checkpoint_entries(tmp_path / "m.safetensors", {"layer.v": "v"})
+    with pytest.raises(OffloadError, match="has no tensor 'v'"):
+        CheckpointSource({"layer.v": (tmp_path / "m.safetensors", "v")})
 
 
-def test_advise_and_drop_pages_keep_values(tmp_path):
+def test_prefetch_and_evict_keep_values(tmp_path):
     store = _write(tmp_path)
-    store.advise(["a.weight", "b.weight"])
-    store.drop_pages()
+    store.prefetch(["a.weight", "b.weight"])
+    store.evict()
     assert torch.equal(store.get("a.weight"), _tensors()["a.weight"])
 
 
-class _Spy(OffloadStore):
-    advised: list[tuple[str, ...]] = []
+class _Spy:
+    """A weight source that records what it was asked to prefetch."""
 
-    def advise(self, names, populate=True):
-        type(self).advised.append(tuple(names))
-        super().advise(names, populate)
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
-def test_loader_prefetches_and_takes_zero_copy_views(tmp_path):
-    _write(tmp_path)
-    store = _Spy.open(tmp_path)
-    loader = Loader(store, {"ram.w": torch.ones(3)}, torch.device("cpu"))
-    loader.prefetch("a", ["a.weight", "a.bias"])
-    loader._pool.submit(lambda: None).result()  # the worker ran the prefetch
-    assert ("a.weight", "a.bias") in _Spy.advised
-    got = loader.take("a", ["a.weight", "a.bias", "ram.w"])
-    assert got["a.weight"].data_ptr() == store.get("a.weight").data_ptr()
-    assert torch.equal(got["a.bias"], _tensors()["a.bias"]) and torch.equal(got["ram.w"], torch.ones(3))
-    loader.close()
+    def prefetch(self, names, populate=True):
+        self.asked.append((tuple(names), populate))
+        self.inner.prefetch(names, populate)
 
 
-def test_loader_drops_a_wrong_guess_and_loads_what_runs(tmp_path):
+def test_page_transfer_prefetches_and_takes_zero_copy_views(tmp_path):
+    source = _Spy(_write(tmp_path))
+    transfer = PageTransfer(source)
+    transfer.prefetch("a", ["a.weight", "a.bias"])
+    transfer._pool.submit(lambda: None).result()  # the worker ran the prefetch
+    assert (("a.weight", "a.bias"), True) in source.asked
+    got = transfer.take("a", ["a.weight", "a.bias"])
+    assert got["a.weight"].data_ptr() == source.get("a.weight").data_ptr()
+    assert torch.equal(got["a.bias"], _tensors()["a.bias"])
+    transfer.take("b", ["b.weight"])
+    assert (("b.weight",), False) in source.asked, "a unit not prefetched has its reads queued at once"
+    transfer.close()
+
+
+def test_transfer_drops_a_wrong_guess_and_loads_what_runs(tmp_path):
     store = _write(tmp_path)
-    loader = Loader(store, {}, torch.device("cpu"))
-    loader.prefetch("a", ["a.weight"])
-    loader.prefetch("b", ["b.weight"])
-    assert list(loader._pending) == ["b"], "at most one unit in flight"
-    got = loader.take("a", ["a.weight"])
-    assert torch.equal(got["a.weight"], _tensors()["a.weight"])
-    loader.close()
+    transfer = PageTransfer(store)
+    transfer.prefetch("a", ["a.weight"])
+    transfer.prefetch("b", ["b.weight"])
+    assert list(transfer._pending) == ["b"], "at most one unit in flight"
+    assert torch.equal(transfer.take("a", ["a.weight"])["a.weight"], _tensors()["a.weight"])
+    transfer.close()
 
 
-def test_loader_refuses_a_changed_file(tmp_path):
+def test_transfer_refuses_a_changed_file(tmp_path):
     store = _write(tmp_path)
-    loader = Loader(store, {}, torch.device("cpu"))
-    loader.take("a", ["a.weight"])
-    path = tmp_path / "a.safetensors"
+    transfer = PageTransfer(store)
+    transfer.take("a", ["a.weight"])
+    path = store.directory / "a.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"):
-        loader.take("a", ["a.weight", "a.bias"])
-    loader.close()
+        transfer.take("a", ["a.weight", "a.bias"])
+    transfer.close()
+
+
+def test_staged_transfer_hands_out_copies_of_the_source(tmp_path):
+    store = _write(tmp_path)
+    transfer = StagedTransfer(store, HostCopyOps())
+    transfer.prefetch("a", ["a.weight", "a.bias"])
+    got = transfer.take("a", ["a.weight", "a.bias", "b.count"])
+    for name in got:
+        assert torch.equal(got[name], store.get(name)) and got[name].data_ptr() != store.get(name).data_ptr()
+    assert transfer.pinned_bytes >= 64 * 32 * 4
+    transfer.close()
 
 
 def test_corrupted_file_is_rewritten_not_reused(tmp_path):
-    _write(tmp_path)
-    path = tmp_path / "a.safetensors"
+    store = _write(tmp_path)
+    store.close()
+    path = store.directory / "a.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
+    again = _write(tmp_path)
+    again.verify()
+    assert torch.equal(again.get("a.bias"), _tensors()["a.bias"])
+
+
+def test_discarding_a_new_store_removes_only_what_it_created(tmp_path):
+    (tmp_path / "mine.txt").write_text("the user's file")
+    store = _write(tmp_path / "off")
+    store.close(discard=True)
+    assert not (tmp_path / "off").exists(), "the folder automap made is gone again"
+    assert (tmp_path / "mine.txt").read_text() == "the user's file"
+
+
+def test_store_files_are_aligned_and_valid_safetensors(tmp_path):
+    """Every tensor starts 64-byte aligned (kernels then compute as from RAM), and the padding
+    is declared, so the safetensors library itself reads automap's files."""
+    from safetensors import safe_open
+
     store = _write(tmp_path)
-    store.verify()
-    assert torch.equal(store.get("a.bias"), _tensors()["a.bias"])
+    for name in _tensors():
+        assert store.get(name).data_ptr() % 64 == 0, name
+    with safe_open(str(store.directory / "a.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("a.bias"), _tensors()["a.bias"])
+    with safe_open(str(store.directory / "b.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("b.weight"), _tensors()["b.weight"])

@@ -1,14 +1,17 @@
 """Loading checkpoints larger than memory: the parts :func:`automap.load` puts together.
 
 Readers per format (:mod:`~automap.loading.checkpoint`), key matching
-(:mod:`~automap.loading.keys`), skeletons on meta (:mod:`~automap.loading.empty`) and
-streaming every tensor to its place (:mod:`~automap.loading.materialise`).
+(:mod:`~automap.loading.keys`), skeletons on meta (:mod:`~automap.loading.empty`), models built
+from a Hugging Face folder's config (:mod:`~automap.loading.hf`) and streaming every tensor to
+its place (:mod:`~automap.loading.materialise`).
 """
-from automap.loading.checkpoint import Checkpoint, Stored, open_checkpoint
+from automap.loading.checkpoint import READERS, Checkpoint, PickleReader, Reader, SafetensorsReader, Stored, open_checkpoint
 from automap.loading.empty import empty_model
+from automap.loading.hf import build_from_folder, is_model_folder
 from automap.loading.keys import Match, match_keys
-from automap.loading.materialise import (Loaded, Task, clean_on_failure, log_summary, materialise, offloaded_names,
-                                         plan_tasks, verify_loaded)
+from automap.loading.materialise import (Loaded, Task, log_summary, materialise, offloaded_names, plan_tasks,
+                                         verify_loaded)
 
-__all__ = ["Checkpoint", "Loaded", "Match", "Stored", "Task", "clean_on_failure", "empty_model", "log_summary",
-           "match_keys", "materialise", "offloaded_names", "open_checkpoint", "plan_tasks", "verify_loaded"]
+__all__ = ["READERS", "Checkpoint", "Loaded", "Match", "PickleReader", "Reader", "SafetensorsReader", "Stored", "Task",
+           "build_from_folder", "empty_model", "is_model_folder", "log_summary", "match_keys", "materialise",
+           "offloaded_names", "open_checkpoint", "plan_tasks", "verify_loaded"]

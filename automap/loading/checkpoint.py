@@ -1,12 +1,21 @@
 """Reading checkpoints tensor by tensor: what is stored where, and one tensor at a time.
 
-Safetensors files are read from their headers only, and each tensor is read with ``readinto``
-straight into the tensor that will hold it: no whole shard, no memory map whose pages would
-count against the process, no second copy. PyTorch pickles (``.bin``/``.pt``) are opened with
-``torch.load(weights_only=True, mmap=True)``, whose tensors stay on disk until touched.
+One reader per format, chosen by the file's suffix (:data:`READERS`):
+
+- :class:`SafetensorsReader` reads the header only (validated by the one parser,
+  :func:`automap.offload.read_header`), then each tensor with ``readinto`` straight into the
+  tensor that will hold it: no whole shard, no memory map whose pages would count against the
+  process, no second copy. Its tensors can also be referenced in place by the offload runtime.
+- :class:`PickleReader` opens ``.bin``/``.pt``/``.pth`` with ``torch.load(weights_only=True,
+  mmap=True)``, whose tensors stay on disk until touched, and refuses pickles that run code.
+
+A folder is read through its shard index when it has one (whose entries must be plain file
+names inside the folder), else as every checkpoint file in it — never automap's own offload
+stores, and never two files holding the same key.
 """
 from __future__ import annotations
 
+import abc
 import io
 import json
 import logging
@@ -18,29 +27,98 @@ from typing import Any, Mapping
 
 import torch
 
-from automap.errors import CheckpointError, OffloadError
-from automap.offload import DTYPES, read_header
+from automap.errors import CheckpointError
+from automap.offload import read_header
 
 log = logging.getLogger(__name__)
-
-SAFETENSORS = ".safetensors"
-PICKLES = (".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
 class Stored:
-    """One tensor of a checkpoint: its file, and for safetensors the absolute byte range."""
+    """One tensor of a checkpoint: its key, file, dtype, shape and size; ``offset`` is where
+    its bytes start in the file when the format stores them raw (safetensors)."""
 
     key: str
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
-    offset: int = -1  # absolute start in ``file``; -1 for pickled tensors
-    nbytes: int = 0
+    nbytes: int
+    offset: int = 0
 
-    @property
-    def is_safetensors(self) -> bool:
-        return self.offset >= 0
+
+class Reader(abc.ABC):
+    """One checkpoint file: its tensors, read one at a time.
+
+    Attributes:
+        in_place: whether its tensors are raw bytes in the file that the offload runtime can
+            map and read where they are (see :class:`automap.offload.CheckpointSource`).
+    """
+
+    in_place = False
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tensors: dict[str, Stored] = {}
+
+    @abc.abstractmethod
+    def read(self, stored: Stored) -> torch.Tensor:
+        """``stored`` on CPU as stored, in memory of its own."""
+
+    def close(self) -> None:
+        return None
+
+
+class SafetensorsReader(Reader):
+    in_place = True
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        header = read_header(path)  # a FormatError is a CheckpointError too
+        self.tensors = {key: Stored(key, path, info.torch_dtype, info.shape, info.nbytes, info.begin)
+                        for key, info in header.tensors.items()}
+        self._handle: io.FileIO | None = None
+
+    def read(self, stored: Stored) -> torch.Tensor:
+        out = torch.empty(stored.shape, dtype=stored.dtype)
+        if stored.nbytes:
+            self._read_into(stored, memoryview(out.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        return out
+
+    def _read_into(self, stored: Stored, view: memoryview) -> None:
+        if self._handle is None:
+            self._handle = io.FileIO(self.path, "rb")
+        self._handle.seek(stored.offset)
+        done = 0
+        while done < len(view):
+            got = self._handle.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{self.path} ended while reading {stored.key!r} ({done} of "
+                                      f"{len(view)} bytes); the file was truncated during the load")
+            done += got
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class PickleReader(Reader):
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._data = _load_pickle(path)
+        self.tensors = {k: Stored(k, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
+                        for k, t in self._data.items()}
+
+    def read(self, stored: Stored) -> torch.Tensor:
+        return self._data[stored.key].clone()
+
+    def close(self) -> None:
+        self._data = {}
+
+
+READERS: dict[str, type[Reader]] = {".safetensors": SafetensorsReader, ".bin": PickleReader,
+                                    ".pt": PickleReader, ".pth": PickleReader}
+SAFETENSORS = ".safetensors"
 
 
 class Checkpoint:
@@ -51,11 +129,10 @@ class Checkpoint:
         ...     ckpt.read("fc.weight").shape
     """
 
-    def __init__(self, path: Path, tensors: Mapping[str, Stored], pickled: Mapping[Path, dict]):
+    def __init__(self, path: Path, tensors: Mapping[str, Stored], readers: Mapping[Path, Reader]):
         self.path = path
         self.tensors = dict(tensors)
-        self._pickled = dict(pickled)
-        self._handles: dict[Path, io.FileIO] = {}
+        self.readers = dict(readers)
 
     @property
     def total_bytes(self) -> int:
@@ -64,31 +141,15 @@ class Checkpoint:
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor ``key`` on CPU in ``dtype`` (default: as stored), in memory of its own."""
         stored = self.tensors[key]
-        if not stored.is_safetensors:
-            return self._pickled[stored.file][key].to(dtype or stored.dtype, copy=True)
-        out = torch.empty(stored.shape, dtype=stored.dtype)
-        if stored.nbytes:
-            self._read_into(stored, memoryview(out.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-        return out.to(dtype or stored.dtype)
+        return self.readers[stored.file].read(stored).to(dtype or stored.dtype)
 
-    def _read_into(self, stored: Stored, view: memoryview) -> None:
-        handle = self._handles.get(stored.file)
-        if handle is None:
-            handle = self._handles[stored.file] = io.FileIO(stored.file, "rb")
-        handle.seek(stored.offset)
-        done = 0
-        while done < len(view):
-            got = handle.readinto(view[done:])
-            if not got:
-                raise CheckpointError(f"{stored.file} ended while reading {stored.key!r} ({done} of "
-                                      f"{len(view)} bytes); the file was truncated during the load")
-            done += got
+    def in_place(self, key: str) -> bool:
+        """Whether tensor ``key`` can be read where it is in its file (safetensors)."""
+        return self.readers[self.tensors[key].file].in_place
 
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
-        self._pickled.clear()
+        for reader in self.readers.values():
+            reader.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -115,19 +176,32 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"checkpoint {root} does not exist; pass a .safetensors/.bin file or a folder of shards")
     files, expected = (_files_in(root) if root.is_dir() else ([root], None))
     tensors: dict[str, Stored] = {}
-    pickled: dict[Path, dict] = {}
+    readers: dict[Path, Reader] = {}
     for file in files:
-        if file.suffix == SAFETENSORS:
-            found = _safetensors_entries(file)
-        else:
-            pickled[file] = _load_pickle(file)
-            found = {k: Stored(k, file, t.dtype, tuple(t.shape), nbytes=t.numel() * t.element_size())
-                     for k, t in pickled[file].items()}
-        for key, stored in found.items():
-            tensors.setdefault(key, stored)
+        reader = readers[file] = _reader_for(file)
+        for key, stored in reader.tensors.items():
+            if expected is not None:
+                if Path(expected.get(key, "")).name == file.name:
+                    tensors[key] = stored  # the index says which shard holds a key
+                else:
+                    tensors.setdefault(key, stored)
+            elif key in tensors:
+                raise CheckpointError(
+                    f"tensor {key!r} is in both {tensors[key].file.name} and {file.name} in {root}, and there is no "
+                    "index saying which to use; remove the stale copy, or pass the one file you mean")
+            else:
+                tensors[key] = stored
     if expected is not None:
         _check_index(root, expected, tensors)
-    return Checkpoint(root, tensors, pickled)
+    return Checkpoint(root, tensors, readers)
+
+
+def _reader_for(file: Path) -> Reader:
+    reader = READERS.get(file.suffix)
+    if reader is None:
+        raise CheckpointError(f"{file} is not a checkpoint automap reads; give a file ending in "
+                              f"{', '.join(READERS)} or a folder of them")
+    return reader(file)
 
 
 def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -135,6 +209,11 @@ def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     if indexes:
         weight_map = _read_index(indexes[0])
         names = sorted(set(weight_map.values()))
+        outside = [n for n in names if not _plain_name(n)]
+        if outside:
+            raise CheckpointError(
+                f"index {indexes[0]} names {outside[0]!r}, which is not a file name inside {folder}; shard indexes "
+                "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder")
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise CheckpointError(
@@ -142,11 +221,36 @@ def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
                 f"{missing[:3]}; copy the missing shards there or fix the index"
             )
         return [folder / n for n in names], weight_map
-    for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in PICKLES)):
-        files = sorted(p for p in folder.glob(pattern) if p.is_file())
+    skip = _legacy_store_files(folder)
+    for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in READERS if s != SAFETENSORS)):
+        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip)
         if files:
             return files, None
     raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth")
+
+
+def _plain_name(name: str) -> bool:
+    """A file name that stays in its folder: no separators, no '..', not absolute."""
+    return bool(name) and name == Path(name).name and name not in (".", "..") and "\\" not in name
+
+
+def _legacy_store_files(folder: Path) -> set[str]:
+    """Files an automap offload store of before version 0.2 wrote straight into ``folder``
+    (listed by its ``automap-index.json``): they are automap's copies, never the checkpoint.
+    Stores of today live in ``automap-store-*`` folders, which a glob of ``folder`` never reads."""
+    index = folder / "automap-index.json"
+    if not index.is_file():
+        return set()
+    try:
+        tensors = json.loads(index.read_text()).get("tensors", {})
+        files = {str(e["file"]) for e in tensors.values() if isinstance(e, dict) and "file" in e}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
+    found = {f for f in files if _plain_name(f)}
+    if found:
+        log.info("%s: not reading %d file(s) of an old automap offload store (%s)", folder, len(found),
+                 ", ".join(sorted(found)[:3]))
+    return found
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -166,49 +270,6 @@ def _check_index(root: Path, weight_map: Mapping[str, str], tensors: Mapping[str
             f"the index of {root} lists {len(absent)} tensor(s) that are not in the file it names, first "
             f"{absent[:3]}; the shards and the index come from different saves"
         )
-
-
-# ------------------------------------------------------------------ safetensors
-
-
-def _safetensors_entries(file: Path) -> dict[str, Stored]:
-    try:
-        start, header = read_header(file)
-    except OffloadError as exc:
-        raise CheckpointError(f"cannot read checkpoint shard: {exc}; save or copy it again") from exc
-    except AttributeError as exc:  # valid JSON that is not an object
-        raise CheckpointError(f"{file} has a corrupted safetensors header (not a JSON object); save or copy it again") from exc
-    size = file.stat().st_size
-    entries = {}
-    for key, info in header.items():
-        entries[key] = _entry(file, start, key, info)
-    needed = max((s.offset + s.nbytes for s in entries.values()), default=start)
-    if size < needed:
-        raise CheckpointError(
-            f"checkpoint shard {file} is truncated: {size} bytes, its header needs {needed}; "
-            "copy or download it again"
-        )
-    return entries
-
-
-def _entry(file: Path, start: int, key: str, info: Any) -> Stored:
-    if isinstance(info, dict) and info.get("dtype") not in DTYPES:
-        raise CheckpointError(f"{file}: tensor {key!r} has dtype {info.get('dtype')!r}, which automap cannot read "
-                              f"(it reads {', '.join(DTYPES)}); convert the checkpoint to one of those")
-    try:
-        dtype = DTYPES[info["dtype"]]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{file} has a corrupted safetensors header at tensor {key!r} ({exc!r}); "
-                              "save or copy it again") from exc
-    numel = 1
-    for d in shape:
-        numel *= d
-    if end - begin != numel * dtype.itemsize or begin < 0:
-        raise CheckpointError(f"{file} has a corrupted safetensors header: {key!r} is {info['dtype']} {list(shape)} "
-                              f"({numel * dtype.itemsize} bytes) but spans bytes {begin}..{end}")
-    return Stored(key, file, dtype, shape, start + begin, end - begin)
 
 
 # ------------------------------------------------------------------ pickles

@@ -10,7 +10,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-import torch
 from torch import nn
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from automap.errors import CheckpointError
 from automap.loading.checkpoint import Checkpoint
-from automap.profiling.units import all_named_tensors
+from automap.profiling.units import all_named_tensors, names_by_identity
 
 Rename = tuple[str, Callable[[str], str]]
 
@@ -47,7 +47,7 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     renamed = {rename(k): k for k in checkpoint.tensors}
     sources: dict[str, str] = {}
     missing = []
-    for names in _groups(expected):
+    for names in names_by_identity(expected.items()):
         key = next((renamed[n] for n in names if n in renamed), None)
         if key is None:
             missing.append(names[0])
@@ -60,14 +60,6 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes))
     return Match(sources, how)
-
-
-def _groups(expected: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Names grouped by the tensor object they refer to (tied weights share one group)."""
-    by_id: dict[int, list[str]] = {}
-    for name, tensor in expected.items():
-        by_id.setdefault(id(tensor), []).append(name)
-    return list(by_id.values())
 
 
 def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:

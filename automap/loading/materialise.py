@@ -1,20 +1,20 @@
-"""Sending each tensor of a checkpoint where the plan puts it: a device, or the offload store.
+"""Sending each tensor of a checkpoint where the plan puts it: a device, or a weight source.
 
 Offloaded tensors that a safetensors checkpoint already holds in the target dtype are not
-read at all: the store references them in place. Everything else is read one tensor at a
-time; an offloaded tensor that needs converting is written to ``offload_dir`` one unit at a
-time. The model itself is only changed by :func:`install`, once everything was read.
+read at all: a :class:`~automap.offload.CheckpointSource` maps them where they are. Everything
+else is read one tensor at a time; an offloaded tensor that needs converting (another dtype, a
+pickle, a buffer computed at init) is written, one unit at a time, to an
+:class:`~automap.offload.OffloadStore` — a directory of automap's own inside ``offload_dir``.
+The model itself is only changed by the caller's :func:`~automap.runtime.swap.install`, once
+everything was read; offloaded tensors stay as they are (on meta) until dispatch points them at
+their source.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from tqdm import tqdm
 from automap.errors import CheckpointError
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.keys import Match
-from automap.offload import DTYPE_NAMES, Entry, OffloadStore
+from automap.offload import CheckpointSource, OffloadStore, SourceSet, TensorSpec, WeightSource
 from automap.planning import Plan
 from automap.profiling.units import all_named_tensors
 from automap.sizes import format_bytes
@@ -54,12 +54,18 @@ class Task:
 
 @dataclass
 class Loaded:
-    """What the load produced: new objects by id of the old ones, and the offload store."""
+    """What the load produced: new objects by id of the old ones, and the weight source of the
+    offloaded tensors (the checkpoint in place, a store, or both)."""
 
     fresh: dict[int, torch.Tensor] = field(default_factory=dict)
-    store: OffloadStore | None = None
+    source: WeightSource | None = None
     referenced: int = 0
     written: int = 0
+
+    def discard(self) -> None:
+        """Undo what the load wrote (a store it created) and release what it holds."""
+        if self.source is not None:
+            self.source.close(discard=True)
 
 
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
@@ -86,11 +92,12 @@ def _destination(plan: Plan, where: str, loose: bool, execution: torch.device) -
 
 def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
                 *, quiet: bool = False) -> Loaded:
-    """Read every task's tensor to its device, and build the offload store for the rest.
+    """Read every task's tensor to its device, and build the weight source for the rest.
 
     Raises:
         CheckpointError: a tensor needs writing to disk but no ``offload_dir`` was given, or
             a buffer is neither computed nor in the checkpoint.
+        OffloadError: the store could not be written (nothing of it is left).
     """
     loaded = Loaded()
     total = sum(t.nbytes for t in tasks)
@@ -102,10 +109,8 @@ def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os
                 loaded.fresh[id(task.tensor)] = _fetch(task, checkpoint).to(task.device)
                 progress.step(task.nbytes)
         offloaded = [t for t in tasks if t.device is None]
-        for task in offloaded:
-            loaded.fresh[id(task.tensor)] = torch.empty(task.tensor.shape, dtype=task.dtype, device="meta")
         if offloaded:
-            loaded.store = _build_store(offloaded, checkpoint, offload_dir, progress, loaded)
+            loaded.source = _build_source(offloaded, checkpoint, offload_dir, progress, loaded)
     return loaded
 
 
@@ -130,58 +135,40 @@ def _fetch(task: Task, checkpoint: Checkpoint) -> torch.Tensor:
     return task.tensor.detach().to(task.dtype)
 
 
-def _reference(task: Task, checkpoint: Checkpoint) -> Entry | None:
-    """An entry pointing into the checkpoint itself, when its bytes are already right."""
-    stored = checkpoint.tensors[task.key] if task.key is not None else None
-    if stored is None or not stored.is_safetensors or stored.dtype != task.dtype:
-        return None
-    return Entry(file=str(stored.file.resolve()), key=stored.key, dtype=DTYPE_NAMES[stored.dtype],
-                 shape=stored.shape, nbytes=stored.nbytes, crc32=None)
+def _in_place(task: Task, checkpoint: Checkpoint) -> bool:
+    """Whether the checkpoint's own bytes of ``task`` can serve as its weights, unconverted."""
+    return task.key is not None and checkpoint.in_place(task.key) and checkpoint.tensors[task.key].dtype == task.dtype
 
 
-def _build_store(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
-                 progress: _Progress, loaded: Loaded) -> OffloadStore:
-    references: dict[str, Entry] = {}
-    to_write: dict[str, Task] = {}
+def _build_source(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
+                  progress: _Progress, loaded: Loaded) -> WeightSource:
+    references = {t.name: (checkpoint.tensors[t.key].file, t.key) for t in tasks if _in_place(t, checkpoint)
+                  if t.key is not None}
+    to_write = {t.name: t for t in tasks if t.name not in references}
     for task in tasks:
-        entry = _reference(task, checkpoint)
-        if entry is None:
-            to_write[task.name] = task
-        else:
-            references[task.name] = entry
+        if task.name in references:
             progress.step(task.nbytes)
     loaded.referenced, loaded.written = len(references), len(to_write)
-    if not to_write:
-        # Nothing to write: the store lives in memory and reads the checkpoint's own files.
-        return OffloadStore(Path(offload_dir) if offload_dir is not None else checkpoint.path, references)
-    if offload_dir is None:
+    if to_write and offload_dir is None:
         first = next(iter(to_write))
         raise CheckpointError(
             f"the plan offloads {len(to_write)} tensor(s) (first {first!r}) that must be written to disk "
             "(converted to another dtype, read from a pickle, or buffers computed at init) but no offload_dir "
             "was given; pass offload_dir='path', or raise max_memory so that they fit in memory"
         )
-    lazy = _ReadOnDemand(to_write, checkpoint, progress)
-    return OffloadStore.write(offload_dir, lazy, {n: t.unit for n, t in to_write.items()}, references=references)
+    sources: list[WeightSource] = [CheckpointSource(references)] if references else []
+    if to_write:
+        assert offload_dir is not None
+        specs = {n: TensorSpec(t.unit, t.dtype, tuple(t.tensor.shape)) for n, t in to_write.items()}
+        sources.append(OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], checkpoint, progress)))
+    return sources[0] if len(sources) == 1 else SourceSet(sources)
 
 
-class _ReadOnDemand(Mapping[str, torch.Tensor]):
-    """Tensors read from the checkpoint only when the store writes them (one unit at a time)."""
-
-    def __init__(self, tasks: Mapping[str, Task], checkpoint: Checkpoint, progress: _Progress):
-        self.tasks, self.checkpoint, self.progress = tasks, checkpoint, progress
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        task = self.tasks[name]
-        value = _fetch(task, self.checkpoint)
-        self.progress.step(task.nbytes)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tasks)
-
-    def __len__(self) -> int:
-        return len(self.tasks)
+def _written(task: Task, checkpoint: Checkpoint, progress: _Progress) -> torch.Tensor:
+    """A tensor read for the store when it writes its unit (one unit in memory at a time)."""
+    value = _fetch(task, checkpoint)
+    progress.step(task.nbytes)
+    return value
 
 
 def offloaded_names(model: nn.Module, tasks: list[Task]) -> set[str]:
@@ -199,32 +186,10 @@ def verify_loaded(model: nn.Module, on_purpose: set[str]) -> None:
                               "the plan does not cover them: plan this model again")
 
 
-@contextmanager
-def clean_on_failure(offload_dir: str | os.PathLike[str] | None) -> Iterator[None]:
-    """On any error, remove what this load created in ``offload_dir`` (and the folder itself
-    when the load created it), so no half-written store is left behind."""
-    if offload_dir is None:
-        yield
-        return
-    root = Path(offload_dir)
-    existed = root.exists()
-    before = set(os.listdir(root)) if existed else set()
-    try:
-        yield
-    except BaseException:
-        if not existed:
-            shutil.rmtree(root, ignore_errors=True)
-        elif root.is_dir():
-            for name in set(os.listdir(root)) - before:
-                path = root / name
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        raise
-
-
 def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, how: str, seconds: float) -> None:
     by_device: dict[str, int] = {}
     for task in tasks:
-        where = str(task.device) if task.device is not None else "offload store"
+        where = str(task.device) if task.device is not None else "disk"
         by_device[where] = by_device.get(where, 0) + task.nbytes
     placed = ", ".join(f"{format_bytes(n)} to {d}" for d, n in by_device.items())
     log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d",

@@ -1,8 +1,23 @@
-"""Offloaded weights: the on-disk store (:mod:`automap.offload.store`) and the loader that
-brings them to the execution device one unit ahead (:mod:`automap.offload.stream`)."""
-from automap.offload.store import (DTYPE_NAMES, DTYPES, INDEX_NAME, INDEX_VERSION, Entry, OffloadStore,
-                                   checkpoint_entries, checksum, read_header)
-from automap.offload.stream import Loader
+"""Offloaded weights: where they live between uses, and how they reach the execution device.
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "INDEX_NAME", "INDEX_VERSION", "Entry", "Loader", "OffloadStore",
-           "checkpoint_entries", "checksum", "read_header"]
+- :mod:`~automap.offload.format`: the safetensors format — the one validating parser, and a
+  streaming writer;
+- :mod:`~automap.offload.mapped`: a safetensors file mapped copy-on-write, a tensor per entry;
+- :mod:`~automap.offload.source`: the :class:`WeightSource` protocol, RAM and composite sources;
+- :mod:`~automap.offload.store`: the store directory automap creates, owns and locks;
+- :mod:`~automap.offload.reference`: a user's checkpoint read in place;
+- :mod:`~automap.offload.transfer`: bringing weights to the execution device, one unit ahead.
+"""
+from automap.offload.format import DTYPE_NAMES, DTYPES, Header, TensorInfo, read_header, write_file
+from automap.offload.mapped import MappedFile, backing_file
+from automap.offload.reference import CheckpointSource
+from automap.offload.source import MappedSource, RamSource, SourceSet, SourceStats, WeightSource
+from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, checksum,
+                                   read_manifest)
+from automap.offload.transfer import (CudaOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer, Transfer,
+                                      make_transfer)
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceOps",
+           "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
+           "Record", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
+           "WeightSource", "backing_file", "checksum", "make_transfer", "read_header", "read_manifest", "write_file"]

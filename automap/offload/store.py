@@ -1,104 +1,86 @@
-"""The offload store: weights kept on disk in safetensors files, read back through mmap.
+"""The offload store: a directory automap creates, marks as its own and locks, holding the weights
+of units placed on disk in safetensors files, read back copy-on-write through mmap.
 
-Layout of an offload directory::
+Layout, inside the ``offload_dir`` the user gave (which may hold anything of theirs)::
 
-    automap-index.json          # written last: name -> file, key, dtype, shape, nbytes, crc32
-    <unit>.safetensors          # one file per unit, written to a temporary name then renamed
+    offload_dir/
+      automap-store-<fingerprint>-<n>/     # created by automap with mkdir; nothing else is
+        automap-store.lock                 # created first; flock()ed while a model uses the store
+        automap-store.json                 # the manifest: marker, version, "complete", tensors
+        <unit>.safetensors                 # one file per unit, written under a temporary name
 
-A store can also *reference* tensors inside an existing safetensors checkpoint instead of
-copying them (the index then names the checkpoint file). Reads are zero-copy: a tensor is a
-view of a shared read-only memory map (as safetensors' own loading gives), so its pages are
-file-backed and the kernel may drop them.
-Before a unit's weights are read, :meth:`OffloadStore.check_unchanged` checks that its files are
-still the ones that were mapped (inode, size, mtime): a file changed or truncated under a live
-map would otherwise give wrong weights, or kill the process with SIGBUS.
+The rules (see docs/offload-safety.md):
+
+- automap writes only inside a store directory it created; it never creates, replaces,
+  truncates or deletes a file it did not create — files in a store are only ever replaced or
+  removed when the store's own manifest lists them, or when this process wrote them.
+- One live model per store: the lock is an ``flock`` held for as long as the model is
+  dispatched, so a second dispatch — this process or another — finds it held and builds a
+  store of its own. The kernel drops the lock when its holder exits, ``kill -9`` included, so a
+  stale lock is simply a free one.
+- The manifest is written last with ``"complete": true`` and rewritten ``false`` before any file
+  of a reused store is touched, so a store interrupted mid-write is detected and rebuilt. A
+  store whose manifest is missing, damaged, of another version or not complete is rebuilt; a
+  directory without automap's lock file is never touched.
+- Files whose bytes already match (same tensors, same checksums) are reused, not rewritten.
+- A failed write (disk full, quota, I/O or permission error) removes what it wrote — and the
+  store directory, and ``offload_dir`` itself, when it created them — and raises
+  :class:`~automap.errors.OffloadError`.
 """
 from __future__ import annotations
 
-import ctypes
+import fcntl
+import hashlib
 import json
 import logging
-import mmap
 import os
 import re
-import struct
-import tempfile
-import warnings
+import shutil
+import socket
+import time
+import weakref
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from safetensors.torch import save_file
 
-from automap.errors import OffloadError
+from automap.errors import AutomapError, OffloadError
+from automap.offload.format import DTYPE_NAMES, write_file
+from automap.offload.mapped import MappedFile, Signature
+from automap.offload.source import MappedSource
+from automap.sizes import format_bytes
 
-INDEX_NAME = "automap-index.json"
-INDEX_VERSION = 1
-
-# safetensors dtype names (the format's own spelling), shared with automap.load.
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 log = logging.getLogger(__name__)
-_PAGE = mmap.PAGESIZE
-# MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
-# compute thread takes no page faults; Python 3.11 lacks the constant.
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
-
-class _Mapped(NamedTuple):
-    """One open file of the store, checked against the index once when mapped: its map, its
-    identity, and per store name the byte range of its data and the tensor viewing it (a
-    slice of the whole map), so that reading a weight is a lookup."""
-
-    mapping: mmap.mmap | None
-    signature: tuple[int, int, int]
-    spans: dict[str, tuple[int, int]]
-    views: dict[str, torch.Tensor]
-    address: int  # of the map's first byte; 0 for an empty file
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """``madvise`` through ctypes, which releases the GIL for the call: ``mmap.madvise`` keeps
-    it, so a prefetch waiting on the disk would stall the thread running the model."""
-    return _LIBC.madvise(address, length, advice) == 0
-
-
-def _as_tensor(mapping: mmap.mmap) -> torch.Tensor:
-    """The whole read-only map as one uint8 tensor. torch warns that it cannot mark a tensor
-    read-only; the weights are never written (offloaded units are not trained), and a shared
-    read-only map is what safetensors' own loading gives, and faster to compute from than a
-    private copy-on-write one (~14 % on a Llama forward here)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapping, dtype=torch.uint8)
-
-
-def _signature(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+STORE_PREFIX = "automap-store-"
+MANIFEST = "automap-store.json"
+LOCK = "automap-store.lock"
+FORMAT = "automap-offload-store"
+VERSION = 2
 
 
 @dataclass(frozen=True)
-class Entry:
-    """Where one tensor lives: a safetensors ``file`` (absolute or relative to the store),
-    the ``key`` inside it, and what it must look like when read back."""
+class Record:
+    """One stored tensor: its file in the store, its key there, and what it must look like."""
 
     file: str
     key: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    crc32: int | None = None
+    crc32: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What will be written for one tensor before it is read: the unit (file group) it goes
+    with, its dtype and its shape."""
+
+    group: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def checksum(tensor: torch.Tensor) -> int:
@@ -107,302 +89,387 @@ def checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0  # type: ignore[arg-type]
 
 
-def read_header(path: str | os.PathLike[str]) -> tuple[int, dict]:
-    """Return ``(data_start, header)`` of a safetensors file, checking its framing.
+# ------------------------------------------------------------------ the lock
 
-    Raises:
-        OffloadError: the file is missing, too short, or its header is not valid JSON.
-    """
+
+class StoreLock:
+    """An exclusive ``flock`` on a store's lock file, held until :meth:`release` (or until the
+    object is collected, or the process exits). The file also says who holds it, for messages."""
+
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def acquire(cls, path: Path, create: bool) -> StoreLock | None:
+        """The lock, or None when another holder has it (or, without ``create``, when the file
+        does not exist: then the directory is not a store automap finished creating)."""
+        flags = os.O_RDWR | ((os.O_CREAT | os.O_EXCL) if create else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        return cls(fd, path)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def holder_of(path: Path) -> str:
+    """Who holds a store's lock, as the lock file says ("pid 123 on host")."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise OffloadError(f"{path} is not a safetensors file: shorter than its 8-byte header size")
-            (size,) = struct.unpack("<Q", raw)
-            if size > 100_000_000:
-                raise OffloadError(f"{path} has a corrupted safetensors header (claims {size} bytes)")
-            header = json.loads(f.read(size))
-    except FileNotFoundError as exc:
-        raise OffloadError(f"{path} is missing") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OffloadError(f"{path} has a corrupted safetensors header: {exc}") from exc
-    header.pop("__metadata__", None)
-    return 8 + size, header
+        info = json.loads(path.read_text() or "{}")
+        return f"pid {info.get('pid')} on {info.get('host')}"
+    except (OSError, ValueError):
+        return "another process"
 
 
-class OffloadStore:
-    """A directory of offloaded weights with an index, read zero-copy through mmap.
+# ------------------------------------------------------------------ the store
+
+
+class OffloadStore(MappedSource):
+    """A locked store directory of offloaded weights, read copy-on-write through mmap.
+
+    Build one with :meth:`write`; it holds its lock until :meth:`close`.
 
     Example:
-        >>> store = OffloadStore.write("offload", {"fc.weight": torch.ones(2, 2)}, files={"fc.weight": "fc"})
+        >>> store = OffloadStore.write("offload", {"fc.weight": TensorSpec("fc", torch.float32, (2, 2))},
+        ...                            lambda name: torch.ones(2, 2))
         >>> store.get("fc.weight").sum()
         tensor(4.)
     """
 
-    def __init__(self, directory: str | os.PathLike[str], entries: Mapping[str, Entry]):
-        self.directory = Path(directory)
-        self.entries = dict(entries)
-        self._names: dict[str, list[str]] = {}  # file -> the store names it holds
-        for name, entry in self.entries.items():
-            self._names.setdefault(entry.file, []).append(name)
-        self._maps: dict[str, _Mapped] = {}
+    kind = "offload store file"
 
-    # ---------------------------------------------------------------- reading
+    def __init__(self, directory: Path, records: Mapping[str, Record], lock: StoreLock, *,
+                 created: Iterable[Path] = (), fresh: bool = False, made: Iterable[Path] = ()):
+        super().__init__({n: (directory / r.file, r.key) for n, r in records.items()})
+        self.directory, self.records, self.lock = directory, dict(records), lock
+        # What this call created, for close(discard=True): files, whether the store directory
+        # is new, and the folders above it that it had to make.
+        self._created, self._fresh, self._made = list(created), fresh, list(made)
 
-    @classmethod
-    def open(cls, directory: str | os.PathLike[str]) -> OffloadStore:
-        """Open an existing store, checking that every file has the size its index promises."""
-        index_path = Path(directory) / INDEX_NAME
-        try:
-            data = json.loads(index_path.read_text())
-        except FileNotFoundError as exc:
-            raise OffloadError(f"no offload index at {index_path}; dispatch again to rewrite the store") from exc
-        except json.JSONDecodeError as exc:
-            raise OffloadError(f"offload index {index_path} is corrupted ({exc}); delete the directory and dispatch again") from exc
-        entries = {name: Entry(e["file"], e["key"], e["dtype"], tuple(e["shape"]), e["nbytes"], e.get("crc32"))
-                   for name, e in data["tensors"].items()}
-        store = cls(directory, entries)
-        store.check_files()
-        return store
+    @property
+    def fix(self) -> str:
+        return ("restore it, or call automap.undispatch(model) and dispatch (or load) again; automap will "
+                "rebuild the store")
 
-    def path_of(self, entry: Entry) -> Path:
-        return self._path(entry.file)
+    def accept_change(self, mapped: MappedFile, now: Signature) -> None:
+        """A store file rewritten in place is used only if every tensor still matches its
+        checksum (a touched file, or one restored from a copy)."""
+        for name in self._names_in[mapped.path]:
+            if checksum(self.get(name)) != self.records[name].crc32:
+                raise OffloadError(f"offload tensor {name!r} in {mapped.path} does not match its checksum; the file "
+                                   f"was changed after writing: {self.fix}")
+        log.warning("offload file %s changed on disk but still matches its checksums; using it", mapped.path)
 
-    def _path(self, file: str) -> Path:
-        return Path(file) if os.path.isabs(file) else self.directory / file
+    def verify(self) -> None:
+        """Recompute every checksum and raise :class:`OffloadError` on the first mismatch."""
+        for path in self.files:
+            self.accept_change(self.files[path], self.files[path].signature)
 
-    def check_files(self) -> None:
-        """Raise :class:`OffloadError` if a file is missing, truncated or lacks a tensor."""
-        for file in sorted(self._names):
-            self._mapped(file)
+    def close(self, discard: bool = False) -> None:
+        """Release the lock; the files stay for the next dispatch of the same weights. With
+        ``discard``, a store this call created is removed again (only its own files)."""
+        if discard and self._fresh:
+            remove_created(self.directory, [*self._created, self.directory / MANIFEST])
+        self.lock.release()
+        if discard and self._fresh:
+            remove_created(self.directory, [self.directory / LOCK], remove_folder=True)
+            remove_folders(self._made)
 
-    def _mapped(self, file: str) -> _Mapped:
-        if file not in self._maps:
-            self._maps[file] = self._map(file)
-        return self._maps[file]
-
-    def _map(self, file: str) -> _Mapped:
-        path = self._path(file)
-        start, header = read_header(path)
-        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-        size = path.stat().st_size
-        if size < start + end:
-            raise OffloadError(
-                f"offload file {path} is truncated: {size} bytes, its header needs {start + end}; "
-                "restore it, or delete the offload directory and dispatch (or load) again"
-            )
-        spans = {name: self._span(name, start, header) for name in self._names.get(file, [])}
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        whole = _as_tensor(mapping) if mapping is not None else None
-        views = {name: self._view(name, whole, *span) for name, span in spans.items()}
-        address = whole.data_ptr() if whole is not None else 0
-        return _Mapped(mapping, _signature(path), spans, views, address)
-
-    def _span(self, name: str, start: int, header: Mapping[str, dict]) -> tuple[int, int]:
-        """The absolute byte range of ``name`` in its file, checked against the index."""
-        entry = self.entries[name]
-        info = header.get(entry.key)
-        if info is None:
-            raise OffloadError(f"offload file {self.path_of(entry)} has no tensor {entry.key!r}; it was changed after writing")
-        begin, end = (int(x) for x in info["data_offsets"])
-        if info["dtype"] != entry.dtype or tuple(info["shape"]) != entry.shape or end - begin != entry.nbytes:
-            raise OffloadError(
-                f"offload tensor {name!r} in {self.path_of(entry)} changed after writing "
-                f"(now {info['dtype']} {info['shape']}, index says {entry.dtype} {list(entry.shape)})"
-            )
-        return start + begin, start + end
-
-    def _view(self, name: str, whole: torch.Tensor | None, begin: int, end: int) -> torch.Tensor:
-        entry = self.entries[name]
-        dtype = DTYPES[entry.dtype]
-        if entry.nbytes == 0 or whole is None:
-            return torch.empty(entry.shape, dtype=dtype)
-        return whole[begin:end].view(dtype).view(entry.shape)
-
-    def check_unchanged(self, names: Iterable[str]) -> None:
-        """Raise :class:`OffloadError` if a file holding one of ``names`` was replaced,
-        truncated or rewritten since it was mapped (one ``stat`` per file). A file that changed
-        but still matches its index and checksums (touched, or restored from a copy) is
-        mapped again and used."""
-        for file in {self.entries[n].file for n in names}:
-            mapped, path = self._mapped(file), self._path(file)
-            try:
-                now = _signature(path)
-            except FileNotFoundError as exc:
-                raise OffloadError(f"offload file {path} was deleted after it was written; "
-                                   "restore it, or call automap.undispatch(model) and dispatch again") from exc
-            if now != mapped.signature:
-                self._remap(file, mapped, now)
-
-    def _remap(self, file: str, old: _Mapped, now: tuple[int, int, int]) -> None:
-        del self._maps[file]
-        path, names = self._path(file), self._names[file]
-        hint = "restore the file, or delete the offload directory and dispatch (or load) again"
-        try:
-            self._mapped(file)
-            if any(self.entries[n].crc32 is None for n in names):
-                raise OffloadError(f"offload file {path} changed after it was written (size {old.signature[1]} -> "
-                                   f"{now[1]} bytes) and has no checksums to check it against; {hint}")
-            self.verify(names)
-        except OffloadError:
-            self._maps[file] = old  # keep failing loudly until the file is put right
-            raise
-        log.warning("offload file %s changed on disk but still matches its checksums; using it", path)
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as a zero-copy CPU view of its file."""
-        return self._mapped(self.entries[name].file).views[name]
-
-    def advise(self, names: Iterable[str], populate: bool = True) -> None:
-        """Ask the kernel to bring the pages of ``names`` into memory now: readahead of every
-        range is queued at once (large reads, no waiting), then, with ``populate``, the pages
-        are mapped in as they arrive, so the compute thread later takes no page faults. The
-        GIL is released meanwhile."""
-        spans = []
-        for name in names:
-            mapped = self._mapped(self.entries[name].file)
-            begin, end = mapped.spans[name]
-            if mapped.mapping is not None and end > begin:
-                spans.append((mapped.address + begin - begin % _PAGE, end - begin + begin % _PAGE))
-        for start, length in spans:
-            _madvise(start, length, mmap.MADV_WILLNEED)
-        if populate:
-            for start, length in spans:
-                if not _madvise(start, length, _MADV_POPULATE_READ):
-                    break  # kernels before 5.14 lack POPULATE_READ: the readahead still runs
-
-    def drop_pages(self) -> None:
-        """Unmap every page of the store from this process and ask the kernel to evict the
-        files from the page cache (the next read comes from the disk: a cold start)."""
-        for file, mapped in self._maps.items():
-            if mapped.mapping is not None:
-                mapped.mapping.madvise(mmap.MADV_DONTNEED)
-            fd = os.open(self._path(file), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-    def verify(self, names: Iterable[str] | None = None) -> None:
-        """Recompute checksums and raise :class:`OffloadError` on the first mismatch."""
-        for name in names if names is not None else self.entries:
-            entry = self.entries[name]
-            if entry.crc32 is not None and checksum(self.get(name)) != entry.crc32:
-                raise OffloadError(
-                    f"offload tensor {name!r} in {self.path_of(entry)} does not match its checksum; "
-                    "the file was changed after writing: delete the offload directory and dispatch again"
-                )
-
-    def close(self) -> None:
-        self._maps.clear()  # the maps close when the last tensor viewing them is gone
-
-    # ---------------------------------------------------------------- writing
+    # -------------------------------------------------------------- writing
 
     @classmethod
-    def write(cls, directory: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
-              files: Mapping[str, str], *, references: Mapping[str, Entry] | None = None) -> OffloadStore:
-        """Write ``tensors`` (grouped into files by ``files[name]``) and the index, atomically.
-
-        Files whose contents already match the index on disk are reused, not rewritten.
-        ``references`` adds entries that point into existing safetensors files (no copy).
+    def write(cls, offload_dir: str | os.PathLike[str], specs: Mapping[str, TensorSpec],
+              read: Callable[[str], torch.Tensor]) -> OffloadStore:
+        """Store the tensors named in ``specs`` (``read(name)`` gives each, one unit at a time)
+        in a store directory of automap's own under ``offload_dir``, reusing a free store of the
+        same tensors when there is one.
 
         Raises:
-            OffloadError: the directory cannot be created or written.
+            OffloadError: ``offload_dir`` cannot be created or written, the disk is full, or a
+                write failed; nothing this call wrote is left behind.
         """
-        root = Path(directory)
+        root = Path(offload_dir)
+        made = make_root(root)
+        fingerprint = fingerprint_of(specs)
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".automap-probe-")
-            probe.close()
-        except OSError as exc:
-            raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
-        old = cls._previous_entries(root)
-        entries: dict[str, Entry] = dict(references or {})
-        groups: dict[str, list[str]] = {}
-        for name in tensors:
-            groups.setdefault(files[name], []).append(name)
-        written: list[Path] = []
+            for directory in candidates(root, fingerprint):
+                lock = StoreLock.acquire(directory / LOCK, create=False)
+                if lock is not None:
+                    return cls._fill(directory, lock, specs, read, fresh=False, made=made)
+                log.info("offload store %s is in use by %s; making another", directory, holder_of(directory / LOCK))
+            directory, lock = new_store_dir(root, fingerprint)
+            return cls._fill(directory, lock, specs, read, fresh=True, made=made)
+        except BaseException:
+            remove_folders(made)
+            raise
+
+    @classmethod
+    def _fill(cls, directory: Path, lock: StoreLock, specs: Mapping[str, TensorSpec],
+              read: Callable[[str], torch.Tensor], *, fresh: bool, made: list[Path]) -> OffloadStore:
+        writer = _Writer(directory, fresh)
         try:
-            for group, names in groups.items():
-                entries.update(cls._write_group(root, group, {n: tensors[n] for n in names}, old, written))
-            cls._write_index(root, entries)
-        except OSError as exc:
-            for path in written:
-                path.unlink(missing_ok=True)
-            raise OffloadError(f"writing the offload store in {root} failed ({exc}); nothing was kept") from exc
-        store = cls(root, entries)
-        store.check_files()  # map now: a change from here on is caught by check_unchanged
+            records = writer.write_all(specs, read)
+            store = cls(directory, records, lock, created=writer.created, fresh=fresh, made=made)
+        except BaseException as exc:
+            writer.undo()
+            lock.release()
+            if fresh:
+                remove_created(directory, [directory / MANIFEST, directory / LOCK], remove_folder=True)
+            wrapped = _as_offload_error(exc, directory)
+            if wrapped is exc:
+                raise
+            raise wrapped from exc
+        writer.remove_stale(records)
         return store
 
-    @staticmethod
-    def _previous_entries(root: Path) -> dict[str, Entry]:
-        try:
-            return OffloadStore.open(root).entries
-        except OffloadError:
-            return {}
 
-    @staticmethod
-    def _write_group(root: Path, group: str, tensors: Mapping[str, torch.Tensor],
-                     old: Mapping[str, Entry], written: list[Path]) -> dict[str, Entry]:
-        file = re.sub(r"[^A-Za-z0-9_.-]", "_", group or "root") + ".safetensors"
-        cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-        entries = {
-            n: Entry(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
-            for n, t in cpu.items()
-        }
-        if all(old.get(n) == e for n, e in entries.items()) and _intact(root, entries):
-            return entries  # same tensors, same bytes on disk: reuse
-        tmp = root / f".{file}.tmp"
-        written.append(tmp)
-        save_file(cpu, str(tmp))
-        os.replace(tmp, root / file)
-        written.append(root / file)
-        return entries
-
-    @staticmethod
-    def _write_index(root: Path, entries: Mapping[str, Entry]) -> None:
-        payload = {"version": INDEX_VERSION,
-                   "tensors": {n: {"file": e.file, "key": e.key, "dtype": e.dtype, "shape": list(e.shape),
-                                   "nbytes": e.nbytes, "crc32": e.crc32} for n, e in entries.items()}}
-        tmp = root / f".{INDEX_NAME}.tmp"
-        tmp.write_text(json.dumps(payload, indent=1))
-        os.replace(tmp, root / INDEX_NAME)
+def _as_offload_error(exc: BaseException, directory: Path) -> BaseException:
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        return OffloadError(f"writing the offload store in {directory} failed ({exc.strerror or exc}{where}); "
+                            "nothing it wrote was kept. Free space there or pass another offload_dir")
+    if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
+        return exc
+    return OffloadError(f"writing the offload store in {directory} failed ({type(exc).__name__}: {exc}); "
+                        "nothing it wrote was kept")
 
 
-def checkpoint_entries(path: str | os.PathLike[str], keys: Mapping[str, str]) -> dict[str, Entry]:
-    """Entries that reference tensors inside an existing safetensors checkpoint in place.
+class _Writer:
+    """Writes one store's files: reuses what matches, records what it creates, undoes it all.
 
-    Args:
-        path: the checkpoint file (stored as an absolute path in the index).
-        keys: store name -> key inside the checkpoint (often the same string).
+    Before the first file is touched the manifest is rewritten as not complete and lists every
+    file the store will hold: after a crash the next writer knows which files are its own."""
+
+    def __init__(self, directory: Path, fresh: bool):
+        self.directory, self.fresh = directory, fresh
+        self.old, self.owned = ({}, set()) if fresh else read_manifest(directory)
+        self.created: list[Path] = []  # files this call created (removed again on failure)
+        self.marked = False  # the manifest on disk says "complete": false and lists the new files
+
+    def write_all(self, specs: Mapping[str, TensorSpec], read: Callable[[str], torch.Tensor]) -> dict[str, Record]:
+        groups: dict[str, list[str]] = {}
+        for name, spec in specs.items():
+            groups.setdefault(spec.group, []).append(name)
+        files = self._file_names(groups)
+        self._check_space(specs)
+        records: dict[str, Record] = {}
+        for group, names in groups.items():
+            records.update(self._group(files[group], names, read, set(files.values())))
+        write_manifest(self.directory, records, complete=True)
+        return records
+
+    def _check_space(self, specs: Mapping[str, TensorSpec]) -> None:
+        needed = sum(_nbytes(s) for s in specs.values())
+        free = shutil.disk_usage(self.directory).free + sum(r.nbytes for r in self.old.values())
+        if needed > free:
+            raise OffloadError(f"the offload store needs {format_bytes(needed)} in {self.directory} but its disk has "
+                               f"{format_bytes(free)} free; free space there, pass another offload_dir, or raise "
+                               "max_memory so that less goes to disk")
+
+    def _file_names(self, groups: Mapping[str, list[str]]) -> dict[str, str]:
+        taken: set[str] = {MANIFEST, LOCK}
+        names = {}
+        for group in groups:
+            base = re.sub(r"[^A-Za-z0-9_-]", "_", group or "root")
+            name, k = f"{base}.safetensors", 1
+            # Never replace a file the store did not create (something a user put there).
+            while name in taken or ((self.directory / name).exists() and name not in self.owned):
+                name, k = f"{base}-{k}.safetensors", k + 1
+            taken.add(name)
+            names[group] = name
+        return names
+
+    def _group(self, file: str, names: list[str], read: Callable[[str], torch.Tensor],
+               planned: set[str]) -> dict[str, Record]:
+        tensors = {n: read(n).detach().to("cpu").contiguous() for n in names}
+        records = {n: Record(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
+                   for n, t in tensors.items()}
+        if all(self.old.get(n) == r for n, r in records.items()) and intact(self.directory / file, records):
+            return records  # the same bytes are on disk already
+        if not self.marked:
+            write_manifest(self.directory, self.old, complete=False, files=self.owned | planned)
+            self.marked = True
+        tmp = self.directory / f".{file}.{os.getpid()}.tmp"
+        self.created.append(tmp)
+        write_file(tmp, tensors)
+        final = self.directory / file
+        os.replace(tmp, final)
+        self.created[-1] = final
+        return records
+
+    def undo(self) -> None:
+        """Remove every file this call created; a reused store stays marked not complete
+        (its manifest lists the files that are its own), so the next dispatch rebuilds it."""
+        remove_created(self.directory, self.created)
+
+    def remove_stale(self, records: Mapping[str, Record]) -> None:
+        """Files the store owned that it no longer needs, and temporary files of writers that
+        crashed: every one of them listed as the store's own by its manifest."""
+        keep = {r.file for r in records.values()}
+        stale = [self.directory / f for f in self.owned - keep]
+        for path in self.directory.iterdir():
+            match = _TMP.match(path.name)
+            if match and match["file"] in self.owned | keep:
+                stale.append(path)
+        remove_created(self.directory, stale)
+
+
+_TMP = re.compile(r"^\.(?P<file>.+\.safetensors)\.\d+\.tmp$")
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    return numel * spec.dtype.itemsize
+
+
+def fingerprint_of(specs: Mapping[str, TensorSpec]) -> str:
+    """A short hash of what a store holds (names, units, dtypes, shapes), naming its directory
+    so that the same model finds its own store again."""
+    items = sorted((n, s.group, str(s.dtype), list(s.shape)) for n, s in specs.items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def make_root(root: Path) -> list[Path]:
+    """Create ``root`` (and missing parents) and return the directories this created.
 
     Raises:
-        OffloadError: the file is not safetensors, or lacks one of ``keys``.
-
-    Example:
-        >>> refs = checkpoint_entries("model.safetensors", {"fc.weight": "fc.weight"})
-        >>> store = OffloadStore.write("offload", {}, {}, references=refs)
+        OffloadError: ``root`` is a file, or cannot be created or written.
     """
-    absolute = Path(path).resolve()
-    _, header = read_header(absolute)
-    entries = {}
-    for name, key in keys.items():
-        info = header.get(key)
-        if info is None:
-            raise OffloadError(f"checkpoint {absolute} has no tensor {key!r} (wanted for {name!r}); "
-                               "pass the file that holds it")
-        begin, end = (int(x) for x in info["data_offsets"])
-        entries[name] = Entry(str(absolute), key, info["dtype"], tuple(info["shape"]), end - begin)
-    return entries
-
-
-def _intact(root: Path, entries: Mapping[str, Entry]) -> bool:
-    """True when the files of ``entries`` exist and hold bytes matching their checksums."""
+    missing = []
+    probe = root
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
     try:
-        store = OffloadStore(root, entries)
-        store.check_files()
-        store.verify()
-        return True
-    except OffloadError:
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(root))
+        for path in reversed(missing):
+            os.mkdir(path)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied", str(root))
+    except OSError as exc:
+        remove_folders(missing)
+        raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
+    return list(reversed(missing))
+
+
+def candidates(root: Path, fingerprint: str) -> list[Path]:
+    """Store directories under ``root`` made for the same tensors, oldest name first."""
+    found = [p for p in root.glob(f"{STORE_PREFIX}{fingerprint}-*") if p.is_dir() and (p / LOCK).is_file()]
+    return sorted(found, key=lambda p: (len(p.name), p.name))
+
+
+def new_store_dir(root: Path, fingerprint: str) -> tuple[Path, StoreLock]:
+    """Create the next free ``automap-store-<fingerprint>-<n>`` (mkdir is atomic, so two
+    processes never get the same one) and lock it before anything else is written there."""
+    for n in range(10_000):
+        directory = root / f"{STORE_PREFIX}{fingerprint}-{n}"
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue
+        lock = StoreLock.acquire(directory / LOCK, create=True)
+        assert lock is not None, "a lock file in a directory this process just created"
+        write_manifest(directory, {}, complete=False)
+        return directory, lock
+    raise OffloadError(f"{root} already holds 10,000 offload stores of this model; delete the "
+                       f"{STORE_PREFIX}{fingerprint}-* directories that no process uses")
+
+
+def write_manifest(directory: Path, records: Mapping[str, Record], complete: bool,
+                   files: Iterable[str] = ()) -> None:
+    """Write the manifest (to a temporary name, then renamed over the old one). ``files`` are
+    further files the store owns beyond those its records name (about to be written)."""
+    owned = sorted({r.file for r in records.values()} | set(files))
+    payload = {"format": FORMAT, "version": VERSION, "complete": complete, "files": owned,
+               "tensors": {n: {**asdict(r), "shape": list(r.shape)} for n, r in records.items()}}
+    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, directory / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(directory: Path) -> tuple[dict[str, Record], set[str]]:
+    """``(records, owned files)`` of a store's manifest. Records only from a complete manifest
+    of this format and version — anything else (missing, not JSON, another schema or version,
+    interrupted) gives none, and the store is rebuilt; owned files from any manifest of this
+    format, so that a rebuild may replace them."""
+    try:
+        data = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}, set()
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        return {}, set()
+    try:
+        records = {str(n): _record(e) for n, e in data["tensors"].items()} if data.get("complete") is True else {}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        records = {}
+    files = data.get("files")
+    owned = {f for f in files if _plain_file(f)} if isinstance(files, list) else set()
+    return records, owned | {r.file for r in records.values()}
+
+
+def _plain_file(name: Any) -> bool:
+    return isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name \
+        and not name.startswith(".")
+
+
+def _record(entry: Any) -> Record:
+    fields = {k: entry[k] for k in ("file", "key", "dtype", "shape", "nbytes", "crc32")}
+    if not _plain_file(fields["file"]):
+        raise ValueError(f"bad file name {fields['file']!r}")
+    return Record(fields["file"], str(fields["key"]), str(fields["dtype"]), tuple(int(d) for d in fields["shape"]),
+                  int(fields["nbytes"]), int(fields["crc32"]))
+
+
+def intact(path: Path, records: Mapping[str, Record]) -> bool:
+    """True when ``path`` exists and holds every record's tensor with matching bytes."""
+    try:
+        mapped = MappedFile(path, [r.key for r in records.values()])
+    except AutomapError:
         return False
+    for record in records.values():
+        info = mapped.info(record.key)
+        if (info.dtype, info.shape) != (record.dtype, record.shape) or checksum(mapped.tensor(record.key)) != record.crc32:
+            return False
+    return True
+
+
+def remove_created(folder: Path, files: Iterable[Path], *, remove_folder: bool = False) -> None:
+    """Remove ``files`` (created by this process, or listed by the store's own manifest), then,
+    with ``remove_folder``, ``folder`` itself if that left it empty. Never raises: cleanup after
+    a failure must not hide the failure."""
+    for path in files:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+    if remove_folder:
+        remove_folders([folder])
+
+
+def remove_folders(folders: Iterable[Path]) -> None:
+    """``rmdir`` each folder that this process created, innermost first, if it is empty:
+    anything still in it is not automap's to remove."""
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass

@@ -6,13 +6,17 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 - :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;
 - :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
 - :mod:`automap.planning.strategies`: the named strategies, one registration each;
-- :mod:`automap.planning.layout`: items, tie groups, tiers, offloading and reserves;
+- :mod:`automap.planning.layout`: items, tie groups, tiers, offloading and reserves: the
+  options for one profile;
+- :mod:`automap.planning.splitting`: :func:`make_plan`: options at each level of splitting,
+  the fastest kept;
 - :mod:`automap.planning.packing`: the out-of-order fallback before offloading;
 - :mod:`automap.planning.usermap`: user device maps, validated;
 - :mod:`automap.planning.decode`: a generation's predicted prefill and decode tokens/s.
 """
 from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict
-from automap.planning.layout import build_plan, make_plan
+from automap.planning.layout import build_plan
+from automap.planning.splitting import make_plan
 from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
 from automap.planning.usermap import plan_from_device_map
 

@@ -1,22 +1,35 @@
-"""Layout: from a profile, devices and a strategy to a :class:`Plan`.
+"""Layout: from a profile, devices and a strategy to the plans that could work.
 
-Units become *items* (a unit plus the units tied to it, which must share its device), items
-form a chain in execution order, and the chain is split over tiers: accelerators first, then
-CPU RAM, then disk.
+Units become *items* (a unit plus the units tied to it, which must share its device); the
+items split out of one unit (``Unit.split_from``) form a *group*, which computes on one device,
+because the split module's own code (a residual add) runs between its pieces. Groups form a
+chain in execution order, laid out over tiers: accelerators, then CPU RAM, then disk. Each way
+that works is an :class:`Option`; :func:`level_plans` builds each as a :class:`Plan`, and
+:mod:`automap.planning.splitting` keeps the one with the smallest predicted forward time.
 
-- When the accelerators can hold every item (weights, activations of the profiled batch, the
-  user's reserve) nothing goes to CPU or disk; the registered strategy
-  (:mod:`automap.planning.strategies`) splits the chain over them. If no contiguous split of whole units fits but
-  the units can be packed out of order, they are (a warning says so): extra cuts cost
-  microseconds, streaming offloaded weights costs far more.
-- Otherwise the accelerators keep one contiguous run of items (possibly after a few offloaded
-  leading ones, such as an embedding), chosen to keep the most bytes, while the execution
-  device keeps room to stream the largest offloaded item; CPU RAM takes the offloaded items
-  first, disk the rest.
+With accelerators:
+
+- ``resident``: the accelerators hold every group (weights, activations of the profiled batch,
+  the user's reserve) and the registered strategy (:mod:`automap.planning.strategies`) splits
+  the chain over them. When this works it is the only option: nothing goes to CPU or disk.
+- ``packed``: no contiguous split fits, but the groups can be packed out of order.
+- ``streamed``: the accelerators keep one contiguous run of groups (possibly after a few
+  offloaded leading ones, such as an embedding), chosen to keep the most bytes; the rest lives
+  in CPU RAM where it has room, else on disk, and is streamed item by item to the execution
+  device (the accelerator with which the most bytes stay resident), which keeps room for the
+  largest streamed item (a split unit streams piece by piece). Items read from disk pass
+  through pinned staging, counted in the CPU budget.
+- ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
+  fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
+  accelerator that is the whole model on the CPU.
+
+On the CPU alone, RAM takes each item (in execution order) that still fits its budget; the rest
+stay on disk, read through the page cache (the store is memory-mapped), which needs no budget.
+A CPU budget bounds the weights kept in RAM, as accelerate reads ``max_memory["cpu"]``;
+activations are reserved where running out is fatal: on accelerators.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -25,31 +38,50 @@ from automap.errors import PlanError
 from automap.planning.model import Origin, Plan
 from automap.planning.packing import pack_out_of_order
 from automap.planning.partition import Chain, Range, Slot, fill
-from automap.planning.strategies import Strategy, get_strategy
+from automap.planning.strategies import Strategy
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
 from automap.sizes import format_bytes
 
-log = logging.getLogger(__name__)
-
+RESIDENT, PACKED, STREAMED, CPU_COMPUTES = "resident", "packed", "streamed", "cpu computes"
 
 
 @dataclass(frozen=True)
 class Items:
     """The chain the partitioner sees: ``members[i]`` are the unit indices of item ``i``
-    (its first member runs first; the others are tied to it)."""
+    (its first member runs first; the others are tied to it); ``groups`` are runs of
+    consecutive item indices that compute on one device (one per item unless split)."""
 
     members: tuple[tuple[int, ...], ...]
     chain: Chain
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Device name per item, and the bytes reserved per device beyond weights/activations."""
+    """Device name per item, the bytes reserved per device beyond weights/activations, and the
+    execution device when the layout chooses one (``""``: the plan's default)."""
 
     devices: tuple[str, ...]
     reserves: dict[str, int]
     notes: tuple[str, ...] = ()
+    executor: str = ""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout that works, and which kind it is (``RESIDENT``, ``PACKED``, ...)."""
+
+    kind: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An option built as a plan."""
+
+    kind: str
+    plan: Plan
 
 
 def all_cut_bytes(profile: Profile) -> tuple[int, ...]:
@@ -111,7 +143,37 @@ def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
         weight=[sum(units[i].weight_bytes + units[i].kv_bytes for i in m) for m in members],
         activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
         cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
-    ))
+    ), _split_groups([units[m[0]].split_from for m in members]))
+
+
+def _split_groups(origins: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Runs of consecutive items split from the same unit; every other item alone."""
+    groups: list[list[int]] = []
+    for i, origin in enumerate(origins):
+        if groups and origin and origins[groups[-1][0]] == origin:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return tuple(tuple(g) for g in groups)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The chain of groups (work and weights summed, activations the largest: the pieces run
+    one at a time) and, per group, its largest item: what streaming it piece by piece stages."""
+
+    chain: Chain
+    stream: tuple[int, ...]
+    items: tuple[tuple[int, ...], ...]
+
+
+def _grouped(items: Items) -> _Groups:
+    c, groups = items.chain, items.groups or tuple((i,) for i in range(len(items.chain)))
+    chain = Chain(work=[sum(c.work[i] for i in g) for g in groups],
+                  weight=[sum(c.weight[i] for i in g) for g in groups],
+                  activation=[max(c.activation[i] for i in g) for g in groups],
+                  cut=[c.cut[g[0]] for g in groups])
+    return _Groups(chain, tuple(max(c.weight[i] for i in g) for g in groups), groups)
 
 
 def _sub(chain: Chain, start: int, end: int) -> Chain:
@@ -127,17 +189,19 @@ def _tiers(devices: Sequence[DeviceSpec]) -> tuple[list[DeviceSpec], list[Device
     return (accelerators, hosts + disks) if accelerators else (hosts, disks)
 
 
-def _room(device: DeviceSpec, reserve: Mapping[str, int]) -> int:
+def room(device: DeviceSpec, reserve: Mapping[str, int]) -> int:
+    """Bytes of ``device`` the planner may fill: its capacity less the user's reserve there."""
     return max(device.capacity_bytes - reserve.get(device.name, 0), 0)
 
 
 def _stages(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], strategy: Strategy,
-            base: float = 0.0, floor: int = 0, anchor_first: bool = False) -> list[Range | None]:
-    """Split ``chain`` (known to fit) over the computing devices with ``strategy``; the first
-    of them also runs the offloaded units (``base`` seconds, ``floor`` activation bytes)."""
-    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == 0 else 0.0, floor if i == 0 else 0)
+            base: float = 0.0, floor: int = 0, executor: int = 0) -> list[Range | None]:
+    """Split ``chain`` (known to fit) over the computing devices with ``strategy``; the one at
+    index ``executor`` also runs the offloaded units (``base`` seconds, ``floor`` activation bytes)."""
+    slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second, base if i == executor else 0.0,
+                  floor if i == executor else 0)
              for i, (d, room) in enumerate(zip(compute, rooms))]
-    return strategy.split(chain, slots, anchor_first)
+    return strategy.split(chain, slots, False)
 
 
 # Leading items that may be offloaded too, when the execution device cannot keep them beside
@@ -147,62 +211,88 @@ _MAX_OFFLOADED_HEAD = 4
 
 @dataclass(frozen=True)
 class _Offload:
-    """Items ``[0, head)`` and ``[point, n)`` are offloaded; ``[head, point)`` stay on the
-    computing devices from index ``first`` on, whose first keeps ``streamed`` bytes for the
-    largest offloaded item and ``peak`` activation bytes for the offloaded items' runs."""
+    """Groups ``[0, head)`` and ``[point, n)`` are offloaded and streamed to the computing
+    device at index ``executor``, which keeps ``streamed`` bytes for the largest offloaded item
+    and ``peak`` activation bytes for their runs; ``[head, point)`` stay on the computing
+    devices."""
 
     head: int
-    first: int
+    executor: int
     point: int
     streamed: int
     peak: int
 
+    def rooms(self, rooms: Sequence[int]) -> list[int]:
+        """``rooms`` less the streaming room on the executor."""
+        return [r - self.streamed if j == self.executor else r for j, r in enumerate(rooms)]
 
-def _offload_point(chain: Chain, rooms: Sequence[int], weights: int = 0, activations: int = 0) -> tuple[int, int, int]:
-    """The longest prefix the computing devices hold while the first of them keeps room for
-    the largest offloaded item's weights and activations (which, like its own units', run one
-    at a time), starting from at least ``weights``/``activations``. Returns (prefix end,
-    weight room, activation floor); both only grow as the prefix shrinks, so this settles in
-    a few rounds."""
+    def floors(self, count: int) -> list[int]:
+        return [self.peak if j == self.executor else 0 for j in range(count)]
+
+
+def _offload_point(chain: Chain, stream: Sequence[int], rooms: Sequence[int], executor: int, weights: int = 0,
+                   activations: int = 0) -> _Offload:
+    """The longest prefix the computing devices hold while the executor keeps room for the
+    largest offloaded item's weights and activations (which, like its own units', run one at
+    a time), starting from at least ``weights``/``activations``. Both only grow as the prefix
+    shrinks, so this settles in a few rounds."""
     while True:
-        _, end = fill(chain, [rooms[0] - weights, *rooms[1:]], floors=[activations])
+        found = _Offload(0, executor, 0, weights, activations)
+        _, end = fill(chain, found.rooms(rooms), floors=found.floors(len(rooms)))
         tail = range(end, len(chain))
-        need_w = max([weights, *(chain.weight[i] for i in tail)])
+        need_w = max([weights, *(stream[i] for i in tail)])
         need_a = max([activations, *(chain.activation[i] for i in tail)])
         if need_w <= weights and need_a <= activations:
-            return end, weights, activations
+            return replace(found, point=end)
         weights, activations = need_w, need_a
 
 
-def _choose_offload(chain: Chain, rooms: Sequence[int]) -> _Offload | None:
+def _choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int]) -> _Offload | None:
     """The offload that keeps the most bytes on the computing devices, trying each device as
-    the executor and a few leading items offloaded; None when no device can execute."""
+    the executor and a few leading groups offloaded; None when no device can execute."""
     best, kept_best = None, -1
     for head in range(min(_MAX_OFFLOADED_HEAD, len(chain) - 1) + 1):
-        rest = _sub(chain, head, len(chain))
-        floor_w, floor_a = max(chain.weight[:head], default=0), max(chain.activation[:head], default=0)
-        for first in range(len(rooms)):
-            point, streamed, peak = _offload_point(rest, rooms[first:], floor_w, floor_a)
-            if fill(rest, [rooms[first] - streamed], floors=[peak])[1] == 0:
-                continue  # this device cannot hold its first item besides the streaming room
-            kept = sum(rest.weight[:point])
+        rest, rest_stream = _sub(chain, head, len(chain)), stream[head:]
+        floor_w, floor_a = max(stream[:head], default=0), max(chain.activation[:head], default=0)
+        for executor in range(len(rooms)):
+            found = _offload_point(rest, rest_stream, rooms, executor, floor_w, floor_a)
+            if rooms[executor] < found.streamed + found.peak:
+                continue  # this device cannot stream the largest offloaded item
+            kept = sum(rest.weight[:found.point])
             if kept > kept_best:
-                best, kept_best = _Offload(head, first, head + point, streamed, peak), kept
+                best, kept_best = replace(found, head=head, point=head + found.point), kept
     return best
 
 
-def _store(chain: Chain, items: Sequence[int], storage: Sequence[DeviceSpec],
-           reserve: Mapping[str, int]) -> dict[int, DeviceSpec] | None:
-    """Offloaded items to storage tiers in order (CPU RAM, then disk); None when they overflow."""
+def _store(weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec],
+           reserve: Mapping[str, int], held: Mapping[str, int] | None = None) -> dict[int, DeviceSpec] | None:
+    """Items ``order`` to storage tiers, each to the first tier (CPU RAM, then disk) with room
+    left for it, less ``held`` bytes per tier; None when one fits none."""
+    free = [room(d, reserve) - (held or {}).get(d.name, 0) for d in storage]
     where: dict[int, DeviceSpec] = {}
-    tier, used = 0, 0
-    for i in items:
-        while tier < len(storage) and used + chain.weight[i] > _room(storage[tier], reserve):
-            tier, used = tier + 1, 0
-        if tier == len(storage):
+    for i in order:
+        tier = next((t for t, left in enumerate(free) if weights[i] <= left), None)
+        if tier is None:
             return None
-        where[i], used = storage[tier], used + chain.weight[i]
+        where[i], free[tier] = storage[tier], free[tier] - weights[i]
     return where
+
+
+def _store_staged(weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec],
+                  reserve: Mapping[str, int]) -> tuple[dict[int, DeviceSpec], int] | None:
+    """:func:`_store` for streaming to an accelerator: an item read from disk passes through a
+    pinned staging buffer in CPU RAM, as large as the largest such item, so the CPU tier keeps
+    that much free. Returns the tiers and the staging bytes (0 when nothing is on disk)."""
+    host = next((d.name for d in storage if d.kind == "cpu"), None)
+    staging = 0
+    while True:
+        where = _store(weights, order, storage, reserve, {host: staging} if host else None)
+        if where is None:
+            return None
+        need = max((weights[i] for i, d in where.items() if d.kind == "disk"), default=0) if host else 0
+        if need <= staging:
+            return where, staging
+        staging = need
 
 
 def _offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: DeviceSpec) -> float:
@@ -214,78 +304,146 @@ def _offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: De
     return total
 
 
-def layout(chain: Chain, devices: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout:
-    """Device per item: everything on the computing devices when it fits, else tiers."""
+def layout_options(items: Items, devices: Sequence[DeviceSpec], strategy: Strategy,
+                   reserve: Mapping[str, int]) -> list[Option]:
+    """Every kind of layout that works for ``items`` (see the module docstring).
+
+    Raises:
+        PlanError: nothing can run the model, or nothing fits.
+    """
     compute, storage = _tiers(devices)
     if not compute:
         raise PlanError(f"nothing can run the model: the plan's devices are {[d.name for d in devices]}; "
                         "add CPU memory (max_memory={'cpu': '16GiB', ...}) or a GPU")
     if not compute[0].is_accelerator:
-        # A CPU budget bounds the weights kept in RAM, as accelerate reads max_memory["cpu"];
-        # activations are reserved where running out is fatal: on accelerators.
-        chain = Chain(chain.work, chain.weight, [0] * len(chain), chain.cut)
-    rooms = [_room(d, reserve) for d in compute]
-    _, end = fill(chain, rooms)
-    if end == len(chain):
-        return _assign(_stages(chain, compute, rooms, strategy, 0.0), compute, len(chain), dict(reserve))
-    packed = pack_out_of_order(chain, compute, rooms) if len(compute) > 1 else None
-    if packed is not None:
-        owner, cuts = packed
-        note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
-                f"order ({cuts} cuts for {len(compute)} devices) rather than being offloaded")
-        return Layout(tuple(compute[j].name for j in owner), dict(reserve), (note,))
-    if sum(chain.weight) > sum(_room(d, reserve) for d in [*compute, *storage]):
-        raise _does_not_fit(chain, compute, storage, reserve, 0)
-    chosen = _choose_offload(chain, rooms)
-    if chosen is None:
-        if not compute[0].is_accelerator or not any(d.kind == "cpu" for d in storage):
-            raise _does_not_fit(chain, compute, storage, reserve, max(chain.weight, default=0),
-                                "no computing device can hold a unit and stream the largest offloaded one besides")
-        log.debug("the accelerators cannot stream the offloaded units; the CPU runs the model")
-        return layout(chain, [d for d in devices if not d.is_accelerator], strategy, reserve)
-    return _offloaded(chain, compute[chosen.first:], rooms[chosen.first:], storage, strategy, reserve, chosen)
+        return [_on_cpu(items, compute[0], storage, reserve)]
+    groups = _grouped(items)
+    rooms = [room(d, reserve) for d in compute]
+    if fill(groups.chain, rooms)[1] == len(groups.chain):
+        ranges = _stages(groups.chain, compute, rooms, strategy)
+        return [Option(RESIDENT, _assign(groups, ranges, compute, dict(reserve)))]
+    packed = _packed(groups, compute, rooms, reserve) if len(compute) > 1 else None
+    options = [Option(PACKED, packed)] if packed is not None else []
+    fits = sum(items.chain.weight) <= sum(room(d, reserve) for d in [*compute, *storage])
+    host = any(d.kind == "cpu" for d in storage)
+    if fits:
+        streamed = _streamed(groups, items, compute, rooms, storage, strategy, reserve)
+        computed = _cpu_computes(groups, items, compute, rooms, storage, strategy, reserve) if host else None
+        options += [Option(kind, found) for kind, found in ((STREAMED, streamed), (CPU_COMPUTES, computed)) if found]
+    if not options:
+        reason = ("" if not (fits and storage) else "no accelerator can hold its units beside the room to stream the largest "
+                  "offloaded one" + ("" if host else ", and no CPU budget lets the CPU compute them (allow 'cpu' "
+                                                     "in max_memory)"))
+        raise _does_not_fit(items.chain, compute, storage, reserve, max(groups.stream, default=0) if fits else 0,
+                            reason)
+    return options
 
 
-def _offloaded(chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int], storage: Sequence[DeviceSpec],
-               strategy: Strategy, reserve: Mapping[str, int], chosen: _Offload) -> Layout:
-    """Place the offloaded items in storage and split the kept ones over the computing devices."""
-    n = len(chain)
-    where = _store(chain, [*range(chosen.head), *range(chosen.point, n)], storage, reserve)
+def _packed(groups: _Groups, compute: Sequence[DeviceSpec], rooms: Sequence[int],
+            reserve: Mapping[str, int]) -> Layout | None:
+    """Groups packed on the accelerators out of execution order; None when they do not fit."""
+    packed = pack_out_of_order(groups.chain, compute, rooms)
+    if packed is None:
+        return None
+    owner, cuts = packed
+    note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
+            f"order ({cuts} cuts for {len(compute)} devices)")
+    names = [compute[j].name for g, j in zip(groups.items, owner) for _ in g]
+    return Layout(tuple(names), dict(reserve), (note,))
+
+
+def _on_cpu(items: Items, cpu: DeviceSpec, disks: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> Option:
+    """CPU execution: RAM takes each item, in execution order, that still fits the budget;
+    disk the rest. Disk items are memory-mapped views of the store: their pages are page
+    cache, not RAM the budget bounds, so they need no staging room."""
+    n = len(items.chain)
+    if sum(items.chain.weight) <= room(cpu, reserve):
+        return Option(RESIDENT, Layout((cpu.name,) * n, dict(reserve)))
+    where = _store(items.chain.weight, range(n), [cpu, *disks], reserve)
     if where is None:
-        raise _does_not_fit(chain, compute, storage, reserve, chosen.streamed)
-    base = _offload_seconds(chain, where, compute[0])
-    kept = _stages(_sub(chain, chosen.head, chosen.point), compute, [rooms[0] - chosen.streamed, *rooms[1:]],
-                   strategy, base, chosen.peak, True)
-    names = [""] * n
+        raise _does_not_fit(items.chain, [cpu], disks, reserve, 0)
+    return Option(STREAMED, Layout(tuple(where[i].name for i in range(n)), dict(reserve)))
+
+
+def _streamed(groups: _Groups, items: Items, compute: Sequence[DeviceSpec], rooms: Sequence[int],
+              storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout | None:
+    """Offloaded items in storage, streamed to the execution device; the kept groups split
+    over the accelerators. None when no accelerator can execute or storage overflows."""
+    chosen = _choose_offload(groups.chain, groups.stream, rooms)
+    if chosen is None:
+        return None
+    n = len(groups.chain)
+    off = [i for g in [*range(chosen.head), *range(chosen.point, n)] for i in groups.items[g]]
+    stored = _store_staged(items.chain.weight, off, storage, reserve)
+    if stored is None:
+        return None
+    where, staging = stored
+    executor = compute[chosen.executor]
+    base = _offload_seconds(items.chain, where, executor)
+    kept = _stages(_sub(groups.chain, chosen.head, chosen.point), compute, chosen.rooms(rooms), strategy, base,
+                   chosen.peak, chosen.executor)
+    names = _names(groups, kept, compute, chosen.head, where)
+    reserves = dict(reserve)
+    # The streamed weights are a reserve; the offloaded units' activations show as activations.
+    reserves[executor.name] = reserves.get(executor.name, 0) + chosen.streamed
+    if staging:
+        host = next(d.name for d in storage if d.kind == "cpu")
+        reserves[host] = reserves.get(host, 0) + staging
+    # A plan's execution device is its first accelerator used unless it names another.
+    default = next((d.name for d in compute if d.name in names), "cpu")
+    return Layout(names, reserves, executor="" if executor.name == default else executor.name)
+
+
+def _cpu_computes(groups: _Groups, items: Items, gpus: Sequence[DeviceSpec], rooms: Sequence[int],
+                  storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout | None:
+    """The accelerators keep the contiguous run of groups with the most work that fits them;
+    the CPU computes the rest from RAM, or from disk (page cache, no budget). None when the
+    rest overflows RAM and disk."""
+    chain, n = groups.chain, len(groups.chain)
+    largest = max(rooms)
+    # A run starts at the beginning, after a few leading groups, or after a group too large
+    # for any accelerator (which the CPU computes).
+    starts = sorted({*range(min(_MAX_OFFLOADED_HEAD, n - 1) + 1),
+                     *(i + 1 for i in range(n - 1) if chain.weight[i] + chain.activation[i] > largest)})
+    spans = [(a, fill(chain, rooms, a)[1]) for a in starts]
+    start, end = max(spans, key=lambda s: (sum(chain.work[s[0]:s[1]]), sum(chain.weight[s[0]:s[1]]), -s[0]))
+    off = [i for g in [*range(start), *range(end, n)] for i in groups.items[g]]
+    where = _store(items.chain.weight, off, storage, reserve)
+    if where is None:
+        return None
+    if end == start:  # no group fits an accelerator: the whole model on the CPU
+        return Layout(_names(groups, [], gpus, start, where), dict(reserve))
+    kept = _stages(_sub(chain, start, end), gpus, rooms, strategy)
+    return Layout(_names(groups, kept, gpus, start, where), dict(reserve), executor="cpu")
+
+
+def _names(groups: _Groups, kept: Sequence[Range | None], compute: Sequence[DeviceSpec], offset: int,
+           where: Mapping[int, DeviceSpec]) -> tuple[str, ...]:
+    """Device name per item: stored items where ``where`` says, kept groups ``offset +
+    range`` on their computing device."""
+    names = [""] * sum(len(g) for g in groups.items)
     for i, store in where.items():
         names[i] = store.name
     for device, span in zip(compute, kept):
         if span is not None:
-            for i in range(chosen.head + span[0], chosen.head + span[1]):
-                names[i] = device.name
-    reserves = dict(reserve)
-    # The streamed weights are a reserve; the offloaded units' activations show as activations.
-    reserves[compute[0].name] = reserves.get(compute[0].name, 0) + chosen.streamed
-    return Layout(tuple(names), reserves)
-
-
-def _assign(ranges: Sequence[Range | None], devices: Sequence[DeviceSpec], n: int,
-            reserves: dict[str, int]) -> Layout:
-    names = [""] * n
-    for device, span in zip(devices, ranges):
-        if span is not None:
-            for i in range(*span):
-                names[i] = device.name
+            for g in range(offset + span[0], offset + span[1]):
+                for i in groups.items[g]:
+                    names[i] = device.name
     assert all(names), "every item is placed"
-    return Layout(tuple(names), reserves)
+    return tuple(names)
+
+
+def _assign(groups: _Groups, ranges: Sequence[Range | None], devices: Sequence[DeviceSpec],
+            reserves: dict[str, int]) -> Layout:
+    return Layout(_names(groups, ranges, devices, 0, {}), reserves)
 
 
 def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence[DeviceSpec],
                   reserve: Mapping[str, int], extra: int, reason: str = "") -> PlanError:
     weights = sum(chain.weight)
-    peak = max(chain.activation, default=0)
-    tiers = ", ".join(f"{d.name} {format_bytes(_room(d, reserve))}" for d in [*compute, *storage])
-    available = sum(_room(d, reserve) for d in [*compute, *storage])
+    peak = max(chain.activation, default=0) if compute and compute[0].is_accelerator else 0
+    tiers = ", ".join(f"{d.name} {format_bytes(room(d, reserve))}" for d in [*compute, *storage])
+    available = sum(room(d, reserve) for d in [*compute, *storage])
     short = weights + peak + extra - available
     has_disk = any(d.kind == "disk" for d in storage)
     return PlanError(
@@ -300,68 +458,64 @@ def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence
 
 def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec],
                     reserve: Mapping[str, int]) -> None:
-    """Every item must fit, weights plus activations, on some device that can run it."""
+    """Every item must have somewhere to run: an accelerator that holds its weights and
+    activations, or the CPU, from its RAM or from disk (which needs no RAM).
+
+    Raises:
+        PlanError: an item fits nowhere; the message names it and the numbers
+            (:mod:`automap.planning.splitting` adds the units it could not split, and why).
+    """
     runners = [d for d in devices if d.kind != "disk"]
     if not runners:
         return
+    has_disk = any(d.kind == "disk" for d in devices)
     for members, weight, act in zip(items.members, items.chain.weight, items.chain.activation):
         needs = {d.name: weight + (act if d.is_accelerator else 0) for d in runners}
-        if any(needs[d.name] <= _room(d, reserve) for d in runners):
+        if any(needs[d.name] <= room(d, reserve) or (d.kind == "cpu" and has_disk) for d in runners):
             continue
-        best = max(runners, key=lambda d: (_room(d, reserve) - needs[d.name], -d.sort_key()[0]))
+        best = max(runners, key=lambda d: (room(d, reserve) - needs[d.name], -d.sort_key()[0]))
         names = [profile.units[i].name or "<model>" for i in members]
         what = f"unit {names[0]!r}" + (f" (tied to {names[1:]})" if len(names) > 1 else "")
         detail = (f" ({format_bytes(weight)} of weights + {format_bytes(act)} of activations)"
                   if best.is_accelerator else "")
         raise PlanError(
             f"{what} needs {format_bytes(needs[best.name])}{detail} but the largest device that can run it, "
-            f"{best.name}, has {format_bytes(_room(best, reserve))}; raise max_memory for one device, use a "
-            "smaller batch or dtype, or let automap split it (no_split without its class)"
+            f"{best.name}, has {format_bytes(room(best, reserve))}; raise max_memory for one device, allow "
+            "'cpu' and 'disk' in max_memory (the CPU then computes it), use a smaller batch or dtype, or let "
+            "automap split it (no_split without its class)"
         )
 
 
-def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
-              reserve: Mapping[str, int] | None = None) -> Plan:
-    """Place ``profile``'s units on ``devices`` with a named strategy.
-
-    Args:
-        profile: the model's units in execution order.
-        devices: where units may go (hypothetical devices are fine), fastest tier first.
-        strategy: a registered strategy's name (:mod:`automap.planning.strategies`):
-            ``"auto"`` / ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
-        reserve: bytes to keep free per device name (KV cache, optimizer state).
-
-    Returns:
-        A deterministic :class:`Plan`.
+def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy,
+                reserve: Mapping[str, int]) -> list[Candidate]:
+    """Every option for ``profile``, each built as a plan (``devices`` sorted, fastest first).
 
     Raises:
-        PlanError: unknown strategy, no devices, a unit larger than every device, or a model
-            that does not fit even on disk (the message gives the numbers per tier).
-
-    Example:
-        >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
+        PlanError: a unit fits nowhere, or the model does not fit.
     """
-    chosen = get_strategy(strategy)
-    if not devices:
-        raise PlanError("no devices to place on; give max_memory={'cpu': '8GiB'} or similar")
-    devices = tuple(sorted(devices, key=DeviceSpec.sort_key))
-    reserve = dict(reserve or {})
     cuts = all_cut_bytes(profile)
     items = make_items(profile, cuts)
     try:
         check_items_fit(profile, items, devices, reserve)
-        placed = layout(items.chain, devices, chosen, reserve)
+        options = layout_options(items, devices, strategy, reserve)
         if profile.total_kv_bytes:
-            placed = reserve_offloaded_kv(profile, items, devices, chosen, reserve, placed)
+            options = offloaded_kv_options(profile, items, devices, strategy, reserve, options)
     except PlanError as exc:
-        if not profile.total_kv_bytes or profile.generation is None:
-            raise
-        g = profile.generation
-        raise PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
-                        f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs "
-                        "less)") from exc
-    placement = _unit_devices(items, placed, len(profile.units))
-    return build_plan(profile, devices, placement, strategy, placed.reserves, cuts, placed.notes)
+        raise _with_kv_note(exc, profile) from exc
+    found = []
+    for option in options:
+        plan = build_plan(profile, devices, _unit_devices(items, option.layout, len(profile.units)), strategy.name,
+                          option.layout.reserves, cuts, option.layout.notes, executor=option.layout.executor)
+        found.append(Candidate(option.kind, plan))
+    return found
+
+
+def _with_kv_note(exc: PlanError, profile: Profile) -> PlanError:
+    if not profile.total_kv_bytes or profile.generation is None:
+        return exc
+    g = profile.generation
+    return PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
+                     f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs less)")
 
 
 def _unit_devices(items: Items, placed: Layout, count: int) -> list[str]:
@@ -372,40 +526,74 @@ def _unit_devices(items: Items, placed: Layout, count: int) -> list[str]:
     return placement
 
 
-def reserve_offloaded_kv(profile: Profile, items: Items, devices: tuple[DeviceSpec, ...], strategy: Strategy,
-                         reserve: Mapping[str, int], placed: Layout) -> Layout:
-    """Lay out again until the execution device keeps room for the generation cache of the
-    offloaded units: they compute there, so their cache lives there, not in the tier their
-    weights stream from. Each round can only offload more, so a few rounds settle."""
+def offloaded_kv_options(profile: Profile, items: Items, devices: Sequence[DeviceSpec], strategy: Strategy,
+                         reserve: Mapping[str, int], options: Sequence[Option]) -> list[Option]:
+    """Each option laid out again until the device that computes its offloaded units keeps room
+    for their generation cache: they compute there, so their cache lives there, not in the
+    tier their weights stream from (items count their cache as weight, which is right for
+    resident ones and errs on the safe side for stored ones). Each round can only offload
+    more, so a few rounds settle. An option whose kind no longer fits is dropped.
+
+    Raises:
+        PlanError: no option keeps room for the cache.
+    """
+    kept, error = [], None
+    for option in options:
+        try:
+            kept.append(_kv_settled(profile, items, devices, strategy, reserve, option))
+        except PlanError as exc:
+            error = exc
+    if not kept:
+        assert error is not None
+        raise error
+    return kept
+
+
+def _kv_settled(profile: Profile, items: Items, devices: Sequence[DeviceSpec], strategy: Strategy,
+                reserve: Mapping[str, int], option: Option) -> Option:
     extra: dict[str, int] = {}
-    for _ in range(len(items.members)):
-        sketch = Plan(units=profile.units, devices=devices, placement=tuple(_unit_devices(items, placed, len(profile.units))),
-                      strategy=strategy.name)
-        need = sum(u.kv_bytes for u, d in zip(sketch.units, sketch.placement) if sketch.is_offloaded(d))
-        executor = sketch.execution_device
-        if need <= extra.get(executor, 0):
+    for _ in range(len(items.members) + 1):
+        sketch = Plan(units=profile.units, devices=tuple(devices), strategy=strategy.name,
+                      placement=tuple(_unit_devices(items, option.layout, len(profile.units))),
+                      executor=option.layout.executor)
+        need: dict[str, int] = {}
+        for unit, where in zip(sketch.units, sketch.placement):
+            if sketch.is_offloaded(where):
+                compute = sketch.compute_device(where)
+                need[compute] = need.get(compute, 0) + unit.kv_bytes
+        if all(nbytes <= extra.get(name, 0) for name, nbytes in need.items()):
             break
-        extra[executor] = need
-        placed = layout(items.chain, devices, strategy,
-                        {name: reserve.get(name, 0) + extra.get(name, 0) for name in {*reserve, *extra}})
-    # The cache shows as the execution device's KV, not as a reserve.
-    reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in placed.reserves.items()}
-    return replace(placed, reserves=reserves)
+        for name, nbytes in need.items():
+            extra[name] = max(extra.get(name, 0), nbytes)
+        again = layout_options(items, devices, strategy,
+                               {name: reserve.get(name, 0) + extra.get(name, 0) for name in {*reserve, *extra}})
+        same = next((o for o in again if o.kind == option.kind), None)
+        if same is None:
+            raise PlanError(f"no {option.kind} layout keeps room for the generation cache of its offloaded units")
+        option = same
+    # The cache shows as the computing device's KV, not as a reserve.
+    reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in option.layout.reserves.items()}
+    return replace(option, layout=replace(option.layout, reserves={k: v for k, v in reserves.items() if v}))
 
 
 def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
                reserves: Mapping[str, int], cuts: Sequence[int] | None = None,
-               notes: Sequence[str] = (), origin: Origin = Origin.STRATEGY) -> Plan:
+               notes: Sequence[str] = (), origin: Origin = Origin.STRATEGY, executor: str = "") -> Plan:
     """Assemble a :class:`Plan` and the notes a user should read."""
     plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy, origin=origin,
                 tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
                 example=profile.example, generation=profile.generation,
-                reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)))
+                reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)),
+                executor=executor)
     found = list(notes)
     if plan.offloaded_units:
         found.append(f"{len(plan.offloaded_units)} unit(s) offloaded "
                      f"({format_bytes(sum(plan.bytes_on(d.name) for d in devices if plan.is_offloaded(d.name)))}), "
                      f"streamed to {plan.execution_device} when they run")
+    if executor == "cpu" and any(d.is_accelerator for d in devices):
+        found.append("the CPU computes the units placed on 'cpu' (and streams those on 'disk'); accelerate and "
+                     "from_pretrained read 'cpu' in a device_map as streamed to GPU 0 instead, so pass this Plan, "
+                     "not its device_map, to automap.dispatch or automap.load")
     if not profile.example:
         found.append("no example inputs: balanced by bytes, not FLOPs")
     if profile.uncalled:

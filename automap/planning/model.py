@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
@@ -13,8 +13,15 @@ from automap.devices import DEFAULT_MEMORY, DeviceSpec
 from automap.errors import PlanError
 from automap.profiling import Unit
 from automap.profiling.result import Generation
+from automap.profiling.units import longest_prefix
+from automap.sizes import format_bytes
 
 JSON_VERSION = 1
+
+# What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
+# a streamed unit pays it twice more (weights in, weights out). It makes splitting a unit into
+# more units cost something in the predicted time, as it does when the model runs.
+HOOK_SECONDS = 3e-6
 
 
 class Origin(str, enum.Enum):
@@ -65,6 +72,11 @@ class DeviceSummary:
     def used_bytes(self) -> int:
         return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes
 
+    @property
+    def over_capacity(self) -> bool:
+        """Holds more than its budget (a capacity of 0 means unknown: a device only found)."""
+        return 0 < self.device.capacity_bytes < self.used_bytes
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -99,6 +111,12 @@ class Plan:
             placement gave it.
         generation: the generation (batch, max_length) whose cache the units' ``kv_bytes``
             reserve where they compute; None when not planned for one.
+        executor: the execution device when the planner chose it (``"cpu"`` while GPUs
+            keep some units: the CPU computes the units placed on it and streams those on
+            disk); ``""``: the first accelerator used, else the CPU.
+        choices: what the planner decided and why, for the report: units split (into how
+            many pieces, and the reason), units kept whole, and the alternative chosen by
+            predicted forward time.
     """
 
     units: tuple[Unit, ...]
@@ -112,6 +130,8 @@ class Plan:
     reserves: tuple[tuple[str, int], ...] = ()
     origin: Origin = Origin.STRATEGY
     generation: Generation | None = None
+    executor: str = ""
+    choices: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -141,7 +161,10 @@ class Plan:
 
     @cached_property
     def execution_device(self) -> str:
-        """Where offloaded units compute: the first accelerator in the plan, else the CPU."""
+        """Where offloaded units compute: the planner's ``executor`` when it chose one, else
+        the first accelerator in the plan, else the CPU."""
+        if self.executor:
+            return self.executor
         for name in self.used_devices:
             if self.device(name).is_accelerator:
                 return name
@@ -257,9 +280,20 @@ class Plan:
         return max(self.compute_seconds().values(), default=0.0)
 
     @property
+    def hook_seconds(self) -> float:
+        """Predicted overhead of automap's hooks per forward: none when the whole model
+        computes on one device with nothing streamed (dispatch hooks nothing then), else
+        :data:`HOOK_SECONDS` per unit call, three times for a streamed unit."""
+        if len({self.compute_device(d) for d in self.placement}) <= 1 and not self.offloaded_units:
+            return 0.0
+        return HOOK_SECONDS * sum(max(u.calls, 1) * (3 if self.is_offloaded(d) else 1)
+                                  for u, d in zip(self.units, self.placement))
+
+    @property
     def forward_seconds(self) -> float:
-        """Predicted time of one unpipelined forward: every stage in turn."""
-        return sum(s.stage_seconds for s in self.summary())
+        """Predicted time of one unpipelined forward: every stage in turn, plus the hooks'
+        overhead (:attr:`hook_seconds`)."""
+        return sum(s.stage_seconds for s in self.summary()) + self.hook_seconds
 
     # -------------------------------------------------------------- rendering
 
@@ -293,7 +327,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         for u in data["units"]
     )
     origin, strategy = _origin_of(data)
-    return Plan(
+    plan = Plan(
         units=units,
         devices=devices,
         placement=tuple(u["device"] for u in data["units"]),
@@ -305,7 +339,11 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         warnings=tuple(data.get("warnings", [])),
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
         generation=_generation_of(data.get("generation")),
+        choices=tuple(data.get("choices", [])),
     )
+    executor = str(data.get("execution_device", ""))
+    # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.
+    return replace(plan, executor=executor) if executor and executor != plan.execution_device else plan
 
 
 def _generation_of(data: Mapping[str, Any] | None) -> Generation | None:
@@ -325,3 +363,33 @@ def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
         raise PlanError(f"plan JSON has origin {data.get('origin')!r}; expected one of "
                         f"{', '.join(o.value for o in Origin)}") from None
     return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)
+
+
+# ------------------------------------------------------------------ notes on a plan (one home each)
+
+
+def over_capacity_notes(plan: Plan) -> list[str]:
+    """A warning per device that holds more than its budget."""
+    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
+            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
+            for row in plan.summary() if row.units and row.over_capacity]
+
+
+def tie_split_notes(plan: Plan) -> list[str]:
+    """A warning per group of tied names whose units sit on different devices, with the bytes
+    that cross each forward and their cost."""
+    where = {u.name: d for u, d in zip(plan.units, plan.placement)}
+    owner = {t: u for u in plan.units for t in u.tensors}
+    notes = []
+    for group in plan.tie_groups:
+        held = {name: longest_prefix(where, name.rpartition(".")[0]) for name in group}
+        devices = sorted({d for d in held.values() if d is not None})
+        if len(devices) < 2:
+            continue
+        unit = next((owner[n] for n in group if n in owner), None)
+        nbytes = unit.weight_bytes if unit is not None else 0  # Unit keeps no per-tensor sizes: an upper bound
+        seconds = plan.link_seconds(nbytes, devices[0], devices[1])
+        places = ", ".join(f"{name} on {device}" for name, device in held.items())
+        notes.append(f"tied weights split: {places} share one tensor; up to {format_bytes(nbytes)} cross devices "
+                     f"each forward (~{seconds * 1e3:.2f} ms); map their units to one device to avoid it")
+    return notes

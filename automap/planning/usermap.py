@@ -6,11 +6,10 @@ from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
 from automap.errors import DeviceError, DeviceMapError
-from automap.planning.model import Origin, Plan
-from automap.planning.layout import build_plan, tie_roots
+from automap.planning.model import Origin, Plan, over_capacity_notes, tie_split_notes
+from automap.planning.layout import build_plan
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
-from automap.sizes import format_bytes
 
 
 def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[str] | Mapping[str, object],
@@ -38,6 +37,31 @@ def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[
     return normalised
 
 
+def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str],
+                tensor_names: Iterable[str]) -> dict[str, str]:
+    """For each tensor held outside every unit (ViT's ``class_token``), the first unit inside
+    its holder that ``device_map`` puts on the tensor's device: where a profile without a trace
+    attaches it, so that the map's units stay whole.
+
+    Example:
+        >>> loose_homes({"conv_proj": 0, "class_token": 1, "encoder": 1}, ["conv_proj", "encoder"], names)
+        {'class_token': 'encoder'}
+    """
+    where = {key: canonical_name(value) for key, value in device_map.items()}
+    unit_of = {u: u for u in units}
+    homes = {}
+    for name in tensor_names:
+        holder = name.rpartition(".")[0]
+        if longest_prefix(unit_of, holder) is not None:
+            continue  # held by a unit
+        device = longest_prefix(where, name)
+        for unit in units:
+            if (not holder or unit.startswith(holder + ".")) and longest_prefix(where, unit) == device:
+                homes[name] = unit
+                break
+    return homes
+
+
 def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
     unit = profile.units[index]
     spots = {longest_prefix(normalised, t) for t in unit.tensors} or {longest_prefix(normalised, unit.name + ".x")}
@@ -49,31 +73,6 @@ def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], de
         )
     found = spots.pop() if spots else None
     return found or default
-
-
-def _split_ties(plan: Plan, profile: Profile) -> list[str]:
-    """Notes for tie groups whose units the map puts on different devices, with their cost."""
-    notes = []
-    roots = tie_roots(profile)
-    for i, root in enumerate(roots):
-        if i == root or plan.placement[i] == plan.placement[root]:
-            continue
-        owner, user = profile.units[root], profile.units[i]
-        nbytes = owner.weight_bytes  # the tied tensor is among the owner's; Unit keeps no per-tensor sizes
-        seconds = plan.link_seconds(nbytes, plan.placement[root], plan.placement[i])
-        notes.append(
-            f"tied weights split: {user.name!r} on {plan.placement[i]} shares weights with {owner.name!r} on "
-            f"{plan.placement[root]}; up to {format_bytes(nbytes)} cross devices each forward "
-            f"(~{seconds * 1e3:.2f} ms); map both to one device to avoid it"
-        )
-    return notes
-
-
-def _over_capacity(plan: Plan) -> list[str]:
-    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
-            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
-            for row in plan.summary()
-            if row.units and row.device.capacity_bytes and row.used_bytes > row.device.capacity_bytes]
 
 
 def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
@@ -105,5 +104,5 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     default = all_devices[0].name
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
     plan = build_plan(profile, all_devices, placement, "", {}, origin=Origin.USER)
-    notes = _split_ties(plan, profile) + _over_capacity(plan)
+    notes = tie_split_notes(plan) + over_capacity_notes(plan)
     return replace(plan, warnings=plan.warnings + tuple(notes))

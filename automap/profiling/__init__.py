@@ -4,7 +4,9 @@ A :class:`Profile` lists the model's *placement units* (modules whose weights mu
 device) in execution order, with their parameter and buffer bytes, forward and training FLOPs,
 activation sizes, the groups of tied tensors, and the dataflow graph between units. It is
 measured on the meta device, so a model of any size profiles without allocating its weights,
-and the caller's model is never changed.
+and the caller's model is never changed. The trace runs in eval mode whatever mode the model is
+in, and a unit whose forward meta cannot run is planned from its weights instead
+(``profiling/fallback.py``); :func:`untraced_profile` skips the trace altogether.
 
     >>> prof = automap.profile(model)
     >>> prof.units[0].name, prof.total_flops, prof.cut_bytes(5)
@@ -20,19 +22,20 @@ import torch
 from torch import nn
 
 from automap.errors import ProfileError
+from automap.profiling.fallback import eval_mode, fill_untraced, untraced_reasons, untraced_units
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
 from automap.profiling.result import Flow, Profile, Unit
 from automap.profiling.timing import calibrated_device, measure_units
 from automap.profiling.trace import TraceResult, run_trace
-from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, tensor_bytes,
-                                   tie_groups, unit_aliases)
+from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, stray_reads,
+                                   tensor_bytes, tie_groups, unit_aliases)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ExampleInputs", "Flow", "Profile", "Unit", "calibrated_device", "default_example_inputs", "find_units",
-    "profile", "tie_groups",
+    "profile", "tie_groups", "untraced_profile",
 ]
 
 
@@ -62,10 +65,15 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     Returns:
         A :class:`Profile` with units in execution order.
 
+    The forward is traced in eval mode (the model's own flags are put back). A unit whose
+    forward cannot run on meta (``.item()``, data-dependent shapes, a meta kernel's dtype check)
+    is planned from its weights, with ``Unit.untraced`` saying why (``profiling/fallback.py``).
+
     Raises:
         ProfileError: ``no_split`` names a class the model lacks, ``units`` names a module it
             lacks, ``measure`` comes without a ``device``, or the forward failed on the example
-            inputs (the message names the unit; the model's own error is its ``__cause__``).
+            inputs for a reason other than meta tensors' limits (the message names the unit;
+            the model's own error is its ``__cause__``).
 
     Example:
         >>> prof = automap.profile(torchvision.models.resnet50())
@@ -78,28 +86,57 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     how = "given"
     if example_inputs is None:
         example_inputs, how = default_example_inputs(model, seq_len, batch)
-    trace = TraceResult()
     if example_inputs is None:
         warnings.warn(
             f"no example inputs for {type(model).__name__}: profiling bytes only, so plans balance "
             "memory, not compute; pass example_inputs=(...) for FLOP-aware plans",
             stacklevel=2,
         )
-        how = ""
-    else:
-        trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
-        log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
-                 len(unit_names), trace.total_flops)
+        return _without_trace(model, unit_names, dtype, "no example inputs were given or derivable")
+    trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
+    log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
+             len(unit_names), trace.total_flops)
     prof = _assemble(model, unit_names, trace, dtype, how)
     if measure:
         prof = _with_timing(model, prof, trace, device, dtype, repeats)
     return prof
 
 
+def untraced_profile(model: nn.Module, reason: str, *, units: Sequence[str] | None = None,
+                     no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
+                     loose_homes: Mapping[str, str] | None = None) -> Profile:
+    """What is known about ``model`` without running it: units (in definition order), the
+    tensors each owns, their bytes, tie groups. FLOPs, activations and cuts are unknown (0), so
+    plans balance by bytes; every unit's ``untraced`` is ``reason``.
+
+    Args:
+        model: any ``nn.Module``, real or on meta; its forward never runs.
+        reason: why no trace ran, for the report.
+        units, no_split, dtype: as for :func:`profile`.
+        loose_homes: tensor name -> unit for tensors held outside every unit (what a trace
+            learns from their first use); default: the first unit inside their holder.
+
+    Raises:
+        ProfileError: ``no_split`` names a class the model lacks, or ``units`` a module it lacks.
+
+    Example:
+        >>> untraced_profile(model, "the device map places every tensor", units=["0", "1"]).example
+        ''
+    """
+    unit_names = find_units(model, no_split) if units is None else check_units(model, units)
+    return _without_trace(model, unit_names, dtype, reason, loose_homes or {})
+
+
+def _without_trace(model: nn.Module, unit_names: Sequence[str], dtype: torch.dtype | None, reason: str,
+                   loose_homes: Mapping[str, str] | None = None) -> Profile:
+    prof = _assemble(model, unit_names, TraceResult(first_use=dict(loose_homes or {})), dtype, "")
+    return replace(prof, units=untraced_units(prof.units, reason))
+
+
 def _trace(model: nn.Module, example_inputs: ExampleInputs, unit_names: Sequence[str], dtype: torch.dtype | None,
            backward: bool, measure: bool) -> TraceResult:
     # Meta copies made under a caller's inference_mode could not take part in a backward.
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), eval_mode(model):
         args, kwargs = split_inputs(to_meta(example_inputs, dtype))
         state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
         return run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure)
@@ -116,13 +153,21 @@ def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
               dtype: torch.dtype | None, how: str) -> Profile:
     owned = assign_tensors(model, unit_names, trace.order, trace.first_use)
-    uncalled = [n for n in unit_names if n not in trace.calls]
-    ordered = list(trace.order) + uncalled
+    unreached = [n for n in unit_names if n not in trace.calls]
+    ordered = list(trace.order) + unreached
+    # Units a stopped forward never reached are untraced, not uncalled.
+    uncalled = unreached if trace.order and not trace.stopped else []
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     aliases = unit_aliases(model, unit_names)
     units = tuple(_unit(name, owned[name], tensors, params, aliases[name], trace, dtype) for name in ordered)
-    if trace.order and uncalled:
+    reasons = untraced_reasons(units, trace.failed, trace.stopped)
+    if reasons:
+        units = fill_untraced(units, reasons)
+        first, why = next(iter(reasons.items()))
+        log.warning("%d unit(s) of %s are planned from their weights, without a trace, first %r: %s",
+                    len(reasons), type(model).__name__, first, why)
+    if uncalled:
         log.warning("%d unit(s) of %s never ran in the traced forward: %s", len(uncalled), type(model).__name__,
                     ", ".join(uncalled[:5]))
     repeated = [n for n, c in trace.calls.items() if c > 1]
@@ -134,9 +179,10 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         tie_groups=tuple(tie_groups(model)),
         graph=build_graph(units, trace.flows),
         example=how,
-        uncalled=tuple(uncalled) if trace.order else (),
+        uncalled=tuple(uncalled),
         flows=tuple(trace.flows),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
+        strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
     )
 
 
@@ -166,6 +212,7 @@ def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, t
 
 def _with_timing(model: nn.Module, prof: Profile, trace: TraceResult, device: str | torch.device | None,
                  dtype: torch.dtype | None, repeats: int) -> Profile:
-    seconds = measure_units(model, trace.unit_inputs, device, dtype=dtype, repeats=repeats)
+    with eval_mode(model):  # as traced: BatchNorm of a batch of 1, no dropout
+        seconds = measure_units(model, trace.unit_inputs, device, dtype=dtype, repeats=repeats)
     units = tuple(replace(u, seconds=seconds.get(u.name)) for u in prof.units)
     return replace(prof, units=units, measured_device=str(torch.device(device)) if device is not None else "")

@@ -45,6 +45,15 @@ class Unit:
         kv_read_bytes: cache bytes the unit reads in one decode step, averaged over the decode.
         decode_flops: forward FLOPs of the unit in one decode step (one token per sequence),
             averaged over the decode.
+        untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
+            forward cannot run on meta, or the forward stopped before it (see
+            ``profiling/fallback.py``); its bytes are exact, its other numbers are not measured.
+        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its parameter
+            bytes, not counted.
+        split_from: the unit this one was split out of (``""``: not split), see
+            :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
+            runs outside every unit, so every unit split from it computes on one device, and
+            the module's inputs are sent there.
     """
 
     name: str
@@ -64,6 +73,9 @@ class Unit:
     kv_bytes: int = 0
     kv_read_bytes: int = 0
     decode_flops: int = 0
+    untraced: str = ""
+    flops_estimated: bool = False
+    split_from: str = ""
 
     @property
     def weight_bytes(self) -> int:
@@ -153,6 +165,10 @@ class Profile:
         measured_device: where ``Unit.seconds`` were measured ("" = not measured).
         generation: the generation the units' ``kv_bytes`` and ``decode_flops`` were measured
             for (None: not planned for generation).
+        strays: tensors the traced forward read while no unit holding them ran (a module's
+            own code reading a child's weight, as ``nn.MultiheadAttention`` reads
+            ``out_proj.weight``); such a tensor cannot be streamed in with its unit. Tensors
+            held by a non-unit module (``Unit.loose``) are never strays.
     """
 
     model_name: str
@@ -169,6 +185,7 @@ class Profile:
     @property
     def total_kv_bytes(self) -> int:
         return sum(u.kv_bytes for u in self.units)
+    strays: tuple[str, ...] = ()
 
     @property
     def total_flops(self) -> int:
@@ -185,6 +202,11 @@ class Profile:
     @property
     def has_compute(self) -> bool:
         return self.total_flops > 0
+
+    @property
+    def untraced(self) -> tuple[str, ...]:
+        """Units planned without a trace measuring them (``Unit.untraced`` says why)."""
+        return tuple(u.name for u in self.units if u.untraced)
 
     @property
     def repeated(self) -> tuple[str, ...]:

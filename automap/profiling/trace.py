@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from automap.errors import ProfileError
+from automap.profiling.fallback import MetaLimit, describe, is_meta_limit, meta_limit, stand_ins
 from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
                                      unique_bytes, unpack_saved)
 from automap.profiling.result import INPUT, OUTPUT, Flow
@@ -57,11 +58,14 @@ class TraceResult:
     output_bytes: dict[str, int] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
     first_use: dict[str, str] = field(default_factory=dict)
+    readers: dict[str, frozenset[str | None]] = field(default_factory=dict)
     flows: list[Flow] = field(default_factory=list)
     unit_inputs: dict[str, Any] = field(default_factory=dict)
     total_flops: int = 0
     output: Any = None  # what the forward returned, when run with keep_output
     producers: dict[int, str] = field(default_factory=dict)  # id of a storage alive at the end -> its unit
+    failed: dict[str, str] = field(default_factory=dict)  # units that stood in (profiling/fallback.py), why
+    stopped: str = ""  # where and why a meta limit between units ended the forward ("" = it ran to the end)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Tracer(TorchDispatchMode):
         self.live = 0
         self.raw_flows: dict[tuple[int, int, tuple], tuple[int, int]] = {}
         self.seg_use: dict[str, int] = {}
+        self.readers: defaultdict[str, set[str | None]] = defaultdict(set)
         self._uid = 0
         self._probing = False
         self._leaf: torch.Tensor | None = None
@@ -136,7 +141,13 @@ class Tracer(TorchDispatchMode):
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
-        out, flops = self.memo.run(func, formula, args, kwargs)
+        try:
+            out, flops = self.memo.run(func, formula, args, kwargs)
+        except (RuntimeError, NotImplementedError) as exc:
+            limit = meta_limit(func, args, kwargs, exc)
+            if limit is None:
+                raise
+            raise limit from exc
         self.total_flops += flops
         if self.in_backward:
             self._backward_op(flops)
@@ -149,13 +160,11 @@ class Tracer(TorchDispatchMode):
         yes, the common case (no padding, not packed); any other value cannot be made up.
 
         Raises:
-            RuntimeError: the model reads a number from a tensor.
+            MetaLimit: the model reads a number from a tensor.
         """
         if t.dtype != torch.bool:
-            raise RuntimeError(
-                f"the model reads a {t.dtype} value from a tensor (Tensor.item() or int(tensor)); meta "
-                "tensors have no values. Pass example inputs that avoid value-dependent code (e.g. no "
-                "attention_mask), or profile with units timed by measure=True on a real device")
+            raise MetaLimit(f"it reads a {str(t.dtype).removeprefix('torch.')} value from a tensor "
+                            "(Tensor.item() or int(tensor)), and meta tensors have no values")
         if not self._assumed:
             log.info("the model branches on a tensor's value; on meta it is taken as True")
             self._assumed = True
@@ -187,6 +196,7 @@ class Tracer(TorchDispatchMode):
         name = self.state_storage.get(id(st))
         if name is not None:
             self.seg_use.setdefault(name, seg)
+            self.readers[name].add(self.segments[seg].unit)
             return
         rec = self.storages.get(id(st))
         if rec is not None and rec.segment != seg:
@@ -309,9 +319,10 @@ class Tracer(TorchDispatchMode):
         for seg, unit in enumerate(owner):
             if unit is not None:
                 r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
-                if self.probe_backward:  # else not measured: 0, never a guess
+                if self.probe_backward and not r.stopped:  # else not measured: 0, never a guess
                     r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
         r.first_use = {name: unit for name, seg in self.seg_use.items() if (unit := owner[seg]) is not None}
+        r.readers = {name: frozenset(units) for name, units in self.readers.items()}
         r.flows = self._flows(owner, tpos)
         r.total_flops = total_flops
         return r
@@ -394,8 +405,11 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     Returns:
         A :class:`TraceResult`.
 
+    A unit whose forward meta cannot run stands in (``profiling/fallback.py``) and is listed in
+    ``failed``; a meta limit between units ends the forward early, said in ``stopped``.
+
     Raises:
-        ProfileError: the forward failed; the message says in which unit.
+        ProfileError: the forward failed otherwise; the message says in which unit.
     """
     tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
@@ -413,13 +427,14 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
+        stack.enter_context(stand_ins(modules, units, tracer.result.failed))
         stack.enter_context(tracer)
         stack.enter_context(_FusedAttention(tracer))
         tracer.begin(None)
         output = _forward(model, state, args, kwargs, tracer)
         tracer.add_outputs(output)
         forward_flops = tracer.total_flops
-        if backward:
+        if backward and not tracer.result.stopped:
             _backward(output, tracer)
     result = tracer.finish(forward_flops)
     if keep_output:
@@ -431,6 +446,12 @@ def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, k
     try:
         return torch.func.functional_call(model, dict(state), args, kwargs, tie_weights=True, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
+        failed = tracer.result.failed
+        if is_meta_limit(exc) or failed:
+            after = f", after the stand-in for {next(iter(failed))!r}" if failed and not is_meta_limit(exc) else ""
+            tracer.result.stopped = f"{tracer.where()}: {describe(exc)}{after}"
+            log.info("the traced forward of %s stopped %s", type(model).__name__, tracer.result.stopped)
+            return None
         raise ProfileError(
             f"the forward of {type(model).__name__} failed on the example inputs {tracer.where()}: "
             f"{type(exc).__name__}: {exc}. Check the example inputs (shapes, dtypes, argument names) "

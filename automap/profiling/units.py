@@ -45,7 +45,9 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
 
     A unit is a module of a ``no_split`` class (default: the model's ``_no_split_modules``),
     a block of a ``Sequential``/``ModuleList`` stack, or a leaf module that holds tensors;
-    whatever is inside a unit is never split across devices. A module reachable under several
+    whatever is inside a unit is never split across computing devices (the planner may split a
+    unit that does not fit into its children, :mod:`automap.profiling.refine`, but they compute
+    on one device). A module reachable under several
     names (a block registered twice) is one unit, under its first name; see :func:`unit_aliases`.
 
     Args:
@@ -78,6 +80,21 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
 
     visit("", model, False)
     return units
+
+
+def tensor_children(name: str, module: nn.Module) -> list[str]:
+    """Names of ``module``'s children that hold tensors, the blocks of a child
+    ``ModuleList``/``ModuleDict`` in its place (a container that is never called itself)."""
+    found = []
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if not _has_tensors(child):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += tensor_children(full, child)
+        else:
+            found.append(full)
+    return found
 
 
 def check_units(model: nn.Module, units: Sequence[str]) -> list[str]:
@@ -116,12 +133,18 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def _names_per_tensor(model: nn.Module) -> list[list[str]]:
-    """Every name of each distinct parameter or buffer, in definition order."""
+def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
+    """Names grouped by the tensor object they refer to (tied weights share one group), in
+    order of first appearance: the one rule for what "tied" means."""
     by_id: dict[int, list[str]] = {}
-    for name, tensor in all_named_tensors(model, remove_duplicate=False):
+    for name, tensor in named:
         by_id.setdefault(id(tensor), []).append(name)
     return list(by_id.values())
+
+
+def _names_per_tensor(model: nn.Module) -> list[list[str]]:
+    """Every name of each distinct parameter or buffer, in definition order."""
+    return names_by_identity(all_named_tensors(model, remove_duplicate=False))
 
 
 def tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -175,6 +198,35 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
         owned[unit][0].append(name)
         owned[unit][1].append(name)
     return owned
+
+
+def stray_reads(model: nn.Module, units: Sequence[str], readers: Mapping[str, Iterable[str | None]],
+                loose: Iterable[str]) -> list[str]:
+    """Tensors read while no unit holding them ran: by a module's own code between units, or by
+    a unit whose module does not hold them. Tensors in ``loose`` (held by a non-unit module,
+    kept resident where they run) never count.
+
+    Args:
+        model: the model.
+        units: unit names.
+        readers: tensor name (any of its names) -> the units running when it was read (None:
+            code between units).
+        loose: names of loose tensors.
+
+    Returns:
+        The first name of each such tensor, in definition order.
+    """
+    prefixes = {alias: unit for unit, names in unit_aliases(model, units).items() for alias in (unit, *names)}
+    skip = set(loose)
+    found = []
+    for names in _names_per_tensor(model):
+        seen = {r for n in names for r in readers.get(n, ())}
+        if not seen or skip.intersection(names):
+            continue
+        holders = {_holder(n, prefixes) for n in names}
+        if any(r is None or r not in holders for r in seen):
+            found.append(names[0])
+    return found
 
 
 def longest_prefix(mapping: Mapping[str, _V], name: str) -> _V | None:

@@ -8,7 +8,8 @@
 """
 from automap.planning.model import register_renderer
 from automap.report.actual import placement
-from automap.report.facts import ReportError, format_seconds
+from automap.errors import ReportError
+from automap.report.facts import format_seconds
 from automap.report.figure import check_figure_path, draw, figure
 from automap.report.schema import check_json_path, plan_dict, read_json, to_json, write_json
 from automap.report.text import render_text, unit_ranges

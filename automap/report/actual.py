@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
+from automap.offload import SourceStats
 from automap.planning import Origin, Plan
-from automap.profiling.units import longest_prefix
-from automap.profiling.units import all_named_tensors
-from automap.report.facts import ReportError
+from automap.profiling.units import all_named_tensors, longest_prefix
+from automap.errors import ReportError
+from automap.runtime import state_of
+from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
     from automap.profiling import Unit
@@ -24,8 +26,9 @@ log = logging.getLogger(__name__)
 def placement(model: nn.Module) -> Plan:
     """Check where every parameter and buffer of ``model`` is and describe it as a plan.
 
-    For a model dispatched by automap, offloaded tensors (a 0-element placeholder between
-    uses) count as living on their offload tier; any unit found elsewhere than its plan says,
+    For a model dispatched by automap, offloaded tensors (real CPU views of their weight
+    source between uses) count as living on their offload tier, and a warning line says where
+    their bytes are (files, host RAM, pinned memory, pages written copy-on-write); any unit found elsewhere than its plan says,
     or split over devices, is named in the warnings. For any other model (plain, or placed by
     accelerate / ``from_pretrained(device_map=...)``) the model is profiled on meta and each
     unit is put where its tensors are; meta tensors follow ``model.hf_device_map``.
@@ -41,12 +44,29 @@ def placement(model: nn.Module) -> Plan:
         >>> automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="off")
         >>> print(automap.placement(model).report())
     """
-    from automap.runtime import state_of
-
     state = state_of(model)
     if state is not None:
-        return _dispatched(model, state.plan, {id(s.tensor) for s in getattr(state, "streamed", {}).values()})
+        found = _dispatched(model, state.plan, state.streamed_ids())
+        note = memory_note(state.stats())
+        return dataclasses.replace(found, warnings=found.warnings + ((note,) if note else ()))
     return _undispatched(model)
+
+
+def memory_note(stats: SourceStats) -> str:
+    """Where the offloaded tensors' bytes are: files, host RAM (pinned), written in memory."""
+    parts = []
+    if stats.file_bytes:
+        parts.append(f"{format_bytes(stats.file_bytes)} read from files in place (page cache, no anonymous memory)")
+    if stats.ram_bytes:
+        parts.append(f"{format_bytes(stats.ram_bytes)} in host RAM")
+    if stats.pinned_bytes:
+        parts.append(f"{format_bytes(stats.pinned_bytes)} of pinned host memory (RAM copies and staging)")
+    if stats.written_bytes is None:
+        parts.append("copy-on-write bytes unknown (no /proc/self/pagemap)")
+    elif stats.written_bytes:
+        parts.append(f"{format_bytes(stats.written_bytes)} written in memory since dispatch (copy-on-write: the "
+                     "files are unchanged; undispatch keeps the changes)")
+    return "offloaded tensors: " + "; ".join(parts) if parts else ""
 
 
 def _dispatched(model: nn.Module, plan: Plan, streamed: set[int]) -> Plan:

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-from automap.errors import ReportError
 from automap.planning.decode import DecodePrediction, predict_decode
+from automap.planning.model import over_capacity_notes, tie_split_notes
 from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
     from automap.planning import Cut, DeviceSummary, Plan
+    from automap.profiling import Unit
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class Facts:
             (its own stage plus the offloaded stages it runs; "" when nothing is placed).
         bottleneck_seconds, forward_seconds: the plan's predictions.
         tie_splits: warnings for tied tensors whose units sit on different devices.
-        warnings: the plan's own warnings, then what the report notices (split ties,
-            overfull devices, a generation planned without a cache).
+        warnings: the plan's own warnings, then what the report notices (units planned
+            without a trace, split ties, overfull devices, a generation planned without a cache).
+        untraced: units planned without a trace measuring them (``Unit.untraced``).
         decode: the predicted prefill and decode speed (None: not planned for a generation).
     """
 
@@ -43,6 +45,7 @@ class Facts:
     forward_seconds: float
     tie_splits: tuple[str, ...]
     warnings: tuple[str, ...]
+    untraced: tuple[str, ...] = ()
     decode: DecodePrediction | None = None
 
     @property
@@ -63,7 +66,7 @@ def facts_of(plan: Plan) -> Facts:
     spill = sum(r.weight_bytes for r in rows if not r.device.is_accelerator) if has_accelerators else 0
     per_device = plan.compute_seconds()
     busiest = max(per_device, key=lambda name: per_device[name], default="")
-    splits = tuple(tie_splits(plan))
+    splits = tuple(tie_split_notes(plan))
     return Facts(
         rows=rows,
         cuts=plan.cuts(),
@@ -75,7 +78,8 @@ def facts_of(plan: Plan) -> Facts:
         bottleneck_seconds=plan.bottleneck_seconds,
         forward_seconds=plan.forward_seconds,
         tie_splits=splits,
-        warnings=_warnings(plan, rows, splits),
+        warnings=_warnings(plan, splits),
+        untraced=tuple(u.name for u in plan.units if u.untraced),
         decode=predict_decode(plan),
     )
 
@@ -83,6 +87,31 @@ def facts_of(plan: Plan) -> Facts:
 def short_name(unit_name: str) -> str:
     """A unit's display name; the whole model (unit ``""``) shows as ``<model>``."""
     return unit_name or "<model>"
+
+
+def unit_ranges(names: Sequence[str]) -> str:
+    """Collapse consecutive numbered units into ranges.
+
+    Example:
+        >>> unit_ranges(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"])
+        'model.embed_tokens, model.layers.0-2'
+    """
+    parts: list[str] = []
+    i = 0
+    while i < len(names):
+        stem, _, last = names[i].rpartition(".")
+        j = i
+        if last.isdigit():
+            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem):
+                j += 1
+        parts.append(names[i] if j == i else f"{names[i]}-{names[j].rpartition('.')[2]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _next_in_run(current: str, candidate: str, stem: str) -> bool:
+    cand_stem, _, cand_last = candidate.rpartition(".")
+    return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
 
 
 def format_seconds(seconds: float) -> str:
@@ -100,43 +129,36 @@ def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     notes = []
     if row.units and plan.is_offloaded(row.device.name):
         notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
-    if _over_capacity(row):
+    if row.over_capacity:
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes
 
 
-def _over_capacity(row: DeviceSummary) -> bool:
-    return 0 < row.device.capacity_bytes < row.used_bytes  # 0: unknown (a device only found, never budgeted)
+def untraced_notes(plan: Plan) -> list[str]:
+    """One line per reason: which units were planned without a trace, why, and what stands
+    in for their FLOPs."""
+    by_reason: dict[str, list[Unit]] = {}
+    for unit in plan.units:
+        if unit.untraced:
+            by_reason.setdefault(unit.untraced, []).append(unit)
+    notes = []
+    for reason, units in by_reason.items():
+        if len(units) == len(plan.units):
+            notes.append(f"all {len(units)} units planned without a trace, by their bytes ({reason})")
+            continue
+        flops = "FLOPs estimated from their parameter bytes" if any(u.flops_estimated for u in units) \
+            else "FLOPs unknown"
+        names = unit_ranges([short_name(u.name) for u in units])
+        notes.append(f"{'unit' if len(units) == 1 else 'units'} {names} planned without a trace ({reason}); {flops}")
+    return notes
 
 
-def tie_splits(plan: Plan) -> list[str]:
-    """Warnings for groups of tied names whose units sit on different devices."""
-    found = []
-    for group in plan.tie_groups:
-        where = {name: _device_holding(plan, name) for name in group}
-        if len({d for d in where.values() if d is not None}) > 1:
-            places = ", ".join(f"{name} on {device}" for name, device in where.items())
-            found.append(f"tied weights split: {places} share one tensor; map their units to one device")
-    return found
-
-
-def _device_holding(plan: Plan, tensor_name: str) -> str | None:
-    best, device = -1, None
-    for unit, where in zip(plan.units, plan.placement):
-        if (unit.name == "" or tensor_name.startswith(unit.name + ".")) and len(unit.name) > best:
-            best, device = len(unit.name), where
-    return device
-
-
-def _warnings(plan: Plan, rows: tuple[DeviceSummary, ...], splits: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's own warnings, then what the report notices: split ties, overfull devices."""
-    notes = list(plan.warnings)
-    if not any("tied weights split" in w for w in notes):  # the planner may already say it, with costs
-        notes += splits
-    for row in rows:
-        if _over_capacity(row):
-            notes.append(f"{row.device.name} holds {format_bytes(row.used_bytes)} but its capacity is "
-                         f"{format_bytes(row.device.capacity_bytes)}")
+def _warnings(plan: Plan, splits: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's own warnings, then what the report notices (split ties, overfull devices, a
+    generation without a cache) that the planner did not already say, in the same words: the
+    notes come from one place."""
+    notes = list(plan.warnings) + untraced_notes(plan)
+    notes += [n for n in (*splits, *over_capacity_notes(plan)) if n not in notes]
     if plan.generation is not None:
-        notes += plan.generation.notes
+        notes += [n for n in plan.generation.notes if n not in notes]
     return tuple(notes)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from automap.planning.model import Origin
-from automap.report.facts import Facts, ReportError, facts_of, format_seconds, short_name
+from automap.errors import ReportError
+from automap.report.facts import Facts, facts_of, format_seconds, short_name
 from automap.report.text import unit_ranges
 from automap.sizes import format_bytes
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automap.planning import JSON_VERSION, Plan
-from automap.report.facts import Facts, ReportError, facts_of, short_name
+from automap.errors import ReportError
+from automap.report.facts import Facts, facts_of, short_name
 from automap.report.text import unit_ranges
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "tie_groups": [list(g) for g in plan.tie_groups],
         "cut_bytes": list(plan.cut_bytes),
         "warnings": list(plan.warnings),
+        "choices": list(plan.choices),
         "reserves": {name: nbytes for name, nbytes in plan.reserves},
         "totals": _totals_dict(plan, facts),
         "report_warnings": list(facts.warnings),
@@ -107,6 +109,7 @@ def _totals_dict(plan: Plan, facts: Facts) -> dict[str, Any]:
         "bottleneck_seconds": facts.bottleneck_seconds,
         "forward_seconds": facts.forward_seconds,
         "tied_splits": list(facts.tie_splits),
+        "untraced_units": list(facts.untraced),
     }
 
 

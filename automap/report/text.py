@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from automap.planning.model import Origin
-from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name
+from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name, unit_ranges
 from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -20,45 +20,21 @@ _HEAD_KV = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'kv':>10}
             f"{'flops%':>6} {'stage':>8}")
 
 
-def unit_ranges(names: Sequence[str]) -> str:
-    """Collapse consecutive numbered units into ranges.
-
-    Example:
-        >>> unit_ranges(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"])
-        'model.embed_tokens, model.layers.0-2'
-    """
-    parts: list[str] = []
-    i = 0
-    while i < len(names):
-        stem, _, last = names[i].rpartition(".")
-        j = i
-        if last.isdigit():
-            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem):
-                j += 1
-        parts.append(names[i] if j == i else f"{names[i]}-{names[j].rpartition('.')[2]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
-def _next_in_run(current: str, candidate: str, stem: str) -> bool:
-    cand_stem, _, cand_last = candidate.rpartition(".")
-    return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
-
-
 def render_text(plan: Plan) -> str:
     """Render ``plan`` for an 80-column terminal.
 
     Per device: kind, capacity, bytes used (and of them the KV cache, for a plan made for a
     generation) and %, headroom, FLOPs share, predicted stage time and unit ranges; then every
     cut (units either side, bytes crossing, transfer time); then totals (bottleneck, predicted
-    forward time), the generation (prefill time, decode tokens/s and its limit, a hint) and
-    warnings.
+    forward time), the generation (prefill time, decode tokens/s and its limit, a hint), the
+    planner's choices (units split, the alternative kept by predicted time) and warnings.
 
     Example:
         >>> print(render_text(automap.plan(model, max_memory={0: "20GiB", 1: "20GiB"})))
     """
     facts = facts_of(plan)
     sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _generation(plan, facts),
+                _choices(plan),
                 _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
@@ -71,8 +47,9 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 def _header(plan: Plan, facts: Facts) -> str:
     actual = plan.origin is Origin.ACTUAL
     inputs = "the given example inputs" if plan.example == "given" else plan.example
-    if not plan.example:
-        how = "bytes only (no example inputs)" if actual else "balanced by bytes only (no example inputs)"
+    if not plan.example or len(facts.untraced) == len(plan.units):
+        why = "no unit traced" if plan.example else "no trace" if plan.origin is Origin.USER else "no example inputs"
+        how = f"bytes only ({why})" if actual or plan.origin is Origin.USER else f"balanced by bytes only ({why})"
     else:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
     checked = sum(len(u.tensors) for u in plan.units)
@@ -144,10 +121,17 @@ def _generation(plan: Plan, facts: Facts) -> str:
     return "\n".join(lines)
 
 
+def _choices(plan: Plan) -> str:
+    """What the planner split and chose, and why (nothing when it had nothing to choose)."""
+    return _bullets("choices", plan.choices) if plan.choices else ""
+
+
 def _warnings(facts: Facts) -> str:
-    if not facts.warnings:
-        return "warnings: none"
-    lines = ["warnings:"]
-    for note in facts.warnings:
+    return _bullets("warnings", facts.warnings) if facts.warnings else "warnings: none"
+
+
+def _bullets(title: str, notes: Sequence[str]) -> str:
+    lines = [f"{title}:"]
+    for note in notes:
         lines += _wrap(note, "    ", first="  - ")
     return "\n".join(lines)

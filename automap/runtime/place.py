@@ -3,76 +3,84 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from automap.devices import check_present
-from automap.runtime.state import STATES, DispatchState, Group, Streamed, check_not_dispatched
-from automap.runtime.streaming import placeholder, refuse_grad, reset_stale, stream_in, stream_out
-from automap.runtime.swap import install
-from automap.runtime.values import move_inputs, move_outputs
 from automap.errors import AutomapError, DispatchError
-from automap.offload import Loader, OffloadStore
+from automap.offload import OffloadStore, RamSource, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.planning import Plan
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
+from automap.runtime.hooks import MoveInputs, MoveOutputs
+from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, forget, remember, state_of
+from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
+from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
 
+TransferFactory = Callable[[WeightSource, torch.device], Transfer]
+
 
 def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
-                  output_device: str | torch.device | None = None,
-                  store: OffloadStore | None = None, always_hook: bool = False) -> nn.Module:
+                  output_device: str | torch.device | None = None, source: WeightSource | None = None,
+                  always_hook: bool = False, transfer: TransferFactory = make_transfer) -> nn.Module:
     """Place ``model`` as ``plan`` says and install the hooks that run it there.
 
     Args:
-        offload_dir: where to write the weights of units placed on ``"disk"``.
+        offload_dir: where to create the store for the weights of units placed on ``"disk"``
+            (a directory of automap's own inside it; nothing else there is touched).
         output_device: move the model's outputs here (default: where they were produced).
-        store: an offload store that already holds every offloaded tensor (under its name in
-            the plan), e.g. built by :func:`automap.load` from checkpoint references. The
-            model's offloaded tensors may then be on meta; nothing is written or allocated.
+        source: a weight source that already holds offloaded tensors (under their names in
+            the plan), e.g. built by :func:`automap.load` from checkpoint references. Those
+            tensors may then be on meta in the model; nothing is written for them. The model
+            owns the source from here on: :func:`undispatch` closes it.
         always_hook: install input-moving hooks even when everything is on one device (for
             measuring hook overhead).
+        transfer: builds the transfer to the execution device (default: pages on CPU, staged
+            copies on a GPU).
 
     Raises:
-        DispatchError, DeviceError, OffloadError: the model is left exactly as it was.
+        DispatchError, DeviceError, OffloadError: the model is left exactly as it was, and
+            nothing this call wrote is left on disk.
     """
     check_not_dispatched(model)
-    tensors = _named_tensors(model)
-    _check_plan_matches(model, tensors, plan)
+    tensors = named_tensors(model)
+    check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:
         check_present(name)
-    _check_meta(tensors, plan, store)
-    state = DispatchState(plan=plan, store=store)
-    disk_units = [u for u, d in zip(plan.units, plan.placement) if d == "disk"]
-    if store is None and disk_units:
-        state.store = _write_store(tensors, disk_units, offload_dir)
+    check_meta(tensors, plan, source)
+    state = DispatchState(plan=plan)
     try:
-        _apply(model, plan, state, output_device, always_hook)
-    except Exception as exc:
-        _restore(model, state, rollback=True)
-        if isinstance(exc, AutomapError):
+        state.source = build_source(state, tensors, plan, source, offload_dir)
+        apply(model, plan, state, output_device, always_hook, transfer)
+    except BaseException as exc:
+        restore(model, state, rollback=True)
+        if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
             raise
         raise DispatchError(f"dispatching {type(model).__name__} failed ({exc}); the model was left as it was") from exc
-    STATES[model] = state
-    log.info("dispatched %s: %d unit(s), %d offloaded, executing on %s", type(model).__name__,
+    remember(model, state)
+    log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(all_named_tensors(model, remove_duplicate=False))
 
 
-def _check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
+def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
     modules = dict(model.named_modules())
     for unit in plan.units:
         if unit.name not in modules:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
                                 "was the plan made for another model?")
         module = modules[unit.name]
-        if plan.is_offloaded(plan.device_of(unit.name)) and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # A container is never called unless its class has a forward (torchvision's _DenseBlock).
+        never_called = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+        if plan.is_offloaded(plan.device_of(unit.name)) and never_called:
             children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
             raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
                                 f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
@@ -80,123 +88,156 @@ def _check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan
         bad = [t for t in unit.tensors if t not in tensors]
         if bad:
             raise DispatchError(f"the plan names tensors {bad[:3]} that the model lacks; plan this model again")
+    for name, devices in split_devices(plan).items():
+        if name not in modules or len(devices) > 1:
+            raise DispatchError(f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
+                                "own forward code runs between them, so they must compute on one device; plan the "
+                                "model again with automap.plan")
 
 
-def _streamed_names(plan: Plan) -> set[str]:
-    """Names of the tensors that live in the store or host RAM, not on their unit's device."""
-    return {n for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d) for n in u.tensors
-            if n not in u.loose}
+def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, str]]:
+    """Each offloaded tensor once (tied ones under their first name): name -> (unit, device)."""
+    found: dict[str, tuple[Unit, str]] = {}
+    seen: set[int] = set()
+    for unit, where in zip(plan.units, plan.placement):
+        if not plan.is_offloaded(where):
+            continue
+        for name in unit.tensors:
+            if name not in unit.loose and id(tensors[name]) not in seen:
+                seen.add(id(tensors[name]))
+                found[name] = (unit, where)
+    return found
 
 
-def _check_meta(tensors: dict[str, torch.Tensor], plan: Plan, store: OffloadStore | None) -> None:
-    """A tensor may be on meta only when it is streamed and ``store`` holds it."""
-    streamed = {id(tensors[n]): n for n in _streamed_names(plan)}
-    entries = store.entries if store is not None else {}
+def check_meta(tensors: dict[str, torch.Tensor], plan: Plan, source: WeightSource | None) -> None:
+    """A tensor may be on meta only when it is streamed and ``source`` holds it."""
+    streamed = {id(tensors[n]): n for n in streamed_names(plan, tensors)}
+    held = set(source.names()) if source is not None else set()
     for name, tensor in tensors.items():
         if tensor.device.type != "meta":
             continue
         if id(tensor) not in streamed:
             raise DispatchError(f"tensor {name!r} is on meta (no data) but the plan keeps it resident; "
                                 "load its weights first (automap.load does) or plan it onto 'disk'")
-        if streamed[id(tensor)] not in entries:
-            raise DispatchError(f"tensor {name!r} is on meta and offloaded, but the offload store has no "
+        if streamed[id(tensor)] not in held:
+            raise DispatchError(f"tensor {name!r} is on meta and offloaded, but the weight source has no "
                                 f"entry {streamed[id(tensor)]!r}; load it with automap.load, or give the model "
                                 "real weights")
 
 
-def _write_store(tensors: dict[str, torch.Tensor], units: list[Unit], offload_dir: str | Path | None) -> OffloadStore:
+def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: Plan, given: WeightSource | None,
+                 offload_dir: str | Path | None) -> WeightSource | None:
+    """One source for every offloaded tensor: ``given`` for what it holds, a new store for
+    the rest of the disk units' tensors, host RAM (pinned for a GPU) for units on "cpu"."""
+    held = set(given.names()) if given is not None else set()
+    if given is not None:
+        state.owned.append(given)
+    disk, ram = {}, {}
+    for name, (unit, where) in streamed_names(plan, tensors).items():
+        if name not in held:
+            (disk if where == "disk" else ram)[name] = unit.name
+    if disk:
+        state.owned.append(write_store(tensors, disk, offload_dir))
+    if ram:
+        pin = torch.device(plan.execution_device).type == "cuda"
+        state.owned.append(RamSource({n: tensors[n].data for n in ram}, pin=pin))
+    if not state.owned:
+        return None
+    return state.owned[0] if len(state.owned) == 1 else SourceSet(state.owned)
+
+
+def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offload_dir: str | Path | None) -> OffloadStore:
     if offload_dir is None:
-        names = ", ".join(u.name for u in units[:3])
+        units = list(dict.fromkeys(groups.values()))
         raise DispatchError(
-            f"the plan offloads {len(units)} unit(s) ({names}, ...) to disk but no offload_dir was given; "
-            "pass offload_dir='path/to/dir' or raise max_memory so everything fits"
+            f"the plan offloads {len(units)} unit(s) ({', '.join(units[:3])}, ...) to disk but no offload_dir was "
+            "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
         )
-    chosen, files = {}, {}
-    for unit in units:
-        for name in unit.tensors:
-            if name in unit.loose:
-                continue  # loose tensors are used outside the unit's forward: kept resident
-            chosen[name], files[name] = tensors[name], unit.name
-    return OffloadStore.write(offload_dir, chosen, files)
+    specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
+    return OffloadStore.write(offload_dir, specs, lambda name: tensors[name].data)
 
 
-def _record(state: DispatchState, tensor: torch.Tensor) -> None:
+def record(state: DispatchState, tensor: torch.Tensor) -> None:
     if id(tensor) not in state.original:
         device = tensor.device if tensor.device.type != "meta" else torch.device("cpu")
         state.original[id(tensor)] = (tensor, device)
 
 
-def _place(state: DispatchState, tensor: torch.Tensor, device: torch.device) -> None:
-    _record(state, tensor)
+def place(state: DispatchState, tensor: torch.Tensor, device: torch.device) -> None:
+    record(state, tensor)
     if tensor.device != device:
         tensor.data = tensor.data.to(device)
 
 
-def _off_meta(model: nn.Module, state: DispatchState) -> None:
-    """Give every meta tensor (all of them streamed, see :func:`_check_meta`) a 0-element CPU
-    object of its own, since ``.data`` cannot move a tensor off meta. Every module that refers
+def off_meta(model: nn.Module, plan: Plan, state: DispatchState) -> None:
+    """Give every meta tensor (all of them streamed, see :func:`check_meta`) its home in the
+    source, as a new object: ``.data`` cannot move a tensor off meta. Every module that refers
     to one gets the same replacement, so ties survive; the old objects are kept for rollback."""
-    fresh = {id(t): placeholder(t) for _, t in all_named_tensors(model) if t.device.type == "meta"}
-    state.replaced = install(model, fresh)
+    tensors = named_tensors(model)
+    names = {id(tensors[n]): n for n in streamed_names(plan, tensors)}
+    meta = {id(t) for t in tensors.values() if t.is_meta}
+    if meta:
+        assert state.source is not None, "check_meta: meta tensors are streamed from the source"
+        state.replaced = install(model, {key: state.source.get(names[key]) for key in meta})
 
 
-def _apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str | torch.device | None,
-           always_hook: bool) -> None:
-    _off_meta(model, state)
+def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str | torch.device | None,
+          always_hook: bool, transfer: TransferFactory) -> None:
+    off_meta(model, plan, state)
     modules = dict(model.named_modules())
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     execution = torch.device(plan.execution_device)
     compute_devices = {plan.compute_device(d) for d in plan.placement}
     needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
-    owned = {u.name: _offload_tensors(state, u, where, tensors, execution)
-             for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
+    streamed = streamed_names(plan, tensors)
+    owned = {u.name: [] for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
+    for name, (unit, _) in streamed.items():
+        owned[unit.name].append(offload(state, name, tensors[name], tensors))
     for unit, where in zip(plan.units, plan.placement):
         device = torch.device(plan.compute_device(where))
         for name in unit.tensors:
-            if unit.name not in owned or name in unit.loose:
-                _place(state, tensors[name], device)
+            if id(tensors[name]) not in state.streamed:
+                place(state, tensors[name], device)
         # A unit also streams in tied tensors that an offloaded unit owns (even when it is
         # resident itself), so a tie split between RAM and disk stays one parameter.
         own = owned.get(unit.name, [])
-        items = own + _aliases(modules[unit.name], state, own)
-        group = Group(unit.name, where, items) if items else None
-        if group is not None:
-            state.groups.append(group)
+        items = own + aliases(modules[unit.name], state, own)
+        if items:
+            state.groups.append(Group(unit.name, where, items))
         if needs_hooks:
-            _hook_unit(modules[unit.name], state, device, group)
+            state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
     if state.groups:
-        _link(state.groups)
-        state.loader = Loader(state.store, state.host, execution)
-        state.handles.append(model.register_forward_pre_hook(reset_stale(state), prepend=True))
+        assert state.source is not None
+        link(state.groups)
+        state.transfer = transfer(state.source, execution)
+        files = None if state.transfer.swaps else CheckFiles(state.groups, state.transfer)
+        for group in state.groups:
+            state.hooks.append(StreamWeights(group, state.transfer, state.lock, files).attach(modules[group.key]))
+        if files is not None:
+            state.hooks.append(files.attach(model))
     if needs_hooks:
-        _hook_loose_owners(model, plan, modules, tensors, state)
+        hook_loose_owners(plan, modules, tensors, state)
+        hook_split_units(plan, modules, state)
     if output_device is not None:
-        state.handles.append(model.register_forward_hook(move_outputs(torch.device(output_device))))
+        state.hooks.append(MoveOutputs(torch.device(output_device)).attach(model))
 
 
-def _offload_tensors(state: DispatchState, unit: Unit, where: str, tensors: dict[str, torch.Tensor],
-                     execution: torch.device) -> list[Streamed]:
-    """Move the unit's tensors out to where they live between uses (host RAM, pinned when a
-    GPU executes, or the store) and leave placeholders behind."""
-    items = []
-    for name in unit.tensors:
-        tensor = tensors[name]
-        if name in unit.loose or id(tensor) in state.streamed:
-            continue
-        _record(state, tensor)
-        if where != "disk" and tensor.numel() > 0:
-            state.host[name] = tensor.data.pin_memory() if execution.type == "cuda" else tensor.data
-        elif state.store is None or name not in state.store.entries:
-            raise DispatchError(f"unit {unit.name!r} is placed on disk but the offload store has no tensor "
-                                f"{name!r}; pass a store that holds it, or an offload_dir to write one")
-        items.append(state.streamed.setdefault(id(tensor), Streamed(tensor, name)))
-        if tensor.requires_grad:
-            state.handles.append(tensor.register_hook(refuse_grad(name)))
-        tensor.data = placeholder(tensor)
-    return items
+def offload(state: DispatchState, name: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor]) -> Streamed:
+    """Point ``tensor`` at its home in the source (its RAM copy is released) and refuse
+    gradients that would reach it."""
+    assert state.source is not None
+    record(state, tensor)
+    home = state.source.get(name)
+    is_buffer = not isinstance(tensor, nn.Parameter)
+    if tensor.data_ptr() != home.data_ptr() or tensor.device != home.device:
+        tensor.data = home
+    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer))
+    if tensor.requires_grad:
+        state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
+    return item
 
 
-def _aliases(module: nn.Module, state: DispatchState, own: list[Streamed]) -> list[Streamed]:
+def aliases(module: nn.Module, state: DispatchState, own: list[Streamed]) -> list[Streamed]:
     """Streamed tensors reachable from ``module`` that another unit owns (tied weights)."""
     mine = {id(i.tensor) for i in own}
     found = []
@@ -207,22 +248,15 @@ def _aliases(module: nn.Module, state: DispatchState, own: list[Streamed]) -> li
     return found
 
 
-def _link(groups: list[Group]) -> None:
+def link(groups: list[Group]) -> None:
     """Each group prefetches the next in plan order; the last the first (the next forward,
     or the next token of ``generate``)."""
     for i, group in enumerate(groups):
         group.next = groups[(i + 1) % len(groups)] if len(groups) > 1 else None
 
 
-def _hook_unit(module: nn.Module, state: DispatchState, device: torch.device, group: Group | None) -> None:
-    state.handles.append(module.register_forward_pre_hook(move_inputs(device), with_kwargs=True))
-    if group is not None:
-        state.handles.append(module.register_forward_pre_hook(stream_in(state, group)))
-        state.handles.append(module.register_forward_hook(stream_out(state, group)))
-
-
-def _hook_loose_owners(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
-                       tensors: dict[str, torch.Tensor], state: DispatchState) -> None:
+def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
+                      state: DispatchState) -> None:
     """A module that holds tensors itself (ViT's ``class_token``) computes with them in its own
     forward, so its inputs go to where those tensors are."""
     owners: dict[str, torch.device] = {}
@@ -230,36 +264,44 @@ def _hook_loose_owners(model: nn.Module, plan: Plan, modules: dict[str, nn.Modul
         for name in unit.loose:
             owners.setdefault(name.rpartition(".")[0], tensors[name].device)
     for owner, device in owners.items():
-        state.handles.insert(0, modules[owner].register_forward_pre_hook(move_inputs(device), with_kwargs=True))
+        state.hooks.append(MoveInputs(device).attach(modules[owner]))
+
+
+def split_devices(plan: Plan) -> dict[str, set[str]]:
+    """For each unit the planner split (``Unit.split_from``), where its pieces compute."""
+    found: dict[str, set[str]] = {}
+    for unit, where in zip(plan.units, plan.placement):
+        if unit.split_from:
+            found.setdefault(unit.split_from, set()).add(plan.compute_device(where))
+    return found
+
+
+def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
+    """A split unit's own forward code (a residual add) runs between its pieces, on what it
+    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`)."""
+    for name, devices in split_devices(plan).items():
+        state.hooks.append(MoveInputs(torch.device(next(iter(devices)))).attach(modules[name]))
 
 
 # ------------------------------------------------------------------ undo
 
 
-def _read_back(state: DispatchState, item: Streamed, device: torch.device) -> torch.Tensor:
-    """A streamed tensor's weights as a tensor of its own on ``device`` (not a file view).
-    The caller checks the store's files first (:meth:`OffloadStore.check_unchanged`)."""
-    if item.name in state.host:
-        return state.host[item.name].to(device)
-    assert state.store is not None
-    source = state.store.get(item.name)
-    return torch.empty_like(source, device=device).copy_(source)
-
-
-def _restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -> None:
-    """Undo :func:`_apply`. Streamed weights are read back first, so a store that fails to
-    read raises before anything changes."""
-    replacements = {id(t) for _, t in all_named_tensors(model)} if rollback and state.replaced else set()
+def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -> None:
+    """Undo :func:`apply`. Streamed weights are read back into memory of their own first, so a
+    source that fails to read raises before anything changes. On ``rollback`` (a failed
+    dispatch) the sources this dispatch created are removed again."""
+    replacements = set(state.replaced) if rollback else set()
     wanted = {key: device for key, (_, device) in state.original.items()
               if key in state.streamed and key not in replacements}
-    if state.store is not None:  # one stat per file, not one per tensor
-        state.store.check_unchanged([n for n in (state.streamed[k].name for k in wanted) if n not in state.host])
-    back = {key: _read_back(state, state.streamed[key], device) for key, device in wanted.items()}
-    for handle in state.handles:
+    if state.source is not None:  # one stat per file, not one per tensor
+        state.source.check_unchanged([state.streamed[k].name for k in wanted])
+    back = {key: read_back(state.streamed[key], device) for key, device in wanted.items()}
+    for hook in state.hooks:
+        hook.detach()
+    for handle in state.tensor_hooks:
         handle.remove()
-    state.handles.clear()
-    if state.loader is not None:
-        state.loader.close()
+    if state.transfer is not None:
+        state.transfer.close()
     for key, (tensor, device) in state.original.items():
         if key in back:
             tensor.data = back[key]
@@ -267,14 +309,21 @@ def _restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) 
             tensor.data = tensor.data.to(device)
     if rollback:
         install(model, state.replaced)
-    if state.store is not None:
-        state.store.close()
+    for source in state.owned:
+        source.close(discard=rollback)
+
+
+def read_back(item: Streamed, device: torch.device) -> torch.Tensor:
+    """An offloaded tensor's current values (its home, with any write) in memory of its own on
+    ``device``: after undispatch nothing refers to the store, whose lock is released."""
+    return torch.empty_like(item.home, device=device).copy_(item.home)
 
 
 def undispatch(model: nn.Module) -> nn.Module:
     """Remove every automap hook from ``model`` and bring every weight back to the device it
-    was on before :func:`dispatch` (offloaded weights are read back from the store into RAM;
-    tensors that were on meta come back on CPU).
+    was on before :func:`dispatch` (offloaded weights are read back from their source into
+    RAM, with any change made to them; tensors that were on meta come back on CPU). The offload
+    store stays on disk, unlocked, for the next dispatch of the same weights.
 
     Raises:
         DispatchError: ``model`` was not dispatched by automap.
@@ -283,9 +332,9 @@ def undispatch(model: nn.Module) -> nn.Module:
     Example:
         >>> automap.undispatch(automap.dispatch(model, max_memory={"cpu": "1GB"}, offload_dir="off"))
     """
-    state = STATES.get(model)
+    state = state_of(model)
     if state is None:
         raise DispatchError(f"{type(model).__name__} is not dispatched by automap; nothing to undo")
-    _restore(model, state)
-    del STATES[model]
+    restore(model, state)
+    forget(model)
     return model

@@ -1,129 +1,223 @@
-"""The hooks of an offloaded unit: bring its weights in before it runs (prefetching the next
-unit's), release them after, and let backward read them again by name instead of keeping them."""
+"""The hook of a unit whose weights are offloaded (:class:`StreamWeights`), and the model's check
+of the files behind them (:class:`CheckFiles`).
+
+Between forwards every offloaded parameter and buffer holds its *home*: the weight source's real
+CPU tensor (a copy-on-write view of a store or checkpoint file, or a tensor in host RAM). So
+``state_dict()``, printing, ``torch.save`` and optimizers see true shapes and values at all
+times, and an in-place write lands in the home (copy-on-write for a file, never the file).
+
+- **CPU execution** (:class:`~automap.offload.PageTransfer`): the home *is* what the unit
+  computes with. Before the unit runs the hook checks that the files behind it are unchanged
+  (one ``stat`` each) and asks for the next unit's pages to be read ahead; nothing is copied,
+  swapped or locked, so forwards from several threads run side by side, and autograd may keep
+  the views for backward (they are file-backed: no anonymous memory).
+- **Accelerator execution** (:class:`~automap.offload.StagedTransfer`): before the unit runs the
+  hook swaps a device copy in (``tensor.data``, so the Parameter object and its ties survive);
+  after — also when the forward raised — it swaps the home back, first writing back what the
+  unit changed: parameters whose version counter moved, and buffers when the module ran in
+  train mode (BatchNorm's running statistics do not bump the counter). Autograd keeps not the
+  copy but the tensor's name, and backward reads it again. A per-model lock is held from
+  before to after the unit, so threads take turns through streamed units.
+
+Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
+gradient reaching one raises :class:`~automap.errors.DispatchError` at backward time, naming the
+parameter and the fixes. Forwards in train mode, and training of resident units, are unaffected.
+
+Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
+streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
+compiled forward that the model's :class:`CheckFiles` has checked skips them and compiles whole
+(``docs/compile.md``).
+"""
 from __future__ import annotations
 
 import logging
+import threading
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from automap.runtime.state import DispatchState, Group, Streamed
 from automap.errors import DispatchError
+from automap.offload import Transfer
+from automap.runtime.hooks import Hook
+from automap.runtime.state import Group, Streamed
 
 log = logging.getLogger(__name__)
 
 
-def placeholder(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """What an offloaded tensor holds between uses: no elements, so any use outside its unit
-    fails loudly with a shape error instead of computing with stale or zero weights. (``meta``
-    would be clearer but ``.data`` cannot switch a CPU tensor to meta.)"""
-    if device is None:
-        device = tensor.device if tensor.device.type != "meta" else torch.device("cpu")
-    return torch.empty(0, dtype=tensor.dtype, device=device)
+class StreamWeights(Hook):
+    """Brings one unit's offloaded weights in before it runs, prefetching the next unit's.
 
+    Args:
+        group: the unit's offloaded tensors and the group that runs after it.
+        transfer: the model's transfer to the execution device.
+        lock: the model's lock for swapped-in weights (accelerator execution).
+        files: the model's :class:`CheckFiles` (CPU execution), which lets a compiled forward
+            skip this hook once it has checked every file.
+    """
 
-def _check_trainable(module: nn.Module, group: Group) -> None:
-    if module.training and torch.is_grad_enabled() and any(i.tensor.requires_grad for i in group.items):
-        raise DispatchError(
-            f"unit {group.key!r} is offloaded ({group.where}) and its parameters require grad; automap does "
-            "not train offloaded units (their gradients would be lost). Keep it resident (raise max_memory), "
-            f"freeze it with model.get_submodule({group.key!r}).requires_grad_(False), or run it under "
-            "model.eval() / torch.no_grad()"
-        )
+    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock, files: CheckFiles | None = None):
+        super().__init__()
+        self.group, self.transfer, self.lock, self.files = group, transfer, lock, files
+        self._inside = threading.local()  # per thread: swap-ins not yet undone
+        self._saving: ExitStack | None = None
 
+    # Hook bodies do I/O (stat, readahead), take locks and swap tensors: work that torch.compile
+    # cannot trace. Each body is a function dynamo skips (torch.compiler.disable), so a compiled
+    # model breaks its graph at a streamed unit's boundaries, never inside the unit. On CPU
+    # execution nothing moves (the parameters are the views): once the model's own hook has
+    # checked every file for this forward (CheckFiles), a compiled forward skips the body, and
+    # compiles whole.
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.transfer.swaps:
+            self._enter()
+        elif not (torch.compiler.is_compiling() and self.files is not None and self.files.checked):
+            self._touch()
+        return None
 
-def stream_in(state: DispatchState, group: Group) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> None:
-        assert state.loader is not None
-        _check_trainable(module, group)
-        # Weights read inside inference_mode would become inference tensors, which a normal
-        # Parameter cannot hold; reading outside it keeps the parameter usable afterwards.
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.transfer.swaps:
+            self._leave(module.training)
+        return None
+
+    @torch.compiler.disable
+    def _touch(self) -> None:
+        """CPU execution: the weights are the views the parameters hold; check their files
+        and read ahead."""
+        self.transfer.take(self.group.key, self.group.names)
+        self._prefetch_next()
+
+    @torch.compiler.disable
+    def _enter(self) -> None:
+        self.lock.acquire()
+        try:
+            self._swap_in()
+        except BaseException:
+            self.lock.release()
+            raise
+        self._inside.depth = getattr(self._inside, "depth", 0) + 1
+
+    @torch.compiler.disable
+    def _leave(self, training: bool) -> None:
+        if not getattr(self._inside, "depth", 0):
+            return  # this thread's pre never ran (an earlier hook raised)
+        self._inside.depth -= 1
+        try:
+            self._swap_out(training)
+        finally:
+            self.lock.release()
+
+    def _prefetch_next(self) -> None:
+        ahead = self.group.next
+        if ahead is not None and ahead is not self.group:
+            self.transfer.prefetch(ahead.key, [i.name for i in ahead.items if i.users == 0])
+
+    def _swap_in(self) -> None:
+        # Weights swapped in under inference_mode would become inference tensors, which a
+        # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
         with torch.inference_mode(False):
-            needed = [i for i in group.items if i.users == 0]
-            loaded = state.loader.take(group.key, [i.name for i in needed])
+            needed = [i for i in self.group.items if i.users == 0]
             for item in needed:
-                item.tensor.data = loaded[item.name]
-        for item in group.items:
+                check_at_home(item, self.group.key)
+            got = self.transfer.take(self.group.key, [i.name for i in needed])
+            for item in needed:
+                item.tensor.data = got[item.name]
+                item.version = item.tensor._version
+        for item in self.group.items:
             item.users += 1
-        state.live += len(group.items)
-        if torch.is_grad_enabled() and group.saving is None:
-            group.saving = torch.autograd.graph.saved_tensors_hooks(*_save_by_name(state, group))
-            group.saving.__enter__()
-        ahead = group.next
-        if ahead is not None and ahead is not group:
-            state.loader.prefetch(ahead.key, [i.name for i in ahead.items if i.users == 0])
-    return hook
+        if torch.is_grad_enabled() and self._saving is None:
+            self._saving = ExitStack()
+            self._saving.enter_context(torch.autograd.graph.saved_tensors_hooks(*save_by_name(self)))
+        self._prefetch_next()
+
+    def _swap_out(self, training: bool) -> None:
+        if self._saving is not None:
+            self._saving.close()
+            self._saving = None
+        with torch.inference_mode(False), torch.no_grad():
+            for item in self.group.items:
+                item.users -= 1
+                if item.users:
+                    continue
+                if item.tensor._version != item.version or (item.is_buffer and training):
+                    item.home.copy_(item.tensor.data)  # what the unit changed stays changed
+                item.tensor.data = item.home
+
+
+class CheckFiles(Hook):
+    """On the model itself, when units stream on CPU execution: before each forward, checks
+    every file behind the offloaded weights (one ``stat`` each) and reads the first streamed
+    unit ahead; ``checked`` stays True until the forward returns (or raises). A compiled forward
+    then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
+    graph break. A forward that did not come through the model's hooks (``model.forward(...)``,
+    ``torch.compile(model.forward)``) finds ``checked`` False and checks unit by unit, as in
+    eager mode, where the units check their own files anyway."""
+
+    def __init__(self, groups: list[Group], transfer: Transfer):
+        super().__init__()
+        self.first, self.transfer = groups[0], transfer
+        self.names = [n for group in groups[1:] for n in group.names]
+        self.checked = False
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._check()
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.checked = False
+        return None
+
+    @torch.compiler.disable
+    def _check(self) -> None:
+        self.checked = False
+        self.transfer.source.check_unchanged(self.names)
+        self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
+        self.checked = True
+
+
+def check_at_home(item: Streamed, unit: str) -> None:
+    """Refuse to stream over a tensor whose data someone replaced since dispatch (``model.to``,
+    ``param.data = ...``): the copy from the source would silently undo their change."""
+    if item.tensor.data_ptr() != item.home.data_ptr() or item.tensor.shape != item.home.shape:
+        raise DispatchError(
+            f"tensor {item.name!r} of offloaded unit {unit!r} no longer holds the weights automap streams "
+            "(was it moved or replaced with .data / .to()?); call automap.undispatch(model), change the model, "
+            "then dispatch it again")
 
 
 @dataclass(frozen=True)
-class _SavedWeight:
-    """What autograd keeps of an offloaded weight a unit used: its name and the view's layout,
-    not its data (which leaves when the unit ends). Backward reads it again from the store."""
+class SavedWeight:
+    """What autograd keeps of an offloaded weight a unit used on an accelerator: its name and
+    the view's layout, not its data (which leaves when the unit ends). Backward reads it again."""
 
     name: str
     shape: torch.Size
     stride: tuple[int, ...]
 
 
-def _save_by_name(state: DispatchState, group: Group) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i.name for i in group.items if i.tensor.numel()}
+def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
+    loaded = {i.tensor.data_ptr(): i.name for i in hook.group.items if i.tensor.numel()}
 
     def pack(tensor: torch.Tensor) -> Any:
         name = loaded.get(tensor.data_ptr()) if tensor.numel() else None
-        return tensor if name is None else _SavedWeight(name, tensor.shape, tensor.stride())
+        return tensor if name is None else SavedWeight(name, tensor.shape, tensor.stride())
 
     def unpack(saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedWeight):
+        if not isinstance(saved, SavedWeight):
             return saved
-        assert state.loader is not None
-        source = state.loader.take(f"{saved.name}@backward", [saved.name])[saved.name]
+        source = hook.transfer.take(f"{saved.name}@backward", [saved.name])[saved.name]
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
     return pack, unpack
 
 
-def refuse_grad(name: str) -> Callable:
+def refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that stops backward where a gradient reaches offloaded ``name``."""
     def hook(grad: torch.Tensor) -> None:
         raise DispatchError(
             f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
-            "weights. Freeze it (requires_grad_(False)) or keep its unit resident (raise max_memory)"
+            f"weights. Freeze it (model.get_parameter({name!r}).requires_grad_(False), or requires_grad_(False) "
+            "on its unit), keep its unit resident (raise max_memory), or run under torch.no_grad()"
         )
-    return hook
-
-
-def _release(item: Streamed) -> None:
-    item.users = 0
-    item.tensor.data = placeholder(item.tensor, item.tensor.device)
-
-
-def _end_saving(group: Group) -> None:
-    if group.saving is not None:
-        group.saving.__exit__(None, None, None)
-        group.saving = None
-
-
-def stream_out(state: DispatchState, group: Group) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        _end_saving(group)
-        for item in group.items:
-            item.users -= 1
-            if item.users == 0:
-                _release(item)
-        state.live -= len(group.items)
-    return hook
-
-
-def reset_stale(state: DispatchState) -> Callable:
-    """A forward that raised inside a unit never ran that unit's post-hook, leaving weights
-    held in; the next top-level forward releases them so memory stays within budget."""
-    def hook(module: nn.Module, args: tuple) -> None:
-        if state.live:
-            log.debug("releasing %d streamed tensor(s) left by an interrupted forward", state.live)
-            for group in reversed(state.groups):
-                _end_saving(group)
-            for item in state.streamed.values():
-                if item.users:
-                    _release(item)
-            state.live = 0
     return hook

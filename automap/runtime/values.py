@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 
 def send(value: Any, device: torch.device) -> Any:
@@ -34,29 +33,3 @@ def send(value: Any, device: torch.device) -> Any:
             return value
         return dataclasses.replace(value, **changes)
     return value
-
-
-def _on(values: tuple, device: torch.device) -> bool:
-    """True when every value is a tensor already on ``device`` (the common case, checked
-    without rebuilding anything: it runs before every unit)."""
-    for value in values:
-        if not isinstance(value, torch.Tensor) or value.device != device:
-            return False
-    return True
-
-
-def move_inputs(device: torch.device) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if _on(args, device) and (not kwargs or _on(tuple(kwargs.values()), device)):
-            return None
-        moved_args, moved_kwargs = send(args, device), send(kwargs, device)
-        if moved_args is args and moved_kwargs is kwargs:
-            return None
-        return moved_args, moved_kwargs
-    return hook
-
-
-def move_outputs(device: torch.device) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return send(output, device)
-    return hook

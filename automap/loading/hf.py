@@ -1,0 +1,177 @@
+"""Hugging Face model folders: the model a folder's ``config.json`` names, built without weights.
+
+A folder written by ``save_pretrained`` holds ``config.json`` (the architecture and its sizes)
+beside the weights (``model.safetensors``, shards with an index, or ``pytorch_model*.bin``).
+:func:`build_from_folder` reads the config with transformers' ``AutoConfig`` (local files only:
+nothing is downloaded) and builds the class its ``architectures`` entry names — the class
+``from_pretrained`` would build — else the first Auto head the family has (causal LM, then
+seq2seq, image classification, the bare model), inside :func:`~automap.loading.empty_model`, so
+its parameters are on meta and its buffers computed. :func:`automap.load` then reads the weights
+from the same folder like any checkpoint.
+
+transformers is imported here only, when a folder is built; without it the call fails with a
+:class:`~automap.errors.DependencyError` saying what to install.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from automap.errors import CheckpointError, DependencyError
+from automap.loading.checkpoint import Checkpoint
+from automap.loading.empty import empty_model
+from automap.loading.keys import Match
+
+CONFIG_NAME = "config.json"
+# Heads to try when a config names no architecture, most useful first: a family is built as
+# what people run it as.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
+# torch.set_default_dtype takes only these.
+_DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_model_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder with a ``config.json`` (a Hugging Face model folder)."""
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def import_transformers() -> Any:
+    """The ``transformers`` module.
+
+    Raises:
+        DependencyError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise DependencyError(
+            "building a model from a Hugging Face folder's config.json needs transformers, which is not installed "
+            f"({exc}); pip install transformers, or build the model yourself under automap.empty_model() and call "
+            "automap.load(model, folder)") from exc
+    return transformers
+
+
+def read_config(folder: str | os.PathLike[str]) -> Any:
+    """The transformers config in ``folder/config.json`` (read locally, never downloaded).
+
+    Raises:
+        CheckpointError: no config.json there, or one transformers cannot read.
+        DependencyError: transformers is not installed.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a folder; automap.load(path) takes a Hugging Face model folder "
+                              "(config.json and its weights). For a single checkpoint file, build the model and "
+                              "call automap.load(model, path)")
+    if not is_model_folder(root):
+        raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
+                              "yourself under automap.empty_model() and call automap.load(model, folder)")
+    transformers = import_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation, reported in one line
+        raise CheckpointError(f"{root / CONFIG_NAME} is not a config transformers can read ({type(exc).__name__}: "
+                              f"{exc}); save it again with save_pretrained, or build the model yourself") from exc
+
+
+def config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a config says its weights are in (``"dtype"``, formerly ``"torch_dtype"``)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):  # a config.json stores "bfloat16"
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
+    """Construct the model ``config`` describes (in the caller's device/dtype context): the
+    class its ``architectures`` entry names, else the first of :data:`AUTO_CLASSES` the family
+    has. None when transformers has no class for it. A config naming classes transformers lacks
+    (a model with remote code) gives None too, unless ``guess``: then the family's heads are
+    tried (good enough to plan a config; weights would need the real class)."""
+    transformers = import_transformers()
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls(config)
+    if getattr(config, "architectures", None) and not guess:
+        return None
+    for auto_name in AUTO_CLASSES:
+        try:
+            return getattr(transformers, auto_name).from_config(config)
+        except ValueError:  # this head does not exist for the family: try the next
+            continue
+    return None
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Build modules at ``dtype`` (as ``from_pretrained(dtype=...)`` does): their parameters
+    are created in it, and buffers computed in an explicit dtype keep theirs."""
+    if dtype not in _DEFAULT_DTYPES:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of a Hugging Face folder, as a skeleton: parameters on meta, buffers computed.
+
+    Args:
+        folder: a folder with ``config.json`` (written by ``save_pretrained``).
+        dtype: build the parameters in this dtype; default: the config's, as
+            ``from_pretrained``'s ``dtype="auto"`` does.
+
+    Returns:
+        The model in eval mode, ready for :func:`automap.load` to fill from ``folder``.
+
+    Raises:
+        CheckpointError: no or unreadable config.json, or an architecture transformers lacks.
+        DependencyError: transformers is not installed.
+
+    Example:
+        >>> skeleton = build_from_folder("gpt2/")
+        >>> type(skeleton).__name__, skeleton.lm_head.weight.device
+        ('GPT2LMHeadModel', device(type='meta'))
+    """
+    config = read_config(folder)
+    with empty_model(), default_dtype(dtype or config_dtype(config)):
+        model = instantiate(config)
+    if model is None:
+        names = getattr(config, "architectures", None) or [type(config).__name__]
+        raise CheckpointError(
+            f"{Path(folder) / CONFIG_NAME} names {', '.join(map(str, names))}, which this transformers "
+            f"({import_transformers().__version__}) does not have (a model with its own code?); build the model "
+            "yourself under automap.empty_model() and call automap.load(model, folder)")
+    return model.eval()
+
+
+def take_stored_dtypes(model: nn.Module, checkpoint: Checkpoint, match: Match) -> int:
+    """Give each meta tensor of ``model`` the dtype its checkpoint tensor is stored in, so that
+    a plan counts the bytes the checkpoint really holds (a bf16 checkpoint of an fp32 config).
+    Only headers are read. Returns the number of tensors changed."""
+    changed = 0
+    for name, tensor in _meta_tensors(model):
+        stored = checkpoint.tensors.get(match.sources.get(name, ""))
+        if stored is not None and stored.dtype != tensor.dtype and stored.dtype.is_floating_point \
+                and tensor.is_floating_point():
+            tensor.data = torch.empty(tensor.shape, dtype=stored.dtype, device="meta")
+            changed += 1
+    return changed
+
+
+def _meta_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_meta and id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor

@@ -1,0 +1,219 @@
+"""A safetensors file mapped copy-on-write: one real CPU tensor per entry, zero-copy.
+
+The map is *private* (``MAP_PRIVATE``): reading costs no anonymous memory (the pages are the
+page cache's, and the kernel may drop them), and a write into a tensor — BatchNorm updating
+its running statistics in train mode, ``weight.mul_()`` in a hook, ``load_state_dict`` —
+copies just the written pages into this process's memory and never reaches the file. So every
+offloaded parameter can be a real tensor with its true shape and values at all times, and no
+write can crash the process (a shared read-only map would kill it with SIGSEGV) or change a
+file automap does not own. :meth:`MappedFile.written_bytes` counts the copied pages from
+``/proc/self/pagemap`` (a private page that was written is no longer a file page), which is how
+:func:`automap.placement` reports them.
+
+Each tensor gets its own storage over its own byte range (``torch.frombuffer`` with an offset),
+so ``torch.save(model.state_dict())`` writes each tensor's bytes once and tensors of different
+dtypes in one file never share a storage.
+
+What a map cannot survive is the file shrinking under it: touching a page past the new end of
+the file raises SIGBUS. :meth:`MappedFile.changed` (one ``stat``) is checked before every read
+of a unit's weights, so a truncated or replaced file is refused with an error instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from automap.errors import OffloadError
+from automap.offload.format import Header, TensorInfo, read_header
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+# MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
+# compute thread takes no page faults; Python 3.11 lacks the constant.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+Signature = tuple[int, int, int, int]
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """``madvise`` through ctypes, which releases the GIL for the call: ``mmap.madvise`` keeps
+    it, so a prefetch waiting on the disk would stall the thread running the model."""
+    return _LIBC.madvise(address, length, advice) == 0
+
+
+def signature(path: str | os.PathLike[str]) -> Signature:
+    """What identifies a file's contents cheaply: device, inode, size, modification time."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _page_range(address: int, length: int) -> range:
+    return range(address // PAGE, (address + length - 1) // PAGE + 1) if length > 0 else range(0)
+
+
+def private_pages(pages: Iterable[int]) -> int | None:
+    """How many of the virtual ``pages`` (page numbers) hold a private copy — written since
+    they were mapped — according to ``/proc/self/pagemap``; None where it cannot be read."""
+    wanted = sorted(set(pages))
+    if not wanted:
+        return 0
+    count = 0
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            start = 0
+            while start < len(wanted):
+                end = start
+                while end + 1 < len(wanted) and wanted[end + 1] == wanted[end] + 1:
+                    end += 1
+                pagemap.seek(wanted[start] * 8)
+                for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - start + 1) * 8)):
+                    present, swapped, file_page = entry >> 63 & 1, entry >> 62 & 1, entry >> 61 & 1
+                    count += bool(swapped or (present and not file_page))
+                start = end + 1
+    except OSError:
+        return None
+    return count
+
+
+class MappedFile:
+    """One safetensors file, validated and mapped copy-on-write, with a tensor per key.
+
+    Args:
+        path: the file.
+        keys: the keys to make tensors for (default: all of them).
+
+    Raises:
+        FormatError: the file is missing, truncated or not valid safetensors.
+        OffloadError: a key is not in the file.
+
+    Example:
+        >>> mapped = MappedFile(Path("model.safetensors"), ["lm_head.weight"])
+        >>> mapped.tensor("lm_head.weight").shape
+    """
+
+    def __init__(self, path: Path, keys: Iterable[str] | None = None):
+        self.path = path
+        self.header: Header = read_header(path)
+        wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
+        missing = [k for k in wanted if k not in self.header.tensors]
+        if missing:
+            raise OffloadError(f"{path} has no tensor {missing[0]!r}"
+                               + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                               + "; it is not the file automap read before, or it was changed")
+        with open(path, "rb") as f:
+            self.signature: Signature = signature(path)
+            size = self.signature[2]
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) if self._map is not None else 0
+        self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
+
+    def _tensor(self, info: TensorInfo) -> torch.Tensor:
+        dtype = info.torch_dtype
+        if info.nbytes == 0 or self._map is None:
+            return torch.empty(info.shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is (private)
+            flat = torch.frombuffer(self._map, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.begin)
+        return flat.view(info.shape)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key``: a CPU view of the map (writes stay in this process's memory)."""
+        return self._tensors[key]
+
+    def info(self, key: str) -> TensorInfo:
+        return self.header.tensors[key]
+
+    def changed(self) -> Signature | None:
+        """The file's new signature if it was replaced, truncated or rewritten since it was
+        mapped, else None.
+
+        Raises:
+            FileNotFoundError: the file was deleted.
+        """
+        now = signature(self.path)
+        return None if now == self.signature else now
+
+    def _spans(self, keys: Iterable[str]) -> list[tuple[int, int]]:
+        if self._map is None:
+            return []
+        found = []
+        for key in keys:
+            info = self.header.tensors[key]
+            if info.nbytes:
+                start = self.address + info.begin
+                found.append((start - start % PAGE, info.nbytes + start % PAGE))
+        return found
+
+    def advise(self, keys: Iterable[str], populate: bool = True) -> None:
+        """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
+        queued at once (large reads, no waiting), then, with ``populate``, the pages are mapped
+        in as they arrive so that the compute thread takes no page faults. Releases the GIL."""
+        spans = self._spans(keys)
+        for start, length in spans:
+            madvise(start, length, mmap.MADV_WILLNEED)
+        if populate:
+            for start, length in spans:
+                if not madvise(start, length, MADV_POPULATE_READ):
+                    break  # kernels before 5.14 lack POPULATE_READ: the readahead still runs
+
+    def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
+        """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
+        (whole pages), or None where the kernel does not say."""
+        pages = [p for start, length in self._spans(self._tensors if keys is None else keys)
+                 for p in _page_range(start, length)]
+        count = private_pages(pages)
+        return None if count is None else count * PAGE
+
+    def evict(self) -> None:
+        """Drop this file's pages from this process and from the page cache, so the next read
+        comes from the disk (a cold start, for benchmarks).
+
+        Raises:
+            OffloadError: some pages were written in memory; dropping them would lose the writes.
+        """
+        written = self.written_bytes()
+        if written:
+            raise OffloadError(f"{written} bytes of {self.path} were written in memory (copy-on-write); evicting "
+                               "the file's pages would lose them")
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def backing_file(tensor: torch.Tensor) -> Path | None:
+    """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
+    they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
+    store or checkpoint file, from one held in RAM."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return Path(path) if path.startswith("/") else None
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,76 @@
+"""Checkpoint tensors read in place: a user's safetensors files, mapped copy-on-write, never
+written, never copied.
+
+:func:`automap.load` references an offloaded tensor here when the checkpoint already holds it
+in the dtype the model wants, so loading a model whose weights mostly stay on disk reads and
+writes nothing. The files stay the user's: automap opens them read-only, and a write into a
+tensor (copy-on-write) stays in memory.
+
+If a checkpoint file changes while a model uses it:
+
+- replaced by another file (saved to a temporary name and renamed, or deleted and written
+  anew): the map still holds the bytes read, so the model keeps its weights (a warning says so);
+- rewritten in place with the same layout (``save_pretrained`` of this very model into its own
+  folder): the tensors now show the file's new bytes, so the model is what the file says (a
+  warning says so) — refused instead when this process had written into one of its tensors,
+  whose pages would then mix old and new bytes;
+- rewritten with another layout, or truncated: refused with
+  :class:`~automap.errors.OffloadError` before any read, since the views would point at other
+  tensors' bytes or past the end of the file.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping
+
+from automap.errors import AutomapError, OffloadError
+from automap.offload.format import read_header
+from automap.offload.mapped import MappedFile, Signature
+from automap.offload.source import MappedSource
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSource(MappedSource):
+    """Tensors of safetensors checkpoint files, by their names in the model.
+
+    Args:
+        entries: model tensor name -> (checkpoint file, key inside it).
+
+    Raises:
+        FormatError: a file is not valid safetensors.
+        OffloadError: a file lacks a key.
+
+    Example:
+        >>> source = CheckpointSource({"lm_head.weight": (Path("model.safetensors"), "lm_head.weight")})
+    """
+
+    kind = "checkpoint file"
+
+    def __init__(self, entries: Mapping[str, tuple[Path, str]]):
+        super().__init__({n: (Path(p).resolve(), k) for n, (p, k) in entries.items()})
+
+    @property
+    def fix(self) -> str:
+        return ("restore the checkpoint, or load the model again (automap.undispatch(model), then "
+                "automap.load); automap reads offloaded weights from the checkpoint in place")
+
+    def accept_change(self, mapped: MappedFile, now: Signature) -> None:
+        try:
+            header = read_header(mapped.path)
+        except AutomapError as exc:
+            raise OffloadError(f"{self.kind} {mapped.path} changed after automap mapped it and is no longer "
+                               f"readable ({exc}); {self.fix}") from exc
+        moved = [k for k in mapped.keys if header.tensors.get(k) != mapped.info(k)]
+        if moved:
+            raise OffloadError(f"{self.kind} {mapped.path} was rewritten with another layout (tensor {moved[0]!r} "
+                               f"moved) while automap read offloaded weights from it; {self.fix}")
+        if mapped.written_bytes():
+            raise OffloadError(f"{self.kind} {mapped.path} was rewritten while tensors read from it had been changed "
+                               f"in memory; the two cannot be merged: {self.fix}")
+        log.warning("%s %s was rewritten in place with the same layout; the model now uses its new contents",
+                    self.kind, mapped.path)
+
+    def close(self, discard: bool = False) -> None:
+        return None  # nothing was created: the files are the user's

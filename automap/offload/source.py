@@ -1,0 +1,251 @@
+"""Weight sources: where offloaded weights live between the moments their units run.
+
+The runtime (:mod:`automap.runtime`) and the loader (:func:`automap.load`) see offloaded weights
+only through :class:`WeightSource`: a mapping from a tensor's name in the model to a real CPU
+tensor holding its values (what the model's parameter holds between forwards), plus a prefetch
+hint, a check that the backing bytes are still the ones read, counters for the placement
+report, and ``close``. A new kind of source (direct-I/O reads, a compressed store, an in-RAM
+pinned pool) implements this protocol here in :mod:`automap.offload`; nothing in
+``automap/runtime/`` changes.
+
+The implementations:
+
+- :class:`RamSource` — tensors kept in host RAM (pinned when a GPU executes);
+- :class:`~automap.offload.store.OffloadStore` — a store directory automap created and owns;
+- :class:`~automap.offload.reference.CheckpointSource` — tensors of a user's safetensors
+  checkpoint, read in place and never written;
+- :class:`SourceSet` — several of them behind one interface.
+
+Both file-backed sources share :class:`MappedSource`: copy-on-write maps
+(:mod:`automap.offload.mapped`), a ``stat`` per file before each read, and a per-kind answer to
+"the file changed on disk: may I keep reading it?".
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Collection, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from automap.errors import OffloadError
+from automap.offload.mapped import MappedFile, Signature
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """What a source holds, for :func:`automap.placement`: bytes read from files (file-backed
+    pages, no anonymous memory until written), bytes in host RAM (of which pinned), and bytes
+    written in memory over file-backed tensors (copy-on-write; None: the kernel does not say)."""
+
+    file_bytes: int = 0
+    ram_bytes: int = 0
+    pinned_bytes: int = 0
+    written_bytes: int | None = 0
+
+    def __add__(self, other: SourceStats) -> SourceStats:
+        written = None if self.written_bytes is None or other.written_bytes is None else \
+            self.written_bytes + other.written_bytes
+        return SourceStats(self.file_bytes + other.file_bytes, self.ram_bytes + other.ram_bytes,
+                           self.pinned_bytes + other.pinned_bytes, written)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Offloaded weights by name. Every method may be called from several threads."""
+
+    def names(self) -> Collection[str]:
+        """The tensor names this source holds."""
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a real CPU tensor (true shape, dtype and values); the same
+        object on every call, so a parameter can hold it between uses."""
+
+    def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
+        """Bring ``names`` close: into the page cache and, with ``populate``, mapped into this
+        process (that may block, so the runtime calls it on a worker thread); without, only
+        queue the reads and return. A hint: doing nothing is correct."""
+
+    def check_unchanged(self, names: Iterable[str]) -> None:
+        """Raise :class:`~automap.errors.OffloadError` when the bytes behind ``names`` can no
+        longer be trusted (a file deleted, truncated, or rewritten with other contents)."""
+
+    def stats(self) -> SourceStats:
+        """Bytes held, for the placement report."""
+
+    def close(self, discard: bool = False) -> None:
+        """Give up the source (locks released). With ``discard``, also remove whatever this
+        source itself created on disk (a failed dispatch or load)."""
+
+
+class RamSource:
+    """Tensors kept in host RAM, pinned for fast copies when an accelerator executes.
+
+    Example:
+        >>> source = RamSource({"fc.weight": weight}, pin=torch.cuda.is_available())
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], pin: bool = False):
+        self._tensors = {n: (t.pin_memory() if pin and t.numel() else t) for n, t in tensors.items()}
+        self.pinned = pin
+
+    def names(self) -> Collection[str]:
+        return self._tensors.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
+        return None  # already in RAM
+
+    def check_unchanged(self, names: Iterable[str]) -> None:
+        return None
+
+    def stats(self) -> SourceStats:
+        nbytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
+        return SourceStats(ram_bytes=nbytes, pinned_bytes=nbytes if self.pinned else 0)
+
+    def close(self, discard: bool = False) -> None:
+        self._tensors = {}
+
+
+class MappedSource:
+    """Tensors read through copy-on-write maps of safetensors files.
+
+    Args:
+        entries: tensor name -> (file, key inside it).
+
+    Subclasses decide what a changed file means (:meth:`accept_change`).
+    """
+
+    kind = "offload file"
+
+    def __init__(self, entries: Mapping[str, tuple[Path, str]]):
+        self.entries = dict(entries)
+        by_file: dict[Path, list[str]] = {}
+        for path, key in self.entries.values():
+            by_file.setdefault(path, []).append(key)
+        self.files = {path: MappedFile(path, keys) for path, keys in by_file.items()}
+        self._names_in = {path: [n for n, (p, _) in self.entries.items() if p == path] for path in by_file}
+        self._lock = threading.Lock()  # one thread at a time decides about a changed file
+
+    def names(self) -> Collection[str]:
+        return self.entries.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        path, key = self.entries[name]
+        return self.files[path].tensor(key)
+
+    def file_of(self, name: str) -> Path:
+        return self.entries[name][0]
+
+    def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
+        for path, keys in self._keys_by_file(names).items():
+            self.files[path].advise(keys, populate)
+
+    def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
+        found: dict[Path, list[str]] = {}
+        for name in names:
+            path, key = self.entries[name]
+            found.setdefault(path, []).append(key)
+        return found
+
+    def check_unchanged(self, names: Iterable[str]) -> None:
+        for path in {self.entries[n][0] for n in names}:
+            self.check_file(path)
+
+    def check_file(self, path: Path) -> None:
+        mapped = self.files[path]
+        try:
+            now = mapped.changed()
+        except FileNotFoundError as exc:
+            raise OffloadError(f"{self.kind} {path} was deleted after automap mapped it; {self.fix}") from exc
+        if now is None:
+            return
+        with self._lock:
+            if mapped.signature == now:
+                return  # another thread accepted it meanwhile
+            if now[2] < mapped.header.needed:
+                raise OffloadError(f"{self.kind} {path} is truncated: {now[2]} bytes, its header needs "
+                                   f"{mapped.header.needed}; {self.fix}")
+            if now[1] != mapped.signature[1]:
+                # Replaced by another file (a new inode): the map still holds the bytes read,
+                # which stay valid for as long as the model uses them.
+                log.warning("%s %s was replaced on disk; automap keeps the weights it read from it", self.kind, path)
+            else:
+                self.accept_change(mapped, now)
+            mapped.signature = now
+
+    @property
+    def fix(self) -> str:
+        return "restore it, or call automap.undispatch(model) and dispatch (or load) again"
+
+    def accept_change(self, mapped: MappedFile, now: Signature) -> None:
+        """The file was rewritten in place (same inode, still long enough): raise if the
+        bytes the tensors view can no longer be trusted."""
+        raise OffloadError(f"{self.kind} {mapped.path} changed after automap mapped it; {self.fix}")
+
+    def stats(self) -> SourceStats:
+        written: int | None = 0
+        for mapped in self.files.values():
+            more = mapped.written_bytes()
+            written = None if written is None or more is None else written + more
+        return SourceStats(file_bytes=sum(self.get(n).numel() * self.get(n).element_size() for n in self.entries),
+                           written_bytes=written)
+
+    def evict(self) -> None:
+        """Drop every page of the files from memory (a cold start, for benchmarks)."""
+        for mapped in self.files.values():
+            mapped.evict()
+
+    def close(self, discard: bool = False) -> None:
+        return None  # the maps close when the last tensor viewing them is gone
+
+
+class SourceSet:
+    """Several sources behind one :class:`WeightSource` (the store, the checkpoint, RAM)."""
+
+    def __init__(self, sources: Sequence[WeightSource]):
+        self.sources = [s for s in sources if s is not None]
+        self._by_name: dict[str, WeightSource] = {}
+        for source in self.sources:
+            for name in source.names():
+                self._by_name.setdefault(name, source)
+
+    def names(self) -> Collection[str]:
+        return self._by_name.keys()
+
+    def source_of(self, name: str) -> WeightSource:
+        return self._by_name[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._by_name[name].get(name)
+
+    def _split(self, names: Iterable[str]) -> dict[int, tuple[WeightSource, list[str]]]:
+        found: dict[int, tuple[WeightSource, list[str]]] = {}
+        for name in names:
+            source = self._by_name[name]
+            found.setdefault(id(source), (source, []))[1].append(name)
+        return found
+
+    def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
+        for source, part in self._split(names).values():
+            source.prefetch(part, populate)
+
+    def check_unchanged(self, names: Iterable[str]) -> None:
+        for source, part in self._split(names).values():
+            source.check_unchanged(part)
+
+    def stats(self) -> SourceStats:
+        total = SourceStats()
+        for source in self.sources:
+            total = total + source.stats()
+        return total
+
+    def close(self, discard: bool = False) -> None:
+        for source in self.sources:
+            source.close(discard)

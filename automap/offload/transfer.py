@@ -1,0 +1,294 @@
+"""Transfers: bringing a unit's offloaded weights to the execution device, the next unit's
+prefetched while the current one computes. Two implementations behind one interface, the way
+torchgpipe's ``AbstractStream`` hides CPU vs CUDA:
+
+- :class:`PageTransfer`, when the CPU executes: the weights already *are* CPU tensors (views of
+  the source), so nothing is copied; the prefetch asks the kernel, on a worker thread, to read
+  the next unit's pages and map them in while the current unit computes.
+- :class:`StagedTransfer`, when an accelerator executes: the worker copies the next unit's
+  weights from the source into a pinned staging buffer and issues each host-to-device copy on a
+  side stream as soon as its tensor is staged, so the memcpy of one tensor overlaps the DMA of
+  the one before. The compute stream waits on the copy's event only when the unit runs.
+  Tensors already pinned (RAM offload) skip the staging. At most one unit is in flight ahead of
+  the running one, which is what the plan's reserve pays for.
+
+:class:`StagedTransfer` issues every stream, event and copy through :class:`DeviceOps`, so its
+ordering (wait before use, drain before reusing the staging buffer, keep tensors alive for the
+stream that reads them) can be checked on a CPU with ops that delay copies and record waits.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from automap.offload.source import WeightSource
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256  # bytes; keeps every staged view aligned for any dtype and for fast DMA
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Transfer(abc.ABC):
+    """Hands out a unit's offloaded tensors on the execution device, prefetching the next.
+
+    ``swaps`` says whether :meth:`take` returns new tensors (copies on an accelerator) that the
+    runtime must put in place for the unit and take back after, or the source's own tensors
+    (which the model's parameters hold anyway).
+    """
+
+    swaps: bool = False
+
+    def __init__(self, source: WeightSource):
+        self.source = source
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automap-prefetch")
+        self._pending: dict[str, Future[Any]] = {}
+        self._state = threading.Lock()  # guards _pending: forwards may run on several threads
+
+    def prefetch(self, key: str, names: Sequence[str]) -> None:
+        """Start bringing ``names`` (the tensors of unit ``key``) in, without waiting. A
+        previous guess that was never taken is dropped, so at most one unit is in flight."""
+        with self._state:
+            for other in [k for k in self._pending if k != key]:
+                self._pending.pop(other).cancel()
+            if names and key not in self._pending:
+                self._pending[key] = self._pool.submit(self._ahead, tuple(names))
+
+    def _claim(self, key: str) -> Future[Any] | None:
+        with self._state:
+            return self._pending.pop(key, None)
+
+    @abc.abstractmethod
+    def _ahead(self, names: tuple[str, ...]) -> Any:
+        """The prefetch, on the worker thread."""
+
+    @abc.abstractmethod
+    def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """``names`` on the execution device, ready for the current stream to use.
+
+        Raises:
+            OffloadError: a file behind them changed, was truncated or deleted.
+        """
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory this transfer holds (its staging buffer)."""
+        return 0
+
+    def close(self) -> None:
+        """Stop the worker, dropping any prefetch in flight."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._state:
+            self._pending.clear()
+
+
+class PageTransfer(Transfer):
+    """CPU execution: the source's tensors are used where they are; prefetching reads pages.
+
+    Example:
+        >>> transfer = PageTransfer(store)
+        >>> transfer.prefetch("layers.1", ["layers.1.weight"])   # returns at once
+        >>> weights = transfer.take("layers.1", ["layers.1.weight"])
+    """
+
+    swaps = False
+
+    def _ahead(self, names: tuple[str, ...]) -> None:
+        self.source.prefetch(names)
+
+    def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        self.source.check_unchanged(names)
+        if self._claim(key) is None:
+            # Not prefetched (the first unit, or a guess that missed): queue the reads of the
+            # whole unit now rather than page by page as the compute thread faults.
+            self.source.prefetch(names, populate=False)
+        return {n: self.source.get(n) for n in names}
+
+
+class DeviceOps(Protocol):
+    """The primitives :class:`StagedTransfer` orders its copies with (see :class:`CudaOps`)."""
+
+    def side_stream(self) -> Any: ...
+    def current_stream(self) -> Any: ...
+    def on_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor: ...
+    def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def is_pinned(self, tensor: torch.Tensor) -> bool: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def record(self, stream: Any) -> Any: ...
+    def wait(self, stream: Any, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...
+
+
+class CudaOps:
+    """:class:`DeviceOps` on a CUDA device: a side stream, events, non-blocking copies."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def side_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def on_stream(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
+
+
+class StagedTransfer(Transfer):
+    """Accelerator execution: pinned staging, copies on a side stream, the compute stream waits.
+
+    Args:
+        source: where the offloaded weights live.
+        ops: the stream/event/copy primitives of the execution device.
+    """
+
+    swaps = True
+
+    def __init__(self, source: WeightSource, ops: DeviceOps):
+        super().__init__(source)
+        self.ops = ops
+        self._staging_lock = threading.Lock()  # the staging buffer has one user at a time
+        self._staging: torch.Tensor | None = None
+        self._stream = ops.side_stream()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._staging.numel() if self._staging is not None else 0
+
+    def _ahead(self, names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Any]:
+        return self._copy(names)
+
+    def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        self.source.check_unchanged(names)
+        got: dict[str, torch.Tensor] = {}
+        events = []
+        future = self._claim(key)
+        if future is not None:
+            try:
+                got, event = future.result()
+                events.append(event)
+            except Exception:  # noqa: BLE001 - the synchronous copy below raises it properly
+                log.debug("prefetch of %s failed; copying it now", key, exc_info=True)
+                got = {}
+        missing = tuple(n for n in names if n not in got)
+        if missing:
+            more, event = self._copy(missing)
+            got.update(more)
+            events.append(event)
+        current = self.ops.current_stream()
+        for event in events:
+            self.ops.wait(current, event)
+        for tensor in got.values():
+            self.ops.keep_alive(tensor, current)  # its memory is reused only after compute used it
+        return {n: got[n] for n in names}
+
+    def _copy(self, names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Any]:
+        sources = {n: self.source.get(n) for n in names}
+        staged = sum(aligned(t.nbytes) for t in sources.values() if not self.ops.is_pinned(t))
+        out: dict[str, torch.Tensor] = {}
+        with self._staging_lock, self.ops.on_stream(self._stream):
+            offset = 0
+            for name, src in sources.items():
+                if not self.ops.is_pinned(src):
+                    src, offset = self._stage(src, offset, staged), offset + aligned(src.nbytes)
+                out[name] = self.ops.empty(src.shape, src.dtype)
+                self.ops.copy(out[name], src)
+            event = self.ops.record(self._stream)
+            # The staging buffer is reused by the next unit: it must be drained first. This
+            # thread waits, the compute stream does not.
+            self.ops.synchronize(event)
+        return out, event
+
+    def _stage(self, src: torch.Tensor, offset: int, total: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None
+            self._staging = self.ops.pinned(total)
+            log.debug("pinned staging buffer of %d bytes", total)
+        view = self._staging[offset:offset + src.nbytes].view(src.dtype).view(src.shape)
+        view.copy_(src)
+        return view
+
+
+class HostCopyOps:
+    """:class:`DeviceOps` that run the staged path on the CPU: every copy is a real copy into
+    a tensor of its own, finished when issued. It lets the runtime's accelerator path (weights
+    swapped in for a unit, written back, re-read for backward) run and be tested on a machine
+    without a GPU; it is not faster than :class:`PageTransfer`."""
+
+    def side_stream(self) -> None:
+        return None
+
+    def current_stream(self) -> None:
+        return None
+
+    def on_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        return None
+
+    def synchronize(self, event: Any) -> None:
+        return None
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        return None
+
+
+def make_transfer(source: WeightSource, device: torch.device) -> Transfer:
+    """The transfer for an execution device: staged copies to an accelerator, pages on CPU."""
+    if device.type == "cuda":
+        return StagedTransfer(source, CudaOps(device))
+    return PageTransfer(source)

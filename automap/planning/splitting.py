@@ -1,0 +1,211 @@
+"""The planner's front door: lay the model out, split what does not fit, keep the fastest plan.
+
+:func:`make_plan` asks :mod:`automap.planning.layout` for every option at the profile's units
+(all on the accelerators, packed out of order, streamed to an accelerator, the CPU computing
+what the accelerators cannot hold). Unless everything fits on the accelerators as it is, it
+then asks ``refine`` (:class:`automap.profiling.refine.Splitter`, which traces the model again)
+to split the units that do not fit where they must go, and lays the finer profile out again,
+round after round, down to leaf modules, until everything fits on the accelerators:
+
+- a unit larger than every accelerator's room (it can neither live on one nor be streamed to
+  one whole);
+- a streamed unit that would take more than a quarter of the execution device's room as
+  staging (the room kept free for streamed weights; the rest holds resident units).
+
+Splitting is not free in the cost model: more units mean more hooks
+(:attr:`Plan.hook_seconds`) and possibly more cuts. Of every option at every level, the plan
+with the smallest predicted forward time (:attr:`Plan.forward_seconds`) is kept, except that
+when some option keeps everything on the accelerators only those count (the promise: if the
+model fits on the accelerators, nothing goes to CPU or disk). ``Plan.choices`` says which units
+were split and why, which stayed whole, and which alternative won by how much.
+
+Pure and deterministic given ``refine``: planning does no I/O; the splitter traces on meta.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+from automap.devices import DeviceSpec
+from automap.errors import PlanError
+from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
+from automap.planning.model import Plan
+from automap.planning.strategies import get_strategy
+from automap.profiling import Profile
+from automap.profiling.refine import Refinement
+from automap.sizes import format_bytes
+
+Refine = Callable[[Profile, Sequence[str]], Refinement]
+
+# Rounds of splitting at most (each traces the model once more): a unit's depth in the module
+# tree bounds what splitting can reach, and four or five levels cover the models we know.
+MAX_ROUNDS = 8
+# A streamed unit should stage in at most this share of the execution device's room; larger
+# ones are split so that the device keeps the rest for resident units.
+STAGING_SHARE = 0.25
+_LISTED = 4  # names listed in a choice before "and N more"
+
+
+@dataclass(frozen=True)
+class _Level:
+    """The options at one level of splitting, and the splits that led there."""
+
+    profile: Profile
+    candidates: tuple[Candidate, ...]
+    splits: tuple[str, ...]
+
+
+def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
+              reserve: Mapping[str, int] | None = None, refine: Refine | None = None) -> Plan:
+    """Place ``profile``'s units on ``devices`` with a named strategy.
+
+    Args:
+        profile: the model's units in execution order.
+        devices: where units may go (hypothetical devices are fine), fastest tier first.
+        strategy: a registered strategy's name (:mod:`automap.planning.strategies`):
+            ``"auto"`` / ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"``.
+        reserve: bytes to keep free per device name (KV cache, optimizer state).
+        refine: splits units into their children (:class:`~automap.profiling.refine.Splitter`);
+            without it the units stay as profiled.
+
+    Returns:
+        A deterministic :class:`Plan`; ``plan.choices`` says what was split and chosen.
+
+    Raises:
+        PlanError: unknown strategy, no devices, a unit that fits nowhere and cannot be split
+            (the message names its class when ``no_split`` keeps it whole), or a model that
+            does not fit even on disk (the message gives the numbers per tier).
+
+    Example:
+        >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
+    """
+    chosen = get_strategy(strategy)
+    if not devices:
+        raise PlanError("no devices to place on; give max_memory={'cpu': '8GiB'} or similar")
+    devices = tuple(sorted(devices, key=DeviceSpec.sort_key))
+    reserve = dict(reserve or {})
+    levels: list[_Level] = []
+    refused: dict[str, str] = {}
+    current, error = profile, None
+    splits: tuple[str, ...] = ()
+    for _ in range(MAX_ROUNDS + 1):
+        try:
+            candidates = tuple(level_plans(current, devices, chosen, reserve))
+        except PlanError as exc:
+            candidates, error = (), exc
+        levels.append(_Level(current, candidates, splits))
+        # Pieces of a unit share a device, so once everything fits on the accelerators (as is,
+        # or packed out of order) splitting finer cannot do better.
+        if refine is None or any(_all_on_accelerators(c.plan) for c in candidates):
+            break
+        wanted = {n: why for n, why in split_targets(current, devices, reserve, candidates).items() if n not in refused}
+        if not wanted:
+            break
+        refinement = refine(current, list(wanted))
+        refused.update(refinement.refused)
+        if not refinement.pieces:
+            break
+        splits += _split_notes(refinement.pieces, wanted)
+        current = refinement.profile
+    return _best(levels, refused, error)
+
+
+def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
+                  candidates: Sequence[Candidate]) -> dict[str, str]:
+    """The units that do not fit where they must go, and why (see the module docstring)."""
+    gpus = [d for d in devices if d.is_accelerator]
+    if not gpus:
+        return {}
+    largest = max(room(d, reserve) for d in gpus)
+    wanted = {}
+    for unit in profile.units:
+        need = unit.weight_bytes + unit.peak_activation_bytes
+        if need > largest:
+            wanted[unit.name] = f"larger than any GPU's room ({format_bytes(need)} > {format_bytes(largest)})"
+    plan = next((c.plan for c in candidates if c.kind == STREAMED), None)
+    executor = plan.device(plan.execution_device) if plan is not None else max(gpus, key=lambda d: room(d, reserve))
+    limit = STAGING_SHARE * room(executor, reserve)
+    # The units streamed, or else those the CPU computes (streamed if an accelerator executed).
+    off_gpu = plan or next((c.plan for c in candidates if c.kind == CPU_COMPUTES), None)
+    for i, unit in enumerate(profile.units):
+        on_gpu = off_gpu is not None and off_gpu.device(off_gpu.placement[i]).is_accelerator
+        if unit.name not in wanted and unit.weight_bytes > limit and not on_gpu:
+            wanted[unit.name] = (f"streamed to {executor.name}, it would take more than a quarter of its room "
+                                 f"({format_bytes(unit.weight_bytes)} of {format_bytes(room(executor, reserve))})")
+    return wanted
+
+
+def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError | None) -> Plan:
+    """The fastest candidate of all levels in the first tier that has any, with its choices:
+    everything on the accelerators; else the accelerators compute every unit (the rest
+    streamed to one of them); else the CPU computes what no accelerator can run."""
+    pool = [(level, i, c) for i, level in enumerate(levels) for c in level.candidates]
+    if not pool:
+        assert error is not None
+        raise _explained(error, refused, {u.name: u.weight_bytes for level in levels for u in level.profile.units})
+    tiers = ([p for p in pool if p[2].kind in (RESIDENT, PACKED) and _all_on_accelerators(p[2].plan)],
+             [p for p in pool if p[2].kind != CPU_COMPUTES], pool)
+    tier, why = next((t, w) for t, w in zip(tiers, _TIER_REASONS) if t)
+    level, index, best = min(tier, key=lambda p: (p[2].plan.forward_seconds, p[1]))
+    notes = list(level.splits)
+    kept = [f"{name} ({why})" for name, why in refused.items()]
+    if kept:
+        more = f", and {len(kept) - _LISTED} more" if len(kept) > _LISTED else ""
+        notes.append(f"kept whole: {'; '.join(kept[:_LISTED])}{more}")
+    if len(pool) > 1 or best.kind == CPU_COMPUTES:
+        others = sorted((p for p in pool if p[2] is not best), key=lambda p: p[2].plan.forward_seconds)
+        listed = ", ".join(f"{_describe(c, i)} {_ms(c.plan)}" for _, i, c in others[:_LISTED]) or "none"
+        notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({why}); "
+                     f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
+    return replace(best.plan, choices=tuple(notes))
+
+
+# Why the chosen plan's tier won (see _best).
+_TIER_REASONS = ("everything fits on the accelerators: the fastest such plan",
+                 "the fastest plan in which the accelerators compute every unit",
+                 "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those")
+
+
+def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]) -> tuple[str, ...]:
+    """One line per kind of split: ``"layer4.0 split into 7 pieces: larger than ..."``, or for
+    units split alike ``"a, b and 10 more split into 4 pieces each: ..."`` (the first's numbers)."""
+    alike: dict[tuple[int, str], list[str]] = {}
+    for name, parts in pieces.items():
+        alike.setdefault((len(parts), reasons[name].partition(" (")[0]), []).append(name)
+    notes = []
+    for (count, _), names in alike.items():
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 3 else
+                                        "".join(f", {n}" for n in names[2:]))
+        each = " each" if len(names) > 1 else ""
+        notes.append(f"{shown} split into {count} pieces{each}: {reasons[names[0]]}")
+    return tuple(notes)
+
+
+def _all_on_accelerators(plan: Plan) -> bool:
+    return all(plan.device(d).is_accelerator for d in plan.placement)
+
+
+def _describe(candidate: Candidate, level: int) -> str:
+    plan = candidate.plan
+    off = sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator)
+    what = {
+        RESIDENT: "all on the accelerators" if any(d.is_accelerator for d in plan.devices) else "all in CPU RAM",
+        PACKED: "units packed out of order on the accelerators",
+        STREAMED: f"{format_bytes(off)} streamed to {plan.execution_device}",
+        CPU_COMPUTES: (f"the CPU computes {format_bytes(off)} the accelerators cannot hold"
+                       if plan.executor == "cpu" else "all on the CPU"),
+    }[candidate.kind]
+    return what + (f" after {level} round(s) of splitting" if level else "")
+
+
+def _ms(plan: Plan) -> str:
+    return f"{plan.forward_seconds * 1e3:.3g} ms"
+
+
+def _explained(error: PlanError, refused: Mapping[str, str], sizes: Mapping[str, int]) -> PlanError:
+    """``error`` with the units that stayed whole (why, and their size) when that kept it from fitting."""
+    if not refused:
+        return error
+    whole = "; ".join(f"{name!r} ({why}, {format_bytes(sizes[name])})" if name in sizes else f"{name!r} ({why})"
+                      for name, why in list(refused.items())[:_LISTED])
+    return PlanError(f"{error}. Units that could not be split: {whole}")

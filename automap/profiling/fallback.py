@@ -1,0 +1,234 @@
+"""Profiling a model as users hand it over: in train mode, and with forwards meta cannot run.
+
+**Train mode.** The trace runs with every module's ``training`` flag set to False
+(:func:`eval_mode`) and puts each flag back afterwards, error or not. BatchNorm then uses its
+running statistics instead of the batch's, so a batch of 1 traces (train-mode BatchNorm refuses
+one value per channel); dropout draws no mask. Neither changes a FLOP count: FLOPs come from
+matmuls, convolutions and attention, which are the same in both modes (the tests check the
+totals against ``FlopCounterMode`` on the model in train mode). Activations were already those
+of an inference forward (saved-for-backward tensors are kept as shapes only), so the masks and
+batch statistics train mode would add are not missed. Flags are set directly rather
+than through ``model.eval()``, so a module's own ``train()`` override runs no side effect. What
+eval mode does change: code that runs only in training (Inception v3's auxiliary classifier)
+is not called by the trace; such units are planned as never called (bytes only, last).
+
+**Forwards meta cannot run.** Meta tensors have shapes and no values, so some forwards cannot
+run on them: a unit reads a number (``tensor.item()``, ``int(tensor)``), an op's output shape
+depends on values (``nonzero``, ``unique``, boolean indexing), or an op's meta kernel rejects a
+dtype its real kernel takes (``torch._grouped_mm``, which transformers' mixture-of-experts layers
+call, checks for bfloat16 on meta). Such a failure is a :class:`MetaLimit`; any other error (a
+shape mismatch from wrong example inputs) is the user's to fix and still raises
+:class:`~automap.errors.ProfileError`. A failure counts as a meta limit when it is one of the
+above: the tracer's own ``.item()`` refusal, a ``NotImplementedError`` or a message about meta
+tensors from an op, or an op that fails at float32 and runs when its floats are cast to
+bfloat16 or float16 (:func:`meta_limit`).
+
+A meta limit is handled per unit, in the one traced forward:
+
+1. Every unit's forward is guarded while tracing (:func:`stand_ins`). When it fails with a meta
+   limit, the unit returns a *stand-in* instead: a copy of its first tensor argument, the shape
+   of the residual stream a transformer block, a mixture-of-experts layer or a same-shape
+   convolution block returns. The forward goes on, so every later unit is traced: its FLOPs,
+   activations and the bytes crossing each cut are measured as usual. Once a unit has stood
+   in, any later failure is taken as its consequence (the stand-in's shape may have been
+   wrong, as for a unit that narrows its input) and handled the same way, with a reason that
+   says so.
+2. A meta limit in code between units (a parent's forward) ends the forward there: the units
+   that ran keep their measurements, and the ones it never reached are *unreached*. No
+   backward runs then: every ``train_flops`` stays 0 (not measured), as with ``backward=False``.
+3. A stood-in or unreached unit is planned from what is known without running it
+   (:func:`fill_untraced`): its parameter and buffer bytes (exact), and FLOPs estimated from
+   its parameter bytes at the rate the traced units achieved (FLOPs per parameter byte; the
+   weight-bound rule of a transformer, where a layer's FLOPs are twice its parameters per
+   token), never less than what the trace counted before the unit failed. With no traced unit
+   doing FLOPs to set the rate they stay 0, and the plan balances by bytes. ``Unit.untraced``
+   says why, ``Unit.flops_estimated`` whether its FLOPs are an estimate; the report lists them.
+
+A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a
+user's device map that places every tensor needs no measurement to be dispatched.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from automap.profiling.metaops import tensors_in
+from automap.profiling.result import Unit
+
+# A message about meta tensors: "cannot be called on meta tensors", "the 'Meta' backend",
+# "Cannot copy out of meta tensor", "not on the expected device meta" ("metadata" is not one).
+_ABOUT_META = re.compile(r"\bmeta\b", re.IGNORECASE)
+_REASON_CHARS = 200  # enough for the error's first line; the report wraps it
+
+
+class MetaLimit(RuntimeError):
+    """Something a forward does that meta tensors cannot: read a value, or run an op whose
+    meta kernel is missing, data-dependent, or narrower than its real kernel."""
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` with ``training=False`` inside the block, each flag as it was
+    after it (also when the block raises). Flags are set directly: no ``train()`` override runs."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        for module, _ in flags:
+            module.training = False
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def describe(exc: BaseException) -> str:
+    """``"RuntimeError: <first line>"`` (a :class:`MetaLimit`'s message alone), short enough
+    for a report line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(text) > _REASON_CHARS:
+        text = text[:_REASON_CHARS - 3].rstrip() + "..."
+    if isinstance(exc, MetaLimit):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def is_meta_limit(exc: BaseException) -> bool:
+    """Whether ``exc`` says what meta tensors cannot do (see the module docstring)."""
+    return isinstance(exc, MetaLimit) or (isinstance(exc, (RuntimeError, NotImplementedError, TypeError))
+                                          and bool(_ABOUT_META.search(str(exc))))
+
+
+def meta_limit(func: Any, args: tuple, kwargs: dict, exc: Exception) -> MetaLimit | None:
+    """The :class:`MetaLimit` an aten op's failure on meta tensors is, or None when it is an
+    error the real kernel would raise too (a shape mismatch).
+
+    Example:
+        >>> meta_limit(torch.ops.aten._grouped_mm.default, (a, b), {"offs": offs}, exc)
+        MetaLimit('the meta kernel of aten._grouped_mm rejects float32 but runs at bfloat16 ...')
+    """
+    if isinstance(exc, MetaLimit):
+        return exc
+    name = str(func).removesuffix(".default")
+    if isinstance(exc, NotImplementedError) or is_meta_limit(exc):
+        return MetaLimit(f"{name} cannot run on meta tensors ({describe(exc)})")
+    if not isinstance(exc, RuntimeError):
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        if _runs_at(func, args, kwargs, dtype):
+            given = sorted({str(t.dtype).removeprefix("torch.") for t in tensors_in((args, kwargs))
+                            if t.dtype in (torch.float32, torch.float64)})
+            return MetaLimit(f"the meta kernel of {name} rejects {'/'.join(given)} but runs at "
+                             f"{str(dtype).removeprefix('torch.')} ({describe(exc)})")
+    return None
+
+
+def _runs_at(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> bool:
+    """Whether ``func`` runs on meta with its float32/float64 tensors cast to ``dtype``."""
+    wide = (torch.float32, torch.float64)
+    if not any(t.dtype in wide for t in tensors_in((args, kwargs))):
+        return False
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_meta and x.dtype in wide else x
+
+    try:
+        func(*tree_map(cast, args), **tree_map(cast, kwargs))
+    except Exception:  # noqa: BLE001 - any failure means: not a dtype limit of the meta kernel
+        return False
+    return True
+
+
+@contextmanager
+def stand_ins(modules: Mapping[str, nn.Module], units: Sequence[str], failed: dict[str, str]) -> Iterator[None]:
+    """Guard each unit's forward while tracing: a unit that fails with a meta limit (or fails
+    at all once another unit stood in) returns a stand-in, and ``failed`` gets its reason.
+
+    The forwards are instance attributes only inside the block; afterwards every module has
+    the ``forward`` it had before (also when the block raises).
+    """
+    saved: list[tuple[nn.Module, Any]] = []
+    seen: set[int] = set()
+    try:
+        for name in units:
+            module = modules[name]
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            saved.append((module, module.__dict__.get("forward", _ABSENT)))
+            module.forward = _guarded(module.forward, name, failed)
+        yield
+    finally:
+        for module, before in reversed(saved):
+            if before is _ABSENT:
+                del module.forward
+            else:
+                module.forward = before
+
+
+_ABSENT = object()
+
+
+def _guarded(forward: Callable[..., Any], name: str, failed: dict[str, str]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - only meta limits and their consequences are kept
+            if not failed and not is_meta_limit(exc):
+                raise
+            reason = describe(exc) if is_meta_limit(exc) else \
+                f"{describe(exc)}, after the stand-in for {next(iter(failed))!r}"
+            failed.setdefault(name, reason)
+            return stand_in(args, kwargs)
+    return run
+
+
+def stand_in(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """What a unit that could not run returns while tracing: a copy of its first tensor
+    argument (a copy, so the unit produces it and gradients still flow to earlier units)."""
+    found = tensors_in((args, dict(kwargs)))
+    return found[0].clone() if found else None
+
+
+def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: str) -> dict[str, str]:
+    """Why each unit the trace did not measure was not: it stood in, or the forward stopped
+    before it ran."""
+    reasons = {}
+    for unit in units:
+        if unit.name in failed:
+            reasons[unit.name] = f"its forward cannot run on meta: {failed[unit.name]}"
+        elif stopped and unit.calls == 0:
+            reasons[unit.name] = f"the traced forward stopped before it ran, {stopped}"
+    return reasons
+
+
+def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str]) -> tuple[Unit, ...]:
+    """``units`` with each unit named in ``reasons`` planned from its weights: FLOPs estimated
+    at the traced units' FLOPs per parameter byte (see the module docstring), ``untraced`` set.
+
+    Example:
+        >>> fill_untraced(prof.units, {"model.layers.0": "its forward cannot run on meta: ..."})
+    """
+    traced = [u for u in units if u.name not in reasons and u.calls and u.flops and u.param_bytes]
+    rate = sum(u.flops for u in traced) / sum(u.param_bytes for u in traced) if traced else 0.0
+    trained = [u for u in traced if u.train_flops]
+    ratio = sum(u.train_flops for u in trained) / sum(u.flops for u in trained) if trained else 0.0
+    return tuple(_estimated(u, reasons[u.name], rate, ratio) if u.name in reasons else u for u in units)
+
+
+def _estimated(unit: Unit, reason: str, rate: float, train_ratio: float) -> Unit:
+    estimate = round(rate * unit.param_bytes)
+    flops = max(unit.flops, estimate)
+    return replace(unit, flops=flops, train_flops=max(unit.train_flops, round(flops * train_ratio)),
+                   untraced=reason, flops_estimated=estimate > unit.flops)
+
+
+def untraced_units(units: Sequence[Unit], reason: str) -> tuple[Unit, ...]:
+    """``units`` marked as planned without any trace, for ``reason``."""
+    return tuple(replace(u, untraced=reason) for u in units)

@@ -1,0 +1,185 @@
+"""Splitting placement units into their children, checked against a fresh trace.
+
+The planner asks for finer units when one does not fit where it must go (a unit larger than
+every GPU, a streamed unit larger than the execution device's staging room). A unit splits
+into its children that hold tensors (the blocks of a child ``ModuleList`` in its place; a unit
+with one such child splits that child instead), unless its class is in ``no_split`` or it is a
+leaf module. The model is then traced again with the pieces as units, and a split is kept
+only when that trace shows the pieces can run as units:
+
+- its forward calls every piece (``nn.MultiheadAttention`` never calls ``out_proj``);
+- no piece's tensor is read outside that piece's own forward (the same ``out_proj.weight``,
+  read by the attention's own code), so each piece's weights can be streamed in with it;
+- its pieces run one after another, with no other unit in between;
+- the trace measured every piece (none stood in, see ``profiling/fallback.py``); a unit the
+  trace could not run is not split either.
+
+The split module's own code (a residual add) still runs outside every unit, so its pieces are
+marked with ``Unit.split_from``: the planner keeps them on one computing device and the runtime
+sends the module's inputs there. Deterministic: the same model and names give the same pieces.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from automap.errors import ProfileError
+from automap.profiling import ExampleInputs, Profile, profile
+from automap.profiling.kvcache import profile_generation
+from automap.profiling.units import no_split_classes, tensor_children
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What a split request gave.
+
+    Attributes:
+        profile: the model profiled with the split units replaced by their pieces (the
+            profile asked about when nothing split).
+        pieces: each split unit and the units that replace it, in execution order.
+        refused: each unit that stays whole and why (``"a leaf module (Conv2d)"``).
+    """
+
+    profile: Profile
+    pieces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+
+class Splitter:
+    """Re-profiles ``model`` with some units split into their children; what
+    :func:`automap.planning.make_plan` calls (``refine=``) when a unit does not fit.
+
+    Args:
+        model: the model the profiles describe (real or on meta; it is not changed).
+        example_inputs, dtype: as given to :func:`automap.profile` for the first profile.
+        no_split: classes (or class names) never to split; default: the model's
+            ``_no_split_modules``.
+
+    Example:
+        >>> splitter = Splitter(model, example_inputs=(x,))
+        >>> splitter(prof, ["layer4.0"]).pieces["layer4.0"][:2]
+        ('layer4.0.conv1', 'layer4.0.bn1')
+    """
+
+    def __init__(self, model: nn.Module, *, example_inputs: ExampleInputs | None = None,
+                 no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None) -> None:
+        self.model, self.example_inputs, self.dtype = model, example_inputs, dtype
+        self.keep_whole = no_split_classes(model, no_split)
+        self.modules = dict(model.named_modules())
+
+    def __call__(self, base: Profile, names: Sequence[str]) -> Refinement:
+        """Split each unit of ``base`` named in ``names`` that can be split."""
+        called = {u.name for u in base.units if u.calls > 0}
+        untraced = {u.name: u.untraced for u in base.units if u.untraced}
+        pieces: dict[str, tuple[str, ...]] = {}
+        refused: dict[str, str] = {}
+        for name in names:
+            found, why = self.pieces_of(name)
+            if not why and not base.example:
+                why = "no traced forward to check a split against (profiled without example inputs)"
+            if not why and name in untraced:
+                why = f"not traced ({untraced[name]})"
+            if not why and name not in called:
+                why = "never called in the traced forward"
+            if why:
+                refused[name] = why
+            else:
+                pieces[name] = found
+        while pieces:
+            finer, bad = self._retrace(base, pieces)
+            refused.update(bad)
+            if not bad:
+                assert finer is not None
+                return Refinement(finer, pieces, refused)
+            pieces = {k: v for k, v in pieces.items() if k not in bad}
+        return Refinement(base, {}, refused)
+
+    def pieces_of(self, name: str) -> tuple[tuple[str, ...], str]:
+        """The units ``name`` would split into, or ``()`` and why it cannot split."""
+        module = self.modules[name]
+        while True:
+            kind = type(module).__name__
+            if kind in self.keep_whole:
+                return (), f"its class {kind} is in no_split"
+            children = tensor_children(name, module)
+            if not children:
+                return (), f"leaf {kind}"
+            if len(children) > 1 or any(True for _ in module.parameters(recurse=False)) \
+                    or any(True for _ in module.buffers(recurse=False)):
+                return tuple(children), ""
+            name, module = children[0], self.modules[children[0]]
+
+    def _retrace(self, base: Profile, pieces: Mapping[str, tuple[str, ...]]) -> tuple[Profile | None, dict[str, str]]:
+        units = [n for u in base.units for n in pieces.get(u.name, (u.name,))]
+        try:
+            with _quiet(logging.getLogger("automap.profiling")):
+                finer = profile(self.model, self.example_inputs, dtype=self.dtype, units=units,
+                                backward=base.total_train_flops > 0)
+        except ProfileError as exc:
+            return None, {name: f"tracing with its pieces failed ({exc})" for name in pieces}
+        bad = {name: why for name, parts in pieces.items() if (why := _unrunnable(finer, parts))}
+        if bad:
+            return None, bad
+        return self._with_generation(base, _marked(base, finer, pieces)), {}
+
+    def _with_generation(self, base: Profile, finer: Profile) -> Profile:
+        """``finer`` planned for the same generation as ``base``: the cache measured again, per
+        piece, since each piece's cache stays on the piece's device."""
+        generation = base.generation
+        if generation is None:
+            return finer
+        if not generation.cache:  # nothing to measure: the same note
+            return replace(finer, generation=generation)
+        return profile_generation(self.model, finer, self.example_inputs, batch=generation.batch,
+                                  max_length=generation.max_length, dtype=self.dtype)
+
+
+@contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """Drop ``logger``'s warnings for a while: a rejected split's uncalled pieces are expected
+    there, and the reason goes into the plan's choices instead."""
+    def drop(record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING
+
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _unrunnable(finer: Profile, parts: Sequence[str]) -> str:
+    """Why ``parts`` cannot run as units, from the trace with them as units ("" when they can)."""
+    uncalled = [p for p in parts if p in set(finer.uncalled)]
+    if uncalled:
+        return f"its forward never calls {uncalled[0]!r}"
+    untraced = next((u for u in finer.units if u.name in parts and u.untraced), None)
+    if untraced is not None:
+        return f"{untraced.name!r} cannot be traced ({untraced.untraced})"
+    strays = set(finer.strays)
+    position = {u.name: i for i, u in enumerate(finer.units)}
+    for unit in finer.units:
+        if unit.name in parts:
+            read = next((t for t in unit.tensors if t in strays), None)
+            if read is not None:
+                return f"its forward reads {read!r} outside {unit.name!r}"
+    spots = sorted(position[p] for p in parts if p in position)
+    if spots and spots[-1] - spots[0] + 1 != len(spots):
+        return "other units run between its pieces"
+    return ""
+
+
+def _marked(base: Profile, finer: Profile, pieces: Mapping[str, tuple[str, ...]]) -> Profile:
+    """``finer`` with every piece's ``split_from`` set to the outermost unit it came from."""
+    origin = {}
+    for unit in base.units:
+        for part in pieces.get(unit.name, ()):
+            origin[part] = unit.split_from or unit.name
+    kept = {u.name: u.split_from for u in base.units if u.split_from}
+    units = tuple(replace(u, split_from=origin.get(u.name) or kept.get(u.name, "")) for u in finer.units)
+    return replace(finer, units=units, example=base.example)  # the same inputs, however they were described

@@ -1,0 +1,306 @@
+"""Profiling models as users hand them over (``automap/profiling/fallback.py``): the trace runs
+in eval mode and leaves every module's mode as it was; units whose forward meta cannot run
+(``.item()``, data-dependent control flow, mixture-of-experts ``grouped_mm``) are planned from
+their weights and named in the report, and the plain model's outputs come back when they are
+dispatched with part of their weights on disk; a dict map that places every tensor is planned
+without a trace."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import automap
+from automap.errors import ProfileError
+from automap.profiling.inputs import to_meta
+from conftest import tiny_gpt2, weight_bytes
+from test_profile import reference_flops, snapshot
+
+
+# ---------------------------------------------------------------------------- models
+
+
+class WatchedBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm whose ``train()`` override records each call (the trace must not call it)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.train_calls: list[bool] = []
+
+    def train(self, mode: bool = True) -> WatchedBatchNorm:
+        self.train_calls.append(mode)
+        return super().train(mode)
+
+
+def linear_batchnorm_linear(batchnorm: type[nn.BatchNorm1d] = nn.BatchNorm1d) -> nn.Sequential:
+    """The model of issue 17, in its default train mode."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(linear1=nn.Linear(3, 4), batchnorm=batchnorm(4), linear2=nn.Linear(4, 5)))
+
+
+class DynamicScale(nn.Module):
+    """Divides its projection by the input's largest magnitude, read as a Python number (as
+    dynamic quantisers compute their scale): meta tensors have no value to read."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().max().item()
+        return self.proj(x) / (1.0 + scale)
+
+
+def item_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), DynamicScale(32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+
+
+class EarlyExit(nn.Module):
+    """Runs as many blocks as ``depth`` says, read with ``.item()`` in its own forward (code
+    between units): data-dependent control flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks[: int(depth.item())]:
+            x = torch.relu(block(x))
+        return x
+
+
+def tiny_moe(kind: str) -> nn.Module:
+    """A small mixture-of-experts causal LM from transformers (4 experts, 2 per token)."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=4)
+        build = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=32)
+        build = transformers.Qwen2MoeForCausalLM
+    torch.manual_seed(0)
+    return build(config).eval()
+
+
+def training_flags(model: nn.Module) -> list[bool]:
+    return [m.training for m in model.modules()]
+
+
+def dispatch_part_on_disk(model: nn.Module, tmp_path, share: float = 0.4) -> automap.Plan:
+    """Plan ``model`` with "auto" and a CPU budget of ``share`` of its weights; dispatch it."""
+    plan = automap.plan(model, "auto", max_memory={"cpu": int(share * weight_bytes(model))}, offload_dir=tmp_path)
+    assert plan.bytes_on("disk") > 0 and plan.bytes_on("cpu") > 0, plan.device_map
+    automap.dispatch(model, plan, offload_dir=tmp_path / "offload")
+    return plan
+
+
+# ------------------------------------------------------------------------ train mode
+
+
+def test_train_mode_batchnorm_traces_on_a_batch_of_one():
+    model = linear_batchnorm_linear()
+    prof = automap.profile(model)  # default input: a 1x3 vector, one value per channel
+    assert [u.name for u in prof.units] == ["linear1", "batchnorm", "linear2"]
+    assert [u.flops for u in prof.units] == [2 * 3 * 4, 0, 2 * 4 * 5]
+    assert not prof.untraced and all(training_flags(model))
+
+
+def test_trace_leaves_every_flag_as_it_was_and_calls_no_train_override():
+    model = linear_batchnorm_linear(WatchedBatchNorm)
+    model.linear2.eval()  # a mix: the trace must restore each module's own flag
+    before = snapshot(model)
+    automap.profile(model)
+    assert snapshot(model)["training"] == before["training"] == [True, True, True, False]
+    assert model.batchnorm.train_calls == []
+
+
+def test_flags_and_forwards_are_restored_after_a_trace_that_raises():
+    model = linear_batchnorm_linear()
+    model.batchnorm.eval()
+    before = snapshot(model)
+    with pytest.raises(ProfileError, match="inside unit 'linear1'"):
+        automap.profile(model, (torch.zeros(2, 7),))  # 7 features for a 3-feature layer: the user's error
+    after = snapshot(model)
+    assert after["training"] == before["training"] == [True, True, False, True]
+    assert after["hooks"] == before["hooks"]
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the stand-in guards are gone
+
+
+@pytest.mark.parametrize("build", ["resnet50", "gpt2"])
+def test_eval_mode_trace_counts_the_train_mode_models_flops(build, request):
+    # FLOPs come from matmuls, convolutions and attention: BatchNorm's batch statistics and
+    # dropout's masks change none of them, so the eval-mode trace gives the train-mode counts.
+    if build == "resnet50":
+        model, inputs = request.getfixturevalue("resnet50").train(), (torch.zeros(2, 3, 64, 64),)
+    else:
+        model, inputs = tiny_gpt2(layers=2).train(), (torch.zeros(2, 16, dtype=torch.long),)
+        assert model.config.resid_pdrop > 0  # dropout is live in train mode
+    forward, train = reference_flops(model, to_meta(inputs))
+    prof = automap.profile(model, inputs)
+    assert (prof.total_flops, prof.total_train_flops) == (forward, train)
+    assert all(training_flags(model))
+
+
+# ------------------------------------------------------------- forwards meta cannot run
+
+
+def test_a_unit_that_reads_a_number_stands_in_and_later_units_are_traced():
+    prof = automap.profile(item_model())
+    by_name = {u.name: u for u in prof.units}
+    assert prof.untraced == ("1",)
+    assert "Tensor.item()" in by_name["1"].untraced and by_name["1"].flops_estimated
+    # The traced units around it count exactly; the stand-in passed the right shape on.
+    assert [by_name[n].flops for n in ("0", "2", "3", "4")] == [2 * 16 * 32, 2 * 32 * 32, 2 * 32 * 32, 2 * 32 * 8]
+    assert all(not by_name[n].untraced for n in ("0", "2", "3", "4"))
+    assert prof.cut_bytes(prof.index("2")) == 32 * 4  # the 1x32 activation crossing the cut
+    # Its estimate: the traced units' FLOPs per parameter byte, times its own parameter bytes.
+    traced = [by_name[n] for n in ("0", "2", "3", "4")]
+    rate = sum(u.flops for u in traced) / sum(u.param_bytes for u in traced)
+    assert by_name["1"].flops == round(rate * by_name["1"].param_bytes)
+    assert by_name["1"].train_flops > by_name["1"].flops > 0
+
+
+def test_a_meta_limit_between_units_keeps_what_ran_and_plans_the_rest_by_bytes():
+    model = EarlyExit()
+    prof = automap.profile(model, (torch.zeros(2, 8), torch.tensor(3)))
+    stem, *blocks = prof.units
+    assert stem.name == "stem" and stem.flops == 2 * 2 * 8 * 8 and not stem.untraced
+    assert prof.total_train_flops == 0  # no backward ran: not measured, never a guess
+    assert [b.name for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    for block in blocks:
+        assert block.untraced.startswith("the traced forward stopped before it ran, after unit 'stem'")
+        assert block.weight_bytes == (8 * 8 + 8) * 4 and block.flops_estimated
+    assert prof.uncalled == ()  # not reached is not "never called"
+
+
+class DynamicNarrow(DynamicScale):
+    """A :class:`DynamicScale` that also narrows its width: its stand-in has the wrong shape."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__(width)
+        self.proj = nn.Linear(width, out)
+
+
+def test_failures_after_a_wrong_shaped_stand_in_fall_back_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), DynamicNarrow(32, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    prof = automap.profile(model)  # the stand-in passes 32 features to a layer that takes 8
+    by_name = {u.name: u for u in prof.units}
+    assert prof.untraced == ("1", "2", "3")
+    assert "Tensor.item()" in by_name["1"].untraced
+    assert "after the stand-in for '1'" in by_name["2"].untraced
+    assert by_name["0"].flops == 2 * 16 * 32 and not by_name["0"].untraced
+
+
+def test_a_stood_in_unit_is_timed_on_a_real_device():
+    prof = automap.profile(item_model(), measure=True, device="cpu", repeats=1)
+    assert prof.units[prof.index("1")].untraced and prof.units[prof.index("1")].seconds is not None
+
+
+def test_genuine_errors_after_nothing_stood_in_still_raise():
+    with pytest.raises(ProfileError, match="inside unit '0'"):
+        automap.profile(item_model(), (torch.zeros(1, 5),))  # 5 features for a 16-feature layer
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_layers_fail_in_grouped_mm_on_meta_and_are_estimated(kind):
+    model = tiny_moe(kind)
+    prof = automap.profile(model)
+    layers = [u for u in prof.units if u.name.startswith("model.layers.")]
+    assert len(layers) == 4 and prof.untraced == tuple(u.name for u in layers)
+    for layer in layers:
+        assert "_grouped_mm rejects float32 but runs at bfloat16" in layer.untraced
+        assert layer.flops_estimated and layer.flops > 0
+    head = prof.units[prof.index("lm_head")]
+    assert not head.untraced and head.flops == 2 * 64 * 32 * 128  # traced after the stand-ins
+
+
+@pytest.mark.parametrize("build", ["item", "mixtral", "qwen2_moe"])
+def test_untraced_units_plan_auto_and_dispatch_with_part_on_disk(build, tmp_path):
+    model = item_model().eval() if build == "item" else tiny_moe(build)
+    inputs = torch.randn(3, 16) if build == "item" else torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        expected = model(inputs) if build == "item" else model(inputs).logits
+    plan = dispatch_part_on_disk(model, tmp_path)
+    with torch.no_grad():
+        got = model(inputs) if build == "item" else model(inputs).logits
+    assert (got - expected).abs().max().item() <= 1e-6
+    untraced = [u.name for u in plan.units if u.untraced]
+    assert untraced == (["1"] if build == "item" else [f"model.layers.{i}" for i in range(4)])
+    report = plan.report()
+    names = "unit 1" if build == "item" else "units model.layers.0-3"
+    assert f"{names} planned without a trace" in " ".join(report.split())
+    assert json.loads(plan.to_json())["totals"]["untraced_units"] == untraced
+    automap.undispatch(model)
+
+
+# ------------------------------------------------------------------ dict maps, no trace
+
+
+def test_a_full_dict_map_plans_without_a_trace(monkeypatch):
+    model = linear_batchnorm_linear()  # train mode, no example inputs
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("a dict map that places every tensor must not be traced")
+
+    monkeypatch.setattr("automap.profiling.run_trace", no_trace)
+    plan = automap.plan(model, {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"})
+    assert plan.example == "" and plan.placement == ("disk", "disk", "disk")
+    assert [(u.name, u.tensors) for u in plan.units] == [
+        ("linear1", ("linear1.weight", "linear1.bias")),
+        ("batchnorm", ("batchnorm.weight", "batchnorm.bias", "batchnorm.running_mean", "batchnorm.running_var",
+                       "batchnorm.num_batches_tracked")),
+        ("linear2", ("linear2.weight", "linear2.bias")),
+    ]
+    assert [(u.param_bytes, u.buffer_bytes) for u in plan.units] == [(16 * 4, 0), (8 * 4, 8 * 4 + 8), (25 * 4, 0)]
+    assert all(u.untraced.startswith("the device map places every tensor") and u.flops == 0 for u in plan.units)
+    report = " ".join(plan.report().split())
+    assert "bytes only (no trace)" in report and "all 3 units planned without a trace" in report
+    assert automap.Plan.from_json(plan.to_json()).units == plan.units
+
+
+def test_a_full_dict_map_is_traced_when_given_example_inputs():
+    model = linear_batchnorm_linear()
+    plan = automap.plan(model, {"linear1": "cpu", "batchnorm": "cpu", "linear2": "disk"},
+                        example_inputs=(torch.zeros(1, 3),))
+    assert [u.flops for u in plan.units] == [24, 0, 40] and not any(u.untraced for u in plan.units)
+    assert all(training_flags(model))
+
+
+def test_a_full_dict_map_dispatches_without_a_trace(tmp_path):
+    model = linear_batchnorm_linear().eval()
+    x = torch.randn(6, 3)
+    with torch.no_grad():
+        expected = model(x)
+    stats = model.batchnorm.running_mean.clone(), model.batchnorm.running_var.clone()
+    automap.dispatch(model, {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"}, offload_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    automap.undispatch(model)
+    assert torch.equal(model.batchnorm.running_mean, stats[0]) and torch.equal(model.batchnorm.running_var, stats[1])
+
+
+def test_a_loose_tensor_goes_to_a_unit_on_its_mapped_device_without_a_trace():
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=2, num_heads=2,
+                                               hidden_dim=32, mlp_dim=64)
+    # class_token is held by the model itself; the map puts it with the encoder, not conv_proj.
+    device_map = {"conv_proj": "cpu", "class_token": "disk", "encoder": "disk", "heads": "disk"}
+    plan = automap.plan(vit, device_map)
+    assert plan.units[plan_index(plan, "encoder")].loose == ("class_token",)
+    assert plan.device_map == device_map | {"class_token": "disk"}
+
+
+def plan_index(plan: automap.Plan, name: str) -> int:
+    return [u.name for u in plan.units].index(name)
