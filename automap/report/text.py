@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.model import Origin
 from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name, unit_ranges
