@@ -131,6 +131,24 @@ def test_partition_prefers_a_small_cut():
     assert min_bottleneck(chain, slots) == [(0, 3), (3, 4)]
 
 
+def test_a_chain_one_slot_runs_alone_goes_to_the_first_slot():
+    # A big cut after every item: splitting never pays, so one slot runs everything, and the
+    # first one that can (GPU 0, where inputs live) rather than the last.
+    chain = Chain([1e6] * 3, [0] * 3, [0] * 3, [0, 1e12, 1e12])
+    slots = [Slot(10**9, 1e14, 1e10)] * 3
+    assert min_bottleneck(chain, slots) == [(0, 3), None, None]
+    # When the first slot cannot hold it, the next one that can takes it.
+    small = [Slot(10, 1e14, 1e10), Slot(10**9, 1e14, 1e10), Slot(10**9, 1e14, 1e10)]
+    assert min_bottleneck(Chain([1e6] * 3, [100] * 3, [0] * 3, [0, 1e12, 1e12]), small) == [None, (0, 3), None]
+
+
+def test_a_small_model_on_two_gpus_runs_on_gpu_0():
+    model = tiny_llama(layers=4)
+    plan = automap.plan(model, max_memory={0: "1GiB", 1: "1GiB"},
+                        example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    assert set(plan.device_map.values()) == {0}
+
+
 # --------------------------------------------------------------- the promise on real models
 
 

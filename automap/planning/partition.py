@@ -176,7 +176,8 @@ def min_bottleneck(chain: Chain, slots: Sequence[Slot], anchor_first: bool = Fal
     takes at least the first item (it is the execution device of offloaded units).
 
     Ties are broken deterministically: later slots take as much as the optimum allows, so
-    the first slot (GPU 0, where inputs and outputs live) is the lightest.
+    the first slot (GPU 0, where inputs and outputs live) is the lightest; a chain that one
+    slot runs alone at the optimum goes to the first slot that can.
 
     Returns:
         For each slot, its ``(start, end)`` range, or None when it takes nothing.
@@ -201,11 +202,24 @@ def min_bottleneck(chain: Chain, slots: Sequence[Slot], anchor_first: bool = Fal
     return _rebuild(best, probe)
 
 
+def _uses_one_slot(sweep: _Sweep, probe: _Probe) -> bool:
+    """True when the default walk back would give the whole chain to its last slot alone."""
+    n = probe.n
+    last = max(j for j in range(len(probe.slots)) if sweep.reach[j][n])
+    return bool(sweep.start_ok[last][0] and sweep.end_max[last][0] >= n)
+
+
 def _rebuild(sweep: _Sweep, probe: _Probe) -> list[Range | None]:
     """Walk back from the last slot that ends the chain, giving each slot the longest
     feasible range and the predecessor with the fastest link (the one the probe assumed)."""
     n, k = probe.n, len(probe.slots)
     ranges: list[Range | None] = [None] * k
+    # A chain that one slot can run alone within the bottleneck goes to the first such slot
+    # (GPU 0 rather than the last GPU for a model too small to be worth splitting).
+    alone = [j for j in range(k) if sweep.start_ok[j][0] and sweep.end_max[j][0] >= n]
+    if alone and _uses_one_slot(sweep, probe):
+        ranges[alone[0]] = (0, n)
+        return ranges
     slot = max(j for j in range(k) if sweep.reach[j][n])
     end = n
     while True:
