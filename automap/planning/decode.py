@@ -109,7 +109,7 @@ class DecodePrediction:
     @property
     def step_seconds(self) -> float:
         """One decode step: the computing devices take their turns."""
-        return sum(s.seconds for s in self.steps)
+        return step_seconds(self.steps)
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -130,6 +130,11 @@ class DecodePrediction:
         speed = f"~{_rate(self.tokens_per_second)} tokens/s at batch {self.batch}"
         limit = self.limit
         return f"decode limited by {limit.describe()} per step: {speed}" if limit else f"decode {speed}"
+
+
+def step_seconds(steps: Iterable[DeviceStep]) -> float:
+    """Seconds of one decode step made of ``steps``: the computing devices take their turns."""
+    return sum(s.seconds for s in steps)
 
 
 def _limit(steps: Iterable[DeviceStep]) -> Term | None:
@@ -237,13 +242,13 @@ def _batch_hint(plan: Plan, limit: Term) -> str:
         top = _limit(steps)
         if top is not None and (top.kind, top.device) != (limit.kind, limit.device):
             return (f"decode more sequences at once, which share the {shared}: at batch {batch} the limit moves "
-                    f"to {top.describe()} (~{_rate(batch / sum(s.seconds for s in steps))} tokens/s; its KV "
+                    f"to {top.describe()} (~{_rate(batch / step_seconds(steps))} tokens/s; its KV "
                     f"cache needs {format_bytes(kv * batch // generation.batch)})")
     if fits == generation.batch:
         return ""
     steps = decode_steps(plan, fits / generation.batch)
     return (f"decode more sequences at once, which share the {shared}: batch {fits} still fits "
-            f"(~{_rate(fits / sum(s.seconds for s in steps))} tokens/s)")
+            f"(~{_rate(fits / step_seconds(steps))} tokens/s)")
 
 
 def _decimal(amount: float, unit: str) -> str:

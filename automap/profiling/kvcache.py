@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from automap.errors import PlanError
+from automap.profiling.fallback import eval_mode
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, to_meta
 from automap.profiling.result import Generation, Profile
 from automap.profiling.trace import TraceResult, run_trace
@@ -114,18 +114,6 @@ def cache_bytes(cache: Any, producers: Sequence[Mapping[int, str]]) -> tuple[dic
         storages.add(id(st))
         views.add(view)
     return held, read, unattributed
-
-
-@contextmanager
-def _eval(model: nn.Module) -> Iterator[None]:
-    """The model in eval mode, as ``generate`` runs it; each module's flag restored after."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in flags:
-            module.training = training
 
 
 def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None) -> _Prompt | None:
@@ -273,7 +261,7 @@ def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleI
     encoder_length = prompt.length if prompt.encoder else 0
     units = [u.name for u in prof.units]
     state = {name: to_meta(t, dtype) for name, t in all_named_tensors(model)}
-    with _eval(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         first = _prefill_and_step(model, state, units, prompt, batch, start)
         last = _prefill_and_step(model, state, units, prompt, batch, max(max_length - 2, 1)) if first else None
     if first is None or last is None:

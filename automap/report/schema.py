@@ -57,19 +57,20 @@ def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
     if plan.generation is None:
         return None
     decode = facts.decode
-    limit = decode.limit if decode is not None else None
-    return {
-        **asdict(plan.generation),
-        "kv_bytes": facts.kv_bytes,
-        "prefill_seconds": plan.forward_seconds,
-        "decode_step_seconds": decode.step_seconds if decode is not None else None,
-        "decode_tokens_per_second": decode.tokens_per_second if decode is not None else None,
-        "decode_limit": asdict(limit) if limit is not None else None,
-        "decode_summary": decode.describe() if decode is not None else "",
-        "decode_hint": decode.hint if decode is not None else "",
-        "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
-                         for s in decode.steps] if decode is not None else [],
-    }
+    speed: dict[str, Any] = {"decode_step_seconds": None, "decode_tokens_per_second": None, "decode_limit": None,
+                             "decode_summary": "", "decode_hint": "", "decode_steps": []}
+    if decode is not None:
+        limit = decode.limit
+        speed = {
+            "decode_step_seconds": decode.step_seconds,
+            "decode_tokens_per_second": decode.tokens_per_second,
+            "decode_limit": asdict(limit) if limit is not None else None,
+            "decode_summary": decode.describe(),
+            "decode_hint": decode.hint,
+            "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
+                             for s in decode.steps],
+        }
+    return {**asdict(plan.generation), "kv_bytes": facts.kv_bytes, "prefill_seconds": plan.forward_seconds, **speed}
 
 
 def _device_dict(plan: Plan, row: DeviceSummary) -> dict[str, Any]:

@@ -13,11 +13,16 @@ if TYPE_CHECKING:
 
 WIDTH = 80
 MAX_CUT_LINES = 12  # an interleaved (offloaded) plan can have dozens; the totals count them all
-_HEAD = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'use%':>5} {'headroom':>10} "
-         f"{'flops%':>6} {'stage':>9}")
-# With a planned generation, a KV column (the cache of the units computing there, part of "used").
-_HEAD_KV = (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10} {'kv':>10} {'use%':>5} {'headroom':>10} "
-            f"{'flops%':>6} {'stage':>8}")
+def _head(with_kv: bool) -> str:
+    """The device table's header; with a planned generation, a KV column (the cache of the units
+    computing there, part of "used"), the stage column one narrower to stay in 80 columns."""
+    kv = f" {'kv':>10}" if with_kv else ""
+    return (f"{'device':<8} {'kind':<5} {'capacity':>10} {'used':>10}{kv} {'use%':>5} {'headroom':>10} "
+            f"{'flops%':>6} {'stage':>{_stage_width(with_kv)}}")
+
+
+def _stage_width(with_kv: bool) -> int:
+    return 8 if with_kv else 9
 
 
 def render_text(plan: Plan) -> str:
@@ -61,7 +66,7 @@ def _header(plan: Plan, facts: Facts) -> str:
 
 def _devices(plan: Plan, facts: Facts) -> str:
     with_kv = plan.generation is not None
-    lines = [_HEAD_KV if with_kv else _HEAD]
+    lines = [_head(with_kv)]
     for s in facts.rows:
         cap = s.device.capacity_bytes
         pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"  # capacity 0: unknown (actual placement)
@@ -69,7 +74,7 @@ def _devices(plan: Plan, facts: Facts) -> str:
         stage = format_seconds(s.stage_seconds) if s.units else "-"
         kv = f" {format_bytes(s.kv_bytes) if s.kv_bytes else '-':>10}" if with_kv else ""
         lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10}"
-                     f"{kv} {pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>{8 if with_kv else 9}}")
+                     f"{kv} {pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>{_stage_width(with_kv)}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
         span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
