@@ -191,6 +191,33 @@ def test_prefetch_and_evict_keep_values(tmp_path):
     assert torch.equal(store.get("a.weight"), _tensors()["a.weight"])
 
 
+def test_a_warm_prefetch_asks_the_kernel_for_nothing_and_a_reclaimed_one_reads_again(tmp_path, monkeypatch):
+    """Prefetching pages already mapped in and still in memory would only take CPU from the
+    threads computing; pages the kernel dropped since are read again."""
+    import automap.offload.mapped as mapped_module
+
+    path = tmp_path / "w.safetensors"
+    weights = {"w": torch.randn(512, 1024), "v": torch.randn(300)}
+    save_file(weights, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages would stay in the page cache through the eviction below
+    os.close(fd)
+    mapped = MappedFile(path)
+    calls = []
+    real = mapped_module.madvise
+    monkeypatch.setattr(mapped_module, "madvise", lambda *a: calls.append(a[2]) or real(*a))
+    mapped.advise(["w", "v"])
+    assert len(calls) == 4 and mapped.resident(["w", "v"])
+    mapped.advise(["w", "v"])
+    mapped.advise(["w"], populate=False)
+    assert len(calls) == 4, "nothing asked of the kernel for pages mapped in and resident"
+    mapped.evict()  # the pages leave this process and the page cache, as under memory pressure
+    assert not mapped.resident(["w"])
+    mapped.advise(["w"])
+    assert len(calls) == 6 and mapped.resident(["w"])
+    assert all(torch.equal(mapped.tensor(k), t) for k, t in weights.items())
+
+
 class _Spy:
     """A weight source that records what it was asked to prefetch."""
 

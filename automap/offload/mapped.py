@@ -44,6 +44,8 @@ Signature = tuple[int, int, int, int]
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_RESIDENT = bytes(range(1, 256, 2))  # mincore's byte per page: bit 0 set = in memory (the rest reserved)
 
 
 def madvise(address: int, length: int, advice: int) -> bool:
@@ -117,6 +119,7 @@ class MappedFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) if self._map is not None else 0
         self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
+        self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype
@@ -162,7 +165,14 @@ class MappedFile:
     def advise(self, keys: Iterable[str], populate: bool = True) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
         queued at once (large reads, no waiting), then, with ``populate``, the pages are mapped
-        in as they arrive so that the compute thread takes no page faults. Releases the GIL."""
+        in as they arrive so that the compute thread takes no page faults. Releases the GIL.
+
+        Keys mapped in before whose pages are all still in memory are skipped at the cost of
+        one ``mincore`` (:meth:`resident`): a warm forward asks the kernel for nothing, so the
+        prefetch takes no CPU from the threads computing."""
+        keys = list(keys)
+        if self._mapped_in.issuperset(keys) and self.resident(keys):
+            return
         spans = self._spans(keys)
         for start, length in spans:
             madvise(start, length, mmap.MADV_WILLNEED)
@@ -170,6 +180,18 @@ class MappedFile:
             for start, length in spans:
                 if not madvise(start, length, MADV_POPULATE_READ):
                     break  # kernels before 5.14 lack POPULATE_READ: the readahead still runs
+        # Populated now, or (without populate) read by the caller next, which maps them in.
+        self._mapped_in.update(keys)
+
+    def resident(self, keys: Iterable[str]) -> bool:
+        """Whether every page of ``keys`` is in memory now (``mincore``: a byte per page, about
+        0.1 ms for 200 MB). Pages the kernel reclaimed since are read again by the next
+        :meth:`advise`."""
+        for start, length in self._spans(keys):
+            vector = ctypes.create_string_buffer((length + PAGE - 1) // PAGE)
+            if _LIBC.mincore(start, length, vector) != 0 or vector.raw.translate(None, _RESIDENT):
+                return False
+        return True
 
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
@@ -190,6 +212,7 @@ class MappedFile:
         if written:
             raise OffloadError(f"{written} bytes of {self.path} were written in memory (copy-on-write); evicting "
                                "the file's pages would lose them")
+        self._mapped_in.clear()
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
         fd = os.open(self.path, os.O_RDONLY)
