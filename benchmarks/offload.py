@@ -155,6 +155,7 @@ def measure(setup: Callable[[], tuple[Any, Callable[[], None]]], device: str, ru
         model, evict_offloaded = setup()
         setup_s = time.perf_counter() - start
         io1 = read_io()
+        os.sync()  # what setup wrote (accelerate's offload folder) is written back before timing
         time_forwards(model, device, 1)  # warm-up: first touches, allocator, page cache
         warm = time_forwards(model, device, runs)
         io2 = read_io()
@@ -258,6 +259,7 @@ def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
     import random
 
     models = {kind: setup(root, layers, hidden, device)[0] for kind, setup in (setups or SETUPS).items()}
+    os.sync()  # the 3 GB accelerate's setup wrote would otherwise be written back during the rounds
     samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
     for kind, model in models.items():
         time_forwards(model, device, 1)
