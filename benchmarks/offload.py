@@ -257,6 +257,7 @@ def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
                 setups: dict[str, Callable] | None = None) -> dict:
     """All three set up in this one process, then timed in shuffled rounds, one forward each."""
     import random
+    import resource
 
     models = {kind: setup(root, layers, hidden, device)[0] for kind, setup in (setups or SETUPS).items()}
     os.sync()  # the 3 GB accelerate's setup wrote would otherwise be written back during the rounds
@@ -264,13 +265,20 @@ def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
     for kind, model in models.items():
         time_forwards(model, device, 1)
     order = list(models)
+    faults: dict[str, list[int]] = {kind: [] for kind in models}
     for _ in range(runs):
         random.shuffle(order)
         for kind in order:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             samples[kind] += time_forwards(models[kind], device, 1)
+            faults[kind].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
     return {"kind": "timing", "rounds": runs, "median_forward_seconds": wall, "median_forward_cpu_seconds": cpu,
+            "forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
+            # Page faults a forward takes (fresh memory being mapped in): what makes accelerate's
+            # forward vary from one run to the next (it copies every offloaded weight anew).
+            "median_minor_faults_per_forward": {k: statistics.median(v) for k, v in faults.items()},
             "automap_vs_ram": wall["automap"] / wall["ram"], "automap_vs_accelerate": wall["automap"] / wall["accelerate"],
             "accelerate_vs_ram": wall["accelerate"] / wall["ram"],
             "automap_vs_ram_cpu_time": cpu["automap"] / cpu["ram"],

@@ -24,6 +24,7 @@ from safetensors.torch import save_file, save_model
 import automap
 from automap.errors import CheckpointError, OffloadError
 from automap.offload import MANIFEST
+from automap.runtime import state_of
 from conftest import file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama
 
 TESTS = Path(__file__).resolve().parent
@@ -360,6 +361,25 @@ def test_7_a_full_disk_while_writing_the_store(tmp_path):
     """, str(tmp_path / "off")))
     assert "writing the offload store in" in out and "nothing it wrote was kept" in out
     assert sorted(os.listdir(tmp_path / "off")) == ["keep.txt"]
+
+
+def test_7_a_permission_error_on_the_offload_dir(tmp_path):
+    """A real permission error even for root: the folder is made immutable (``chattr +i``)."""
+    folder = tmp_path / "off"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("the user's")
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        model = tiny_llama(layers=4)
+        ids = torch.randint(0, 256, (1, 8))
+        expected = logits_of(model, ids)
+        with pytest.raises(OffloadError, match=rf"{folder}.*not writable.*pass a writable directory"):
+            automap.dispatch(model, _LAYERS_ON_DISK, offload_dir=folder)
+        assert state_of(model) is None and torch.equal(logits_of(model, ids), expected), "the model is unchanged"
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    assert sorted(os.listdir(folder)) == ["keep.txt"]
 
 
 def _big_model_code() -> str:
