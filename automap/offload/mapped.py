@@ -54,6 +54,15 @@ def madvise(address: int, length: int, advice: int) -> bool:
     return _LIBC.madvise(address, length, advice) == 0
 
 
+def _resident(spans: Iterable[tuple[int, int]]) -> bool:
+    """Whether every page of the page-aligned ``(address, length)`` spans is in memory."""
+    for start, length in spans:
+        vector = ctypes.create_string_buffer((length + PAGE - 1) // PAGE)
+        if _LIBC.mincore(start, length, vector) != 0 or vector.raw.translate(None, _RESIDENT):
+            return False
+    return True
+
+
 def signature(path: str | os.PathLike[str]) -> Signature:
     """What identifies a file's contents cheaply: device, inode, size, modification time."""
     st = os.stat(path)
@@ -171,9 +180,9 @@ class MappedFile:
         one ``mincore`` (:meth:`resident`): a warm forward asks the kernel for nothing, so the
         prefetch takes no CPU from the threads computing."""
         keys = list(keys)
-        if self._mapped_in.issuperset(keys) and self.resident(keys):
-            return
         spans = self._spans(keys)
+        if self._mapped_in.issuperset(keys) and _resident(spans):
+            return
         for start, length in spans:
             madvise(start, length, mmap.MADV_WILLNEED)
         if populate:
@@ -187,11 +196,7 @@ class MappedFile:
         """Whether every page of ``keys`` is in memory now (``mincore``: a byte per page, about
         0.1 ms for 200 MB). Pages the kernel reclaimed since are read again by the next
         :meth:`advise`."""
-        for start, length in self._spans(keys):
-            vector = ctypes.create_string_buffer((length + PAGE - 1) // PAGE)
-            if _LIBC.mincore(start, length, vector) != 0 or vector.raw.translate(None, _RESIDENT):
-                return False
-        return True
+        return _resident(self._spans(keys))
 
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
