@@ -150,6 +150,17 @@ class StoreDir:
         return info.f_bavail * info.f_frsize, (info.f_favail if info.f_files else None)
 
 
+def _missing(path: Path) -> bool:
+    """Whether nothing has this name (a folder that cannot be searched is not "missing")."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def remove_folders(folders: Iterable[Path]) -> None:
     """``rmdir`` each folder that this process created, innermost first, if it is empty:
     anything still in it is not automap's to remove."""
@@ -170,7 +181,7 @@ def make_root(root: Path) -> list[Path]:
     check_offload_dir(root)
     missing = []
     probe = root
-    while not os.path.lexists(probe):
+    while _missing(probe):
         missing.append(probe)
         if probe.parent == probe:
             break
@@ -206,7 +217,7 @@ def check_offload_dir(root: str | os.PathLike[str]) -> None:
         raise OffloadError(f"offload_dir {root} is a symbolic link to {os.readlink(root)}, which does not exist; "
                            "create that directory, or pass another offload_dir")
     existing = root
-    while not os.path.lexists(existing) and existing.parent != existing:
+    while _missing(existing) and existing.parent != existing:
         existing = existing.parent
     kind = mount_type(existing)
     if kind in _PSEUDO:
