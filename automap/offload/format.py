@@ -246,8 +246,8 @@ def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
         raise FormatError(f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read (it reads "
                           f"{', '.join(DTYPES)}); convert the file to one of those")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise FormatError(f"{where}: shape {_short(shape)} is not a list of at most {MAX_DIMS} non-negative "
-                          f"integers; {_HINT}")
+        raise FormatError(f"{where}: shape {_short(shape)} is not a list of non-negative integers (at most "
+                          f"{MAX_DIMS}); {_HINT}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(x) for x in offsets):
         raise FormatError(f"{where}: data_offsets {_short(offsets)} is not two integers; {_HINT}")
     begin, end = offsets
