@@ -244,7 +244,7 @@ def _legacy_store_files(folder: Path) -> set[str]:
     if not index.is_file():
         return set()
     try:
-        data = load_json(read_regular(index, MAX_INDEX_BYTES), f"old store index {index}", "")
+        data = load_json(read_regular(index, MAX_INDEX_BYTES), f"old store index {index} is damaged", "")
     except (OSError, FormatError):
         return set()
     tensors = data.get("tensors") if isinstance(data, dict) else None
@@ -269,7 +269,7 @@ def _read_index(path: Path) -> dict[str, str]:
         raw = read_regular(path, MAX_INDEX_BYTES)
     except OSError as exc:
         raise FormatError(f"index {path} cannot be read ({exc.strerror or exc}); {hint}") from exc
-    data = load_json(raw, f"index {path}", hint)
+    data = load_json(raw, f"index {path} is not a valid shard index", hint)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(f"index {path} is not a valid shard index: it needs a 'weight_map' object of tensor name "

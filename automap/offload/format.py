@@ -73,21 +73,24 @@ def _constant(text: str) -> Any:
 
 
 def load_json(raw: bytes | str, what: str, hint: str) -> Any:
-    """Parse ``raw`` as JSON, raising only :class:`FormatError` (naming ``what`` and ``hint``,
-    the fix): never ``RecursionError``, ``OverflowError`` or the ``ValueError`` of a huge number.
+    """Parse ``raw`` as JSON, raising only :class:`FormatError` — never ``RecursionError``,
+    ``OverflowError`` or the ``ValueError`` of a huge number. The message is ``what`` (the
+    file and its problem: "x.json is not a valid shard index"), the reason, then ``hint`` (the
+    fix).
 
     Example:
-        >>> load_json(b'{"a": [1, 2]}', "index x.json", "save it again")
+        >>> load_json(b'{"a": [1, 2]}', "index x.json is not valid", "save it again")
         {'a': [1, 2]}
     """
     try:
         return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except _Refused as exc:
-        raise FormatError(f"{what} is not valid: {exc}; {hint}") from None
+        reason = str(exc)
     except RecursionError:
-        raise FormatError(f"{what} is not valid: its JSON is nested too deeply to read; {hint}") from None
+        reason = "its JSON is nested too deeply to read"
     except (ValueError, UnicodeDecodeError, TypeError) as exc:
-        raise FormatError(f"{what} is not valid JSON ({str(exc)[:200]}); {hint}") from None
+        reason = f"not JSON: {str(exc)[:200]}"
+    raise FormatError(f"{what} ({reason}); {hint}")
 
 
 def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True, dir_fd: int | None = None) -> bytes:
@@ -180,7 +183,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         length, size, text = _read_head(file, fd)
     finally:
         os.close(fd)
-    data = load_json(text, f"the safetensors header of {file}", _HINT)
+    data = load_json(text, f"{file} has a corrupted safetensors header", _HINT)
     return _validated(file, data, 8 + length, size)
 
 

@@ -72,7 +72,7 @@ def read_manifest(directory: Path | StoreDir) -> tuple[dict[str, Record], set[st
             raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES)
         else:
             raw = read_regular(where / MANIFEST, MAX_MANIFEST_BYTES, follow=False)
-        data = load_json(raw, f"manifest {where / MANIFEST}", "automap rebuilds the store")
+        data = load_json(raw, f"manifest {where / MANIFEST} is damaged", "automap rebuilds the store")
     except (OSError, FormatError):
         return {}, set()
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:

@@ -85,7 +85,7 @@ os.register_at_fork(after_in_child=_forget_all_in_child)
 def holder_of(folder: StoreDir) -> str:
     """Who holds a store's lock, as its lock file says ("pid 123 on host")."""
     try:
-        info = load_json(folder.read(LOCK, 4096), f"lock file {folder / LOCK}", "")
+        info = load_json(folder.read(LOCK, 4096), f"lock file {folder / LOCK} is damaged", "")
     except (OSError, FormatError):
         return "another process"
     if not isinstance(info, dict):
