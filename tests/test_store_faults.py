@@ -446,7 +446,8 @@ def test_6_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
         folder, paused = Path(sys.argv[1]), Path(sys.argv[2])
         def hook(frame, event, arg):
             # just before a rename, with the manifest's temporary file written: stop there
-            if event == "c_call" and arg in (os.replace, os.rename) and list(folder.glob("*/.automap-store.json.*.tmp")):
+            renaming = event == "c_call" and arg in (os.replace, os.rename)
+            if renaming and list(folder.glob("*/.automap-store.json.*.tmp")):
                 paused.write_text("")
                 time.sleep(600)
         sys.setprofile(hook)

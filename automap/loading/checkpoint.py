@@ -249,7 +249,8 @@ def _legacy_store_files(folder: Path) -> set[str]:
         return set()
     tensors = data.get("tensors") if isinstance(data, dict) else None
     entries = tensors.values() if isinstance(tensors, dict) else ()
-    found = {e["file"] for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str) and _plain_name(e["file"])}
+    names = [e.get("file") for e in entries if isinstance(e, dict)]
+    found = {f for f in names if isinstance(f, str) and _plain_name(f)}
     if found:
         log.info("%s: not reading %d file(s) of an old automap offload store (%s)", folder, len(found),
                  ", ".join(sorted(found)[:3]))

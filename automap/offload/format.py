@@ -223,7 +223,8 @@ def _validated(file: Path, data: Any, start: int, size: int) -> Header:
     spans = sorted((t.begin, t.end, t.key) for t in tensors.values() if t.end > t.begin)
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise FormatError(f"{file} has a corrupted safetensors header: tensors {_short(first)} and {_short(second)} "
+            raise FormatError(f"{file} has a corrupted safetensors header: tensors {_short(first)} and "
+                              f"{_short(second)} "
                               f"overlap (bytes {begin - start}..{end - start}); {_HINT}")
     needed = max((t.end for t in tensors.values()), default=start)
     if size < needed:
@@ -246,8 +247,8 @@ def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
         raise FormatError(f"{where}: its entry is a {type(info).__name__}, not an object; {_HINT}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read (it reads "
-                          f"{', '.join(DTYPES)}); convert the file to one of those")
+        raise FormatError(f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read "
+                          f"(it reads {', '.join(DTYPES)}); convert the file to one of those")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
         raise FormatError(f"{where}: shape {_short(shape)} is not a list of non-negative integers (at most "
                           f"{MAX_DIMS}); {_HINT}")
