@@ -339,3 +339,15 @@ def test_5_a_forward_racing_undispatch_in_another_thread_completes_or_raises_dis
         assert not wrong, f"round {round_}: a forward gave other outputs"
         assert plain(model) and torch.equal(out(model), expected)
     assert outcomes.get("completed", 0) >= 40
+
+
+def test_a_dispatched_model_dropped_without_undispatch_is_collected(tmp_path):
+    import gc
+    import weakref
+
+    model = dispatched(tmp_path)
+    out(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None  # nothing automap keeps (its state, the guard's overrides) holds it alive

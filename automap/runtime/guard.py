@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -60,17 +61,18 @@ class Guard:
     """
 
     def __init__(self, model: nn.Module, state: DispatchState):
-        self.model, self.state = model, state
+        # Weak references: the state (which holds this guard) must not keep the model alive.
+        self._model, self.state = weakref.ref(model), state
         self.name = type(model).__name__
         self._converting = threading.local()
-        self._installed: list[tuple[nn.Module, dict[str, Any]]] = []
+        self._installed: list[tuple[weakref.ref[nn.Module], dict[str, Any]]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.hook_ids: set[int] = set()
 
     def install(self) -> Guard:
         for module in self.model.modules():
             prior = {k: module.__dict__[k] for k in OVERRIDES if k in module.__dict__}
-            self._installed.append((module, prior))
+            self._installed.append((weakref.ref(module), prior))
             module._apply = self._apply_of(module)
             module.__getstate__ = self._getstate_of(module)
             module.__deepcopy__ = self._deepcopy_of(module)
@@ -82,11 +84,19 @@ class Guard:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for module, prior in self._installed:
-            for key in OVERRIDES:
-                module.__dict__.pop(key, None)
-            module.__dict__.update(prior)
+        for ref, prior in self._installed:
+            module = ref()
+            if module is not None:
+                for key in OVERRIDES:
+                    module.__dict__.pop(key, None)
+                module.__dict__.update(prior)
         self._installed.clear()
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        assert model is not None, "the guard lives as long as its model's dispatch state"
+        return model
 
     # -------------------------------------------------------------- what is offloaded
 
