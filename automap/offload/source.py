@@ -72,7 +72,9 @@ class WeightSource(Protocol):
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         """Raise :class:`~automap.errors.OffloadError` when the bytes behind ``names`` can no
-        longer be trusted (a file deleted, truncated, or rewritten with other contents)."""
+        longer be trusted (a file truncated under them, or rewritten with other contents),
+        naming them; a file deleted or replaced under its name is fine when its bytes are
+        still held (a map)."""
 
     def stats(self) -> SourceStats:
         """Bytes held, for the placement report."""
@@ -183,13 +185,14 @@ class MappedSource:
         listed = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         return (f"{self.kind} {mapped.path} is truncated: {size} bytes in place, its header needs "
                 f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone, and "
-                "reading them would "
-                "kill the process (SIGBUS). Restore the file's contents (the model works again, and "
-                "automap.undispatch reads it back); if they are lost, drop this model and load or build it again")
+                "reading them would kill the process (SIGBUS): restore it (its former contents: the model then works "
+                "again, and automap.undispatch reads them back); if they are lost, drop this model and load or build it "
+                "again")
 
     @property
     def fix(self) -> str:
-        return "restore it, or call automap.undispatch(model) and dispatch (or load) again"
+        return ("restore it (then the model works again, and automap.undispatch reads it back); if it is lost, drop "
+                "this model and dispatch (or load) it again")
 
     def accept_change(self, mapped: MappedFile, now: Signature) -> None:
         """The file was rewritten in place (same inode, still long enough): raise if the
