@@ -126,6 +126,7 @@ def _device_axis(ax: Any, facts: Facts, with_capacity: bool) -> None:
 
 
 _MAX_PERCENT = 150.0  # an overfull device's bar is cut here; its label keeps the true number
+_VISIBLE_PERCENT = 0.15  # a memory part narrower than this on every bar is not drawn visibly: no legend entry
 
 
 def _memory_panel(ax: Any, facts: Facts) -> None:
@@ -134,7 +135,8 @@ def _memory_panel(ax: Any, facts: Facts) -> None:
     peak = 100.0
     for y, row in enumerate(facts.rows):
         peak = max(peak, _memory_row(ax, y, row))
-    drawn = {part for row in facts.rows for part, nbytes in _memory_parts(row) if nbytes}
+    drawn = {part for row in facts.rows for part, nbytes in _memory_parts(row)
+             if nbytes and 100 * nbytes >= _VISIBLE_PERCENT * row.device.capacity_bytes}
     handles = [Patch(color=colour, label=part) for part, colour in MEMORY_COLOURS.items() if part in drawn]
     handles.append(Patch(facecolor="none", edgecolor="#444444", label="capacity"))
     ax.set_xlim(0, min(peak, _MAX_PERCENT) + 32)
@@ -229,7 +231,7 @@ def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> 
     ax.set_xlim(0, total)
     ticks = [total * k / 4 for k in range(5)]
     ax.set_xticks(ticks, [format_bytes(t) for t in ticks], fontsize=8)
-    ax.set_ylim(-0.32, 0.5 + 0.2 * _LABEL_TIERS)
+    ax.set_ylim(-0.32, 0.58 + 0.2 * max((tier for _, text, tier in placed if text), default=0))
     ax.set_yticks([])
     left_out = f"; {omitted} labels left out where they would overlap" if omitted else ""
     ax.set_xlabel(f"{len(plan.units)} units in execution order, each as wide as its weights (black lines: cuts, "
