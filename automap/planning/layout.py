@@ -18,10 +18,13 @@ With accelerators:
   in CPU RAM where it has room, else on disk, and is streamed item by item to the execution
   device (the accelerator with which the most bytes stay resident), which keeps room for the
   largest streamed item (a split unit streams piece by piece). Items read from disk pass
-  through pinned staging, counted in the CPU budget.
+  through pinned staging, counted in the CPU budget. GPU room left over then keeps offloaded
+  items resident (:mod:`automap.planning.residency`). ``balanced_low_0`` executes on GPU 0
+  only when no other GPU can.
 - ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
-  accelerator that is the whole model on the CPU.
+  accelerator that is the whole model on the CPU; else the whole model on the CPU is an option
+  too, so that a lone small unit whose cuts cost more than the GPU saves is not chosen.
 
 On the CPU alone, RAM takes each item (in execution order) that still fits its budget; the rest
 stay on disk, read through the page cache (the store is memory-mapped), which needs no budget.

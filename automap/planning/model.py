@@ -143,7 +143,8 @@ class Plan:
             route = f", streamed to {self.execution_device}" if self.is_offloaded(name) else ""
             held.append(f"{name} {format_bytes(self.bytes_on(name))} ({count} unit{'' if count == 1 else 's'}{route})")
         weights = format_bytes(sum(u.weight_bytes for u in self.units))
-        return (f"<Plan {self.source or 'plan'}: {len(self.units)} units, {weights}; {', '.join(held) or 'nothing placed'}; "
+        units = f"{len(self.units)} unit{'' if len(self.units) == 1 else 's'}"
+        return (f"<Plan {self.source or 'plan'}: {units}, {weights}; {', '.join(held) or 'nothing placed'}; "
                 f"predicted forward {format_seconds(self.forward_seconds)}>")
 
     @property
