@@ -11,7 +11,7 @@ from torch import nn
 from automap.devices import check_present
 from automap.errors import AutomapError, DispatchError
 from automap.offload import OffloadStore, RamSource, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
-from automap.planning import Plan
+from automap.planning import Plan, unit_label
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
@@ -149,9 +149,10 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
 
 def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offload_dir: str | Path | None) -> OffloadStore:
     if offload_dir is None:
-        units = list(dict.fromkeys(groups.values()))
+        units = [unit_label(u) for u in dict.fromkeys(groups.values())]
+        listed = ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
         raise DispatchError(
-            f"the plan offloads {len(units)} unit(s) ({', '.join(units[:3])}, ...) to disk but no offload_dir was "
+            f"the plan offloads {len(units)} unit{'' if len(units) == 1 else 's'} ({listed}) to disk but no offload_dir was "
             "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
         )
     specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
