@@ -209,6 +209,19 @@ class Profile:
         return tuple(u.name for u in self.units if u.untraced)
 
     @property
+    def untraced_summary(self) -> str:
+        """One line on what was planned without a trace and why ("" when every unit was traced):
+        ``"1 of 2 units (first 'head') planned from their weights without a trace, FLOPs estimated
+        from their weight shapes: the forward failed on the guessed example inputs ..."``."""
+        found = [u for u in self.units if u.untraced]
+        if not found:
+            return ""
+        share = f"all {len(found)} units" if len(found) == len(self.units) else \
+            f"{len(found)} of {len(self.units)} units (first {found[0].name or '<model>'!r})"
+        how = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in found) else "by their bytes"
+        return f"{share} planned from their weights without a trace, {how}: {found[0].untraced}"
+
+    @property
     def repeated(self) -> tuple[str, ...]:
         """Units the traced forward called more than once (shared embeddings, ALBERT layers)."""
         return tuple(u.name for u in self.units if u.calls > 1)
