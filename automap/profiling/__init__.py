@@ -5,8 +5,9 @@ device) in execution order, with their parameter and buffer bytes, forward and t
 activation sizes, the groups of tied tensors, and the dataflow graph between units. It is
 measured on the meta device, so a model of any size profiles without allocating its weights,
 and the caller's model is never changed. The trace runs in eval mode whatever mode the model is
-in, and a unit whose forward meta cannot run is planned from its weights instead
-(``profiling/fallback.py``); :func:`untraced_profile` skips the trace altogether.
+in, and a unit whose forward meta cannot run is planned from its weights instead, as are the
+units a forward on guessed example inputs did not finish (``profiling/fallback.py``);
+:func:`untraced_profile` skips the trace altogether.
 
     >>> prof = automap.profile(model)
     >>> prof.units[0].name, prof.total_flops, prof.cut_bytes(5)

@@ -38,11 +38,24 @@ A meta limit is handled per unit, in the one traced forward:
    backward runs then: every ``train_flops`` stays 0 (not measured), as with ``backward=False``.
 3. A stood-in or unreached unit is planned from what is known without running it
    (:func:`fill_untraced`): its parameter and buffer bytes (exact), and FLOPs estimated from
-   its parameter bytes at the rate the traced units achieved (FLOPs per parameter byte; the
-   weight-bound rule of a transformer, where a layer's FLOPs are twice its parameters per
-   token), never less than what the trace counted before the unit failed. With no traced unit
-   doing FLOPs to set the rate they stay 0, and the plan balances by bytes. ``Unit.untraced``
-   says why, ``Unit.flops_estimated`` whether its FLOPs are an estimate; the report lists them.
+   the shapes of its weights (:func:`flop_weights`: the elements of its matrices, the ones a
+   forward multiplies with every input position; an embedding table is looked up, a bias or a
+   norm adds next to nothing) at the rate the traced units achieved, FLOPs per such element
+   (2 per element and input row for a linear layer), never less than what the trace counted
+   before the unit failed. With no traced unit doing FLOPs to set the rate they stay 0, and the
+   plan balances by bytes. ``Unit.untraced`` says why, ``Unit.flops_estimated`` whether its
+   FLOPs are an estimate; the report lists them.
+
+**Guessed inputs.** Without the user's example inputs the profiler derives some
+(``profiling/inputs.py``), and a guess can be wrong in ways no rule foresees: a forward that
+takes a dict, keyword-only arguments, a mask it cannot do without. Planning must not depend on
+guessing right (accelerate never runs the model at all), so any error of a forward on guessed
+inputs ends the trace as a meta limit between units does: the units that finished keep their
+measurements; the unit running when it failed and the ones never reached are planned from
+their weights as in 3., in definition order, with a reason naming the guess and the error's
+first line. A model with no ``forward`` of its own (a ``ModuleDict`` root) is not run at all.
+On inputs the user gave, the same error is the user's to fix: it raises
+:class:`~automap.errors.ProfileError` naming the unit.
 
 A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a
 user's device map that places every tensor needs no measurement to be dispatched.

@@ -127,8 +127,9 @@ def _with_required(model: nn.Module, layer: nn.Module, root: nn.Module, batch: i
     return (first, *[None] * (len(required) - 1)), f"{how} + None for {', '.join(required[1:])}"
 
 
-class _Reached(Exception):
-    """Raised by the probe's hook: the forward called ``module``."""
+class _Reached(BaseException):
+    """Raised by the probe's hook: the forward called ``module`` (a ``BaseException``, so that a
+    forward's own ``except Exception`` does not swallow it)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(type(module).__name__)

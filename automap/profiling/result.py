@@ -46,10 +46,11 @@ class Unit:
         decode_flops: forward FLOPs of the unit in one decode step (one token per sequence),
             averaged over the decode.
         untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
-            forward cannot run on meta, or the forward stopped before it (see
-            ``profiling/fallback.py``); its bytes are exact, its other numbers are not measured.
-        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its parameter
-            bytes, not counted.
+            forward cannot run on meta, or the forward stopped before it or while it ran (a
+            meta limit, or any error on guessed example inputs; see ``profiling/fallback.py``);
+            its bytes are exact, its other numbers are not measured.
+        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its weight shapes,
+            not counted.
         split_from: the unit this one was split out of (``""``: not split), see
             :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
             runs outside every unit, so every unit split from it computes on one device, and
