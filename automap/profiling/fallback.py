@@ -223,21 +223,20 @@ def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: 
 
 
 def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str],
-                  flop_weights: Mapping[str, int] | None = None) -> tuple[Unit, ...]:
+                  weights: Mapping[str, int]) -> tuple[Unit, ...]:
     """``units`` with each unit named in ``reasons`` planned from its weights: FLOPs estimated
     from the shapes of its weights (see the module docstring), ``untraced`` set.
 
     Args:
         units: the profile's units.
         reasons: unit name -> why the trace did not measure it.
-        flop_weights: unit name -> elements of its weights that multiply every input position
-            (:func:`flop_weights`); default: its parameter bytes stand in.
+        weights: unit name -> elements of its weights that multiply every input position
+            (:func:`flop_weights`).
 
     Example:
         >>> fill_untraced(prof.units, {"model.layers.0": "its forward cannot run on meta: ..."},
         ...               flop_weights(model, prof.units))
     """
-    weights = flop_weights if flop_weights is not None else {u.name: u.param_bytes for u in units}
     traced = [u for u in units if u.name not in reasons and u.calls and u.flops and weights.get(u.name)]
     rate = sum(u.flops for u in traced) / sum(weights[u.name] for u in traced) if traced else 0.0
     trained = [u for u in traced if u.train_flops]
