@@ -131,12 +131,15 @@ def _profile(model: nn.Module, example_inputs: ExampleInputs | None, no_split: I
              units: list[str] | None = None) -> tuple[Profile, ExampleInputs | None]:
     """The profile a plan needs and the inputs it was traced with: the example inputs (at
     ``batch``), or for a generation its prompt, with each unit's cache measured."""
+    guessed = ""  # how automap derived the inputs, when it did: a failing forward then falls back
     if generation.max_length is None:
         if example_inputs is None and generation.batch is not None:
-            example_inputs, _ = default_example_inputs(model, batch=generation.batch)
-        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units), example_inputs
+            example_inputs, guessed = default_example_inputs(model, batch=generation.batch)
+        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units,
+                       guessed=guessed), example_inputs
     inputs, how = prompt_inputs(model, example_inputs, generation.batch or 1, generation.max_length)
-    prof = profile(model, inputs, no_split=no_split, dtype=dtype, units=units, backward=False)
+    guessed = how if example_inputs is None else ""
+    prof = profile(model, inputs, no_split=no_split, dtype=dtype, units=units, backward=False, guessed=guessed)
     prof = replace(prof, example=how if prof.example else "")
     return profile_generation(model, prof, inputs, batch=generation.batch, max_length=generation.max_length,
                               dtype=dtype), inputs

@@ -373,7 +373,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     chosen_dtype = dtype or built.dtype
     inputs, how = example_inputs_for(built.model, batch, seq_len)
     # Plans are for inference: tracing a backward pass too would double the time for nothing.
-    prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False)
+    prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False, guessed=how)
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
     if max_length is not None:
         prof = profile_generation(built.model, prof, inputs, batch=batch, max_length=max_length, dtype=chosen_dtype)

@@ -164,10 +164,9 @@ def test_a_unit_that_reads_a_number_stands_in_and_later_units_are_traced():
     assert [by_name[n].flops for n in ("0", "2", "3", "4")] == [2 * 16 * 32, 2 * 32 * 32, 2 * 32 * 32, 2 * 32 * 8]
     assert all(not by_name[n].untraced for n in ("0", "2", "3", "4"))
     assert prof.cut_bytes(prof.index("2")) == 32 * 4  # the 1x32 activation crossing the cut
-    # Its estimate: the traced units' FLOPs per parameter byte, times its own parameter bytes.
-    traced = [by_name[n] for n in ("0", "2", "3", "4")]
-    rate = sum(u.flops for u in traced) / sum(u.param_bytes for u in traced)
-    assert by_name["1"].flops == round(rate * by_name["1"].param_bytes)
+    # Its estimate: the traced units' FLOPs per weight-matrix element, times its own matrix's
+    # elements; all are linear layers on one 1-row input, so the estimate is exact.
+    assert by_name["1"].flops == 2 * 32 * 32
     assert by_name["1"].train_flops > by_name["1"].flops > 0
 
 
@@ -242,6 +241,136 @@ def test_untraced_units_plan_auto_and_dispatch_with_part_on_disk(build, tmp_path
     names = "unit 1" if build == "item" else "units model.layers.0-3"
     assert f"{names} planned without a trace" in " ".join(report.split())
     assert json.loads(plan.to_json())["totals"]["untraced_units"] == untraced
+    automap.undispatch(model)
+
+
+# ------------------------------------------------------------ a guessed forward that fails
+
+
+class HeadFirst(nn.Module):
+    """``head`` is declared first, ``body`` runs first: a guess shaped for ``head`` fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(64, 10)
+        self.body = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+class Masked(nn.Module):
+    """A required mask argument the forward multiplies by: ``None`` for it fails after ``body``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(32, 64)
+        self.mid = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.body(x) * mask)))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_the_guess_is_shaped_for_the_first_layer_the_forward_calls():
+    model = HeadFirst()
+    before = snapshot(model)
+    prof = automap.profile(model)
+    assert prof.example == "vector 1x32 (first called linear)" and not prof.untraced
+    assert [(u.name, u.flops) for u in prof.units] == [("body", 2 * 32 * 64), ("head", 2 * 64 * 10)]
+    after = snapshot(model)  # the probe left no hook and no forward behind
+    assert after["hooks"] == before["hooks"] and all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_failing_guess_keeps_what_ran_and_plans_the_rest_from_weight_shapes():
+    prof = automap.profile(Masked())
+    assert prof.example == "vector 1x32 (first linear) + None for mask"
+    body, mid, head = prof.units
+    assert body.name == "body" and body.flops == 2 * 32 * 64 and not body.untraced  # measured
+    assert (mid.name, head.name) == ("mid", "head")  # the rest in definition order
+    for unit in (mid, head):
+        assert unit.untraced.startswith("the forward failed on the guessed example inputs (vector 1x32 (first "
+                                        "linear) + None for mask) after unit 'body', in code between units: "
+                                        "TypeError: unsupported operand")
+        assert unit.untraced.endswith("pass example_inputs to trace it") and "\n" not in unit.untraced
+        assert unit.flops_estimated
+    # FLOPs from weight shapes, at the rate the traced body ran at (2 per element per row).
+    assert (mid.flops, head.flops) == (2 * 64 * 64, 2 * 64 * 10)
+    assert prof.total_train_flops == 0 and prof.uncalled == ()
+
+
+def test_a_guess_failing_inside_a_unit_leaves_it_untraced_too():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Flatten(0), nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    prof = automap.profile(model)  # Flatten(0) makes 1x8 a vector; BatchNorm1d refuses 1-D input
+    by_name = {u.name: u for u in prof.units}
+    assert not by_name["0"].untraced and not by_name["2"].untraced
+    assert "inside unit '3' (call 1): ValueError: expected 2D or 3D input" in by_name["3"].untraced
+    assert by_name["4"].untraced == by_name["3"].untraced and by_name["4"].flops == 2 * 4 * 2
+
+
+def test_inputs_the_user_gave_that_fail_still_raise_naming_the_unit():
+    with pytest.raises(ProfileError, match="inside unit 'body'"):
+        automap.profile(HeadFirst(), (torch.zeros(1, 64),))
+    with pytest.raises(ProfileError, match="missing 1 required positional argument: 'mask'"):
+        automap.plan(Masked(), max_memory={"cpu": 10**6}, example_inputs=(torch.zeros(1, 32),))
+
+
+def test_a_guess_failing_before_any_unit_plans_every_unit_by_bytes_in_definition_order():
+    class DictInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Linear(4, 4)
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, batch: dict) -> torch.Tensor:
+            return self.b(self.a(batch["x"]))
+
+    plan = automap.plan(DictInput(), max_memory={0: 100, 1: 100, "cpu": 10**6})
+    assert [u.name for u in plan.units] == ["b", "a"] and all(u.flops == 0 for u in plan.units)
+    assert all(") before the first unit: " in u.untraced for u in plan.units)
+    assert plan.choices[0].startswith("all 2 units planned from their weights without a trace, by their bytes: "
+                                      "the forward failed on the guessed example inputs (vector 1x4 (first linear))")
+    report = " ".join(plan.report().split())
+    assert "balanced by bytes only (no unit traced)" in report
+    assert "all 2 units planned without a trace, by their bytes (the forward failed on the guessed" in report
+
+
+def test_a_container_without_forward_plans_its_children_as_units_by_bytes():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"encoder": TwoLayers(8), "decoder": TwoLayers(8), "proj": nn.Linear(8, 2)})
+    plan = automap.plan(model, max_memory={0: 1150, "cpu": 10**6})  # room for one child, not all three
+    assert [u.name for u in plan.units] == ["encoder", "decoder", "proj"]  # its children, not their leaves
+    assert all(u.untraced == "ModuleDict has no forward of its own (a container of modules), so no forward can "
+               "be traced" for u in plan.units)
+    assert set(plan.device_map) == {"encoder", "decoder", "proj"} and plan.bytes_on("cuda:0") <= 1150
+    assert plan.bytes_on("cpu") >= 1120  # a whole child went to the CPU
+    assert "all 3 units planned from their weights without a trace, by their bytes" in plan.choices[0]
+    assert "all 3 units planned without a trace" in " ".join(plan.report().split())
+    with pytest.raises(ProfileError, match="missing the required \"forward\" function"):
+        automap.profile(model, (torch.zeros(1, 8),))  # the user's inputs: the user's error
+
+
+def test_a_plan_with_a_failed_guess_dispatches_and_runs_like_the_plain_model(tmp_path):
+    model = Masked().eval()
+    x, mask = torch.randn(3, 32), (torch.rand(3, 64) > 0.5).float()
+    with torch.no_grad():
+        expected = model(x, mask)
+    plan = dispatch_part_on_disk(model, tmp_path)
+    assert [u.name for u in plan.units if u.untraced] == ["mid", "head"]
+    with torch.no_grad():
+        assert torch.equal(model(x, mask), expected)
     automap.undispatch(model)
 
 

@@ -147,7 +147,7 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
              [p for p in pool if p[2].kind != CPU_COMPUTES], pool)
     rank, tier = next((r, t) for r, t in enumerate(tiers) if t)
     level, index, best = min(tier, key=lambda p: (p[2].plan.forward_seconds, p[1]))
-    notes = list(level.splits)
+    notes = [n for n in (level.profile.untraced_summary,) if n] + list(level.splits)
     kept = [f"{name} ({why})" for name, why in refused.items()]
     if kept:
         more = f", and {len(kept) - _LISTED} more" if len(kept) > _LISTED else ""

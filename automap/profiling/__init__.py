@@ -5,8 +5,9 @@ device) in execution order, with their parameter and buffer bytes, forward and t
 activation sizes, the groups of tied tensors, and the dataflow graph between units. It is
 measured on the meta device, so a model of any size profiles without allocating its weights,
 and the caller's model is never changed. The trace runs in eval mode whatever mode the model is
-in, and a unit whose forward meta cannot run is planned from its weights instead
-(``profiling/fallback.py``); :func:`untraced_profile` skips the trace altogether.
+in, and a unit whose forward meta cannot run is planned from its weights instead, as are the
+units a forward on guessed example inputs did not finish (``profiling/fallback.py``);
+:func:`untraced_profile` skips the trace altogether.
 
     >>> prof = automap.profile(model)
     >>> prof.units[0].name, prof.total_flops, prof.cut_bytes(5)
@@ -22,14 +23,14 @@ import torch
 from torch import nn
 
 from automap.errors import ProfileError
-from automap.profiling.fallback import eval_mode, fill_untraced, untraced_reasons, untraced_units
+from automap.profiling.fallback import eval_mode, fill_untraced, flop_weights, untraced_reasons, untraced_units
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
 from automap.profiling.result import Flow, Profile, Unit
 from automap.profiling.timing import calibrated_device, measure_units
 from automap.profiling.trace import TraceResult, run_trace
-from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, stray_reads,
-                                   tensor_bytes, tie_groups, unit_aliases)
+from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, has_forward,
+                                   stray_reads, tensor_bytes, tie_groups, unit_aliases)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ __all__ = [
 def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
             no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
             units: Sequence[str] | None = None, seq_len: int = 128, batch: int = 1, backward: bool = True,
-            measure: bool = False, device: str | torch.device | None = None, repeats: int = 5) -> Profile:
+            measure: bool = False, device: str | torch.device | None = None, repeats: int = 5,
+            guessed: str = "") -> Profile:
     """Profile ``model`` on the meta device.
 
     Args:
@@ -61,6 +63,9 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
         measure: also time each unit on ``device`` (median of ``repeats``), one unit at a time.
         device: where to time units (``"cuda:0"``, ``"cpu"``); required with ``measure``.
         repeats: timed runs per unit.
+        guessed: how ``example_inputs`` were derived when automap derived them (the description
+            :func:`default_example_inputs` returns); "" when they are the user's. Derived
+            inputs are a guess, so a forward failing on them falls back (see below).
 
     Returns:
         A :class:`Profile` with units in execution order.
@@ -68,12 +73,16 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     The forward is traced in eval mode (the model's own flags are put back). A unit whose
     forward cannot run on meta (``.item()``, data-dependent shapes, a meta kernel's dtype check)
     is planned from its weights, with ``Unit.untraced`` saying why (``profiling/fallback.py``).
+    Without the user's example inputs, planning never depends on guessing them right: when the
+    forward fails on the derived ones, or the model has no ``forward`` of its own (a
+    ``ModuleDict``), the units traced before the failure keep their figures and the rest are
+    planned from their weights, in definition order; ``Unit.untraced`` says why.
 
     Raises:
         ProfileError: ``no_split`` names a class the model lacks, ``units`` names a module it
-            lacks, ``measure`` comes without a ``device``, or the forward failed on the example
-            inputs for a reason other than meta tensors' limits (the message names the unit;
-            the model's own error is its ``__cause__``).
+            lacks, ``measure`` comes without a ``device``, or the forward failed on the user's
+            example inputs for a reason other than meta tensors' limits (the message names the
+            unit; the model's own error is its ``__cause__``).
 
     Example:
         >>> prof = automap.profile(torchvision.models.resnet50())
@@ -83,9 +92,15 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     if measure and device is None:
         raise ProfileError("measure=True needs a device to time on; pass device='cuda:0' or device='cpu'")
     unit_names = find_units(model, no_split) if units is None else check_units(model, units)
-    how = "given"
+    how = guessed or "given"
+    if example_inputs is None and not has_forward(model):
+        log.warning("%s has no forward of its own: planning its %d units from their weights", type(model).__name__,
+                    len(unit_names))
+        return _without_trace(model, unit_names, dtype, f"{type(model).__name__} has no forward of its own (a "
+                              "container of modules), so no forward can be traced")
     if example_inputs is None:
         example_inputs, how = default_example_inputs(model, seq_len, batch)
+        guessed = how
     if example_inputs is None:
         warnings.warn(
             f"no example inputs for {type(model).__name__}: profiling bytes only, so plans balance "
@@ -93,7 +108,7 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
             stacklevel=2,
         )
         return _without_trace(model, unit_names, dtype, "no example inputs were given or derivable")
-    trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
+    trace = _trace(model, example_inputs, unit_names, dtype, backward, measure, bool(guessed))
     log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
              len(unit_names), trace.total_flops)
     prof = _assemble(model, unit_names, trace, dtype, how)
@@ -134,12 +149,13 @@ def _without_trace(model: nn.Module, unit_names: Sequence[str], dtype: torch.dty
 
 
 def _trace(model: nn.Module, example_inputs: ExampleInputs, unit_names: Sequence[str], dtype: torch.dtype | None,
-           backward: bool, measure: bool) -> TraceResult:
+           backward: bool, measure: bool, guessed: bool) -> TraceResult:
     # Meta copies made under a caller's inference_mode could not take part in a backward.
     with torch.inference_mode(False), eval_mode(model):
         args, kwargs = split_inputs(to_meta(example_inputs, dtype))
         state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
-        return run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure)
+        return run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure,
+                         guessed=guessed)
 
 
 def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -161,9 +177,9 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     aliases = unit_aliases(model, unit_names)
     units = tuple(_unit(name, owned[name], tensors, params, aliases[name], trace, dtype) for name in ordered)
-    reasons = untraced_reasons(units, trace.failed, trace.stopped)
+    reasons = untraced_reasons(units, trace.failed, _stopped(trace, how), trace.interrupted)
     if reasons:
-        units = fill_untraced(units, reasons)
+        units = fill_untraced(units, reasons, flop_weights(model, units))
         first, why = next(iter(reasons.items()))
         log.warning("%d unit(s) of %s are planned from their weights, without a trace, first %r: %s",
                     len(reasons), type(model).__name__, first, why)
@@ -184,6 +200,16 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
         strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
     )
+
+
+def _stopped(trace: TraceResult, how: str) -> str:
+    """Why the units a forward that ended early did not run, as one clause ("" if it ran through)."""
+    if not trace.stopped:
+        return ""
+    if trace.guess_failed:
+        return (f"the forward failed on the guessed example inputs ({how}) {trace.stopped}; pass "
+                "example_inputs to trace it")
+    return f"the traced forward stopped before it ran, {trace.stopped}"
 
 
 def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, torch.Tensor], params: set[str],

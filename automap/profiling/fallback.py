@@ -38,11 +38,24 @@ A meta limit is handled per unit, in the one traced forward:
    backward runs then: every ``train_flops`` stays 0 (not measured), as with ``backward=False``.
 3. A stood-in or unreached unit is planned from what is known without running it
    (:func:`fill_untraced`): its parameter and buffer bytes (exact), and FLOPs estimated from
-   its parameter bytes at the rate the traced units achieved (FLOPs per parameter byte; the
-   weight-bound rule of a transformer, where a layer's FLOPs are twice its parameters per
-   token), never less than what the trace counted before the unit failed. With no traced unit
-   doing FLOPs to set the rate they stay 0, and the plan balances by bytes. ``Unit.untraced``
-   says why, ``Unit.flops_estimated`` whether its FLOPs are an estimate; the report lists them.
+   the shapes of its weights (:func:`flop_weights`: the elements of its matrices, the ones a
+   forward multiplies with every input position; an embedding table is looked up, a bias or a
+   norm adds next to nothing) at the rate the traced units achieved, FLOPs per such element
+   (2 per element and input row for a linear layer), never less than what the trace counted
+   before the unit failed. With no traced unit doing FLOPs to set the rate they stay 0, and the
+   plan balances by bytes. ``Unit.untraced`` says why, ``Unit.flops_estimated`` whether its
+   FLOPs are an estimate; the report lists them.
+
+**Guessed inputs.** Without the user's example inputs the profiler derives some
+(``profiling/inputs.py``), and a guess can be wrong in ways no rule foresees: a forward that
+takes a dict, keyword-only arguments, a mask it cannot do without. Planning must not depend on
+guessing right (accelerate never runs the model at all), so any error of a forward on guessed
+inputs ends the trace as a meta limit between units does: the units that finished keep their
+measurements; the unit running when it failed and the ones never reached are planned from
+their weights as in 3., in definition order, with a reason naming the guess and the error's
+first line. A model with no ``forward`` of its own (a ``ModuleDict`` root) is not run at all.
+On inputs the user gave, the same error is the user's to fix: it raises
+:class:`~automap.errors.ProfileError` naming the unit.
 
 A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a
 user's device map that places every tensor needs no measurement to be dispatched.
@@ -53,7 +66,7 @@ import functools
 import re
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -196,37 +209,69 @@ def stand_in(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     return found[0].clone() if found else None
 
 
-def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: str) -> dict[str, str]:
-    """Why each unit the trace did not measure was not: it stood in, or the forward stopped
-    before it ran."""
+def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: str,
+                     interrupted: Collection[str] = ()) -> dict[str, str]:
+    """Why each unit the trace did not measure was not: it stood in, or the forward ended
+    (``stopped``: why, as a clause) before it ran or while it ran (``interrupted``)."""
     reasons = {}
     for unit in units:
         if unit.name in failed:
             reasons[unit.name] = f"its forward cannot run on meta: {failed[unit.name]}"
-        elif stopped and unit.calls == 0:
-            reasons[unit.name] = f"the traced forward stopped before it ran, {stopped}"
+        elif stopped and (unit.calls == 0 or unit.name in interrupted):
+            reasons[unit.name] = stopped
     return reasons
 
 
-def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str]) -> tuple[Unit, ...]:
+def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str],
+                  weights: Mapping[str, int]) -> tuple[Unit, ...]:
     """``units`` with each unit named in ``reasons`` planned from its weights: FLOPs estimated
-    at the traced units' FLOPs per parameter byte (see the module docstring), ``untraced`` set.
+    from the shapes of its weights (see the module docstring), ``untraced`` set.
+
+    Args:
+        units: the profile's units.
+        reasons: unit name -> why the trace did not measure it.
+        weights: unit name -> elements of its weights that multiply every input position
+            (:func:`flop_weights`).
 
     Example:
-        >>> fill_untraced(prof.units, {"model.layers.0": "its forward cannot run on meta: ..."})
+        >>> fill_untraced(prof.units, {"model.layers.0": "its forward cannot run on meta: ..."},
+        ...               flop_weights(model, prof.units))
     """
-    traced = [u for u in units if u.name not in reasons and u.calls and u.flops and u.param_bytes]
-    rate = sum(u.flops for u in traced) / sum(u.param_bytes for u in traced) if traced else 0.0
+    traced = [u for u in units if u.name not in reasons and u.calls and u.flops and weights.get(u.name)]
+    rate = sum(u.flops for u in traced) / sum(weights[u.name] for u in traced) if traced else 0.0
     trained = [u for u in traced if u.train_flops]
     ratio = sum(u.train_flops for u in trained) / sum(u.flops for u in trained) if trained else 0.0
-    return tuple(_estimated(u, reasons[u.name], rate, ratio) if u.name in reasons else u for u in units)
+    return tuple(_estimated(u, reasons[u.name], rate * weights.get(u.name, 0), ratio) if u.name in reasons else u
+                 for u in units)
 
 
-def _estimated(unit: Unit, reason: str, rate: float, train_ratio: float) -> Unit:
-    estimate = round(rate * unit.param_bytes)
-    flops = max(unit.flops, estimate)
+def _estimated(unit: Unit, reason: str, estimate: float, train_ratio: float) -> Unit:
+    flops = max(unit.flops, round(estimate))
     return replace(unit, flops=flops, train_flops=max(unit.train_flops, round(flops * train_ratio)),
-                   untraced=reason, flops_estimated=estimate > unit.flops)
+                   untraced=reason, flops_estimated=round(estimate) > unit.flops)
+
+
+# Modules whose weights are looked up, not multiplied: no FLOPs per element.
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def flop_weights(model: nn.Module, units: Sequence[Unit]) -> dict[str, int]:
+    """Per unit, the elements of its weights that a forward multiplies with every input
+    position: parameters of two or more dimensions (linear, convolution and attention
+    matrices, fused experts), except those of embedding tables, which are looked up. Vectors
+    (biases, norms) and buffers add no FLOPs to speak of.
+
+    Example:
+        >>> flop_weights(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)), prof.units)
+        {'0': 0, '1': 8}
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    counts = {}
+    for unit in units:
+        counts[unit.name] = sum(params[n].numel() for n in unit.tensors if n in params and params[n].dim() >= 2
+                                and not isinstance(modules.get(n.rpartition(".")[0]), _LOOKUPS))
+    return counts
 
 
 def untraced_units(units: Sequence[Unit], reason: str) -> tuple[Unit, ...]:

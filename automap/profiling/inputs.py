@@ -1,12 +1,25 @@
-"""Example inputs: derived for common model families, and moved to the meta device."""
+"""Example inputs: derived for common model families, and moved to the meta device.
+
+Derived inputs are a guess, and a guess can be wrong: the profiler then plans from what is
+known without running the forward (``profiling/fallback.py``). Two things make the guess right
+more often for models nobody here wrote. The input is shaped for the first layer the forward
+actually *calls*, found by a probe that runs the forward on meta until it reaches a layer
+(a ``head`` declared before the ``body`` that runs first does not mislead it). And a forward
+with more required positional arguments than the guess fills (``forward(self, x, mask)``) gets
+``None`` for the rest, which forwards that treat the argument as optional accept.
+"""
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from automap.profiling.fallback import eval_mode
+from automap.profiling.units import all_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +33,9 @@ def default_example_inputs(model: nn.Module, seq_len: int = 128, batch: int = 1)
     ``decoder_input_ids`` for encoder-decoders); transformers vision
     models ``pixel_values`` at the config's image size; other models a ``batch x C x H x W``
     image from their first conv (H = the model's ``image_size`` or 224), or a vector for their
-    first linear layer. Every tensor is on the meta device.
+    first linear layer (the first such layer the forward calls, found by running it on meta
+    until it calls one, else the first one defined), with ``None`` for any further required
+    positional argument. Every tensor is on the meta device.
 
     Args:
         model: the model.
@@ -66,19 +81,81 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
 
 
 def _generic_inputs(model: nn.Module, batch: int) -> tuple[ExampleInputs | None, str]:
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            h, w = _pair(getattr(model, "image_size", 224))
-            image = torch.zeros(batch, module.in_channels, h, w, device="meta")
-            return (image,), f"image {batch}x{module.in_channels}x{h}x{w} (first conv)"
-        if isinstance(module, nn.Conv1d):
-            return (torch.zeros(batch, module.in_channels, 1024, device="meta"),), \
-                f"signal {batch}x{module.in_channels}x1024 (first conv)"
-        if isinstance(module, nn.Embedding):
-            return (torch.zeros(batch, 128, dtype=torch.long, device="meta"),), f"token ids {batch}x128 (first embedding)"
-        if isinstance(module, nn.Linear):
-            return (torch.zeros(batch, module.in_features, device="meta"),), f"vector {batch}x{module.in_features} (first linear)"
-    return None, ""
+    def takes(module: nn.Module) -> bool:
+        return _input_for(module, model, batch) is not None
+
+    first = next((m for m in model.modules() if takes(m)), None)
+    if first is None:
+        return None, ""
+    args, how = _with_required(model, first, model, batch)
+    called = first_called(model, args, takes)
+    if called is None or called is first:
+        return args, how
+    args, how = _with_required(model, called, model, batch)
+    return args, how.replace("(first ", "(first called ")
+
+
+def _input_for(module: nn.Module, model: nn.Module, batch: int) -> tuple[torch.Tensor, str] | None:
+    """An input ``module`` takes, and its description; None for a module of another kind."""
+    if isinstance(module, nn.Conv2d):
+        h, w = _pair(getattr(model, "image_size", 224))
+        return torch.zeros(batch, module.in_channels, h, w, device="meta"), \
+            f"image {batch}x{module.in_channels}x{h}x{w} (first conv)"
+    if isinstance(module, nn.Conv1d):
+        return torch.zeros(batch, module.in_channels, 1024, device="meta"), \
+            f"signal {batch}x{module.in_channels}x1024 (first conv)"
+    if isinstance(module, nn.Embedding):
+        return torch.zeros(batch, 128, dtype=torch.long, device="meta"), f"token ids {batch}x128 (first embedding)"
+    if isinstance(module, nn.Linear):
+        return torch.zeros(batch, module.in_features, device="meta"), f"vector {batch}x{module.in_features} (first linear)"
+    return None
+
+
+def _with_required(model: nn.Module, layer: nn.Module, root: nn.Module, batch: int) -> tuple[tuple[Any, ...], str]:
+    """An input for ``layer``, padded with ``None`` up to ``model``'s required positional arguments."""
+    found = _input_for(layer, root, batch)
+    assert found is not None, type(layer).__name__  # only layers _input_for takes are asked about
+    first, how = found
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+        return (first,), how
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+    if len(required) <= 1:
+        return (first,), how
+    return (first, *[None] * (len(required) - 1)), f"{how} + None for {', '.join(required[1:])}"
+
+
+class _Reached(BaseException):
+    """Raised by the probe's hook: the forward called ``module`` (a ``BaseException``, so that a
+    forward's own ``except Exception`` does not swallow it)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(type(module).__name__)
+        self.module = module
+
+
+def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.Module], bool]) -> nn.Module | None:
+    """The first module for which ``wanted`` holds that ``model``'s forward calls on ``args``
+    (meta tensors), or None when the forward fails or ends before calling one. The forward
+    runs on meta copies of the weights and stops at that call; the model is not changed."""
+    def stop(module: nn.Module, _args: Any) -> None:
+        raise _Reached(module)
+
+    handles = [m.register_forward_pre_hook(stop) for m in model.modules() if m is not model and wanted(m)]
+    state = {name: to_meta(t) for name, t in all_named_tensors(model)}
+    try:
+        with torch.no_grad(), eval_mode(model):
+            torch.func.functional_call(model, state, args, tie_weights=True, strict=False)
+    except _Reached as reached:
+        return reached.module
+    except Exception as exc:  # noqa: BLE001 - the probe only learns where a forward starts
+        log.debug("probing where the forward of %s starts failed: %s", type(model).__name__, exc)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None
 
 
 def _pair(value: Any) -> tuple[int, int]:

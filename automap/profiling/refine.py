@@ -119,7 +119,8 @@ class Splitter:
         try:
             with _quiet(logging.getLogger("automap.profiling")):
                 finer = profile(self.model, self.example_inputs, dtype=self.dtype, units=units,
-                                backward=base.total_train_flops > 0)
+                                backward=base.total_train_flops > 0,
+                                guessed="" if base.example == "given" else base.example)
         except ProfileError as exc:
             return None, {name: f"tracing with its pieces failed ({exc})" for name in pieces}
         bad = {name: why for name, parts in pieces.items() if (why := _unrunnable(finer, parts))}

@@ -46,10 +46,11 @@ class Unit:
         decode_flops: forward FLOPs of the unit in one decode step (one token per sequence),
             averaged over the decode.
         untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
-            forward cannot run on meta, or the forward stopped before it (see
-            ``profiling/fallback.py``); its bytes are exact, its other numbers are not measured.
-        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its parameter
-            bytes, not counted.
+            forward cannot run on meta, or the forward stopped before it or while it ran (a
+            meta limit, or any error on guessed example inputs; see ``profiling/fallback.py``);
+            its bytes are exact, its other numbers are not measured.
+        flops_estimated: ``flops`` (and ``train_flops``) are estimated from its weight shapes,
+            not counted.
         split_from: the unit this one was split out of (``""``: not split), see
             :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
             runs outside every unit, so every unit split from it computes on one device, and
@@ -207,6 +208,19 @@ class Profile:
     def untraced(self) -> tuple[str, ...]:
         """Units planned without a trace measuring them (``Unit.untraced`` says why)."""
         return tuple(u.name for u in self.units if u.untraced)
+
+    @property
+    def untraced_summary(self) -> str:
+        """One line on what was planned without a trace and why ("" when every unit was traced):
+        ``"1 of 2 units (first 'head') planned from their weights without a trace, FLOPs estimated
+        from their weight shapes: the forward failed on the guessed example inputs ..."``."""
+        found = [u for u in self.units if u.untraced]
+        if not found:
+            return ""
+        share = f"all {len(found)} units" if len(found) == len(self.units) else \
+            f"{len(found)} of {len(self.units)} units (first {found[0].name or '<model>'!r})"
+        how = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in found) else "by their bytes"
+        return f"{share} planned from their weights without a trace, {how}: {found[0].untraced}"
 
     @property
     def repeated(self) -> tuple[str, ...]:

@@ -65,7 +65,9 @@ class TraceResult:
     output: Any = None  # what the forward returned, when run with keep_output
     producers: dict[int, str] = field(default_factory=dict)  # id of a storage alive at the end -> its unit
     failed: dict[str, str] = field(default_factory=dict)  # units that stood in (profiling/fallback.py), why
-    stopped: str = ""  # where and why a meta limit between units ended the forward ("" = it ran to the end)
+    stopped: str = ""  # where and why the forward ended early ("" = it ran to the end)
+    guess_failed: bool = False  # it ended on an error of the guessed example inputs, not a meta limit
+    interrupted: tuple[str, ...] = ()  # units running when it ended, outermost first
 
 
 @dataclass
@@ -389,7 +391,8 @@ class _FusedAttention(TorchFunctionMode):
 
 
 def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool = False) -> TraceResult:
+              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool = False,
+              guessed: bool = False) -> TraceResult:
     """Run ``model`` with ``state`` (meta tensors) on meta inputs and measure every unit.
 
     Args:
@@ -401,12 +404,15 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         record_inputs: keep the shapes each unit was called with (for timing).
         keep_output: return the forward's output too (``TraceResult.output``): the storages it
             keeps alive, such as a generation cache, are then still in ``TraceResult.producers``.
+        guessed: the inputs were derived by automap, not given: a forward failing on them ends
+            the trace there (``guess_failed``) instead of raising.
 
     Returns:
         A :class:`TraceResult`.
 
     A unit whose forward meta cannot run stands in (``profiling/fallback.py``) and is listed in
-    ``failed``; a meta limit between units ends the forward early, said in ``stopped``.
+    ``failed``; a meta limit between units, or any error on ``guessed`` inputs, ends the forward
+    early, said in ``stopped``.
 
     Raises:
         ProfileError: the forward failed otherwise; the message says in which unit.
@@ -431,7 +437,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(tracer)
         stack.enter_context(_FusedAttention(tracer))
         tracer.begin(None)
-        output = _forward(model, state, args, kwargs, tracer)
+        output = _forward(model, state, args, kwargs, tracer, guessed)
         tracer.add_outputs(output)
         forward_flops = tracer.total_flops
         if backward and not tracer.result.stopped:
@@ -442,15 +448,19 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     return result
 
 
-def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer) -> Any:
+def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,
+             guessed: bool) -> Any:
     try:
         return torch.func.functional_call(model, dict(state), args, kwargs, tie_weights=True, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
-        failed = tracer.result.failed
-        if is_meta_limit(exc) or failed:
+        result = tracer.result
+        failed = result.failed
+        if is_meta_limit(exc) or failed or guessed:
             after = f", after the stand-in for {next(iter(failed))!r}" if failed and not is_meta_limit(exc) else ""
-            tracer.result.stopped = f"{tracer.where()}: {describe(exc)}{after}"
-            log.info("the traced forward of %s stopped %s", type(model).__name__, tracer.result.stopped)
+            result.stopped = f"{tracer.where()}: {describe(exc)}{after}"
+            result.guess_failed = guessed and not is_meta_limit(exc) and not failed
+            result.interrupted = tuple(call.name for call in tracer.active)
+            log.info("the traced forward of %s stopped %s", type(model).__name__, result.stopped)
             return None
         raise ProfileError(
             f"the forward of {type(model).__name__} failed on the example inputs {tracer.where()}: "

@@ -20,6 +20,11 @@ def _has_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``forward`` of its own (a ``ModuleDict`` or ``ModuleList`` has not)."""
+    return "forward" in module.__dict__ or type(module).forward is not nn.Module.forward
+
+
 def no_split_classes(model: nn.Module, no_split: Iterable[str | type] | None) -> set[str]:
     """Class names never to split: ``no_split`` when given, else the model's ``_no_split_modules``.
 
@@ -44,7 +49,9 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
     """Names of the placement units of ``model`` in definition order.
 
     A unit is a module of a ``no_split`` class (default: the model's ``_no_split_modules``),
-    a block of a ``Sequential``/``ModuleList`` stack, or a leaf module that holds tensors;
+    a block of a ``Sequential``/``ModuleList`` stack (or of a model with no ``forward`` of its
+    own, such as a ``ModuleDict``: its children are called one by one), or a leaf module that
+    holds tensors;
     whatever is inside a unit is never split across computing devices (the planner may split a
     unit that does not fit into its children, :mod:`automap.profiling.refine`, but they compute
     on one device). A module reachable under several
@@ -69,7 +76,7 @@ def find_units(model: nn.Module, no_split: Iterable[str | type] | None = None) -
             return
         seen.add(id(module))
         children = list(module.named_children())
-        stack = isinstance(module, (nn.Sequential, nn.ModuleList))
+        stack = isinstance(module, (nn.Sequential, nn.ModuleList)) or (not name and not has_forward(module))
         whole = type(module).__name__ in keep_whole or not children
         # Blocks of a stack are units unless they are stacks themselves (Swin's stages).
         if whole or (in_stack and not stack and not keep_whole):

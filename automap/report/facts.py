@@ -159,7 +159,7 @@ def untraced_notes(plan: Plan) -> list[str]:
         if len(units) == len(plan.units):
             notes.append(f"all {len(units)} units planned without a trace, by their bytes ({reason})")
             continue
-        flops = "FLOPs estimated from their parameter bytes" if any(u.flops_estimated for u in units) \
+        flops = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in units) \
             else "FLOPs unknown"
         names = unit_ranges([short_name(u.name) for u in units])
         notes.append(f"{'unit' if len(units) == 1 else 'units'} {names} planned without a trace ({reason}); {flops}")
