@@ -247,3 +247,31 @@ def test_merged_tensors_on_disk_need_an_offload_dir(tmp_path):
     folder = save(real, tmp_path / "model", "single")
     with pytest.raises(CheckpointError, match="merged by transformers' checkpoint conversion.*offload_dir"):
         automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, quiet=True)
+
+
+# ------------------------------------------------------------------ transformers' legacy renames
+
+
+def test_legacy_gamma_beta_keys_load_like_from_pretrained(tmp_path):
+    """A BERT checkpoint of the old layout (``LayerNorm.gamma``/``.beta``): transformers' "legacy"
+    renames, which apply to every model, map them; automap reads them renamed, in place."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=128, max_position_embeddings=32)
+    torch.manual_seed(0)
+    real = BertForMaskedLM(config).eval()
+    folder = save(real, tmp_path / "model", "single")
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in load_file(folder / "model.safetensors").items()}
+    assert sum("gamma" in k for k in old) >= 5
+    _rewrite(folder, lambda t: (t.clear(), t.update(old)))
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = transformers.AutoModelForMaskedLM.from_pretrained(folder).eval()(ids).logits
+    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off", quiet=True)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected.detach())
+    assert any("keys renamed (transformers' conversion for bert)" in c for c in automap.placement(model).choices)
+    automap.undispatch(model)
