@@ -3,7 +3,8 @@ per tensor (and under older key names), built fused in memory. ``automap.load(fo
 drop-in ``load_checkpoint_and_dispatch``, with part of the model on disk, give the greedy
 ``generate`` tokens of ``from_pretrained(folder)`` — for Mixtral and Qwen2-MoE in every save
 format, and for every mixture-of-experts family of transformers' conversion registry that builds
-on a CPU from a tiny config; planning such a folder reads no weights; a checkpoint the
+on a CPU from a tiny config; a Llava saved under its old key layout and a BERT with
+``LayerNorm.gamma`` keys load like ``from_pretrained`` too; planning such a folder reads no weights; a checkpoint the
 conversion cannot build fails with a CheckpointError before anything is loaded."""
 from __future__ import annotations
 
@@ -274,4 +275,29 @@ def test_legacy_gamma_beta_keys_load_like_from_pretrained(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected.detach())
     assert any("keys renamed (transformers' conversion for bert)" in c for c in automap.placement(model).choices)
+    automap.undispatch(model)
+
+
+def test_llava_saved_in_its_old_layout_loads_like_from_pretrained(tmp_path):
+    """A non-MoE family of the registry: transformers saves Llava under its old key layout
+    (``language_model.model.*``) and renames at load; so does automap."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=8)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=128)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_id=127)
+    torch.manual_seed(0)
+    real = LlavaForConditionalGeneration(config).eval()
+    folder = save(real, tmp_path / "model", "single")
+    assert converted_keys(folder, real)
+    ids = torch.randint(0, 120, (2, 6), generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        expected = LlavaForConditionalGeneration.from_pretrained(folder).eval()(input_ids=ids).logits
+    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off", quiet=True)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    assert any("keys renamed (transformers' conversion for llava)" in c for c in automap.placement(model).choices)
     automap.undispatch(model)
