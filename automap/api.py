@@ -17,8 +17,8 @@ from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceMapError, PlanError
 from automap.offload import check_offload_dir
-from automap.loading import (build_from_folder, log_summary, match_keys, materialise, offloaded_names, open_checkpoint,
-                             plan_tasks, verify_loaded)
+from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
+                             open_checkpoint, plan_tasks, verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
 from automap.planning.usermap import loose_homes, normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
@@ -279,9 +279,9 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     start = time.perf_counter()
     with open_checkpoint(checkpoint) as ckpt:
         match = match_keys(model, ckpt)
-        chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                      dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
-                      batch=batch, max_length=max_length)
+        chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
+                            dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
+                            batch=batch, max_length=max_length), match)
         for device in chosen.used_devices:
             check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
@@ -295,7 +295,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             install(model, undo)  # the skeleton as it was: nothing half-loaded either
             loaded.discard()  # and no store this load created is left on disk
             raise
-    log_summary(model, tasks, loaded, match.how, time.perf_counter() - start)
+    log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     return model
 
 

@@ -199,10 +199,12 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
     config = read_config(path)
     model = _on_meta(path, lambda: _hf_model(config, guess=False))  # its weights need the real class
     with open_checkpoint(path) as checkpoint:
-        take_stored_dtypes(model, checkpoint, match_keys(model, checkpoint))
+        match = match_keys(model, checkpoint)
+        take_stored_dtypes(model, checkpoint, match)
         files = {s.file for s in checkpoint.tensors.values()}
         source = (f"sizes and dtypes of {len(checkpoint.tensors)} tensors from {len(files)} checkpoint "
-                  f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read")
+                  f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read"
+                  + (f"; {match.converted}" if match.converted else ""))
     count = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, f"{type(model).__name__} ({path})", count, source=source)
 

@@ -127,8 +127,8 @@ def test_plan_folder_refuses_set_and_mismatched_weights(capsys, tmp_path):
 
 
 _MEASURE = textwrap.dedent("""
-    import contextlib, io, json, sys
-    import transformers.models.llama.modeling_llama  # imported before the baseline, as the plan needs it
+    import contextlib, importlib, io, json, sys
+    importlib.import_module(sys.argv[2])  # the modeling code, imported before the baseline: the plan needs it
     from automap.cli import main
     from benchmarks.memwatch import read_status
 
@@ -152,6 +152,18 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+def measure_plan_rss(folder: Path, modeling: str) -> dict:
+    """``automap plan folder`` in a fresh subprocess: its peak RSS growth ("plan"), the growth
+    of reading the weights there as the control ("read"), the exit code and the report."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", _MEASURE, str(folder), modeling], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["code"] == 0 and "disk" in measured["report"] and "no weights read" in measured["report"]
+    return measured
+
+
 @pytest.mark.slow
 def test_plan_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -162,11 +174,6 @@ def test_plan_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100MB")
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert size > 200e6
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", _MEASURE, str(folder)], capture_output=True, text=True,
-                            timeout=600, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert measured["code"] == 0 and "disk" in measured["report"] and "no weights read" in measured["report"]
+    measured = measure_plan_rss(folder, "transformers.models.llama.modeling_llama")
     assert measured["read"] > 0.9 * size, f"the control must see the weights read: {measured}"
     assert measured["plan"] < size / 5, f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"

@@ -156,17 +156,25 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
 
 
 def take_stored_dtypes(model: nn.Module, checkpoint: Checkpoint, match: Match) -> int:
-    """Give each meta tensor of ``model`` the dtype its checkpoint tensor is stored in, so that
-    a plan counts the bytes the checkpoint really holds (a bf16 checkpoint of an fp32 config).
+    """Give each meta tensor of ``model`` the dtype its checkpoint tensor is stored in (for a
+    tensor transformers' conversion builds: the dtype it builds it in), so that a plan counts
+    the bytes the checkpoint really holds (a bf16 checkpoint of an fp32 config).
     Only headers are read. Returns the number of tensors changed."""
     changed = 0
     for name, tensor in _meta_tensors(model):
-        stored = checkpoint.tensors.get(match.sources.get(name, ""))
-        if stored is not None and stored.dtype != tensor.dtype and stored.dtype.is_floating_point \
-                and tensor.is_floating_point():
-            tensor.data = torch.empty(tensor.shape, dtype=stored.dtype, device="meta")
+        stored = _stored_dtype(name, checkpoint, match)
+        if stored is not None and stored != tensor.dtype and stored.is_floating_point and tensor.is_floating_point():
+            tensor.data = torch.empty(tensor.shape, dtype=stored, device="meta")
             changed += 1
     return changed
+
+
+def _stored_dtype(name: str, checkpoint: Checkpoint, match: Match) -> torch.dtype | None:
+    if name in match.built:
+        recipe, target = match.built[name]
+        return recipe.targets[target][1]
+    stored = checkpoint.tensors.get(match.sources.get(name, ""))
+    return None if stored is None else stored.dtype
 
 
 def _meta_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

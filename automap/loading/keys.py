@@ -4,18 +4,23 @@ Checkpoints are often saved from a wrapper or a part of the model, so their keys
 leading component more or less than the model's names (``model.``, ``transformer.``,
 ``module.``). The rename that matches the most names wins; then every tensor must be
 filled, every key used, every shape equal.
+
+A transformers model's checkpoint goes through transformers' own conversion first
+(:mod:`automap.loading.convert`): keys it renames are matched renamed, and tensors it builds from
+several checkpoint tensors (experts merged into one) are filled by a recipe instead of a key.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from automap.errors import CheckpointError
-from automap.loading.checkpoint import Checkpoint
+from automap.loading.checkpoint import Checkpoint, Stored
+from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.profiling.units import all_named_tensors, names_by_identity
 
 Rename = tuple[str, Callable[[str], str]]
@@ -28,14 +33,20 @@ class Match:
     Attributes:
         sources: every model tensor name (tied aliases included) -> its checkpoint key.
         how: the rename applied to the checkpoint's keys, for messages.
+        built: model tensor names (tied aliases included) that a transformers conversion
+            builds from several checkpoint tensors -> the recipe and the name it builds them as.
+        converted: what transformers' conversion did, in one line for reports (None: nothing).
     """
 
     sources: dict[str, str]
     how: str
+    built: dict[str, tuple[Recipe, str]] = field(default_factory=dict)
+    converted: str | None = None
 
 
 def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
-    """Pair the model's parameters and persistent buffers with the checkpoint's keys.
+    """Pair the model's parameters and persistent buffers with the checkpoint's keys (or, for
+    tensors transformers builds at load, with the recipe that builds them).
 
     Raises:
         CheckpointError: tensors missing from the checkpoint, keys the model lacks, or
@@ -43,23 +54,32 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     """
     expected = dict(model.state_dict(keep_vars=True))
     known = {n for n, _ in all_named_tensors(model, remove_duplicate=False)}
-    how, rename = _best_rename(expected, checkpoint.tensors)
-    renamed = {rename(k): k for k in checkpoint.tensors}
+    conversion = conversion_for(model, checkpoint.tensors)
+    consumed = conversion.consumed if conversion is not None else set()
+    keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed}
+    how, rename = _best_rename(expected, keys, conversion)
+    renamed = {rename(k): k for k in keys}
+    made = {t: r for r in conversion.recipes for t in r.targets} if conversion is not None else {}
     sources: dict[str, str] = {}
+    built: dict[str, tuple[Recipe, str]] = {}
     missing = []
     for names in names_by_identity(expected.items()):
         key = next((renamed[n] for n in names if n in renamed), None)
-        if key is None:
-            missing.append(names[0])
-        else:
+        target = next((n for n in names if n in made), None)
+        if key is not None:
             sources.update(dict.fromkeys(names, key))
+        elif target is not None:
+            built.update(dict.fromkeys(names, (made[target], target)))
+        else:
+            missing.append(names[0])
     missing = _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
-    unexpected = _drop([k for n, k in renamed.items() if n not in known],
+    unexpected = _drop([k for n, k in renamed.items() if n not in known] + [t for t in made if t not in known],
                        getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    shapes = _shape_mismatches(expected, sources, checkpoint)
+    shapes = _shape_mismatches(expected, sources, checkpoint) + _built_mismatches(expected, built)
+    converted = conversion.summary() if conversion is not None else None
     if missing or unexpected or shapes:
-        raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes))
-    return Match(sources, how)
+        raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
+    return Match(sources, how, built, converted)
 
 
 def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
@@ -78,10 +98,14 @@ def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
     return options
 
 
-def _best_rename(expected: Mapping[str, torch.Tensor], keys: Mapping[str, object]) -> Rename:
+def _best_rename(expected: Mapping[str, torch.Tensor], keys: Mapping[str, Stored],
+                 conversion: Conversion | None) -> Rename:
     names = set(expected)
-    scored = [(sum(rename(k) in names for k in keys), -i, (how, rename))
-              for i, (how, rename) in enumerate(_renames(names, keys))]
+    options = _renames(names, keys)
+    if conversion is not None and any(k != n for k, n in conversion.renames.items()):
+        table = conversion.renames  # transformers' renames come second: they win over "as saved" if they match more
+        options.insert(1, (f"with transformers' renames for {conversion.family}", lambda k: table.get(k, k)))
+    scored = [(sum(rename(k) in names for k in keys), -i, (how, rename)) for i, (how, rename) in enumerate(options)]
     return max(scored, key=lambda s: (s[0], s[1]))[2]
 
 
@@ -101,8 +125,18 @@ def _shape_mismatches(expected: Mapping[str, torch.Tensor], sources: Mapping[str
     return found
 
 
+def _built_mismatches(expected: Mapping[str, torch.Tensor], built: Mapping[str, tuple[Recipe, str]]) -> list[str]:
+    found: list[str] = []
+    for name, (recipe, target) in built.items():
+        made, model_shape = recipe.targets[target][0], tuple(expected[name].shape)
+        if made != model_shape and name == target:
+            found.append(f"'{target}' is {list(made)} as transformers' conversion builds it from "
+                         f"{len(recipe.sources)} checkpoint tensors, {list(model_shape)} in the model")
+    return found
+
+
 def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missing: list[str],
-                      unexpected: list[str], shapes: list[str]) -> str:
+                      unexpected: list[str], shapes: list[str], converted: str | None = None) -> str:
     parts = []
     if missing:
         parts.append(f"{len(missing)} tensor(s) of the model are missing from it, first {missing[:3]}")
@@ -110,6 +144,7 @@ def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missin
         parts.append(f"{len(unexpected)} key(s) in it are not in the model, first {unexpected[:3]}")
     if shapes:
         parts.append(f"{len(shapes)} tensor(s) have another shape, first {'; '.join(shapes[:3])}")
+    how = f"{how}; {converted}" if converted else how
     return (f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
             + "; ".join(parts) + ". Build the model from the config the checkpoint was saved with, "
             "or load a checkpoint of this architecture")

@@ -8,9 +8,15 @@ pickle, a buffer computed at init) is written, one unit at a time, to an
 The model itself is only changed by the caller's :func:`~automap.runtime.swap.install`, once
 everything was read; offloaded tensors stay as they are (on meta) until dispatch points them at
 their source.
+
+A tensor that transformers builds at load from several checkpoint tensors (experts merged into
+one, see :mod:`~automap.loading.convert`) is built when its task comes: its sources are read one
+by one, merged by transformers' operation, and the result goes to its device — or, offloaded,
+is written once to the store (a merge has no bytes in the checkpoint to reference).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -22,6 +28,7 @@ from tqdm import tqdm
 
 from automap.errors import CheckpointError
 from automap.loading.checkpoint import Checkpoint
+from automap.loading.convert import Recipe
 from automap.loading.keys import Match
 from automap.offload import CheckpointSource, OffloadStore, SourceSet, TensorSpec, WeightSource
 from automap.planning import Plan
@@ -37,8 +44,9 @@ PROGRESS_DELAY_SECONDS = 1.0
 @dataclass(frozen=True)
 class Task:
     """One tensor to load: its plan name, the meta (or computed) object in the model, the
-    checkpoint key (None: keep the value computed at init), target dtype and device
-    (None: the offload store), and the unit whose store file it goes to."""
+    checkpoint key (None: built by a recipe, or keep the value computed at init), target dtype
+    and device (None: the offload store), the unit whose store file it goes to, and the
+    transformers recipe that builds it with the name it builds it as (None: read by key)."""
 
     name: str
     tensor: torch.Tensor
@@ -46,6 +54,7 @@ class Task:
     dtype: torch.dtype
     device: torch.device | None
     unit: str
+    built: tuple[Recipe, str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +87,8 @@ def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | 
             tensor = tensors[name]
             target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             tasks.append(Task(name, tensor, match.sources.get(name), target,
-                              _destination(plan, where, name in unit.loose, execution), unit.name))
+                              _destination(plan, where, name in unit.loose, execution), unit.name,
+                              match.built.get(name)))
     return tasks
 
 
@@ -103,14 +113,15 @@ def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os
     total = sum(t.nbytes for t in tasks)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="automap.load", file=sys.stderr,
               disable=quiet, delay=PROGRESS_DELAY_SECONDS) as bar:
+        reader = _Reader(checkpoint)
         progress = _Progress(bar, len(tasks))
         for task in tasks:
             if task.device is not None:
-                loaded.fresh[id(task.tensor)] = _fetch(task, checkpoint).to(task.device)
+                loaded.fresh[id(task.tensor)] = reader.fetch(task).to(task.device)
                 progress.step(task.nbytes)
         offloaded = [t for t in tasks if t.device is None]
         if offloaded:
-            loaded.source = _build_source(offloaded, checkpoint, offload_dir, progress, loaded)
+            loaded.source = _build_source(offloaded, reader, offload_dir, progress, loaded)
     return loaded
 
 
@@ -124,9 +135,32 @@ class _Progress:
         self.bar.update(nbytes)
 
 
-def _fetch(task: Task, checkpoint: Checkpoint) -> torch.Tensor:
-    if task.key is not None:
-        return checkpoint.read(task.key, task.dtype)
+class _Reader:
+    """Each task's value on CPU: read by key, built by its recipe (once per recipe: the other
+    tensors a recipe builds wait here until their tasks come), or the value computed at init."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.waiting: dict[int, dict[str, torch.Tensor]] = {}
+
+    def fetch(self, task: Task) -> torch.Tensor:
+        if task.key is not None:
+            return self.checkpoint.read(task.key, task.dtype)
+        if task.built is not None:
+            return self._built(*task.built).to(task.dtype)
+        return _computed(task)
+
+    def _built(self, recipe: Recipe, target: str) -> torch.Tensor:
+        if id(recipe) not in self.waiting:
+            self.waiting[id(recipe)] = recipe.build(self.checkpoint.read)
+        made = self.waiting[id(recipe)]
+        value = made.pop(target)
+        if not made:
+            del self.waiting[id(recipe)]
+        return value
+
+
+def _computed(task: Task) -> torch.Tensor:
     if task.tensor.device.type == "meta":
         raise CheckpointError(
             f"buffer {task.name!r} is not in the checkpoint and has no value (it is on meta); build the model "
@@ -140,8 +174,9 @@ def _in_place(task: Task, checkpoint: Checkpoint) -> bool:
     return task.key is not None and checkpoint.in_place(task.key) and checkpoint.tensors[task.key].dtype == task.dtype
 
 
-def _build_source(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
+def _build_source(tasks: list[Task], reader: _Reader, offload_dir: str | os.PathLike[str] | None,
                   progress: _Progress, loaded: Loaded) -> WeightSource:
+    checkpoint = reader.checkpoint
     references = {t.name: (checkpoint.tensors[t.key].file, t.key) for t in tasks if _in_place(t, checkpoint)
                   if t.key is not None}
     to_write = {t.name: t for t in tasks if t.name not in references}
@@ -153,20 +188,21 @@ def _build_source(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | 
         first = next(iter(to_write))
         raise CheckpointError(
             f"the plan offloads {len(to_write)} tensor(s) (first {first!r}) that must be written to disk "
-            "(converted to another dtype, read from a pickle, or buffers computed at init) but no offload_dir "
-            "was given; pass offload_dir='path', or raise max_memory so that they fit in memory"
+            "(converted to another dtype, merged by transformers' checkpoint conversion, read from a pickle, or "
+            "buffers computed at init) but no offload_dir was given; pass offload_dir='path', or raise max_memory "
+            "so that they fit in memory"
         )
     sources: list[WeightSource] = [CheckpointSource(references)] if references else []
     if to_write:
         assert offload_dir is not None
         specs = {n: TensorSpec(t.unit, t.dtype, tuple(t.tensor.shape)) for n, t in to_write.items()}
-        sources.append(OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], checkpoint, progress)))
+        sources.append(OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], reader, progress)))
     return sources[0] if len(sources) == 1 else SourceSet(sources)
 
 
-def _written(task: Task, checkpoint: Checkpoint, progress: _Progress) -> torch.Tensor:
+def _written(task: Task, reader: _Reader, progress: _Progress) -> torch.Tensor:
     """A tensor read for the store when it writes its unit (one unit in memory at a time)."""
-    value = _fetch(task, checkpoint)
+    value = reader.fetch(task)
     progress.step(task.nbytes)
     return value
 
@@ -186,12 +222,19 @@ def verify_loaded(model: nn.Module, on_purpose: set[str]) -> None:
                               "the plan does not cover them: plan this model again")
 
 
-def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, how: str, seconds: float) -> None:
+def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, match: Match, seconds: float) -> None:
     by_device: dict[str, int] = {}
     for task in tasks:
         where = str(task.device) if task.device is not None else "disk"
         by_device[where] = by_device.get(where, 0) + task.nbytes
     placed = ", ".join(f"{format_bytes(n)} to {d}" for d, n in by_device.items())
-    log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d",
-             type(model).__name__, seconds, how, placed, loaded.referenced, loaded.written)
+    log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d%s",
+             type(model).__name__, seconds, match.how, placed, loaded.referenced, loaded.written,
+             f"; {match.converted}" if match.converted else "")
 
+
+def noted(plan: Plan, match: Match) -> Plan:
+    """``plan`` with what transformers' conversion did among its choices, for its report."""
+    if match.converted is None or match.converted in plan.choices:
+        return plan
+    return dataclasses.replace(plan, choices=plan.choices + (match.converted,))
