@@ -29,6 +29,11 @@ class DeviceMapError(PlanError):
     """A user-given device map names unknown modules or leaves tensors without a device."""
 
 
+class MapFormatError(PlanError):
+    """No plan that fits can be written as a device map alone (accelerate's format cannot say
+    where offloaded units compute when that is not the first accelerator the map names)."""
+
+
 class DispatchError(AutomapError):
     """The model could not be dispatched; it was left exactly as it was."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from automap.devices import DeviceSpec
-from automap.errors import PlanError
+from automap.errors import MapFormatError, PlanError
 from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
@@ -56,7 +56,8 @@ class _Level:
 
 
 def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
-              reserve: Mapping[str, int] | None = None, refine: Refine | None = None) -> Plan:
+              reserve: Mapping[str, int] | None = None, refine: Refine | None = None,
+              accept: Callable[[Plan], bool] | None = None) -> Plan:
     """Place ``profile``'s units on ``devices`` with a named strategy.
 
     Args:
@@ -67,6 +68,8 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         reserve: bytes to keep free per device name (KV cache, optimizer state).
         refine: splits units into their children (:class:`~automap.profiling.refine.Splitter`);
             without it the units stay as profiled.
+        accept: only plans it returns True for may be chosen (the accelerate drop-in keeps
+            those whose device map alone says where each unit computes).
 
     Returns:
         A deterministic :class:`Plan`; ``plan.choices`` says what was split and chosen.
@@ -75,6 +78,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         PlanError: unknown strategy, no devices, a unit that fits nowhere and cannot be split
             (the message names its class when ``no_split`` keeps it whole), or a model that
             does not fit even on disk (the message gives the numbers per tier).
+        MapFormatError: ``accept`` refused every plan that fits.
 
     Example:
         >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
@@ -107,7 +111,20 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
             break
         splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
-    return _best(levels, refused, error)
+    return _best(_accepted(levels, accept), refused, error)
+
+
+def _accepted(levels: list[_Level], accept: Callable[[Plan], bool] | None) -> list[_Level]:
+    if accept is None:
+        return levels
+    kept = [replace(level, candidates=tuple(c for c in level.candidates if accept(c.plan))) for level in levels]
+    if any(level.candidates for level in levels) and not any(level.candidates for level in kept):
+        raise MapFormatError("no plan that fits can be said by a device map alone: each streams offloaded units "
+                             "into a GPU other than the lowest-numbered one holding units (or into one holding "
+                             "none), or lets the CPU compute while GPUs hold units; raise the GPU budgets, allow "
+                             "'cpu' in max_memory, or pass the Plan itself (not its device_map) to "
+                             "automap.dispatch/automap.load")
+    return kept
 
 
 def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],

@@ -161,6 +161,8 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     aliases = unit_aliases(model, unit_names)
     units = tuple(_unit(name, owned[name], tensors, params, aliases[name], trace, dtype) for name in ordered)
+    # A unit whose tensors all belong to units that ran (T5's tied `shared` embedding) misses nothing.
+    uncalled = [u.name for u in units if u.name in uncalled and (u.tensors or u.loose)]
     reasons = untraced_reasons(units, trace.failed, trace.stopped)
     if reasons:
         units = fill_untraced(units, reasons)
