@@ -309,3 +309,22 @@ def test_infer_auto_device_map_returns_maps_that_mean_one_placement_to_every_rea
         assert ours.execution_device == "cuda:1" and 1 in device_map.values()
 
 
+
+
+def test_the_suite_runner_swaps_only_the_four_imports_and_keeps_line_numbers():
+    from benchmarks.accelerate_suite import calling_tests, rewrite
+
+    source = ("from accelerate import Accelerator, init_empty_weights\n"
+              "from accelerate.utils.modeling import (\n    compute_module_sizes,\n    infer_auto_device_map,\n)\n"
+              "from accelerate.utils import FP8RecipeKwargs\n\n"
+              "def test_a():\n    from accelerate import dispatch_model\n    dispatch_model(m, {})\n\n"
+              "def test_b():\n    compute_module_sizes(m)\n")
+    out = rewrite(source, frozenset({"FP8RecipeKwargs"}))
+    assert len(out.splitlines()) == len(source.splitlines())
+    assert "from automap.accelerate_compat import init_empty_weights" in out
+    assert "from automap.accelerate_compat import infer_auto_device_map" in out
+    assert "    from automap.accelerate_compat import dispatch_model" in out
+    assert "from accelerate import (Accelerator)" in out and "compute_module_sizes)" in out
+    assert "FP8RecipeKwargs" not in out
+    compile(out, "rewritten", "exec")
+    assert calling_tests(source) == ["test_a"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import automap
+from automap.devices import canonical_name
 from automap.errors import DeviceError, PlanError
 from conftest import logits_of, tiny_gpt2, tiny_llama, weight_bytes
 
@@ -61,9 +62,7 @@ def test_offload_folder_is_offload_dir(folder, tmp_path):
 def test_one_device_is_the_whole_model_there(device):
     model = tiny_gpt2()
     plan = automap.plan(model, device, max_memory={0: "1GB", 1: "1GB", "cpu": "1GB"})
-    expected = "disk" if device == "disk" else automap.devices.canonical_name(str(device)
-                                                                             if isinstance(device, torch.device)
-                                                                             else device)
+    expected = canonical_name(str(device) if isinstance(device, torch.device) else device)
     assert set(plan.placement) == {expected}
 
 

@@ -183,9 +183,11 @@ def test_max_length_shorter_than_the_prompt_exits_1_with_one_line(capsys):
 
 def test_set_resolves_config_aliases_and_nested_keys():
     gpt2 = build_model("hf:gpt2", parse_overrides(["num_hidden_layers=2,hidden_size=64,num_attention_heads=2"]))
-    assert gpt2.model.config.n_layer == 2 and gpt2.model.config.n_embd == 64 and len(gpt2.model.transformer.h) == 2
+    config = gpt2.model.config
+    assert config.n_layer == 2 and config.n_embd == 64 and len(gpt2.model.transformer.h) == 2
     llava = build_model("hf:llava", parse_overrides(["text_config.num_hidden_layers=1,text_config.hidden_size=64",
-                                                     "text_config.intermediate_size=128,vision_config.num_hidden_layers=1"]))
+                                                     "text_config.intermediate_size=128",
+                                                     "vision_config.num_hidden_layers=1"]))
     config = llava.model.config
     assert config.text_config.num_hidden_layers == 1 and config.text_config.hidden_size == 64
     assert config.vision_config.num_hidden_layers == 1
