@@ -31,6 +31,7 @@ from automap.errors import MapFormatError, PlanError
 from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
+from automap.planning.usermap import expressible, map_execution_device
 from automap.profiling import Profile
 from automap.profiling.refine import Refinement
 from automap.sizes import format_bytes
@@ -111,7 +112,20 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
             break
         splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
-    return _best(_accepted(levels, accept), refused, error)
+    return _map_note(_best(_accepted(levels, accept), refused, error))
+
+
+def _map_note(plan: Plan) -> Plan:
+    """``plan`` with a warning when its ``device_map`` alone would be read as another placement
+    (the CPU computing while GPUs hold units has its own note, from the layout)."""
+    if expressible(plan) or plan.execution_device == "cpu":
+        return plan
+    reading = map_execution_device(plan)
+    read_as = "computing them on the CPU" if reading == "cpu" else f"streaming them into {reading}"
+    note = (f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
+            f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
+            "automap.load, or plan with map_only=True for a map that says everything")
+    return replace(plan, warnings=plan.warnings + (note,))
 
 
 def _accepted(levels: list[_Level], accept: Callable[[Plan], bool] | None) -> list[_Level]:
