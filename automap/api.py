@@ -19,6 +19,7 @@ from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.keys import Match
+from automap.offload import check_offload_dir
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, offloaded_names, open_checkpoint,
                              plan_tasks, verify_loaded)
 from automap.planning import STRATEGIES, Plan, get_strategy, make_plan, plan_from_device_map
@@ -103,6 +104,8 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
             f"{type(model).__name__} is dispatched, so its weights are spread out and hooked; see where "
             "they are with automap.placement(model), or call automap.undispatch(model) before planning again"
         )
+    if offload_dir:
+        check_offload_dir(offload_dir)  # a dangling link or /proc: say so, not "the model does not fit"
     devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
                              speeds=speeds, links=links, bandwidths=bandwidths)
     if batch is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from automap.api import dispatch, plan
 from automap.runtime import undispatch
 from automap.report import placement
-from automap.sizes import format_bytes
+from automap.sizes import format_bytes, format_number, format_seconds
 
 
 def _resnet50() -> tuple[nn.Module, tuple[Any, ...]]:
@@ -71,7 +71,7 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         diff = (got - expected).abs().max().item()
         same = diff <= 1e-6
         ok &= same
-        say(f"\nforward, part of the weights on disk: {seconds:.2f} s; max |dispatched - plain| {diff:.1e} "
+        say(f"\nforward, part of the weights on disk: {format_seconds(seconds)}; max |dispatched - plain| {format_number(diff)} "
             f"-> {'IDENTICAL' if same else 'DIFFERENT'}")
     say("\ndemo " + ("passed: dispatched outputs equal the plain model's" if ok else "FAILED"))
     return ok

@@ -68,3 +68,59 @@ def format_bytes(n: int | float) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------ numbers for people
+#
+# Every number a report, a choice, a warning or the CLI shows goes through one of these: one
+# function per quantity, three significant digits, thousands separated, never an exponent.
+
+
+def format_number(value: float) -> str:
+    """``value`` to three significant digits, without an exponent: ``1130.4`` -> ``'1,130'``,
+    ``3.316`` -> ``'3.32'``, ``0.000123`` -> ``'0.000123'``, ``34.0`` -> ``'34'``."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return "unbounded" if value > 0 else "-" if value != value else "-unbounded"
+    if value == 0:
+        return "0"
+    rounded = float(f"{value:.3g}")
+    if abs(rounded) >= 1000:
+        return f"{rounded:,.0f}"
+    decimals = max(0, 2 - _exponent(rounded))
+    return f"{rounded:.{decimals}f}".rstrip("0").rstrip(".") if decimals else f"{rounded:.0f}"
+
+
+def _exponent(value: float) -> int:
+    """The power of ten of ``value``'s leading digit (``0.0123`` -> -2, ``123`` -> 2)."""
+    return int(f"{value:e}".partition("e")[2])
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that reads best: ``3.316`` -> ``'3.32 s'``, ``0.0878`` ->
+    ``'87.8 ms'``, ``4.92e-05`` -> ``'49.2 µs'``, ``754`` -> ``'12.6 min'``; under a nanosecond
+    ``'<1 ns'``."""
+    if seconds == 0:
+        return "0 s"
+    if seconds >= 3600:
+        return f"{format_number(seconds / 3600)} h"
+    if seconds >= 60:
+        return f"{format_number(seconds / 60)} min"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
+        if seconds >= scale:
+            return f"{format_number(seconds / scale)} {unit}"
+    return "<1 ns"
+
+
+def format_rate(per_second: float, what: str) -> str:
+    """A rate: ``1130.4, "tokens"`` -> ``'1,130 tokens/s'``, ``0.118`` -> ``'0.118 tokens/s'``."""
+    return f"{format_number(per_second)} {what}/s"
+
+
+def format_flops(flops: float, per_second: bool = False) -> str:
+    """Floating-point operations with decimal prefixes, as FLOPs are quoted: ``1.25e12`` ->
+    ``'1.25 TFLOP'`` (``'1.25 TFLOP/s'`` with ``per_second``)."""
+    unit = "FLOP/s" if per_second else "FLOP"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(flops) >= scale:
+            return f"{format_number(flops / scale)} {prefix}{unit}"
+    return f"{format_number(flops)} {unit}"

@@ -34,7 +34,7 @@ def test_resident_weights_bound_a_step_by_memory_bandwidth():
     assert decode.step_seconds == pytest.approx(12 * GB / 2e12)
     assert decode.tokens_per_second == pytest.approx(1 / decode.step_seconds)
     assert decode.limit.kind == "weights" and decode.limit.amount == 10 * GB
-    assert decode.describe().startswith("decode limited by 10 GB of weights read from cuda:0 per step: ~")
+    assert decode.describe().startswith("decode limited by 9.31 GiB of weights read from cuda:0 per step: ~")
 
 
 def test_a_stream_to_a_gpu_overlaps_its_work_and_is_named_with_a_fix():
@@ -43,7 +43,7 @@ def test_a_stream_to_a_gpu_overlaps_its_work_and_is_named_with_a_fix():
     decode = predict_decode(_plan(units, ["cuda:0", "disk"], devices))
     assert decode.step_seconds == pytest.approx(17 * GB / 2e9)  # the copy engine streams while it computes
     assert (decode.limit.kind, decode.limit.device) == ("stream", "disk")
-    assert "decode limited by 17 GB streamed from disk per step: ~0.118 tokens/s at batch 1" in decode.describe()
+    assert "decode limited by 15.83 GiB streamed from disk per step: ~0.118 tokens/s at batch 1" in decode.describe()
     assert "more memory on cuda:0 (max_memory) would keep every weight resident" in decode.hint
 
 
@@ -70,14 +70,14 @@ def test_devices_take_turns_and_the_limit_sums_them():
     units = [_unit("a", 10 * GB), _unit("b", 30 * GB)]
     decode = predict_decode(_plan(units, ["cuda:0", "cuda:1"], [_gpu("cuda:0"), _gpu("cuda:1")]))
     assert decode.step_seconds == pytest.approx(40 * GB / 2e12)
-    assert decode.limit.describe() == "40 GB of weights read from cuda:0, cuda:1"
+    assert decode.limit.describe() == "37.25 GiB of weights read from cuda:0, cuda:1"
 
 
 def test_a_larger_batch_amortises_the_weights_until_the_cache_or_compute_limits():
     plan = _plan([_unit("a", 10 * GB, kv_read=GB // 2, flops=2 * 10**10, kv=GB)], ["cuda:0"], [_gpu("cuda:0")])
     hint = predict_decode(plan).hint
     # Weights (10 GB) stay; the cache read grows with the batch and passes them at batch 32.
-    assert "at batch 32 the limit moves to 16 GB of KV cache read from cuda:0" in hint
+    assert "at batch 32 the limit moves to 14.90 GiB of KV cache read from cuda:0" in hint
 
 
 def test_no_generation_no_prediction():

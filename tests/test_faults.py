@@ -394,20 +394,20 @@ def _big_model_code() -> str:
 
 
 def test_7_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_path):
-    # The writer pauses (after its third file, before renaming it into place) only so that the
-    # kill lands mid-write every time; the kill itself is a real SIGKILL.
+    # The writer pauses (with its third file written, just before renaming it into place) only so
+    # that the kill lands mid-write every time: a profile hook in the writer itself, on its calls
+    # to os.replace, nothing of automap's replaced. The kill itself is a real SIGKILL.
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_big_model_code()) + textwrap.dedent("""
-        import sys, time, automap
+        import os, sys, time, automap
         from pathlib import Path
-        import automap.offload.store as store
-        written, real = [], store.write_file
-        def write_then_pause(path, tensors, metadata=None):
-            real(path, tensors, metadata)
-            written.append(path)
-            if len(written) == 3:
-                Path(sys.argv[2]).write_text(str(path))
-                time.sleep(600)
-        store.write_file = write_then_pause
+        folder, seen = Path(sys.argv[1]), set()
+        def pause_at_third_file(frame, event, arg):
+            if event == "c_call" and arg is os.replace:
+                seen.update(p.name for p in folder.glob("*/.*.safetensors.*.tmp"))
+                if len(seen) == 3:
+                    Path(sys.argv[2]).write_text(str(sorted(seen)))
+                    time.sleep(600)
+        sys.setprofile(pause_at_third_file)
         automap.dispatch(big(), DISK, offload_dir=sys.argv[1], example_inputs=(torch.randn(1, 1024),))
     """), str(tmp_path / "off"), str(tmp_path / "paused")],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},

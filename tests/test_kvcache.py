@@ -219,7 +219,7 @@ def test_report_shows_kv_column_and_decode_speed():
     text = plan.report()
     assert re.search(r"^device +kind +capacity +used +kv ", text, re.M)
     flat = " ".join(text.split())
-    assert re.search(r"decode limited by [\d.]+ [kMG]?B streamed from disk per step: ~[\d.e+]+ tokens/s at batch 1",
+    assert re.search(r"decode limited by [\d.]+ (?:[KMG]i)?B streamed from disk per step: ~[\d,.]+ tokens/s at batch 1",
                      flat)
     assert "more memory on cpu (max_memory) would keep every weight resident" in flat
     assert max(len(line) for line in text.splitlines()) <= 80

@@ -207,8 +207,12 @@ def test_too_small_gpus_keep_a_contiguous_run_then_cpu_then_disk(llama_2g_profil
     plan = make_plan(prof, devices, "auto")
     assert fits(plan)
     on_gpu = [i for i, d in enumerate(plan.placement) if d.startswith("cuda")]
-    assert on_gpu == list(range(on_gpu[0], on_gpu[-1] + 1)) and on_gpu[0] <= 4
-    stored = {plan.placement[i] for i in [*range(on_gpu[0]), *range(on_gpu[-1] + 1, n)]}
+    run = [i for i in on_gpu if i < next((j for j in range(on_gpu[0], n) if j not in on_gpu), n)]
+    assert run == list(range(on_gpu[0], run[-1] + 1)) and on_gpu[0] <= 4
+    # After the run, a GPU with room left keeps an offloaded unit or two (the final norm) resident.
+    extras = [i for i in on_gpu if i not in run]
+    assert sum(prof.units[i].weight_bytes for i in extras) < 0.01 * total
+    stored = {plan.placement[i] for i in range(n) if i not in on_gpu}
     assert stored == {"cpu", "disk"}
     cpu = next(r for r in plan.summary() if r.device.name == "cpu")
     free = cpu.device.capacity_bytes - cpu.used_bytes
@@ -450,3 +454,67 @@ def test_a_new_strategy_is_one_registration(resnet50_profile):
         del STRATEGIES["last_gpu_only"]
     with pytest.raises(PlanError, match="unknown strategy 'last_gpu_only'"):
         make_plan(resnet50_profile, devices, "last_gpu_only")
+
+
+# ------------------------------------------------------- plans a user would not question
+
+
+def test_balanced_low_0_streams_to_another_gpu_than_gpu_0(llama_2g_profile):
+    """GPU 0 keeps no streaming slot when another GPU can execute: it stays light for
+    generate(), and the streaming GPU, not GPU 0, is the busiest."""
+    prof = llama_2g_profile
+    devices = gpus([int(prof.total_bytes * 0.2)] * 4) + (make_device("cpu", 10 * prof.total_bytes),)
+    plan = make_plan(prof, devices, "balanced_low_0")
+    assert plan.offloaded_units and fits(plan)
+    assert plan.execution_device != "cuda:0"
+    assert "cuda:0" not in dict(plan.reserves), "no room kept on GPU 0 for streamed weights"
+    seconds = plan.compute_seconds()
+    assert seconds["cuda:0"] < seconds[plan.execution_device]
+    assert max(seconds, key=seconds.get) != "cuda:0"
+    auto = make_plan(prof, devices, "auto")
+    assert auto.execution_device == "cuda:0", "balanced streams to GPU 0 as before"
+
+
+def _headroom(plan: Plan) -> dict[str, int]:
+    return {r.device.name: r.device.capacity_bytes - r.used_bytes for r in plan.summary() if r.device.is_accelerator}
+
+
+def test_idle_gpu_room_takes_streamed_units_before_the_cpu_streams_them(resnet50_profile):
+    """ResNet-50 on 8 GPUs of 16.6 MB and 410 MB of CPU RAM: layer4's blocks are larger than
+    any GPU, so their pieces compute together on the execution GPU; every unit that streams
+    from the CPU has no GPU with room to keep it (a piece: on the GPU that computes its
+    block; any other unit: on any GPU)."""
+    import torchvision
+
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    total = weight_bytes(model)
+    budget = {**{i: int(total * 1.3 / 8) for i in range(8)}, "cpu": 4 * total}
+    plan = automap.plan(model, max_memory=budget)
+    assert fits(plan) and plan.offloaded_units
+    room = _headroom(plan)
+    for unit, where in zip(plan.units, plan.placement):
+        if not plan.is_offloaded(where):
+            continue
+        could = [plan.execution_device] if unit.split_from else list(room)
+        need = unit.weight_bytes + unit.peak_activation_bytes
+        assert all(room[d] < need for d in could), \
+            f"{unit.name} ({unit.weight_bytes} B) streams though {[d for d in could if room[d] >= need]} have room"
+    resident = {d for d in plan.placement if plan.device(d).is_accelerator}
+    assert len(resident) >= 5
+
+
+def test_no_gpu_holds_a_lone_small_unit_that_only_adds_cuts():
+    """A Mixtral whose layers, embedding and LM head are each larger than the one 10 MB GPU:
+    only the final norm would fit there, and sending the activations to the GPU and back for
+    it costs more than it saves, so the CPU computes everything."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=8, vocab_size=32000)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    plan = automap.plan(model, max_memory={0: 10 * MB, "cpu": 2 * weight_bytes(model)})
+    assert plan.device_of("model.norm") == "cpu"
+    assert plan.cuts() == ()
+    assert not [d for d in plan.placement if d == "cuda:0"]

@@ -15,6 +15,7 @@ import torch
 import automap
 from automap.report import (ReportError, draw, figure, placement, plan_dict, read_json, render_text, to_json,
                             unit_ranges, write_json)
+from automap.sizes import format_flops, format_number, format_rate, format_seconds
 from conftest import tiny_llama, weight_bytes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -163,8 +164,13 @@ def test_figure_bars_carry_the_plans_numbers(spread_plan):
     for row_index, row in enumerate(spread_plan.summary()):
         expected = 100 * row.weight_bytes / row.device.capacity_bytes
         assert weights.get(row_index, 0.0) == pytest.approx(expected, abs=1e-6), row.device.name
+        # FLOPs count on the device that computes them: a tier that only stores draws none.
+        computes = row.device.name == spread_plan.compute_device(row.device.name)
+        computed = sum(u.flops for u, d in zip(spread_plan.units, spread_plan.placement)
+                       if spread_plan.compute_device(d) == row.device.name)
         share = _bar_widths(flops, colours[row.device.name]).get(row_index, 0.0)
-        assert share == pytest.approx(100 * row.flops_share, abs=1e-6), row.device.name
+        assert share == pytest.approx(100 * computed / sum(u.flops for u in spread_plan.units), abs=1e-6)
+        assert computes or share == 0.0, row.device.name
     labels = [t.get_text() for t in memory.texts]
     for row in spread_plan.summary():
         assert any(automap.format_bytes(row.used_bytes) in label for label in labels)
@@ -207,3 +213,123 @@ def test_placement_follows_hf_device_map_for_meta_tensors():
     del model.hf_device_map
     with pytest.raises(ReportError, match="meta"):
         placement(model)
+
+
+# ----------------------------------------------------------------- numbers a person can read
+
+
+EXPONENT = re.compile(r"\d[eE][+-]?\d")
+
+
+@pytest.mark.parametrize("seconds, text", [(3.316, "3.32 s"), (0.0878, "87.8 ms"), (4.92e-05, "49.2 µs"),
+                                           (2.4e-07, "240 ns"), (754.0, "12.6 min"), (1e-13, "<1 ns"), (0, "0 s")])
+def test_times_read_in_the_unit_that_fits(seconds, text):
+    assert format_seconds(seconds) == text
+
+
+def test_rates_flops_and_plain_numbers_have_no_exponent():
+    assert format_rate(1130.4, "tokens") == "1,130 tokens/s"
+    assert format_rate(0.1184, "tokens") == "0.118 tokens/s"
+    assert format_rate(0.000123, "tokens") == "0.000123 tokens/s"
+    assert format_flops(1.25e12) == "1.25 TFLOP" and format_flops(3e14, per_second=True) == "300 TFLOP/s"
+    for value in (1e-9, 0.5, 999.6, 12345678.0, 3.2e21):
+        assert not EXPONENT.search(format_number(value)), value
+
+
+def _strings(value) -> list[str]:
+    """Every string in a JSON value."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+@pytest.fixture(scope="module")
+def extreme_plans(spread_plan):
+    """The spread plan on very slow and very fast devices (times of minutes and of
+    nanoseconds, decode rates below 1 and above 1,000 tokens/s), planned for a generation."""
+    model = tiny_llama(layers=8)
+    size = weight_bytes(model)
+    budget = {0: int(size * 0.3), 1: int(size * 0.3), "cpu": int(size * 0.25), "disk": "1TB"}
+    inputs = (torch.randint(0, 256, (1, 16)),)
+    slow = {"cuda:0": 1e3, "cuda:1": 1e3, "cpu": 1e2}
+    return [spread_plan,
+            automap.plan(model, max_memory=budget, example_inputs=inputs, speeds=slow, batch=1, max_length=64),
+            automap.plan(model, max_memory={0: "1GB", "cpu": "1GB"}, example_inputs=inputs, batch=1, max_length=64)]
+
+
+def test_report_and_json_text_carry_no_exponents(extreme_plans):
+    seen = set()
+    for plan in extreme_plans:
+        text = plan.report()
+        assert not EXPONENT.search(text), [line for line in text.splitlines() if EXPONENT.search(line)]
+        for string in _strings(plan_dict(plan)):
+            assert not EXPONENT.search(string), string
+        seen |= set(re.findall(r"\d (µs|ns|ms|s|min|h)\b", text))
+        assert not re.search(r"\d us\b", text)
+    assert {"µs", "min"} <= seen, "the slow plan takes minutes, the fast one microseconds"
+    fast = extreme_plans[2].report()
+    rate = re.search(r"~([\d,.]+) tokens/s", fast).group(1)
+    assert float(rate.replace(",", "")) >= 1000 and "," in rate, "thousands are separated"
+
+
+def test_the_root_unit_is_named():
+    """A model that is one unit (no child module is a unit of its own) is named as such, in
+    the report, the JSON and the error for an offload without a folder."""
+    model = torch.nn.Linear(64, 64)
+    plan = automap.plan(model, max_memory={"cpu": 1000, "disk": "1GB"}, example_inputs=(torch.randn(1, 64),))
+    assert [u.name for u in plan.units] == [""] and plan.offloaded_units == ("",)
+    text = plan.report()
+    assert "units: the whole model" in text and "1 unit," in text and "1 units" not in text
+    disk = next(d for d in plan_dict(plan)["devices"] if d["name"] == "disk")
+    assert disk["unit_ranges"] == "the whole model"
+    with pytest.raises(automap.AutomapError, match=r"offloads 1 unit \(the whole model\) to disk but no offload_dir"):
+        automap.dispatch(model, plan)
+
+
+def test_flops_count_on_the_device_that_computes_them(spread_plan):
+    """cpu and disk only store units streamed to cuda:0: the table shows no FLOPs share or
+    stage for them, and cuda:0's share and stage include the units it runs from them."""
+    data = plan_dict(spread_plan)
+    by_name = {d["name"]: d for d in data["devices"]}
+    total = sum(u.flops for u in spread_plan.units)
+    assert by_name["disk"]["flops"] > 0, "disk stores units with FLOPs"
+    for tier in ("cpu", "disk"):
+        assert by_name[tier]["computed_flops"] == 0 and by_name[tier]["compute_seconds"] == 0.0
+        assert re.search(rf"^{tier}\s.*\s-\s+-$", spread_plan.report(), re.M), f"{tier}: no FLOPs%, no stage"
+    executor = by_name[spread_plan.execution_device]
+    streamed = sum(by_name[t]["flops"] for t in ("cpu", "disk"))
+    assert executor["computed_flops"] == executor["flops"] + streamed
+    assert sum(d["computed_flops"] for d in data["devices"]) == total
+    assert executor["compute_seconds"] == pytest.approx(spread_plan.compute_seconds()[spread_plan.execution_device])
+    share = f"{100 * executor['computed_flops_share']:.1f}%"
+    assert re.search(rf"^cuda:0\s.*\s{re.escape(share)}\s", spread_plan.report(), re.M)
+
+
+def test_print_plan_is_a_short_line(spread_plan):
+    text = repr(spread_plan)
+    assert str(spread_plan) == text and "\n" not in text and len(text) < 400
+    assert text.startswith("<Plan auto: 12 units, ")
+    for device in spread_plan.used_devices:
+        assert device in text
+    assert "streamed to cuda:0" in text and f"predicted forward {format_seconds(spread_plan.forward_seconds)}" in text
+
+
+def test_a_slower_choice_says_why(spread_plan):
+    """The chosen plan streams to a GPU; a plan in which the CPU computes some units is
+    predicted faster. The choices say which rule put it first."""
+    choices = " ".join(spread_plan.choices)
+    faster = re.search(r"alternatives: .*?\(([\d.]+) µs\)", choices)
+    assert faster and float(faster.group(1)) < spread_plan.forward_seconds * 1e6
+    line = next(c for c in spread_plan.choices if c.startswith("chosen over a faster alternative"))
+    assert "because the accelerators compute every unit in it, while in the faster one the CPU computes some" in line
+    assert "then the fastest" in line and "chosen over a faster alternative" in _flat(spread_plan.report())
+
+
+def test_the_fastest_choice_needs_no_excuse():
+    model = tiny_llama(layers=2)
+    plan = automap.plan(model, max_memory={0: "1GB", 1: "1GB"}, example_inputs=(torch.randint(0, 256, (1, 16)),))
+    assert not any("chosen over" in c for c in plan.choices)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import io
-import json
 import logging
 import os
 import pickle
@@ -27,10 +26,13 @@ from typing import Any, Mapping
 
 import torch
 
-from automap.errors import CheckpointError
-from automap.offload import read_header
+from automap.errors import CheckpointError, FormatError
+from automap.offload import load_json, read_header, read_regular
 
 log = logging.getLogger(__name__)
+
+# A shard index lists each tensor in ~60 bytes: room for millions of tensors.
+MAX_INDEX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -242,11 +244,13 @@ def _legacy_store_files(folder: Path) -> set[str]:
     if not index.is_file():
         return set()
     try:
-        tensors = json.loads(index.read_text()).get("tensors", {})
-        files = {str(e["file"]) for e in tensors.values() if isinstance(e, dict) and "file" in e}
-    except (OSError, ValueError, AttributeError, TypeError):
+        data = load_json(read_regular(index, MAX_INDEX_BYTES), f"old store index {index} is damaged", "")
+    except (OSError, FormatError):
         return set()
-    found = {f for f in files if _plain_name(f)}
+    tensors = data.get("tensors") if isinstance(data, dict) else None
+    entries = tensors.values() if isinstance(tensors, dict) else ()
+    names = [e.get("file") for e in entries if isinstance(e, dict)]
+    found = {f for f in names if isinstance(f, str) and _plain_name(f)}
     if found:
         log.info("%s: not reading %d file(s) of an old automap offload store (%s)", folder, len(found),
                  ", ".join(sorted(found)[:3]))
@@ -254,13 +258,24 @@ def _legacy_store_files(folder: Path) -> set[str]:
 
 
 def _read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index (``model.safetensors.index.json``,
+    ``pytorch_model.bin.index.json``), read by the one JSON reader and checked: an object of
+    tensor name -> file name.
+
+    Raises:
+        FormatError: (a CheckpointError) the index cannot be read, is not JSON, or has no such map.
+    """
+    hint = "save the checkpoint again, or fix or remove the index"
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"index {path} is not a valid shard index (needs a 'weight_map' object): {exc}") from exc
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"index {path} has a 'weight_map' that is not an object of key -> file")
-    return {str(k): str(v) for k, v in weight_map.items()}
+        raw = read_regular(path, MAX_INDEX_BYTES)
+    except OSError as exc:
+        raise FormatError(f"index {path} cannot be read ({exc.strerror or exc}); {hint}") from exc
+    data = load_json(raw, f"index {path} is not a valid shard index", hint)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(f"index {path} is not a valid shard index: it needs a 'weight_map' object of tensor name "
+                          f"-> file name; {hint}")
+    return weight_map
 
 
 def _check_index(root: Path, weight_map: Mapping[str, str], tensors: Mapping[str, Stored]) -> None:

@@ -9,6 +9,12 @@ non-negative integers and two integer offsets; ``end - begin`` is exactly the te
 ranges lie inside the file and do not overlap. A file that breaks one is refused with a
 :class:`~automap.errors.FormatError` naming the file, the tensor and the fix, never read.
 
+:func:`load_json` is the one JSON reader for every file automap reads — safetensors headers,
+its store manifests and lock files, shard indexes — and raises nothing but ``FormatError``:
+nesting too deep for Python's parser, numbers of more than :data:`MAX_DIGITS` digits, numbers
+too large for a float, ``NaN``/``Infinity``, bytes that are not UTF-8 or not JSON. Callers then
+check the types and bounds of what they take from the result.
+
 The writer exists because ``safetensors.torch.save_file`` first copies every tensor of the file
 into Python ``bytes`` (a unit's worth of extra memory) and reports a full disk as its own error
 type; here each tensor's bytes go from its memory straight to the file, and a failing write is a
@@ -18,10 +24,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import torch
 
@@ -36,7 +43,86 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Larger headers exist only in broken or hostile files (a 70B checkpoint's is well under 1 MB).
 MAX_HEADER_BYTES = 100_000_000
+# No offset, size or checksum in a valid file has more digits than this (2**64 has 20); a longer
+# number only costs time (Python refuses ints of over 4,300 digits with a ValueError).
+MAX_DIGITS = 40
+# More dimensions than this exist only in damaged or hostile files.
+MAX_DIMS = 64
 _HINT = "save or copy it again"
+
+
+class _Refused(ValueError):
+    """A number :func:`load_json` will not read (raised from the parser's hooks)."""
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise _Refused(f"a number of {len(text)} digits (at most {MAX_DIGITS} are read)")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text) if len(text) <= 4 * MAX_DIGITS else float("inf")
+    if value in (float("inf"), float("-inf")):
+        raise _Refused(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
+    return value
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text} is not a JSON number")
+
+
+def load_json(raw: bytes | str, what: str, hint: str) -> Any:
+    """Parse ``raw`` as JSON, raising only :class:`FormatError` — never ``RecursionError``,
+    ``OverflowError`` or the ``ValueError`` of a huge number. The message is ``what`` (the
+    file and its problem: "x.json is not a valid shard index"), the reason, then ``hint`` (the
+    fix).
+
+    Example:
+        >>> load_json(b'{"a": [1, 2]}', "index x.json is not valid", "save it again")
+        {'a': [1, 2]}
+    """
+    try:
+        return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except _Refused as exc:
+        reason = str(exc)
+    except RecursionError:
+        reason = "its JSON is nested too deeply to read"
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        reason = f"not JSON: {str(exc)[:200]}"
+    raise FormatError(f"{what} ({reason}); {hint}")
+
+
+def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit`` of them).
+
+    Never blocks on a FIFO or device (opened non-blocking, refused unless regular); with
+    ``follow=False`` a symbolic link is refused too.
+
+    Raises:
+        OSError: the file cannot be opened or read, is not a regular file (``EINVAL``), or is
+            larger than ``limit`` (``EFBIG``).
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(22, "not a regular file", os.fspath(path))
+        if info.st_size > limit:
+            raise OSError(27, f"larger than {limit} bytes", os.fspath(path))
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise OSError(27, f"larger than {limit} bytes", os.fspath(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -88,25 +174,41 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     """
     file = Path(path)
     try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise FormatError(f"{file} is not a safetensors file: shorter than its 8-byte header size; {_HINT}")
-            (length,) = struct.unpack("<Q", raw)
-            if length > min(MAX_HEADER_BYTES, size - 8):
-                raise FormatError(f"{file} has a corrupted safetensors header: it claims {length} bytes of "
-                                  f"header in a file of {size}; {_HINT}")
-            text = f.read(length)
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise FormatError(f"{file} is missing") from exc
-    except IsADirectoryError as exc:
-        raise FormatError(f"{file} is a directory, not a safetensors file") from exc
+    except OSError as exc:
+        raise FormatError(f"{file} cannot be read ({exc.strerror or exc}); make it readable") from exc
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{file} has a corrupted safetensors header (not JSON: {exc}); {_HINT}") from exc
+        length, size, text = _read_head(file, fd)
+    finally:
+        os.close(fd)
+    data = load_json(text, f"{file} has a corrupted safetensors header", _HINT)
     return _validated(file, data, 8 + length, size)
+
+
+def _read_head(file: Path, fd: int) -> tuple[int, int, bytes]:
+    """``(header length, file size, header bytes)`` of the open safetensors file ``fd``."""
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise FormatError(f"{file} is a directory, not a safetensors file")
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(f"{file} is not a regular file (a pipe, socket or device); pass a safetensors file")
+        size = info.st_size
+        raw = os.pread(fd, 8, 0)
+        if len(raw) != 8:
+            raise FormatError(f"{file} is not a safetensors file: shorter than its 8-byte header size; {_HINT}")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise FormatError(f"{file} has a corrupted safetensors header: it claims {length} bytes of "
+                              f"header in a file of {size}; {_HINT}")
+        text = os.pread(fd, length, 8)
+    except OSError as exc:
+        raise FormatError(f"{file} cannot be read ({exc.strerror or exc}); {_HINT}") from exc
+    if len(text) != length:
+        raise FormatError(f"{file} is truncated: its header needs {length} bytes, {len(text)} were read; {_HINT}")
+    return length, size, text
 
 
 def _validated(file: Path, data: Any, start: int, size: int) -> Header:
@@ -121,7 +223,8 @@ def _validated(file: Path, data: Any, start: int, size: int) -> Header:
     spans = sorted((t.begin, t.end, t.key) for t in tensors.values() if t.end > t.begin)
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise FormatError(f"{file} has a corrupted safetensors header: tensors {first!r} and {second!r} "
+            raise FormatError(f"{file} has a corrupted safetensors header: tensors {_short(first)} and "
+                              f"{_short(second)} "
                               f"overlap (bytes {begin - start}..{end - start}); {_HINT}")
     needed = max((t.end for t in tensors.values()), default=start)
     if size < needed:
@@ -129,22 +232,28 @@ def _validated(file: Path, data: Any, start: int, size: int) -> Header:
     return Header(file, start, tensors, dict(metadata), size)
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
-    where = f"{file} has a corrupted safetensors header at tensor {key!r}"
+    where = f"{file} has a corrupted safetensors header at tensor {_short(key)}"
     if not isinstance(info, dict):
         raise FormatError(f"{where}: its entry is a {type(info).__name__}, not an object; {_HINT}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
-        raise FormatError(f"{file}: tensor {key!r} has dtype {dtype!r}, which automap cannot read (it reads "
-                          f"{', '.join(DTYPES)}); convert the file to one of those")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers; {_HINT}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise FormatError(f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read "
+                          f"(it reads {', '.join(DTYPES)}); convert the file to one of those")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise FormatError(f"{where}: shape {_short(shape)} is not a list of non-negative integers (at most "
+                          f"{MAX_DIMS}); {_HINT}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(x) for x in offsets):
-        raise FormatError(f"{where}: data_offsets {offsets!r} is not two integers; {_HINT}")
+        raise FormatError(f"{where}: data_offsets {_short(offsets)} is not two integers; {_HINT}")
     begin, end = offsets
     numel = 1
     for d in shape:
@@ -204,19 +313,29 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
 
 def write_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
                metadata: Mapping[str, str] | None = None) -> int:
-    """Write ``tensors`` as a new safetensors file at ``path``, which must not exist (it is
-    created exclusively, so no existing file is ever replaced). Returns the bytes written.
+    """Write ``tensors`` as a new safetensors file at ``path``, which must not exist: it is
+    created exclusively, and never through a symbolic link, so no existing file is ever replaced
+    or written through. Returns the bytes written.
 
     Raises:
-        OSError: the file exists, or the write failed (disk full, quota, I/O error); the
-            partial file is left for the caller, who created it, to remove.
+        OSError: the name exists (a file or a link), or the write failed (disk full, quota, I/O
+            error); the partial file is left for the caller, who created it, to remove.
     """
+    def opener(name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+    with open(path, "xb", opener=opener) as f:
+        return write_tensors(f, tensors, metadata)
+
+
+def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Write ``tensors`` in the safetensors format to the open binary file ``f`` (at its
+    start); returns the bytes written. Raises OSError when a write fails."""
     head, order = encode_header(tensors, metadata)
-    written = 0
-    with open(path, "xb") as f:
-        written += f.write(head)
-        for name in order:
-            written += f.write(bytes(-(written - len(head)) % DATA_ALIGN))
-            if tensors[name].numel():
-                written += f.write(_bytes_of(tensors[name]))
+    written = f.write(head)
+    for name in order:
+        written += f.write(bytes(-(written - len(head)) % DATA_ALIGN))
+        if tensors[name].numel():
+            written += f.write(_bytes_of(tensors[name]))
+    f.flush()
     return written

@@ -14,9 +14,15 @@ Each tensor gets its own storage over its own byte range (``torch.frombuffer`` w
 so ``torch.save(model.state_dict())`` writes each tensor's bytes once and tensors of different
 dtypes in one file never share a storage.
 
-What a map cannot survive is the file shrinking under it: touching a page past the new end of
-the file raises SIGBUS. :meth:`MappedFile.changed` (one ``stat``) is checked before every read
-of a unit's weights, so a truncated or replaced file is refused with an error instead.
+The map holds the file's bytes for as long as it lives, whatever happens to the file's *name*:
+deleted, replaced by another file (a new inode), or its folder moved or renamed — the mapped
+inode stays, so the tensors keep their values. Each :class:`MappedFile` therefore keeps the
+file open and checks *that* file (``fstat`` of its descriptor, never a path lookup, so a
+relative path and a later ``os.chdir`` change nothing). What a map cannot survive is the mapped
+file itself shrinking: touching a page past its new end raises SIGBUS, and the kernel drops
+even the pages this process had copied. :meth:`MappedFile.changed` (one ``fstat``) is checked
+before every read automap makes, and :meth:`MappedFile.lost` names the tensors whose bytes lie
+past the end, so a truncated file is refused with an error naming them instead.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import mmap
 import os
 import struct
 import warnings
+import weakref
 from pathlib import Path
 from typing import Iterable
 
@@ -63,9 +70,10 @@ def _resident(spans: Iterable[tuple[int, int]]) -> bool:
     return True
 
 
-def signature(path: str | os.PathLike[str]) -> Signature:
-    """What identifies a file's contents cheaply: device, inode, size, modification time."""
-    st = os.stat(path)
+def signature(path: str | os.PathLike[str] | int) -> Signature:
+    """What identifies a file's contents cheaply: device, inode, size, modification time (of a
+    path, or of an open file descriptor)."""
+    st = os.fstat(path) if isinstance(path, int) else os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -101,7 +109,7 @@ class MappedFile:
     """One safetensors file, validated and mapped copy-on-write, with a tensor per key.
 
     Args:
-        path: the file.
+        path: the file (made absolute here: a later ``os.chdir`` changes nothing).
         keys: the keys to make tensors for (default: all of them).
 
     Raises:
@@ -114,18 +122,21 @@ class MappedFile:
     """
 
     def __init__(self, path: Path, keys: Iterable[str] | None = None):
-        self.path = path
-        self.header: Header = read_header(path)
+        self.path = Path(os.path.abspath(path))
+        self.header: Header = read_header(self.path)
         wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
         missing = [k for k in wanted if k not in self.header.tensors]
         if missing:
             raise OffloadError(f"{path} has no tensor {missing[0]!r}"
                                + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
                                + "; it is not the file automap read before, or it was changed")
-        with open(path, "rb") as f:
-            self.signature: Signature = signature(path)
-            size = self.signature[2]
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        # The descriptor stays open: it is how the mapped file is checked later, whatever
+        # became of its name (closed when this object goes; the map outlives it if tensors do).
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        self.signature: Signature = signature(self.fd)
+        size = self.signature[2]
+        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY) if size else None
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) if self._map is not None else 0
         self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
@@ -151,14 +162,19 @@ class MappedFile:
         return self.header.tensors[key]
 
     def changed(self) -> Signature | None:
-        """The file's new signature if it was replaced, truncated or rewritten since it was
-        mapped, else None.
-
-        Raises:
-            FileNotFoundError: the file was deleted.
-        """
-        now = signature(self.path)
+        """The mapped file's new signature if it was truncated or rewritten in place since it
+        was mapped, else None (one ``fstat``). Deleting, renaming or replacing the file under
+        its name changes nothing here: the map still holds the bytes read."""
+        now = signature(self.fd)
         return None if now == self.signature else now
+
+    def lost(self, keys: Iterable[str] | None = None, size: int | None = None) -> list[str]:
+        """The ``keys`` (default: all mapped) whose bytes lie past the file's end now (the
+        file was truncated in place): reading them would raise SIGBUS, and their values are
+        gone. ``size``: the file's size, if just taken."""
+        size = signature(self.fd)[2] if size is None else size
+        return [k for k in (self._tensors if keys is None else keys)
+                if self.header.tensors[k].nbytes and self.header.tensors[k].end > size]
 
     def _spans(self, keys: Iterable[str]) -> list[tuple[int, int]]:
         if self._map is None:
@@ -220,11 +236,7 @@ class MappedFile:
         self._mapped_in.clear()
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def backing_file(tensor: torch.Tensor) -> Path | None:

@@ -72,7 +72,9 @@ class WeightSource(Protocol):
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         """Raise :class:`~automap.errors.OffloadError` when the bytes behind ``names`` can no
-        longer be trusted (a file deleted, truncated, or rewritten with other contents)."""
+        longer be trusted (a file truncated under them, or rewritten with other contents),
+        naming them; a file deleted or replaced under its name is fine when its bytes are
+        still held (a map)."""
 
     def stats(self) -> SourceStats:
         """Bytes held, for the placement report."""
@@ -159,30 +161,38 @@ class MappedSource:
             self.check_file(path)
 
     def check_file(self, path: Path) -> None:
+        """Raise :class:`OffloadError` when the mapped file was truncated under the tensors
+        (naming them) or rewritten in place with other bytes; accept what its kind accepts.
+        One ``fstat`` of the file automap mapped: what became of its name (deleted, replaced,
+        moved, a relative path after ``os.chdir``) does not matter, the map holds the bytes."""
         mapped = self.files[path]
-        try:
-            now = mapped.changed()
-        except FileNotFoundError as exc:
-            raise OffloadError(f"{self.kind} {path} was deleted after automap mapped it; {self.fix}") from exc
+        now = mapped.changed()
         if now is None:
             return
         with self._lock:
             if mapped.signature == now:
                 return  # another thread accepted it meanwhile
-            if now[2] < mapped.header.needed:
-                raise OffloadError(f"{self.kind} {path} is truncated: {now[2]} bytes, its header needs "
-                                   f"{mapped.header.needed}; {self.fix}")
-            if now[1] != mapped.signature[1]:
-                # Replaced by another file (a new inode): the map still holds the bytes read,
-                # which stay valid for as long as the model uses them.
-                log.warning("%s %s was replaced on disk; automap keeps the weights it read from it", self.kind, path)
-            else:
-                self.accept_change(mapped, now)
+            lost = mapped.lost(size=now[2])
+            if lost:
+                raise OffloadError(self.truncated(mapped, now[2], lost))
+            self.accept_change(mapped, now)
             mapped.signature = now
+
+    def truncated(self, mapped: MappedFile, size: int, lost: list[str]) -> str:
+        """The message for a file truncated in place under tensors (file keys ``lost``)."""
+        by_key = {key: name for name, (p, key) in self.entries.items() if p == mapped.path}
+        names = [by_key.get(k, k) for k in lost]
+        listed = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"{self.kind} {mapped.path} is truncated: {size} bytes in place, its header needs "
+                f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone, and "
+                "reading them would kill the process (SIGBUS): restore it (its former contents: the model then works "
+                "again, and automap.undispatch reads them back); if they are lost, drop this model and load or build it "
+                "again")
 
     @property
     def fix(self) -> str:
-        return "restore it, or call automap.undispatch(model) and dispatch (or load) again"
+        return ("restore it (then the model works again, and automap.undispatch reads it back); if it is lost, drop "
+                "this model and dispatch (or load) it again")
 
     def accept_change(self, mapped: MappedFile, now: Signature) -> None:
         """The file was rewritten in place (same inode, still long enough): raise if the

@@ -53,11 +53,14 @@ class Transfer(abc.ABC):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automap-prefetch")
         self._pending: dict[str, Future[Any]] = {}
         self._state = threading.Lock()  # guards _pending: forwards may run on several threads
+        self._closed = False
 
     def prefetch(self, key: str, names: Sequence[str]) -> None:
         """Start bringing ``names`` (the tensors of unit ``key``) in, without waiting. A
         previous guess that was never taken is dropped, so at most one unit is in flight."""
         with self._state:
+            if self._closed:
+                return  # a forward racing undispatch: a prefetch is a hint, and there is no worker now
             for other in [k for k in self._pending if k != key]:
                 self._pending.pop(other).cancel()
             if names and key not in self._pending:
@@ -85,7 +88,10 @@ class Transfer(abc.ABC):
         return 0
 
     def close(self) -> None:
-        """Stop the worker, dropping any prefetch in flight."""
+        """Stop the worker, dropping any prefetch in flight; a later :meth:`prefetch` does
+        nothing (:meth:`take` still works, without one)."""
+        with self._state:
+            self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._state:
             self._pending.clear()

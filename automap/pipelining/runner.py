@@ -17,6 +17,7 @@ from automap.pipelining.cost import best_chunks, stage_costs
 from automap.pipelining.microbatch import batch_size, input_bytes, merge_outputs, split_batch
 from automap.pipelining.stages import Stage
 from automap.planning import Plan
+from automap.sizes import format_seconds
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Pipeline(nn.Module):
             costs = stage_costs(self._plan, self.stages, self.devices, self.module, scale, self.module.training)
             self._auto[key] = best_chunks(costs, batch)
             log.info("chunks='auto': %d micro-batches for batch %d (stages: %s)", self._auto[key], batch,
-                     ", ".join(f"{c.seconds:.2e} s + {c.fixed_seconds:.2e} s/micro-batch on {c.device}"
+                     ", ".join(f"{format_seconds(c.seconds)} + {format_seconds(c.fixed_seconds)}/micro-batch on {c.device}"
                                for c in costs))
         return self._auto[key]
 

@@ -14,11 +14,11 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 - :mod:`automap.planning.usermap`: user device maps, validated;
 - :mod:`automap.planning.decode`: a generation's predicted prefill and decode tokens/s.
 """
-from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict
+from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict, unit_label
 from automap.planning.layout import build_plan
 from automap.planning.splitting import make_plan
 from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
 from automap.planning.usermap import plan_from_device_map
 
 __all__ = ["JSON_VERSION", "STRATEGIES", "Strategy", "build_plan", "get_strategy", "register_strategy", "Cut", "DeviceSummary", "Plan", "make_plan", "plan_from_device_map",
-           "Origin", "plan_from_dict"]
+           "Origin", "plan_from_dict", "unit_label"]

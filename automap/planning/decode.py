@@ -28,7 +28,7 @@ from typing import Iterable
 
 from automap.devices import DEFAULT_MEMORY, DeviceSpec
 from automap.planning.model import Plan
-from automap.sizes import format_bytes
+from automap.sizes import format_bytes, format_flops, format_rate
 
 # Batches tried when looking for the one that amortises a stream or a weight read.
 _MAX_BATCH = 4096
@@ -57,8 +57,9 @@ class Term:
     binds: bool = True
 
     def describe(self) -> str:
-        """``'17.3 GB streamed from disk'``, ``'1.25 TFLOP of compute on cuda:0'``."""
-        return f"{_decimal(self.amount, 'FLOP' if self.kind == 'compute' else 'B')} {_WHAT[self.kind]} {self.device}"
+        """``'16.11 GiB streamed from disk'``, ``'1.25 TFLOP of compute on cuda:0'``."""
+        amount = format_flops(self.amount) if self.kind == "compute" else format_bytes(self.amount)
+        return f"{amount} {_WHAT[self.kind]} {self.device}"
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,8 @@ class DecodePrediction:
         return _limit(self.steps)
 
     def describe(self) -> str:
-        """``'decode limited by 17.3 GB streamed from disk per step: ~0.1 tokens/s at batch 1'``."""
-        speed = f"~{_rate(self.tokens_per_second)} tokens/s at batch {self.batch}"
+        """``'decode limited by 16.11 GiB streamed from disk per step: ~0.1 tokens/s at batch 1'``."""
+        speed = f"~{format_rate(self.tokens_per_second, 'tokens')} at batch {self.batch}"
         limit = self.limit
         return f"decode limited by {limit.describe()} per step: {speed}" if limit else f"decode {speed}"
 
@@ -139,7 +140,7 @@ def step_seconds(steps: Iterable[DeviceStep]) -> float:
 
 def _limit(steps: Iterable[DeviceStep]) -> Term | None:
     """The costliest kind of binding term, summed over the devices that take their turns
-    (streams apart per tier): ``'138 GB of weights read from cuda:0, cuda:1'``."""
+    (streams apart per tier): ``'128.52 GiB of weights read from cuda:0, cuda:1'``."""
     groups: dict[tuple[str, str], list[Term]] = {}
     for t in (t for s in steps for t in s.terms if t.binds):
         groups.setdefault((t.kind, t.device if t.kind == "stream" else ""), []).append(t)
@@ -157,7 +158,7 @@ def predict_decode(plan: Plan) -> DecodePrediction | None:
 
     Example:
         >>> print(predict_decode(automap.plan(model, max_memory=..., batch=1, max_length=2048)).describe())
-        decode limited by 17.3 GB streamed from disk per step: ~0.1 tokens/s at batch 1
+        decode limited by 16.11 GiB streamed from disk per step: ~0.1 tokens/s at batch 1
     """
     generation = plan.generation
     if generation is None or not generation.cache:
@@ -242,22 +243,10 @@ def _batch_hint(plan: Plan, limit: Term) -> str:
         top = _limit(steps)
         if top is not None and (top.kind, top.device) != (limit.kind, limit.device):
             return (f"decode more sequences at once, which share the {shared}: at batch {batch} the limit moves "
-                    f"to {top.describe()} (~{_rate(batch / step_seconds(steps))} tokens/s; its KV "
+                    f"to {top.describe()} (~{format_rate(batch / step_seconds(steps), 'tokens')}; its KV "
                     f"cache needs {format_bytes(kv * batch // generation.batch)})")
     if fits == generation.batch:
         return ""
     steps = decode_steps(plan, fits / generation.batch)
     return (f"decode more sequences at once, which share the {shared}: batch {fits} still fits "
-            f"(~{_rate(fits / step_seconds(steps))} tokens/s)")
-
-
-def _decimal(amount: float, unit: str) -> str:
-    """``1.73e10, "B"`` -> ``'17.3 GB'``: decimal prefixes, as bandwidths are quoted."""
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if amount >= scale:
-            return f"{amount / scale:.3g} {prefix}{unit}"
-    return f"{amount:.3g} {unit}"
-
-
-def _rate(tokens_per_second: float) -> str:
-    return f"{tokens_per_second:.3g}" if tokens_per_second >= 0.01 else f"{tokens_per_second:.1e}"
+            f"(~{format_rate(fits / step_seconds(steps), 'tokens')})")

@@ -18,10 +18,13 @@ With accelerators:
   in CPU RAM where it has room, else on disk, and is streamed item by item to the execution
   device (the accelerator with which the most bytes stay resident), which keeps room for the
   largest streamed item (a split unit streams piece by piece). Items read from disk pass
-  through pinned staging, counted in the CPU budget.
+  through pinned staging, counted in the CPU budget. GPU room left over then keeps offloaded
+  items resident (:mod:`automap.planning.residency`). ``balanced_low_0`` executes on GPU 0
+  only when no other GPU can.
 - ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
-  accelerator that is the whole model on the CPU.
+  accelerator that is the whole model on the CPU; else the whole model on the CPU is an option
+  too, so that a lone small unit whose cuts cost more than the GPU saves is not chosen.
 
 On the CPU alone, RAM takes each item (in execution order) that still fits its budget; the rest
 stay on disk, read through the page cache (the store is memory-mapped), which needs no budget.
@@ -35,9 +38,10 @@ from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
-from automap.planning.model import Origin, Plan
+from automap.planning.model import Origin, Plan, unit_label
 from automap.planning.packing import pack_out_of_order
 from automap.planning.partition import Chain, Range, Slot, fill
+from automap.planning.residency import Room, keep_resident
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
@@ -247,10 +251,12 @@ def _offload_point(chain: Chain, stream: Sequence[int], rooms: Sequence[int], ex
         weights, activations = need_w, need_a
 
 
-def _choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int]) -> _Offload | None:
+def _choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int], light_first: bool = False
+                    ) -> _Offload | None:
     """The offload that keeps the most bytes on the computing devices, trying each device as
-    the executor and a few leading groups offloaded; None when no device can execute."""
-    best, kept_best = None, -1
+    the executor and a few leading groups offloaded; None when no device can execute. With
+    ``light_first`` (``balanced_low_0``) the first device executes only when no other can."""
+    best, kept_best = None, (False, -1)
     for head in range(min(_MAX_OFFLOADED_HEAD, len(chain) - 1) + 1):
         rest, rest_stream = _sub(chain, head, len(chain)), stream[head:]
         floor_w, floor_a = max(stream[:head], default=0), max(chain.activation[:head], default=0)
@@ -258,7 +264,7 @@ def _choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int]) -
             found = _offload_point(rest, rest_stream, rooms, executor, floor_w, floor_a)
             if rooms[executor] < found.streamed + found.peak:
                 continue  # this device cannot stream the largest offloaded item
-            kept = sum(rest.weight[:found.point])
+            kept = (not (light_first and executor == 0 and len(rooms) > 1), sum(rest.weight[:found.point]))
             if kept > kept_best:
                 best, kept_best = replace(found, head=head, point=head + found.point), kept
     return best
@@ -328,8 +334,10 @@ def layout_options(items: Items, devices: Sequence[DeviceSpec], strategy: Strate
     host = any(d.kind == "cpu" for d in storage)
     if fits:
         streamed = _streamed(groups, items, compute, rooms, storage, strategy, reserve)
-        computed = _cpu_computes(groups, items, compute, rooms, storage, strategy, reserve) if host else None
-        options += [Option(kind, found) for kind, found in ((STREAMED, streamed), (CPU_COMPUTES, computed)) if found]
+        options += [Option(STREAMED, streamed)] if streamed else []
+        if host:
+            options += [Option(CPU_COMPUTES, found) for found in _cpu_computes(groups, items, compute, rooms, storage,
+                                                                              strategy, reserve)]
     if not options:
         reason = ("" if not (fits and storage) else "no accelerator can hold its units beside the room to stream the largest "
                   "offloaded one" + ("" if host else ", and no CPU budget lets the CPU compute them (allow 'cpu' "
@@ -369,7 +377,7 @@ def _streamed(groups: _Groups, items: Items, compute: Sequence[DeviceSpec], room
               storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout | None:
     """Offloaded items in storage, streamed to the execution device; the kept groups split
     over the accelerators. None when no accelerator can execute or storage overflows."""
-    chosen = _choose_offload(groups.chain, groups.stream, rooms)
+    chosen = _choose_offload(groups.chain, groups.stream, rooms, strategy.light_first)
     if chosen is None:
         return None
     n = len(groups.chain)
@@ -382,23 +390,65 @@ def _streamed(groups: _Groups, items: Items, compute: Sequence[DeviceSpec], room
     base = _offload_seconds(items.chain, where, executor)
     kept = _stages(_sub(groups.chain, chosen.head, chosen.point), compute, chosen.rooms(rooms), strategy, base,
                    chosen.peak, chosen.executor)
-    names = _names(groups, kept, compute, chosen.head, where)
+    names = _resident_extras(items, groups, _names(groups, kept, compute, chosen.head, where), compute, rooms,
+                             chosen, where)
     reserves = dict(reserve)
-    # The streamed weights are a reserve; the offloaded units' activations show as activations.
-    reserves[executor.name] = reserves.get(executor.name, 0) + chosen.streamed
+    # The streamed weights are a reserve (the largest item still streamed, once GPUs with room
+    # keep some); the offloaded units' activations show as activations.
+    reserves[executor.name] = reserves.get(executor.name, 0) + max((items.chain.weight[i] for i in where), default=0)
+    staging = min(staging, max((items.chain.weight[i] for i, d in where.items() if d.kind == "disk"), default=0))
     if staging:
         host = next(d.name for d in storage if d.kind == "cpu")
         reserves[host] = reserves.get(host, 0) + staging
     # A plan's execution device is its first accelerator used unless it names another.
     default = next((d.name for d in compute if d.name in names), "cpu")
-    return Layout(names, reserves, executor="" if executor.name == default else executor.name)
+    idle = [d.name for d in compute if d.name not in names and d is not executor]
+    notes = (f"{', '.join(idle)} hold nothing while units stream to {executor.name}: each streamed unit is larger "
+             f"than their room, or a piece of a unit whose other pieces compute on {executor.name}",) if idle else ()
+    return Layout(names, reserves, notes, executor="" if executor.name == default else executor.name)
+
+
+def _resident_extras(items: Items, groups: _Groups, names: tuple[str, ...], compute: Sequence[DeviceSpec],
+                     rooms: Sequence[int], chosen: _Offload, where: dict[int, DeviceSpec]) -> tuple[str, ...]:
+    """``names`` with the offloaded items that a GPU still has room for kept there
+    (:mod:`automap.planning.residency`); ``where`` loses them."""
+    chain, executor = items.chain, compute[chosen.executor]
+    state = []
+    for j, device in enumerate(compute):
+        mine = [i for i, name in enumerate(names) if name == device.name or (device is executor and i in where)]
+        weights = sum(chain.weight[i] for i, name in enumerate(names) if name == device.name)
+        peak = max([chain.activation[i] for i in mine] + ([chosen.peak] if device is executor else []), default=0)
+        streamed = chosen.streamed if device is executor else 0
+        state.append(Room(rooms[j] - weights - peak - streamed, peak))
+    piece = [False] * len(chain)
+    for group in groups.items:
+        for i in group:
+            piece[i] = len(group) > 1
+    kept = keep_resident(sorted(where), chain.weight, chain.activation, chain.cut, piece, state, chosen.executor)
+    placed = list(names)
+    for i, j in kept.items():
+        placed[i] = compute[j].name
+        del where[i]
+    return tuple(placed)
 
 
 def _cpu_computes(groups: _Groups, items: Items, gpus: Sequence[DeviceSpec], rooms: Sequence[int],
-                  storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout | None:
+                  storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> list[Layout]:
     """The accelerators keep the contiguous run of groups with the most work that fits them;
-    the CPU computes the rest from RAM, or from disk (page cache, no budget). None when the
-    rest overflows RAM and disk."""
+    the CPU computes the rest from RAM, or from disk (page cache, no budget). Also the whole
+    model on the CPU, when the run could be a lone small unit whose cuts cost more than the
+    accelerators save (the predicted times decide). Empty when the rest overflows RAM and disk."""
+    run = _cpu_computes_run(groups, items, gpus, rooms, storage, strategy, reserve)
+    if run is None or run.executor != "cpu":
+        return [run] if run is not None else []
+    where = _store(items.chain.weight, range(len(items.chain)), storage, reserve)
+    alone = Layout(_names(groups, [], gpus, 0, where), dict(reserve)) if where is not None else None
+    return [run] + ([alone] if alone is not None else [])
+
+
+def _cpu_computes_run(groups: _Groups, items: Items, gpus: Sequence[DeviceSpec], rooms: Sequence[int],
+                      storage: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]) -> Layout | None:
+    """:func:`_cpu_computes`'s run on the accelerators; None when the rest overflows RAM and disk."""
     chain, n = groups.chain, len(groups.chain)
     largest = max(rooms)
     # A run starts at the beginning, after a few leading groups, or after a group too large
@@ -474,8 +524,9 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
         if any(needs[d.name] <= room(d, reserve) or (d.kind == "cpu" and has_disk) for d in runners):
             continue
         best = max(runners, key=lambda d: (room(d, reserve) - needs[d.name], -d.sort_key()[0]))
-        names = [profile.units[i].name or "<model>" for i in members]
-        what = f"unit {names[0]!r}" + (f" (tied to {names[1:]})" if len(names) > 1 else "")
+        names = [unit_label(profile.units[i].name) for i in members]
+        first = f"unit {names[0]!r}" if profile.units[members[0]].name else names[0]
+        what = first + (f" (tied to {names[1:]})" if len(names) > 1 else "")
         detail = (f" ({format_bytes(weight)} of weights + {format_bytes(act)} of activations)"
                   if best.is_accelerator else "")
         raise PlanError(
@@ -538,9 +589,10 @@ def offloaded_kv_options(profile: Profile, items: Items, devices: Sequence[Devic
         PlanError: no option keeps room for the cache.
     """
     kept, error = [], None
-    for option in options:
+    for k, option in enumerate(options):
+        rank = sum(1 for o in options[:k] if o.kind == option.kind)  # CPU_COMPUTES comes twice
         try:
-            kept.append(_kv_settled(profile, items, devices, strategy, reserve, option))
+            kept.append(_kv_settled(profile, items, devices, strategy, reserve, option, rank))
         except PlanError as exc:
             error = exc
     if not kept:
@@ -550,7 +602,7 @@ def offloaded_kv_options(profile: Profile, items: Items, devices: Sequence[Devic
 
 
 def _kv_settled(profile: Profile, items: Items, devices: Sequence[DeviceSpec], strategy: Strategy,
-                reserve: Mapping[str, int], option: Option) -> Option:
+                reserve: Mapping[str, int], option: Option, rank: int = 0) -> Option:
     extra: dict[str, int] = {}
     for _ in range(len(items.members) + 1):
         sketch = Plan(units=profile.units, devices=tuple(devices), strategy=strategy.name,
@@ -567,7 +619,8 @@ def _kv_settled(profile: Profile, items: Items, devices: Sequence[DeviceSpec], s
             extra[name] = max(extra.get(name, 0), nbytes)
         again = layout_options(items, devices, strategy,
                                {name: reserve.get(name, 0) + extra.get(name, 0) for name in {*reserve, *extra}})
-        same = next((o for o in again if o.kind == option.kind), None)
+        alike = [o for o in again if o.kind == option.kind]
+        same = alike[rank] if rank < len(alike) else None
         if same is None:
             raise PlanError(f"no {option.kind} layout keeps room for the generation cache of its offloaded units")
         option = same
@@ -587,7 +640,8 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
                 executor=executor)
     found = list(notes)
     if plan.offloaded_units:
-        found.append(f"{len(plan.offloaded_units)} unit(s) offloaded "
+        count = len(plan.offloaded_units)
+        found.append(f"{count} unit{'' if count == 1 else 's'} offloaded "
                      f"({format_bytes(sum(plan.bytes_on(d.name) for d in devices if plan.is_offloaded(d.name)))}), "
                      f"streamed to {plan.execution_device} when they run")
     if executor == "cpu" and any(d.is_accelerator for d in devices):
@@ -597,6 +651,7 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
     if not profile.example:
         found.append("no example inputs: balanced by bytes, not FLOPs")
     if profile.uncalled:
-        found.append(f"{len(profile.uncalled)} unit(s) never called in the traced forward: "
+        found.append(f"{len(profile.uncalled)} unit{'' if len(profile.uncalled) == 1 else 's'} never called in the "
+                     "traced forward: "
                      f"{', '.join(profile.uncalled[:3])}")
     return replace(plan, warnings=tuple(found))

@@ -14,7 +14,7 @@ from automap.errors import PlanError
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 from automap.profiling.units import longest_prefix
-from automap.sizes import format_bytes
+from automap.sizes import format_bytes, format_seconds
 
 JSON_VERSION = 1
 
@@ -132,6 +132,20 @@ class Plan:
     generation: Generation | None = None
     executor: str = ""
     choices: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        """One line a person can read (the dataclass's own repr lists every unit: thousands of
+        characters): ``<Plan auto: 18 units, 44.63 MiB; cuda:0 17.74 MiB (8 units), cpu
+        26.89 MiB (10 units, streamed to cuda:0); predicted forward 1.92 ms>``."""
+        held = []
+        for name in self.used_devices:
+            count = sum(1 for d in self.placement if d == name)
+            route = f", streamed to {self.execution_device}" if self.is_offloaded(name) else ""
+            held.append(f"{name} {format_bytes(self.bytes_on(name))} ({count} unit{'' if count == 1 else 's'}{route})")
+        weights = format_bytes(sum(u.weight_bytes for u in self.units))
+        units = f"{len(self.units)} unit{'' if len(self.units) == 1 else 's'}"
+        return (f"<Plan {self.source or 'plan'}: {units}, {weights}; {', '.join(held) or 'nothing placed'}; "
+                f"predicted forward {format_seconds(self.forward_seconds)}>")
 
     @property
     def source(self) -> str:
@@ -370,6 +384,12 @@ def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
 # ------------------------------------------------------------------ notes on a plan (one home each)
 
 
+def unit_label(unit_name: str) -> str:
+    """A unit's name as a person reads it: the whole model (unit ``""``, when no module of it
+    is a unit of its own) shows as ``"the whole model"``."""
+    return unit_name or "the whole model"
+
+
 def over_capacity_notes(plan: Plan) -> list[str]:
     """A warning per device that holds more than its budget."""
     return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
@@ -393,5 +413,5 @@ def tie_split_notes(plan: Plan) -> list[str]:
         seconds = plan.link_seconds(nbytes, devices[0], devices[1])
         places = ", ".join(f"{name} on {device}" for name, device in held.items())
         notes.append(f"tied weights split: {places} share one tensor; up to {format_bytes(nbytes)} cross devices "
-                     f"each forward (~{seconds * 1e3:.2f} ms); map their units to one device to avoid it")
+                     f"each forward (~{format_seconds(seconds)}); map their units to one device to avoid it")
     return notes

@@ -34,7 +34,7 @@ from automap.planning.strategies import get_strategy
 from automap.planning.usermap import expressible, map_execution_device
 from automap.profiling import Profile
 from automap.profiling.refine import Refinement
-from automap.sizes import format_bytes
+from automap.sizes import format_bytes, format_seconds
 
 Refine = Callable[[Profile, Sequence[str]], Refinement]
 
@@ -176,7 +176,7 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
         raise _explained(error, refused, {u.name: u.weight_bytes for level in levels for u in level.profile.units})
     tiers = ([p for p in pool if p[2].kind in (RESIDENT, PACKED) and _all_on_accelerators(p[2].plan)],
              [p for p in pool if p[2].kind != CPU_COMPUTES], pool)
-    tier, why = next((t, w) for t, w in zip(tiers, _TIER_REASONS) if t)
+    rank, tier = next((r, t) for r, t in enumerate(tiers) if t)
     level, index, best = min(tier, key=lambda p: (p[2].plan.forward_seconds, p[1]))
     notes = list(level.splits)
     kept = [f"{name} ({why})" for name, why in refused.items()]
@@ -185,16 +185,26 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
         notes.append(f"kept whole: {'; '.join(kept[:_LISTED])}{more}")
     if len(pool) > 1 or best.kind == CPU_COMPUTES:
         others = sorted((p for p in pool if p[2] is not best), key=lambda p: p[2].plan.forward_seconds)
-        listed = ", ".join(f"{_describe(c, i)} {_ms(c.plan)}" for _, i, c in others[:_LISTED]) or "none"
-        notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({why}); "
+        listed = ", ".join(f"{_describe(c, i)} ({_ms(c.plan)})" for _, i, c in others[:_LISTED]) or "none"
+        notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({_TIER_REASONS[rank]}); "
                      f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
+    _, faster_index, faster = min(pool, key=lambda p: (p[2].plan.forward_seconds, p[1]))
+    if faster.plan.forward_seconds < best.plan.forward_seconds:
+        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}) "
+                     f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
+                     "then the accelerators computing every unit, then the fastest")
     return replace(best.plan, choices=tuple(notes))
 
 
+# Why the chosen plan beat a faster one in a later tier (see _best); the last tier is all plans,
+# so its choice is always the fastest.
+_OVER_FASTER = ("it keeps every unit resident on the accelerators and the faster one does not",
+                "the accelerators compute every unit in it, while in the faster one the CPU computes some")
 # Why the chosen plan's tier won (see _best).
 _TIER_REASONS = ("everything fits on the accelerators: the fastest such plan",
                  "the fastest plan in which the accelerators compute every unit",
-                 "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those")
+                 "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those: "
+                 "the fastest such plan")
 
 
 def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]) -> tuple[str, ...]:
@@ -226,11 +236,11 @@ def _describe(candidate: Candidate, level: int) -> str:
         CPU_COMPUTES: (f"the CPU computes {format_bytes(off)} the accelerators cannot hold"
                        if plan.executor == "cpu" else "all on the CPU"),
     }[candidate.kind]
-    return what + (f" after {level} round(s) of splitting" if level else "")
+    return what + (f" after {level} round{'' if level == 1 else 's'} of splitting" if level else "")
 
 
 def _ms(plan: Plan) -> str:
-    return f"{plan.forward_seconds * 1e3:.3g} ms"
+    return format_seconds(plan.forward_seconds)
 
 
 def _explained(error: PlanError, refused: Mapping[str, str], sizes: Mapping[str, int]) -> PlanError:

@@ -27,18 +27,21 @@ class Strategy:
     name: str
     summary: str
     split: Split
+    light_first: bool = False  # the first device executes streamed units only when no other can
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, summary: str, *, aliases: Sequence[str] = ()) -> Callable[[Split], Split]:
-    """Register the decorated split function as strategy ``name`` (and ``aliases``)."""
+def register_strategy(name: str, summary: str, *, aliases: Sequence[str] = (),
+                      light_first: bool = False) -> Callable[[Split], Split]:
+    """Register the decorated split function as strategy ``name`` (and ``aliases``); with
+    ``light_first`` the first GPU keeps no streaming slot when another GPU can execute."""
     def decorate(split: Split) -> Split:
         for key in (name, *aliases):
             if key in STRATEGIES:
                 raise ValueError(f"strategy {key!r} is registered twice")
-            STRATEGIES[key] = Strategy(key, summary, split)
+            STRATEGIES[key] = Strategy(key, summary, split, light_first)
         return split
     return decorate
 
@@ -71,7 +74,7 @@ def balanced(chain: Chain, slots: Sequence[Slot], anchor_first: bool) -> list[Ra
 LOW_0_SPEED_FACTOR = 0.5
 
 
-@register_strategy("balanced_low_0", "balanced, with GPU 0 kept light for generate()")
+@register_strategy("balanced_low_0", "balanced, with GPU 0 kept light for generate()", light_first=True)
 def balanced_low_0(chain: Chain, slots: Sequence[Slot], anchor_first: bool) -> list[Range | None]:
     if len(slots) > 1:
         slots = [replace(slots[0], speed=slots[0].speed * LOW_0_SPEED_FACTOR), *slots[1:]]

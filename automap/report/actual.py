@@ -13,8 +13,8 @@ from automap.devices import DeviceSpec, canonical_name, detect_devices, make_dev
 from automap.offload import SourceStats
 from automap.planning import Origin, Plan
 from automap.profiling.units import all_named_tensors, longest_prefix
-from automap.errors import ReportError
-from automap.runtime import state_of
+from automap.errors import OffloadError, ReportError
+from automap.runtime import DispatchState, state_of
 from automap.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -46,10 +46,26 @@ def placement(model: nn.Module) -> Plan:
     """
     state = state_of(model)
     if state is not None:
-        found = _dispatched(model, state.plan, state.streamed_ids())
-        note = memory_note(state.stats())
-        return dataclasses.replace(found, warnings=found.warnings + ((note,) if note else ()))
+        streamed = state.streamed_ids()
+        found = _dispatched(model, state.plan, streamed)
+        notes = tuple(n for n in (memory_note(state.stats()), unreadable_note(state, streamed)) if n)
+        return dataclasses.replace(found, warnings=found.warnings + notes)
     return _undispatched(model)
+
+
+def unreadable_note(state: DispatchState, streamed: set[int]) -> str:
+    """What the weight source says of the bytes behind the offloaded tensors, when they can no
+    longer be read: a file truncated in place under them (reading one — ``state_dict()``
+    saved, a print, a forward of torch's own — would kill the process with SIGBUS), or a store
+    file rewritten with other bytes. One ``fstat`` per file; nothing is read."""
+    names = [i.name for i in state.streamed.values() if id(i.tensor) in streamed]
+    if state.source is None or not names:
+        return ""
+    try:
+        state.source.check_unchanged(names)
+    except OffloadError as exc:
+        return f"offloaded weights cannot be read: {exc}"
+    return ""
 
 
 def memory_note(stats: SourceStats) -> str:

@@ -1,12 +1,12 @@
 """Numbers every rendering shares, derived once from a plan (nothing here is re-measured)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.decode import DecodePrediction, predict_decode
-from automap.planning.model import over_capacity_notes, tie_split_notes
-from automap.sizes import format_bytes
+from automap.planning.model import over_capacity_notes, tie_split_notes, unit_label
+from automap.sizes import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from automap.planning import Cut, DeviceSummary, Plan
@@ -32,6 +32,11 @@ class Facts:
             without a trace, split ties, overfull devices, a generation planned without a cache).
         untraced: units planned without a trace measuring them (``Unit.untraced``).
         decode: the predicted prefill and decode speed (None: not planned for a generation).
+        computed_flops: FLOPs per forward each device computes: its own units' and, for the
+            execution device, those of the offloaded units streamed to it. A tier that only
+            stores (disk, or CPU RAM streaming to a GPU) computes nothing and has no entry.
+        compute_seconds: predicted seconds per forward on each computing device
+            (:meth:`Plan.compute_seconds`: its own stage plus the offloaded stages it runs).
     """
 
     rows: tuple[DeviceSummary, ...]
@@ -47,6 +52,12 @@ class Facts:
     warnings: tuple[str, ...]
     untraced: tuple[str, ...] = ()
     decode: DecodePrediction | None = None
+    computed_flops: dict[str, int] = field(default_factory=dict)
+    compute_seconds: dict[str, float] = field(default_factory=dict)
+
+    def computed_share(self, device: str) -> float:
+        """The share of the model's FLOPs that ``device`` computes (0 for a storage tier)."""
+        return self.computed_flops.get(device, 0) / max(sum(self.computed_flops.values()), 1)
 
     @property
     def kv_bytes(self) -> int:
@@ -81,12 +92,23 @@ def facts_of(plan: Plan) -> Facts:
         warnings=_warnings(plan, splits),
         untraced=tuple(u.name for u in plan.units if u.untraced),
         decode=predict_decode(plan),
+        computed_flops=_computed_flops(plan),
+        compute_seconds=per_device,
     )
 
 
+def _computed_flops(plan: Plan) -> dict[str, int]:
+    """FLOPs per computing device: units count where they compute, not where they are stored."""
+    flops: dict[str, int] = {}
+    for unit, where in zip(plan.units, plan.placement):
+        device = plan.compute_device(where)
+        flops[device] = flops.get(device, 0) + unit.flops
+    return flops
+
+
 def short_name(unit_name: str) -> str:
-    """A unit's display name; the whole model (unit ``""``) shows as ``<model>``."""
-    return unit_name or "<model>"
+    """A unit's display name; the whole model (unit ``""``) shows as ``the whole model``."""
+    return unit_label(unit_name)
 
 
 def unit_ranges(names: Sequence[str]) -> str:
@@ -114,21 +136,12 @@ def _next_in_run(current: str, candidate: str, stem: str) -> bool:
     return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
 
 
-def format_seconds(seconds: float) -> str:
-    """``0.0878`` -> ``'87.8 ms'``; microseconds as ``us`` to stay ASCII."""
-    if seconds == 0:
-        return "0 s"
-    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns"
-
-
 def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     """Short remarks printed under a device's row (offloading, overflow)."""
     notes = []
     if row.units and plan.is_offloaded(row.device.name):
-        notes.append(f"offloaded: weights stream to {plan.execution_device} when their units run")
+        notes.append(f"stores only: weights stream to {plan.execution_device}, which computes their units "
+                     f"({format_seconds(row.stage_seconds)} of its stage)")
     if row.over_capacity:
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes

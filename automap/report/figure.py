@@ -4,6 +4,7 @@ Drawn with matplotlib's object API (no pyplot, so no global state and no display
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -28,8 +29,10 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
     """Draw ``plan`` and save it to ``path`` (``.png``, ``.svg`` or ``.pdf``).
 
     Top left: per device, weights / activations / KV cache / reserve as a share of its capacity. Top
-    right: each device's share of the model's FLOPs and its predicted stage time. Bottom: a
-    strip of the units in execution order, coloured by device, with the cuts marked.
+    right: the share of the model's FLOPs each device computes (streamed units count on the
+    device they stream to) and its predicted time per forward. Then a strip of the units in
+    execution order, each as wide as its weights, coloured by device, with the cuts marked;
+    which units each device holds; and the planner's choices and the warnings.
 
     Args:
         plan: a :class:`~automap.plan.Plan`, or :func:`automap.placement`'s view of a
@@ -84,13 +87,16 @@ def draw(plan: Plan, *, title: str | None = None) -> Any:
     colours = device_colours(plan)
     rows = len(facts.rows)
     legend_rows = sum(1 for r in facts.rows if r.units)
-    heights = [0.5 * rows + 0.6, 1.3, 0.22 * legend_rows + 0.1]  # inches: bars, strip, legend
+    notes = _notes(plan, facts)
+    # inches: bars, strip, legend, choices and warnings
+    heights = [0.5 * rows + 0.6, 1.5, 0.22 * legend_rows + 0.1, 0.16 * len(notes) + 0.1]
     fig = Figure(figsize=(12, sum(heights) + 0.6), layout="constrained")
-    grid = fig.add_gridspec(3, 2, height_ratios=heights, width_ratios=[3, 2])
+    grid = fig.add_gridspec(4, 2, height_ratios=heights, width_ratios=[3, 2])
     _memory_panel(fig.add_subplot(grid[0, 0]), facts)
     _flops_panel(fig.add_subplot(grid[0, 1]), plan, facts, colours)
     _strip_panel(fig.add_subplot(grid[1, :]), plan, facts, colours)
     _legend_panel(fig.add_subplot(grid[2, :]), plan, facts, colours)
+    _notes_panel(fig.add_subplot(grid[3, :]), notes)
     fig.suptitle(title or _title(plan, facts), fontsize=11)
     return fig
 
@@ -120,6 +126,7 @@ def _device_axis(ax: Any, facts: Facts, with_capacity: bool) -> None:
 
 
 _MAX_PERCENT = 150.0  # an overfull device's bar is cut here; its label keeps the true number
+_VISIBLE_PERCENT = 0.15  # a memory part narrower than this on every bar is not drawn visibly: no legend entry
 
 
 def _memory_panel(ax: Any, facts: Facts) -> None:
@@ -128,7 +135,9 @@ def _memory_panel(ax: Any, facts: Facts) -> None:
     peak = 100.0
     for y, row in enumerate(facts.rows):
         peak = max(peak, _memory_row(ax, y, row))
-    handles = [Patch(color=colour, label=part) for part, colour in MEMORY_COLOURS.items()]
+    drawn = {part for row in facts.rows for part, nbytes in _memory_parts(row)
+             if nbytes and 100 * nbytes >= _VISIBLE_PERCENT * row.device.capacity_bytes}
+    handles = [Patch(color=colour, label=part) for part, colour in MEMORY_COLOURS.items() if part in drawn]
     handles.append(Patch(facecolor="none", edgecolor="#444444", label="capacity"))
     ax.set_xlim(0, min(peak, _MAX_PERCENT) + 32)
     ax.set_xticks(range(0, int(min(peak, _MAX_PERCENT)) + 1, 25))
@@ -147,8 +156,7 @@ def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
         return 0.0
     ax.barh(y, 100, color="none", edgecolor="#444444", linewidth=0.8, height=0.6)
     left = 0.0
-    for part, nbytes in (("weights", row.weight_bytes), ("activations", row.activation_bytes),
-                         ("kv cache", row.kv_bytes), ("reserve", row.reserve_bytes)):
+    for part, nbytes in _memory_parts(row):
         width = 100 * nbytes / cap
         shown = max(0.0, min(left + width, _MAX_PERCENT) - left)
         ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=MEMORY_COLOURS[part], height=0.6)
@@ -158,53 +166,101 @@ def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
     return left
 
 
+def _memory_parts(row: DeviceSummary) -> tuple[tuple[str, int], ...]:
+    return (("weights", row.weight_bytes), ("activations", row.activation_bytes), ("kv cache", row.kv_bytes),
+            ("reserve", row.reserve_bytes))
+
+
 def _flops_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
+    """Each device's share of the FLOPs it computes (a tier that only stores computes none:
+    its units count on the device they stream to) and its predicted time per forward."""
     for y, row in enumerate(facts.rows):
-        share = 100 * row.flops_share
-        ax.barh(y, share, color=colours[row.device.name], height=0.6)
-        runs_on = plan.compute_device(row.device.name)
-        where = f" on {runs_on}" if runs_on != row.device.name else ""
-        stage = f", stage {format_seconds(row.stage_seconds)}{where}" if row.units else ""
-        ax.text(share + 1.5, y, f"{share:.1f}%{stage}", va="center", fontsize=8)
-    ax.set_xlim(0, 145)
+        name = row.device.name
+        share = 100 * facts.computed_share(name)
+        ax.barh(y, share, color=colours[name], height=0.6)
+        if name in facts.compute_seconds:
+            label = f"{share:.1f}%, {format_seconds(facts.compute_seconds[name])} per forward"
+        elif row.units:
+            label = f"stores only: streams to {plan.compute_device(name)} ({format_seconds(row.stage_seconds)})"
+        else:
+            label = "-"
+        ax.text(share + 1.5, y, label, va="center", fontsize=8)
+    ax.set_xlim(0, 160)
     ax.set_xticks([0, 25, 50, 75, 100])
-    ax.set_xlabel("share of the model's FLOPs, %")
+    ax.set_xlabel("share of the model's FLOPs each device computes, %")
     _device_axis(ax, facts, with_capacity=False)
     ax.set_title("compute", fontsize=10, loc="left")
 
 
-def _runs(placement: tuple[str, ...]) -> list[tuple[int, int, str]]:
-    """Maximal runs ``(start, stop, device)`` of consecutive units on one device."""
-    runs: list[tuple[int, int, str]] = []
-    for i, device in enumerate(placement):
+def _runs(plan: Plan) -> list[tuple[float, float, str]]:
+    """Maximal runs ``(start, stop, device)`` of consecutive units on one device, in bytes of
+    weights from the model's first unit (the strip is drawn to scale)."""
+    runs: list[tuple[float, float, str]] = []
+    position = 0.0
+    for unit, device in zip(plan.units, plan.placement):
+        stop = position + unit.weight_bytes
         if runs and runs[-1][2] == device:
-            runs[-1] = (runs[-1][0], i + 1, device)
+            runs[-1] = (runs[-1][0], stop, device)
         else:
-            runs.append((i, i + 1, device))
+            runs.append((position, stop, device))
+        position = stop
     return runs
 
 
-def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
-    from matplotlib.ticker import MaxNLocator
+# A character of a 7-point label, with its padding, is about this share of the strip's width
+# (12-inch figure).
+_CHAR_WIDTH = 0.0068
+_LABEL_TIERS = 3  # cut labels stack in up to this many rows above the strip before one is left out
 
-    n = len(plan.units)
-    for start, stop, device in _runs(plan.placement):
+
+def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
+    total = float(max(sum(u.weight_bytes for u in plan.units), 1))
+    for start, stop, device in _runs(plan):
         hatch = "//" if plan.is_offloaded(device) else None
         ax.barh(0, stop - start, left=start, height=0.6, color=colours[device], edgecolor="white",
                 linewidth=0.5, hatch=hatch)
-        if (stop - start) / max(n, 1) > 0.06:
+        if (stop - start) / total > _CHAR_WIDTH * (len(device) + 2) * 1.3:  # 9-point bold: wider characters
             ax.text((start + stop) / 2, 0, device, ha="center", va="center", fontsize=9, color="white",
                     fontweight="bold")
-    for position, cut in _cut_positions(plan, facts):
-        ax.axvline(position, color="black", linewidth=1.2)
-        ax.text(position, 0.34, format_bytes(cut), ha="center", va="bottom", fontsize=7,
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
-    ax.set_xlim(0, max(n, 1))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(-0.32, 0.5)
+    placed, omitted = _cut_labels(plan, facts, total)
+    for position, text, tier in placed:
+        ax.plot([position, position], [-0.3, 0.36 + 0.2 * tier], color="black", linewidth=1.0)
+        if text:
+            ax.text(position, 0.36 + 0.2 * tier, text, ha="center", va="bottom", fontsize=7,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    ax.set_xlim(0, total)
+    ticks = [total * k / 4 for k in range(5)]
+    ax.set_xticks(ticks, [format_bytes(t) for t in ticks], fontsize=8)
+    ax.set_ylim(-0.32, 0.58 + 0.2 * max((tier for _, text, tier in placed if text), default=0))
     ax.set_yticks([])
-    ax.set_xlabel(f"{n} units in execution order (black lines: cuts, labelled with the bytes crossing)")
+    left_out = f"; {omitted} labels left out where they would overlap" if omitted else ""
+    ax.set_xlabel(f"{len(plan.units)} units in execution order, each as wide as its weights (black lines: cuts, "
+                  f"labelled with the activation bytes crossing; hatched: streamed{left_out})", fontsize=9)
     ax.set_title("which units sit where", fontsize=10, loc="left")
+
+
+def _cut_labels(plan: Plan, facts: Facts, total: float) -> tuple[list[tuple[float, str, int]], int]:
+    """``(position, label, tier)`` per cut, each label in the lowest tier where it overlaps no
+    other (positions in bytes of weights); how many found no tier."""
+    starts, position = {}, 0.0
+    for unit in plan.units:
+        starts[unit.name] = position
+        position += unit.weight_bytes
+    ends: list[float] = [float("-inf")] * _LABEL_TIERS
+    placed, omitted = [], 0
+    for cut in facts.cuts:
+        if cut.after not in starts:
+            continue
+        x, text = starts[cut.after], format_bytes(cut.bytes)
+        half = _CHAR_WIDTH * (len(text) + 1) * total / 2
+        tier = next((t for t in range(_LABEL_TIERS) if ends[t] < x - half), None)
+        if tier is None:
+            omitted += 1
+            placed.append((x, "", 0))
+            continue
+        ends[tier] = x + half
+        placed.append((x, text, tier))
+    return placed, omitted
 
 
 def _legend_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
@@ -218,9 +274,29 @@ def _legend_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) ->
         ax.legend(handles=handles, loc="upper center", fontsize=8, frameon=False, borderaxespad=0)
 
 
-def _cut_positions(plan: Plan, facts: Facts) -> list[tuple[int, int]]:
-    index = {u.name: i for i, u in enumerate(plan.units)}
-    return [(index[c.after], c.bytes) for c in facts.cuts[:40] if c.after in index]
+# Lines of choices and warnings drawn under the legend, each cut at this many characters.
+_NOTE_CHARS = 140
+_MAX_NOTES = 14
+
+
+def _notes(plan: Plan, facts: Facts) -> list[str]:
+    """The planner's choices and the warnings, wrapped to the figure's width, as the text
+    report lists them."""
+    lines: list[str] = []
+    for title, notes in (("choices", plan.choices), ("warnings", facts.warnings)):
+        if notes:
+            lines.append(f"{title}:")
+            for note in notes:
+                lines += textwrap.wrap(note, _NOTE_CHARS, initial_indent="  - ", subsequent_indent="    ")
+    if len(lines) > _MAX_NOTES:
+        lines = lines[:_MAX_NOTES - 1] + [f"  ... {len(lines) - _MAX_NOTES + 1} more lines in plan.report()"]
+    return lines or ["choices: none; warnings: none"]
+
+
+def _notes_panel(ax: Any, notes: Sequence[str]) -> None:
+    ax.axis("off")
+    ax.text(0.0, 1.0, "\n".join(notes), ha="left", va="top", fontsize=8, family="monospace",
+            transform=ax.transAxes)
 
 
 def _legend_label(plan: Plan, device: str, units: tuple[str, ...]) -> str:

@@ -35,7 +35,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "example": plan.example,
         "execution_device": plan.execution_device,
         "device_map": plan.device_map,
-        "devices": [_device_dict(plan, row) for row in facts.rows],
+        "devices": [_device_dict(plan, facts, row) for row in facts.rows],
         "bottleneck_seconds": plan.bottleneck_seconds,
         "forward_seconds": plan.forward_seconds,
         "cuts": [asdict(cut) for cut in facts.cuts],
@@ -73,8 +73,13 @@ def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
     return {**asdict(plan.generation), "kv_bytes": facts.kv_bytes, "prefill_seconds": plan.forward_seconds, **speed}
 
 
-def _device_dict(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
+def _device_dict(plan: Plan, facts: Facts, row: DeviceSummary) -> dict[str, Any]:
+    """One device: ``flops``/``flops_share``/``stage_seconds`` are of the units stored there
+    (offloaded ones compute elsewhere: ``compute_device``); ``computed_flops``/
+    ``computed_flops_share``/``compute_seconds`` are what the device itself computes (0 for a
+    tier that only stores), as the text report's flops% and stage columns show."""
     capacity = row.device.capacity_bytes
+    name = row.device.name
     return {
         **asdict(row.device),
         "map_value": row.device.map_value,
@@ -88,6 +93,9 @@ def _device_dict(plan: Plan, row: DeviceSummary) -> dict[str, Any]:
         "flops": row.flops,
         "flops_share": row.flops_share,
         "stage_seconds": row.stage_seconds,
+        "computed_flops": facts.computed_flops.get(name, 0),
+        "computed_flops_share": facts.computed_share(name),
+        "compute_seconds": facts.compute_seconds.get(name, 0.0),
         "offloaded": bool(row.units) and plan.is_offloaded(row.device.name),
         "compute_device": plan.compute_device(row.device.name),
         "units": list(row.units),

@@ -29,7 +29,9 @@ def render_text(plan: Plan) -> str:
     """Render ``plan`` for an 80-column terminal.
 
     Per device: kind, capacity, bytes used (and of them the KV cache, for a plan made for a
-    generation) and %, headroom, FLOPs share, predicted stage time and unit ranges; then every
+    generation) and %, headroom, the share of the FLOPs it computes and its predicted stage
+    time (offloaded units count on the device that computes them, not on the tier that stores
+    them), and unit ranges; then every
     cut (units either side, bytes crossing, transfer time); then totals (bottleneck, predicted
     forward time), the generation (prefill time, decode tokens/s and its limit, a hint), the
     planner's choices (units split, the alternative kept by predicted time) and warnings.
@@ -59,7 +61,8 @@ def _header(plan: Plan, facts: Facts) -> str:
         how = f"FLOPs counted at {inputs}" if actual else f"balanced by FLOPs at {inputs}"
     checked = sum(len(u.tensors) for u in plan.units)
     title = f"actual placement ({checked} tensors checked)" if actual else f"plan ({plan.source})"
-    line = (f"automap {title}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights, "
+    count = f"{len(plan.units)} unit{'' if len(plan.units) == 1 else 's'}"
+    line = (f"automap {title}: {count}, {format_bytes(facts.weight_bytes)} of weights, "
             f"execution on {plan.execution_device}; {how}")
     return "\n".join(_wrap(line))
 
@@ -71,10 +74,12 @@ def _devices(plan: Plan, facts: Facts) -> str:
         cap = s.device.capacity_bytes
         pct = f"{100 * s.used_bytes / cap:.0f}%" if cap else "-"  # capacity 0: unknown (actual placement)
         headroom = format_bytes(cap - s.used_bytes) if cap else "-"
-        stage = format_seconds(s.stage_seconds) if s.units else "-"
+        computes = s.device.name in facts.compute_seconds
+        stage = format_seconds(facts.compute_seconds[s.device.name]) if computes else "-"
+        flops = f"{100 * facts.computed_share(s.device.name):.1f}%" if computes else "-"
         kv = f" {format_bytes(s.kv_bytes) if s.kv_bytes else '-':>10}" if with_kv else ""
         lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10}"
-                     f"{kv} {pct:>5} {headroom:>10} {100 * s.flops_share:>5.1f}% {stage:>{_stage_width(with_kv)}}")
+                     f"{kv} {pct:>5} {headroom:>10} {flops:>6} {stage:>{_stage_width(with_kv)}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
         span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"

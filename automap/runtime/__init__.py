@@ -7,6 +7,8 @@ weights in just before their unit runs (the next one prefetched while it compute
 - :mod:`~automap.runtime.streaming`: the hook of an offloaded unit, and the model's check of
   the files behind its offloaded weights;
 - :mod:`~automap.runtime.state`: what a dispatched model carries, and :func:`state_of`;
+- :mod:`~automap.runtime.guard`: what torch's own API may do to a dispatched model
+  (conversions refused at the call, plain copies and pickles, no read of a truncated file);
 - :mod:`~automap.runtime.values`: moving nested inputs; :mod:`~automap.runtime.swap`: replacing
   tensor objects (off meta) with ties kept.
 """

@@ -11,11 +11,12 @@ from torch import nn
 from automap.devices import check_present
 from automap.errors import AutomapError, DispatchError
 from automap.offload import OffloadStore, RamSource, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
-from automap.planning import Plan
+from automap.planning import Plan, unit_label
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
-from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, forget, remember, state_of
+from automap.runtime.guard import Guard
+from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
 from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
 from automap.runtime.swap import install
 
@@ -148,9 +149,10 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
 
 def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offload_dir: str | Path | None) -> OffloadStore:
     if offload_dir is None:
-        units = list(dict.fromkeys(groups.values()))
+        units = [unit_label(u) for u in dict.fromkeys(groups.values())]
+        listed = ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
         raise DispatchError(
-            f"the plan offloads {len(units)} unit(s) ({', '.join(units[:3])}, ...) to disk but no offload_dir was "
+            f"the plan offloads {len(units)} unit{'' if len(units) == 1 else 's'} ({listed}) to disk but no offload_dir was "
             "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
         )
     specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
@@ -192,7 +194,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     streamed = streamed_names(plan, tensors)
     owned = {u.name: [] for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
     for name, (unit, _) in streamed.items():
-        owned[unit.name].append(offload(state, name, tensors[name], tensors))
+        owned[unit.name].append(offload(state, name, tensors[name], modules))
     for unit, where in zip(plan.units, plan.placement):
         device = torch.device(plan.compute_device(where))
         for name in unit.tensors:
@@ -206,23 +208,28 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
             state.groups.append(Group(unit.name, where, items))
         if needs_hooks:
             state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
+    name = type(model).__name__
     if state.groups:
         assert state.source is not None
         link(state.groups)
         state.transfer = transfer(state.source, execution)
-        files = None if state.transfer.swaps else CheckFiles(state.groups, state.transfer)
+        files = CheckFiles(state.gate, name) if state.transfer.swaps else \
+            CheckFiles(state.gate, name, state.groups, state.transfer)
         for group in state.groups:
-            state.hooks.append(StreamWeights(group, state.transfer, state.lock, files).attach(modules[group.key]))
-        if files is not None:
-            state.hooks.append(files.attach(model))
+            state.hooks.append(StreamWeights(group, state, None if state.transfer.swaps else files)
+                               .attach(modules[group.key]))
+        state.hooks.append(files.attach(model))
+    elif needs_hooks:
+        state.hooks.append(CheckFiles(state.gate, name).attach(model))
     if needs_hooks:
         hook_loose_owners(plan, modules, tensors, state)
         hook_split_units(plan, modules, state)
     if output_device is not None:
         state.hooks.append(MoveOutputs(torch.device(output_device)).attach(model))
+    state.guard = Guard(model, state).install()
 
 
-def offload(state: DispatchState, name: str, tensor: torch.Tensor, tensors: dict[str, torch.Tensor]) -> Streamed:
+def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> Streamed:
     """Point ``tensor`` at its home in the source (its RAM copy is released) and refuse
     gradients that would reach it."""
     assert state.source is not None
@@ -231,7 +238,9 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, tensors: dict
     is_buffer = not isinstance(tensor, nn.Parameter)
     if tensor.data_ptr() != home.data_ptr() or tensor.device != home.device:
         tensor.data = home
-    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer))
+    owner, _, key = name.rpartition(".")
+    table = modules[owner]._buffers if is_buffer else modules[owner]._parameters
+    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, slot=(table, key)))
     if tensor.requires_grad:
         state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
     return item
@@ -287,15 +296,17 @@ def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchS
 
 
 def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -> None:
-    """Undo :func:`apply`. Streamed weights are read back into memory of their own first, so a
-    source that fails to read raises before anything changes. On ``rollback`` (a failed
+    """Undo :func:`apply`, keeping the model as it is now: every tensor that still views the
+    weight source (the offloaded ones, and any other the model got from them since) is read
+    into memory of its own — first, so that a tensor whose bytes cannot be read raises, naming
+    it, before anything changes — while what torch's API put into the model since dispatch
+    (new data, new parameters, converted dtypes) is kept as it is. On ``rollback`` (a failed
     dispatch) the sources this dispatch created are removed again."""
-    replacements = set(state.replaced) if rollback else set()
-    wanted = {key: device for key, (_, device) in state.original.items()
-              if key in state.streamed and key not in replacements}
-    if state.source is not None:  # one stat per file, not one per tensor
-        state.source.check_unchanged([state.streamed[k].name for k in wanted])
-    back = {key: read_back(state.streamed[key], device) for key, device in wanted.items()}
+    if rollback:
+        install(model, state.replaced)
+    back = read_views(model, state)
+    if state.guard is not None:
+        state.guard.remove()
     for hook in state.hooks:
         hook.detach()
     for handle in state.tensor_hooks:
@@ -303,31 +314,53 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -
     if state.transfer is not None:
         state.transfer.close()
     for key, (tensor, device) in state.original.items():
-        if key in back:
-            tensor.data = back[key]
-        elif key not in state.streamed and tensor.device != device:
+        if key not in state.streamed and tensor.device != device:
             tensor.data = tensor.data.to(device)
-    if rollback:
-        install(model, state.replaced)
+    for tensor, copied in back:
+        tensor.data = copied
     for source in state.owned:
         source.close(discard=rollback)
 
 
-def read_back(item: Streamed, device: torch.device) -> torch.Tensor:
-    """An offloaded tensor's current values (its home, with any write) in memory of its own on
-    ``device``: after undispatch nothing refers to the store, whose lock is released."""
-    return torch.empty_like(item.home, device=device).copy_(item.home)
+def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor of ``model`` that views the weight source, with its current values (any
+    write included) copied into memory of its own on the device it had before dispatch (CPU
+    for one that was on meta, or that torch's API put there since).
+
+    Raises:
+        OffloadError: the bytes of one of them cannot be read (its file was truncated under
+            it, or rewritten with other bytes); nothing has changed.
+    """
+    for item in state.streamed.values():
+        follow(item, state.streamed)
+    views = {i.view.untyped_storage().data_ptr(): i for i in state.streamed.values()
+             if i.view is not None and i.view.numel() and i.view.device.type == "cpu"}
+    devices = {id(tensor): device for tensor, device in state.original.values()}
+    holders: dict[int, tuple[torch.Tensor, str]] = {}
+    for tensor in named_tensors(model).values():
+        if tensor.numel() and tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in views:
+            holders.setdefault(id(tensor), (tensor, views[tensor.untyped_storage().data_ptr()].name))
+    if state.source is not None and holders:  # one fstat per file, not one per tensor
+        state.source.check_unchanged(sorted({name for _, name in holders.values()}))
+    return [(t, torch.empty_like(t.data, device=devices.get(id(t), t.device)).copy_(t.data))
+            for t, _ in holders.values()]
 
 
 def undispatch(model: nn.Module) -> nn.Module:
     """Remove every automap hook from ``model`` and bring every weight back to the device it
-    was on before :func:`dispatch` (offloaded weights are read back from their source into
-    RAM, with any change made to them; tensors that were on meta come back on CPU). The offload
-    store stays on disk, unlocked, for the next dispatch of the same weights.
+    was on before :func:`dispatch`, the model as it is now: offloaded weights are read back
+    from their source into RAM, with any change made to them, and what torch's API put into
+    the model since dispatch (``param.data = t``, ``load_state_dict(assign=True)``, ...) is
+    kept; tensors that were on meta come back on CPU. Forwards in flight in other threads
+    finish first; one starting meanwhile raises DispatchError. The weights are read from the
+    maps automap holds, so a checkpoint or store file deleted, replaced or moved since dispatch
+    changes nothing. The offload store stays on disk, unlocked, for the next dispatch of the
+    same weights.
 
     Raises:
         DispatchError: ``model`` was not dispatched by automap.
-        OffloadError: the store cannot be read back; the model stays dispatched.
+        OffloadError: a tensor's bytes cannot be read (its file was truncated or rewritten
+            under it; the message names it); the model stays dispatched.
 
     Example:
         >>> automap.undispatch(automap.dispatch(model, max_memory={"cpu": "1GB"}, offload_dir="off"))
@@ -335,6 +368,16 @@ def undispatch(model: nn.Module) -> nn.Module:
     state = state_of(model)
     if state is None:
         raise DispatchError(f"{type(model).__name__} is not dispatched by automap; nothing to undo")
-    restore(model, state)
-    forget(model)
+    with state.undoing:
+        if state_of(model) is not state:
+            raise DispatchError(f"{type(model).__name__} was undispatched by another thread meanwhile")
+        state.gate.close()
+        try:
+            with state.lock:
+                restore(model, state)
+                state.undone = True
+        except BaseException:
+            state.gate.reopen()
+            raise
+        forget(model)
     return model

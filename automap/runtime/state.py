@@ -1,10 +1,12 @@
 """What a dispatched model carries: its plan, hook objects, original devices, streamed tensors
-and their weight source, found through :func:`state_of`."""
+and their weight source, found through :func:`state_of`; and the :class:`Gate` that lets
+:func:`automap.undispatch` wait for forwards in flight."""
 from __future__ import annotations
 
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +20,16 @@ from automap.runtime.hooks import Hook
 @dataclass(eq=False)
 class Streamed:
     """An offloaded tensor: the live object in the model, its name in the source, what it
-    holds between uses (``home``: the source's real CPU tensor), whether it is a buffer, and
-    — on an accelerator, where a copy stands in for it while a unit runs — how many units
-    hold it in and its version counter when it went in (to write back what they changed)."""
+    holds between uses (``home``), whether it is a buffer, and — on an accelerator, where a
+    copy stands in for it while a unit runs — how many units hold it in and its version
+    counter when it went in (to write back what they changed).
+
+    ``view`` is the source's real CPU tensor (a copy-on-write view of a file, or host RAM),
+    ``home`` at dispatch. torch's API may rebind the tensor's data (``param.data = t``,
+    ``m.apply(...)``) or replace the object in its module (``load_state_dict(assign=True)``,
+    ``m.weight = Parameter(...)``): :func:`follow` then adopts what the model holds now as the
+    home, which is what forwards use and what :func:`automap.undispatch` keeps. ``slot`` is
+    the module table and key the tensor sits under, to find a replaced object."""
 
     tensor: torch.Tensor
     name: str
@@ -28,6 +37,42 @@ class Streamed:
     is_buffer: bool
     users: int = 0
     version: int = 0
+    view: torch.Tensor | None = None
+    slot: tuple[dict[str, Any], str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.view is None:
+            self.view = self.home
+
+    @property
+    def streams(self) -> bool:
+        """Whether the home is still the source's tensor (nothing adopted)."""
+        return self.home is self.view
+
+
+def holds(tensor: torch.Tensor, home: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data is ``home`` (same memory, layout and dtype)."""
+    return (tensor.data_ptr() == home.data_ptr() and tensor.dtype == home.dtype and tensor.shape == home.shape
+            and tensor.device == home.device and tensor.stride() == home.stride())
+
+
+def follow(item: Streamed, streamed: dict[int, Streamed]) -> bool:
+    """Catch up with what torch's API did to ``item``'s tensor since dispatch, between uses:
+    a replaced object is followed in its module, rebound data becomes the home (adopted).
+
+    Returns:
+        False when the tensor's slot now holds another offloaded tensor or nothing (nothing
+        left to bring in for this item), else True.
+    """
+    if item.slot is not None:
+        table, key = item.slot
+        live = table.get(key)
+        if live is None or (live is not item.tensor and id(live) in streamed):
+            return False
+        item.tensor = live
+    if not holds(item.tensor, item.home):
+        item.home = item.tensor.data
+    return True
 
 
 @dataclass(eq=False)
@@ -43,6 +88,50 @@ class Group:
     @property
     def names(self) -> list[str]:
         return [i.name for i in self.items]
+
+
+class Gate:
+    """Forwards in flight through a dispatched model, per thread, so that
+    :func:`automap.undispatch` waits for them to finish (and refuses new ones meanwhile)
+    instead of pulling weights from under them. The model's own hook enters and leaves it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active: dict[int, int] = {}  # thread id -> forwards of the model it is inside
+        self.closed = False
+
+    def enter(self, model: str) -> None:
+        with self._cond:
+            if self.closed:
+                raise DispatchError(f"{model} was undispatched by another thread (automap.undispatch) as this "
+                                    "forward started; run it again on the undispatched model, or dispatch it again")
+            me = threading.get_ident()
+            self._active[me] = self._active.get(me, 0) + 1
+
+    def leave(self) -> None:
+        with self._cond:
+            me = threading.get_ident()
+            left = self._active.get(me, 0) - 1
+            if left > 0:
+                self._active[me] = left
+            else:
+                self._active.pop(me, None)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse new forwards and wait until no *other* thread is inside one (the calling
+        thread's own are its business; a thread that died inside one no longer counts)."""
+        with self._cond:
+            self.closed = True
+            while True:
+                alive = {t.ident for t in threading.enumerate()}
+                if not any(t != threading.get_ident() and t in alive for t in self._active):
+                    return
+                self._cond.wait(0.05)
+
+    def reopen(self) -> None:
+        with self._cond:
+            self.closed = False
 
 
 @dataclass
@@ -62,6 +151,12 @@ class DispatchState:
         replaced: meta tensors replaced by real ones, by id of the replacement (rollback).
         lock: held while a unit runs with weights swapped in (accelerator execution), so that
             forwards from several threads take turns through streamed units.
+        gate: forwards in flight, which undispatch waits for.
+        undoing: held by undispatch (one at a time per model).
+        undone: set (under ``lock``) once undispatch put the weights back; a streamed unit's
+            hook that runs later (a forward racing undispatch) refuses with DispatchError.
+        guard: what refuses or reroutes torch's own API on the dispatched model (``.to``,
+            ``.half``, pickling, ``state_dict``), see :mod:`automap.runtime.guard`.
     """
 
     plan: Plan
@@ -75,10 +170,15 @@ class DispatchState:
     groups: list[Group] = field(default_factory=list)
     replaced: dict[int, torch.Tensor] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    gate: Gate = field(default_factory=Gate)
+    undoing: threading.Lock = field(default_factory=threading.Lock)
+    undone: bool = False
+    guard: Any = None
 
     def streamed_ids(self) -> set[int]:
-        """ids of the model's tensors that live in the weight source."""
-        return set(self.streamed)
+        """ids of the model's tensors that live in the weight source now (what torch's API
+        rebound or replaced since dispatch is the model's own, not the source's)."""
+        return {id(i.tensor) for i in self.streamed.values() if i.streams and holds(i.tensor, i.home)}
 
     def stats(self) -> SourceStats:
         """Bytes behind the offloaded tensors (files, RAM, pinned, written copy-on-write),

@@ -42,7 +42,7 @@ from torch import nn
 from automap.errors import DispatchError
 from automap.offload import Transfer
 from automap.runtime.hooks import Hook
-from automap.runtime.state import Group, Streamed
+from automap.runtime.state import DispatchState, Gate, Group, follow
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,19 @@ class StreamWeights(Hook):
 
     Args:
         group: the unit's offloaded tensors and the group that runs after it.
-        transfer: the model's transfer to the execution device.
-        lock: the model's lock for swapped-in weights (accelerator execution).
+        state: the model's dispatch state: its transfer to the execution device, its lock for
+            swapped-in weights (accelerator execution), its streamed tensors.
         files: the model's :class:`CheckFiles` (CPU execution), which lets a compiled forward
             skip this hook once it has checked every file.
     """
 
-    def __init__(self, group: Group, transfer: Transfer, lock: threading.RLock, files: CheckFiles | None = None):
+    def __init__(self, group: Group, state: DispatchState, files: CheckFiles | None = None):
         super().__init__()
-        self.group, self.transfer, self.lock, self.files = group, transfer, lock, files
+        assert state.transfer is not None
+        self.group, self.state, self.files = group, state, files
+        self.transfer: Transfer = state.transfer
+        self.lock: threading.RLock = state.lock
+        self.device = torch.device(state.plan.execution_device)
         self._inside = threading.local()  # per thread: swap-ins not yet undone
         self._saving: ExitStack | None = None
 
@@ -86,13 +90,17 @@ class StreamWeights(Hook):
     def _touch(self) -> None:
         """CPU execution: the weights are the views the parameters hold; check their files
         and read ahead."""
-        self.transfer.take(self.group.key, self.group.names)
-        self._prefetch_next()
+        if not self.state.undone:  # a forward racing undispatch runs on the weights in RAM
+            self.transfer.take(self.group.key, self.group.names)
+            self._prefetch_next()
 
     @torch.compiler.disable
     def _enter(self) -> None:
         self.lock.acquire()
         try:
+            if self.state.undone:
+                raise DispatchError(f"the model was undispatched by another thread (automap.undispatch) while this "
+                                    f"forward ran, before unit {self.group.key!r}; run it again")
             self._swap_in()
         except BaseException:
             self.lock.release()
@@ -118,12 +126,12 @@ class StreamWeights(Hook):
         # Weights swapped in under inference_mode would become inference tensors, which a
         # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
         with torch.inference_mode(False):
-            needed = [i for i in self.group.items if i.users == 0]
+            needed = [i for i in self.group.items if i.users == 0 and follow(i, self.state.streamed)]
+            got = self.transfer.take(self.group.key, [i.name for i in needed if i.streams])
             for item in needed:
-                check_at_home(item, self.group.key)
-            got = self.transfer.take(self.group.key, [i.name for i in needed])
-            for item in needed:
-                item.tensor.data = got[item.name]
+                # What torch's API put in the tensor since dispatch (adopted by follow) is
+                # copied in as the source's tensors are; it stays what the model holds.
+                item.tensor.data = got[item.name] if item.streams else item.home.to(self.device)
                 item.version = item.tensor._version
         for item in self.group.items:
             item.users += 1
@@ -147,18 +155,26 @@ class StreamWeights(Hook):
 
 
 class CheckFiles(Hook):
-    """On the model itself, when units stream on CPU execution: before each forward, checks
-    every file behind the offloaded weights (one ``stat`` each) and reads the first streamed
+    """On the model itself: counts the forward in (the model's :class:`Gate`, which
+    :func:`automap.undispatch` waits on) and, when units stream on CPU execution, checks every
+    file behind the offloaded weights before it (one ``fstat`` each) and reads the first streamed
     unit ahead; ``checked`` stays True until the forward returns (or raises). A compiled forward
     then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
     graph break. A forward that did not come through the model's hooks (``model.forward(...)``,
     ``torch.compile(model.forward)``) finds ``checked`` False and checks unit by unit, as in
-    eager mode, where the units check their own files anyway."""
+    eager mode, where the units check their own files anyway.
 
-    def __init__(self, groups: list[Group], transfer: Transfer):
+    Args:
+        gate: the model's gate.
+        model: the model's class name, for messages.
+        groups, transfer: the streamed groups and the transfer, when files are checked here.
+    """
+
+    def __init__(self, gate: Gate, model: str, groups: list[Group] | None = None, transfer: Transfer | None = None):
         super().__init__()
-        self.first, self.transfer = groups[0], transfer
-        self.names = [n for group in groups[1:] for n in group.names]
+        self.gate, self.model, self.transfer = gate, model, transfer
+        self.first = groups[0] if groups else None
+        self.names = [n for group in (groups or [])[1:] for n in group.names]
         self.checked = False
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -167,24 +183,21 @@ class CheckFiles(Hook):
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.checked = False
+        self._leave()
         return None
 
     @torch.compiler.disable
     def _check(self) -> None:
         self.checked = False
-        self.transfer.source.check_unchanged(self.names)
-        self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
+        self.gate.enter(self.model)
+        if self.transfer is not None and self.first is not None:
+            self.transfer.source.check_unchanged(self.names)
+            self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
         self.checked = True
 
-
-def check_at_home(item: Streamed, unit: str) -> None:
-    """Refuse to stream over a tensor whose data someone replaced since dispatch (``model.to``,
-    ``param.data = ...``): the copy from the source would silently undo their change."""
-    if item.tensor.data_ptr() != item.home.data_ptr() or item.tensor.shape != item.home.shape:
-        raise DispatchError(
-            f"tensor {item.name!r} of offloaded unit {unit!r} no longer holds the weights automap streams "
-            "(was it moved or replaced with .data / .to()?); call automap.undispatch(model), change the model, "
-            "then dispatch it again")
+    @torch.compiler.disable
+    def _leave(self) -> None:
+        self.gate.leave()
 
 
 @dataclass(frozen=True)
@@ -198,16 +211,20 @@ class SavedWeight:
 
 
 def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i.name for i in hook.group.items if i.tensor.numel()}
+    loaded = {i.tensor.data_ptr(): i for i in hook.group.items if i.tensor.numel()}
 
     def pack(tensor: torch.Tensor) -> Any:
-        name = loaded.get(tensor.data_ptr()) if tensor.numel() else None
-        return tensor if name is None else SavedWeight(name, tensor.shape, tensor.stride())
+        item = loaded.get(tensor.data_ptr()) if tensor.numel() else None
+        return tensor if item is None else SavedWeight(item.name, tensor.shape, tensor.stride())
 
     def unpack(saved: Any) -> torch.Tensor:
         if not isinstance(saved, SavedWeight):
             return saved
-        source = hook.transfer.take(f"{saved.name}@backward", [saved.name])[saved.name]
+        item = next(i for i in hook.group.items if i.name == saved.name)
+        if item.streams:
+            source = hook.transfer.take(f"{saved.name}@backward", [saved.name])[saved.name]
+        else:  # adopted: what the model holds now
+            source = item.home.to(hook.device)
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
     return pack, unpack
 

@@ -1,0 +1,227 @@
+"""What torch's own API may do to a dispatched model, decided at the call.
+
+A dispatched model is a plain ``nn.Module`` to torch, so torch's API reaches it directly. Three
+kinds of call would otherwise go wrong silently or crash, and each is handled where it happens
+(like accelerate, which wraps ``model.to`` of a dispatched model; here through instance
+attributes of every module of the model, removed again by :func:`automap.undispatch`):
+
+- **conversions** (``Module._apply``: ``.to``, ``.cuda``, ``.cpu``, ``.half``, ``.float``,
+  ``.type``, ``to_empty``, on the model or any submodule): one that would move a tensor
+  automap placed to another device, or change the dtype of an offloaded one (which would
+  pull it off disk into RAM behind the plan's back), is refused with
+  :class:`~automap.errors.DispatchError` before any tensor changes; others (a resident unit's
+  dtype, a no-op ``.to``) go through. The outermost call checks the whole subtree first, so a
+  refusal leaves the model exactly as it was.
+- **copies and pickles** (``copy.deepcopy``, ``pickle``, ``torch.save(model)``): the state
+  torch copies is the module's own without automap's hooks, so the copy is a plain model
+  whose offloaded weights are read from their files into it (``deepcopy``: into RAM, refused
+  with :class:`~automap.errors.DispatchError` when they would not fit in available memory).
+- **reads of a truncated file**: ``state_dict()`` of a module holding offloaded tensors, and
+  any copy or pickle, first check the files behind them (one ``fstat`` each) and raise
+  :class:`~automap.errors.OffloadError` naming the tensors whose bytes are gone, where reading
+  them would kill the process with SIGBUS.
+
+What torch's API does that no call can announce — ``param.data = t``, an ``apply(init_fn)``
+that rebinds data, ``load_state_dict(assign=True)`` — is followed instead (the model's new
+tensors are its own: forwards use them, undispatch keeps them; see
+:func:`automap.runtime.state.follow`).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from automap.devices import available_ram_bytes
+from automap.errors import DispatchError
+from automap.runtime.state import DispatchState, holds
+from automap.sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+# The module tables torch keeps hooks in (by handle id): automap's entries are left out of copies.
+HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_state_dict_pre_hooks")
+OVERRIDES = ("_apply", "__getstate__", "__deepcopy__")
+_CHECKED = "automap: memory checked"  # a key of deepcopy's memo (whose own keys are ints)
+
+
+class Guard:
+    """Installs the per-module overrides on a dispatched model and removes them.
+
+    Args:
+        model: the dispatched model.
+        state: its dispatch state (hooks attached, tensors placed and streamed).
+    """
+
+    def __init__(self, model: nn.Module, state: DispatchState):
+        # Weak references: the state (which holds this guard) must not keep the model alive.
+        self._model, self.state = weakref.ref(model), state
+        self.name = type(model).__name__
+        self._converting = threading.local()
+        self._installed: list[tuple[weakref.ref[nn.Module], dict[str, Any]]] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.hook_ids: set[int] = set()
+
+    def install(self) -> Guard:
+        for module in self.model.modules():
+            prior = {k: module.__dict__[k] for k in OVERRIDES if k in module.__dict__}
+            self._installed.append((weakref.ref(module), prior))
+            module._apply = self._apply_of(module)
+            module.__getstate__ = self._getstate_of(module)
+            module.__deepcopy__ = self._deepcopy_of(module)
+            if self.offloaded(module, recurse=False):
+                self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+        self.hook_ids = {h.id for hook in self.state.hooks for h in hook.handles} | {h.id for h in self._handles}
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for ref, prior in self._installed:
+            module = ref()
+            if module is not None:
+                for key in OVERRIDES:
+                    module.__dict__.pop(key, None)
+                module.__dict__.update(prior)
+        self._installed.clear()
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        assert model is not None, "the guard lives as long as its model's dispatch state"
+        return model
+
+    # -------------------------------------------------------------- what is offloaded
+
+    def offloaded(self, module: nn.Module, recurse: bool = True) -> dict[int, str]:
+        """The tensors of ``module`` that are views of the weight source now: id -> name."""
+        by_id = {id(i.tensor): i for i in self.state.streamed.values()}
+        found = {}
+        for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+            item = by_id.get(id(tensor))
+            if item is not None and item.streams and holds(tensor, item.home):
+                found[id(tensor)] = item.name
+        return found
+
+    def check_readable(self, module: nn.Module, recurse: bool = True) -> None:
+        """Raise OffloadError naming offloaded tensors of ``module`` whose file was truncated
+        under them (reading them would kill the process with SIGBUS), or whose store file was
+        rewritten with other bytes."""
+        names = list(self.offloaded(module, recurse).values())
+        if names and self.state.source is not None:
+            self.state.source.check_unchanged(names)
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.check_readable(module, recurse=False)
+
+    # -------------------------------------------------------------- conversions
+
+    def _apply_of(self, module: nn.Module) -> Callable[..., nn.Module]:
+        original = type(module)._apply.__get__(module)
+
+        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+            if getattr(self._converting, "active", False):
+                return original(fn, recurse)  # the outermost call checked the whole subtree
+            self.check_conversion(module, fn, recurse)
+            self._converting.active = True
+            try:
+                return original(fn, recurse)
+            finally:
+                self._converting.active = False
+        return _apply
+
+    def check_conversion(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> None:
+        """Refuse ``fn`` (what ``Module._apply`` would apply) if it would move a tensor
+        automap placed to another device or change an offloaded tensor's dtype."""
+        offloaded = self.offloaded(module, recurse)
+        named = {id(t): n for n, t in [*self.model.named_parameters(remove_duplicate=False),
+                                       *self.model.named_buffers(remove_duplicate=False)]}
+        seen: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device]] = {}
+        for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+            placed = id(tensor) in self.state.original
+            if not (placed or id(tensor) in offloaded):
+                continue  # the model's own since dispatch
+            key = (tensor.dtype, tensor.device)
+            if key not in seen:
+                seen[key] = probe(fn, tensor, named[id(tensor)], self.refusal)
+            dtype, device = seen[key]
+            if device != tensor.device:
+                raise DispatchError(self.refusal(f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
+                                                 f"{device}; automap placed every unit of the model, and moving it by "
+                                                 "hand would break that placement"))
+            if id(tensor) in offloaded and dtype != tensor.dtype:
+                total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse)
+                            if id(t) in offloaded)
+                raise DispatchError(self.refusal(
+                    f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
+                    f"offloaded weights ({format_bytes(total)}) off disk into RAM behind the plan's back; to run it in "
+                    f"{dtype}, load or dispatch it in that dtype (automap.load(..., dtype=...))"))
+
+    def refusal(self, what: str) -> str:
+        return (f"this conversion of dispatched {self.name} {what}. Call automap.undispatch(model) first (the model "
+                "then holds every weight in memory, with any change made to it), convert it, and dispatch it again")
+
+    # -------------------------------------------------------------- copies and pickles
+
+    def _getstate_of(self, module: nn.Module) -> Callable[[], dict[str, Any]]:
+        def __getstate__() -> dict[str, Any]:
+            self.check_readable(module)
+            return self.plain_state(module)
+        return __getstate__
+
+    def plain_state(self, module: nn.Module) -> dict[str, Any]:
+        """``module``'s state as torch pickles it, without automap's hooks and overrides."""
+        state = nn.Module.__getstate__(module)
+        for key in OVERRIDES:
+            state.pop(key, None)
+        for table in HOOK_TABLES:
+            hooks = state.get(table)
+            if hooks and not self.hook_ids.isdisjoint(hooks):
+                state[table] = OrderedDict((k, v) for k, v in hooks.items() if k not in self.hook_ids)
+        return state
+
+    def _deepcopy_of(self, module: nn.Module) -> Callable[[dict[Any, Any]], nn.Module]:
+        def __deepcopy__(memo: dict[Any, Any]) -> nn.Module:
+            if _CHECKED not in memo:
+                self.check_memory(module)
+                memo[_CHECKED] = True
+            self.check_readable(module)
+            twin = type(module).__new__(type(module))
+            memo[id(module)] = twin
+            twin.__setstate__(copy.deepcopy(self.plain_state(module), memo))
+            return twin
+        return __deepcopy__
+
+    def check_memory(self, module: nn.Module) -> None:
+        """Refuse a deep copy whose offloaded weights would not fit in available memory."""
+        offloaded = self.offloaded(module)
+        needed = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+                     if id(t) in offloaded)
+        free = available_ram_bytes()
+        if needed > free:
+            raise DispatchError(
+                f"copy.deepcopy of dispatched {self.name} would read its {len(offloaded)} offloaded tensors "
+                f"({format_bytes(needed)}) into RAM, but only {format_bytes(free)} is available. Save it instead "
+                "(model.save_pretrained, torch.save(model.state_dict()): they read the weights from disk as they "
+                "write), or call automap.undispatch(model) first on a machine with more memory")
+
+
+def probe(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name: str,
+          refusal: Callable[[str], str]) -> tuple[torch.dtype, torch.device]:
+    """What ``fn`` makes of a tensor like ``tensor`` (dtype, device), tried on one element."""
+    try:
+        with torch.no_grad():
+            out = fn(torch.empty(1, dtype=tensor.dtype, device=tensor.device))
+    except Exception as exc:  # noqa: BLE001 - the conversion's own failure, reported with the refusal
+        raise DispatchError(refusal(f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
+                                    "conversion that moves a placed tensor is refused")) from exc
+    if not isinstance(out, torch.Tensor):
+        raise DispatchError(refusal(f"does not give a tensor for {name!r}"))
+    return out.dtype, out.device
