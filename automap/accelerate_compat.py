@@ -249,18 +249,24 @@ def _class_names(model: nn.Module, names: ClassNames) -> list[str] | None:
 def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: list[str] | None,
                    dtype: torch.dtype | None) -> Plan:
     """The plan whose device map alone says it (see :func:`automap.planning.usermap.expressible`).
-    When none fits these budgets, the lowest-numbered GPU is left out and the rest planned
-    again, while something else can still compute: a GPU that could only take the streamed
-    units (it holds none) is one the format cannot name."""
+    When every plan as good as the planner's best is one the format cannot say, the
+    lowest-numbered GPU is left out and the rest planned again, while something else can still
+    compute: a GPU that could only take the streamed units (it holds none) is one the format
+    cannot name. Failing that, the best plan it can say for the budgets given (all on the CPU,
+    say)."""
     budgets: dict[int | str, int | str] = (dict(max_memory) if max_memory is not None else
                                            {d.name: d.capacity_bytes for d in detect_devices()})
+    fallback = None
     while True:
         try:
             return plan(model, "auto", budgets, no_split=no_split, dtype=dtype, map_only=True)
-        except MapFormatError:
+        except MapFormatError as exc:
+            fallback = fallback or exc.fallback
             kinds = sorted((make_device(key, 0) for key in budgets), key=lambda d: d.sort_key())
             computing = [d for d in kinds if d.kind != "disk"]
             if len(computing) < 2 or not computing[0].is_accelerator:
+                if isinstance(fallback, Plan):
+                    return fallback
                 raise
             first = next(key for key in budgets if make_device(key, 0).name == computing[0].name)
             log.debug("no plan using %s that a device map can say; planning without it", computing[0].name)

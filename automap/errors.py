@@ -30,8 +30,14 @@ class DeviceMapError(PlanError):
 
 
 class MapFormatError(PlanError):
-    """No plan that fits can be written as a device map alone (accelerate's format cannot say
-    where offloaded units compute when that is not the first accelerator the map names)."""
+    """No plan that fits can be written as a device map alone as well as one that cannot
+    (accelerate's format cannot say where offloaded units compute unless it is the
+    lowest-numbered GPU the map names). ``fallback``: the best plan that can be written, of a
+    worse kind (the CPU computing units the GPUs could), or None."""
+
+    def __init__(self, message: str, fallback: object = None) -> None:
+        super().__init__(message)
+        self.fallback = fallback
 
 
 class DispatchError(AutomapError):

@@ -112,7 +112,10 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
             break
         splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
-    return _map_note(_best(_accepted(levels, accept), refused, error))
+    best = _best(levels, refused, error)
+    if accept is None or accept(best):
+        return _map_note(best)
+    return _best_accepted(levels, refused, error, accept, best)
 
 
 def _map_note(plan: Plan) -> Plan:
@@ -128,17 +131,31 @@ def _map_note(plan: Plan) -> Plan:
     return replace(plan, warnings=plan.warnings + (note,))
 
 
-def _accepted(levels: list[_Level], accept: Callable[[Plan], bool] | None) -> list[_Level]:
-    if accept is None:
-        return levels
+def _best_accepted(levels: list[_Level], refused: Mapping[str, str], error: PlanError | None,
+                   accept: Callable[[Plan], bool], best: Plan) -> Plan:
+    """The best plan ``accept`` takes, when it is as good a kind as ``best`` (all on the
+    accelerators; the accelerators computing every unit; the CPU computing some).
+
+    Raises:
+        MapFormatError: every plan of ``best``'s kind was refused; ``fallback`` is the best one
+            taken, of a worse kind (None when none was).
+    """
     kept = [replace(level, candidates=tuple(c for c in level.candidates if accept(c.plan))) for level in levels]
-    if any(level.candidates for level in levels) and not any(level.candidates for level in kept):
-        raise MapFormatError("no plan that fits can be said by a device map alone: each streams offloaded units "
-                             "into a GPU other than the lowest-numbered one holding units (or into one holding "
-                             "none), or lets the CPU compute while GPUs hold units; raise the GPU budgets, allow "
-                             "'cpu' in max_memory, or pass the Plan itself (not its device_map) to "
-                             "automap.dispatch/automap.load")
-    return kept
+    fallback = _best(kept, refused, error) if any(level.candidates for level in kept) else None
+    if fallback is not None and _kind_rank(fallback) <= _kind_rank(best):
+        return fallback
+    raise MapFormatError("no plan that fits can be said by a device map alone as well as one that cannot: "
+                         "those stream offloaded units into a GPU other than the lowest-numbered one holding "
+                         "units (or into one holding none), or let the CPU compute while GPUs hold units; raise "
+                         "the GPU budgets, allow 'cpu' in max_memory, or pass the Plan itself (not its "
+                         "device_map) to automap.dispatch/automap.load", fallback=fallback)
+
+
+def _kind_rank(plan: Plan) -> int:
+    """0: every unit on an accelerator; 1: accelerators compute every unit; 2: the CPU computes some."""
+    if _all_on_accelerators(plan):
+        return 0
+    return 1 if all(plan.device(plan.compute_device(d)).is_accelerator for d in plan.placement) else 2
 
 
 def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
