@@ -13,9 +13,12 @@ device map (a dict in the Hugging Face form) or the model itself, dispatched, wi
 - ``no_split_module_classes=None`` keeps the model's own ``_no_split_modules`` together
   (accelerate may then split anywhere).
 
+``docs/accelerate-compat.md`` lists every difference, and accelerate's own tests run against
+these functions (``benchmarks/accelerate_suite.py``).
+
 Parameters that change nothing under automap are accepted and documented as no-ops
 (``offload_buffers``, ``fallback_allocation``, ``skip_keys``, ``preload_module_classes``,
-``force_hooks``, ``offload_state_dict``, ``strict``); those it cannot honour
+``force_hooks``, ``offload_state_dict``); those it cannot honour
 (``special_dtypes``, ``state_dict``, ``offload_index``, a ``main_device`` other than the
 plan's execution device, sharded-distributed loading) raise an :class:`~automap.errors.AutomapError`
 naming what to do instead.
@@ -32,9 +35,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.api import DeviceMap, dispatch, load, plan
-from automap.devices import MaxMemory
-from automap.errors import CheckpointError, DispatchError, PlanError
+from automap.api import DeviceMap, as_dtype, dispatch, load, plan
+from automap.devices import MaxMemory, detect_devices, make_device
+from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanError
 from automap.loading import empty_model
 from automap.planning import Plan
 from automap.runtime import check_not_dispatched, state_of, undispatch
@@ -50,14 +53,15 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
     """accelerate's ``init_empty_weights``: :func:`automap.empty_model` (parameters on meta,
     buffers computed, as accelerate's default ``include_buffers=False``).
 
-    Raises:
-        CheckpointError: ``include_buffers=True``: buffers that no checkpoint holds (rotary
-            ``inv_freq``) would have no values to load.
+    With ``include_buffers=True`` every tensor created inside the block goes to meta, buffers
+    included, as accelerate does (through ``torch.device("meta")``, nothing patched): their
+    values must then come from the checkpoint; :func:`load_checkpoint_and_dispatch` says
+    which buffers it lacks.
     """
     if include_buffers:
-        raise CheckpointError("init_empty_weights(include_buffers=True) leaves buffers without values, and many are "
-                              "in no checkpoint (rotary inv_freq, position_ids); automap keeps them computed: drop "
-                              "include_buffers")
+        with torch.device("meta"):
+            yield
+        return
     with empty_model():
         yield
 
@@ -74,7 +78,8 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         max_memory: ``{0: "10GiB", 1: "10GiB", "cpu": "30GiB"}``; devices this machine lacks
             are fine (plan for hardware you do not have yet). Detected when None.
         no_split_module_classes: class names never split across devices; default: the model's
-            ``_no_split_modules``.
+            ``_no_split_modules``. Names of classes the model lacks are ignored, as accelerate
+            ignores them (generic scripts list the blocks of several families).
         dtype: count floating-point weights at this dtype (``torch.float16`` or ``"float16"``).
         special_dtypes: not supported (raises); give those tensors their dtype on the model
             itself and leave ``dtype`` None, so each is counted at its own.
@@ -86,7 +91,12 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
             and counted with them; the planner always falls back to packing units out of order.
 
     Returns:
-        An ``OrderedDict`` of module name -> GPU index, ``"cpu"`` or ``"disk"``.
+        An ``OrderedDict`` of module name -> GPU index, ``"cpu"`` or ``"disk"``, in execution
+        order. It means the same placement to this module's :func:`dispatch_model`, to
+        accelerate's and to ``from_pretrained(device_map=...)``: units on ``"cpu"``/``"disk"``
+        compute on the first GPU the map names, or on the CPU when it names none. Plans that
+        format cannot say (the CPU computing while GPUs hold layers, streaming into a GPU that
+        holds none) are not returned; the best plan it can say is.
 
     Raises:
         PlanError: the model does not fit, or ``special_dtypes`` was given.
@@ -98,7 +108,7 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         raise PlanError("special_dtypes is not supported: automap counts each tensor at its own dtype; set those "
                         "tensors' dtype on the model (e.g. model.get_submodule(name).to(torch.float32)) and pass "
                         "dtype=None")
-    chosen = plan(model, "auto", max_memory, no_split=_class_names(no_split_module_classes), dtype=_dtype(dtype))
+    chosen = _map_only_plan(model, max_memory, _class_names(model, no_split_module_classes), as_dtype(dtype))
     if verbose:
         log.info("%s", chosen.report())
     device_map = chosen.device_map
@@ -126,13 +136,15 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
             comes in before its forward; hooks are installed wherever they do something.
 
     Returns:
-        ``model``, dispatched, with ``model.hf_device_map`` set.
+        ``model``, dispatched, with ``model.hf_device_map`` set. A model automap dispatched
+        already is undispatched first and dispatched again with the new map, as accelerate
+        re-dispatches.
 
     Raises:
         DispatchError: an unsupported argument, or the model cannot be dispatched (unchanged).
     """
     _refuse(dispatch_model, state_dict=state_dict, offload_index=offload_index)
-    check_not_dispatched(model)  # by automap or accelerate: before planning the hooked model
+    _redispatchable(model)
     folder = None if offload_dir is None else Path(offload_dir)
     chosen = plan(model, device_map, offload_dir=folder)
     _check_main_device(main_device, chosen)
@@ -141,7 +153,7 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
 
 
 def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike[str],
-                                 device_map: DeviceMap | None = "auto", max_memory: MaxMemory | None = None,
+                                 device_map: DeviceMap | None = None, max_memory: MaxMemory | None = None,
                                  no_split_module_classes: ClassNames = None,
                                  offload_folder: str | os.PathLike[str] | None = None, offload_buffers: bool = False,
                                  dtype: DtypeLike = None, offload_state_dict: bool | None = None,
@@ -155,20 +167,23 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         model: a skeleton from :func:`init_empty_weights` (or any model).
         checkpoint: a ``.safetensors``/``.bin`` file or a folder of shards (with an index or not).
         device_map: a strategy (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
-            ``"sequential"``) or a dict; None loads everything into CPU RAM, undispatched, as
-            accelerate does (then ``hf_device_map`` is not set).
+            ``"sequential"``) or a dict; None (the default, as in accelerate) loads everything
+            into CPU RAM, undispatched (then ``hf_device_map`` is not set).
         max_memory, no_split_module_classes, dtype: as for :func:`infer_auto_device_map`.
         offload_folder: where weights that must be written go (another dtype, a pickled
             checkpoint); safetensors weights already in the dtype are read in place.
         offload_buffers, offload_state_dict, skip_keys, preload_module_classes, force_hooks:
             no-ops (automap never holds a shard whole, and see :func:`dispatch_model`).
-        strict: no-op: automap is always strict; missing, unexpected or mis-shaped keys raise
-            :class:`~automap.errors.CheckpointError` (accelerate's ``strict=False`` warns).
+        strict: False (accelerate's default): checkpoint keys the model lacks are skipped and
+            tensors the checkpoint lacks keep the model's values, with a warning naming them
+            (a tensor left on meta still raises). True: either raises
+            :class:`~automap.errors.CheckpointError`. Mis-shaped tensors always raise.
         full_state_dict, broadcast_from_rank0: only the defaults (True, False); automap loads in
             one process.
 
     Returns:
-        ``model``, loaded and dispatched, with ``model.hf_device_map`` set.
+        ``model``, loaded and dispatched, with ``model.hf_device_map`` set. A model automap
+        dispatched already is undispatched first, as accelerate loads into a dispatched model.
 
     Example:
         >>> model = load_checkpoint_and_dispatch(model, "sharded-gpt-j-6B", device_map="auto",
@@ -177,8 +192,10 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     if not full_state_dict or broadcast_from_rank0:
         raise CheckpointError("full_state_dict=False and broadcast_from_rank0=True load sharded across processes, "
                               "which automap does not; load in one process with the defaults")
+    _redispatchable(model)
     loaded = load(model, checkpoint, {"": "cpu"} if device_map is None else device_map, max_memory,
-                  offload_dir=offload_folder, dtype=_dtype(dtype), no_split=_class_names(no_split_module_classes))
+                  offload_dir=offload_folder, dtype=as_dtype(dtype), strict=strict,
+                  no_split=_class_names(model, no_split_module_classes))
     if device_map is None:
         return undispatch(loaded)  # in RAM and unhooked, as accelerate leaves it
     return _with_device_map(loaded, device_map)
@@ -187,17 +204,20 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
 def grouped(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
     """Replace the keys under a module by the module's name wherever they all share one device
     that is not ``"disk"`` (accelerate's ``clean_result``): ``{"a.0": "cpu", "a.1": "cpu"}`` ->
-    ``{"a": "cpu"}``. Disk keys stay apart: each is a unit streamed on its own."""
-    result = dict(device_map)
+    ``{"a": "cpu"}``. Disk keys stay apart: each is a unit streamed on its own. The order is
+    kept (a group takes its first key's place): the first GPU a map names is where accelerate
+    computes its offloaded units."""
+    order = {key: i for i, key in enumerate(device_map)}
+    result = {key: (order[key], value) for key, value in device_map.items()}
     for prefix in sorted(_prefixes(result), key=lambda p: p.count(".") if p else -1):
         under = [k for k in result if _within(k, prefix)]
-        values = {result[k] for k in under}
+        values = {result[k][1] for k in under}
         if len(under) > 1 and len(values) == 1 and "disk" not in values:
-            value = result[under[0]]
+            first = min(result[k] for k in under)
             for key in under:
                 del result[key]
-            result[prefix] = value
-    return result
+            result[prefix] = first
+    return {key: value for key, (_, value) in sorted(result.items(), key=lambda kv: kv[1][0])}
 
 
 def _prefixes(device_map: Mapping[str, Any]) -> set[str]:
@@ -213,18 +233,52 @@ def _within(key: str, prefix: str) -> bool:
     return not prefix or key == prefix or key.startswith(prefix + ".")
 
 
-def _dtype(dtype: DtypeLike) -> torch.dtype | None:
-    """accelerate's dtype argument: a ``torch.dtype`` or its name (``"float16"``, ``"torch.bfloat16"``)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise PlanError(f"unknown dtype {dtype!r}; give a torch.dtype or its name, e.g. 'float16' or 'bfloat16'")
-    return found
+def _class_names(model: nn.Module, names: ClassNames) -> list[str] | None:
+    """accelerate's ``no_split_module_classes`` without the classes ``model`` lacks, which
+    accelerate ignores (automap's own ``no_split`` refuses them, as likely typos)."""
+    if names is None:
+        return None
+    wanted = [names] if isinstance(names, str) else [n if isinstance(n, str) else n.__name__ for n in names]
+    present = {type(m).__name__ for m in model.modules()}
+    absent = [n for n in wanted if n not in present]
+    if absent:
+        log.debug("no_split_module_classes: %s has no module of class %s; ignored", type(model).__name__, absent)
+    return [n for n in wanted if n in present]
 
 
-def _class_names(names: ClassNames) -> list[str] | None:
-    return [names] if isinstance(names, str) else None if names is None else list(names)
+def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: list[str] | None,
+                   dtype: torch.dtype | None) -> Plan:
+    """The plan whose device map alone says it (see :func:`automap.planning.usermap.expressible`).
+    When every plan as good as the planner's best is one the format cannot say, the
+    lowest-numbered GPU is left out and the rest planned again, while something else can still
+    compute: a GPU that could only take the streamed units (it holds none) is one the format
+    cannot name. Failing that, the best plan it can say for the budgets given (all on the CPU,
+    say)."""
+    budgets: dict[int | str, int | str] = (dict(max_memory) if max_memory is not None else
+                                           {d.name: d.capacity_bytes for d in detect_devices()})
+    fallback = None
+    while True:
+        try:
+            return plan(model, "auto", budgets, no_split=no_split, dtype=dtype, map_only=True)
+        except MapFormatError as exc:
+            fallback = fallback or exc.fallback
+            kinds = sorted((make_device(key, 0) for key in budgets), key=lambda d: d.sort_key())
+            computing = [d for d in kinds if d.kind != "disk"]
+            if len(computing) < 2 or not computing[0].is_accelerator:
+                if isinstance(fallback, Plan):
+                    return fallback
+                raise
+            first = next(key for key in budgets if make_device(key, 0).name == computing[0].name)
+            log.debug("no plan using %s that a device map can say; planning without it", computing[0].name)
+            del budgets[first]
+
+
+def _redispatchable(model: nn.Module) -> None:
+    """A model automap dispatched is undispatched (accelerate dispatches a dispatched model
+    again); one accelerate dispatched is refused with the fix."""
+    if state_of(model) is not None:
+        undispatch(model)
+    check_not_dispatched(model)
 
 
 def _refuse(function: Any, **given: Any) -> None:

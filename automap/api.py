@@ -5,22 +5,25 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping, overload
+from typing import Any, Iterable, Mapping, overload
 
 import torch
 from torch import nn
 
-from automap.devices import MaxMemory, Reserve, check_present, detect_devices, parse_reserve
+from automap.devices import MaxMemory, Reserve, canonical_name, check_present, detect_devices, parse_reserve
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
-from automap.errors import CheckpointError, DeviceMapError, PlanError
+from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
+from automap.loading.checkpoint import Checkpoint
+from automap.loading.keys import Match
 from automap.offload import check_offload_dir
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
                              open_checkpoint, plan_tasks, verify_loaded)
-from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
-from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.planning import STRATEGIES, Plan, get_strategy, make_plan, plan_from_device_map
+from automap.planning.usermap import expressible, loose_homes, normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.kvcache import check_batch, profile_generation, prompt_inputs
 from automap.profiling.refine import Splitter
@@ -31,10 +34,10 @@ DeviceMap = str | Mapping[str, int | str] | Plan
 
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         dtype: torch.dtype | None = None, offload_dir: str | Path | None = None,
+         dtype: DtypeLike = None, offload_dir: str | Path | None = None,
          reserve: Reserve = None, batch: int | None = None, max_length: int | None = None,
          speeds: Mapping[str, float] | None = None, links: Mapping[str, float] | None = None,
-         bandwidths: Mapping[str, float] | None = None) -> Plan:
+         bandwidths: Mapping[str, float] | None = None, map_only: bool = False) -> Plan:
     """Decide where each placement unit of ``model`` goes.
 
     ``"auto"``/``"balanced"`` keep everything on the accelerators when they can hold it
@@ -55,10 +58,13 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     Args:
         model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
         device_map: a strategy (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
-            ``"sequential"``), a dict in the Hugging Face form, or a :class:`Plan`.
+            ``"sequential"``), a dict in the Hugging Face form, a :class:`Plan`, or one device
+            for the whole model as transformers takes it (``"cpu"``, ``"cuda:0"``, ``0``,
+            ``torch.device("cuda", 1)``, ``"disk"``): ``{"": device}``.
         max_memory: per-device budgets, e.g. ``{0: "20GiB", "cpu": "64GiB"}``; devices this
             machine lacks are fine for planning. Detected when None.
-        no_split, example_inputs, dtype: passed to :func:`automap.profile`. A unit that does
+        no_split, example_inputs, dtype: passed to :func:`automap.profile`; ``dtype`` may be
+            a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``). A unit that does
             not fit where it must go is split into its children (the model traced again)
             unless its class is in ``no_split``; ``plan.choices`` says what was split and why.
         offload_dir: where disk offload would go (its free space bounds "disk").
@@ -72,6 +78,11 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         speeds, links, bandwidths: FLOP/s, link bytes/s and memory bytes/s per device name or
             kind, replacing defaults (e.g. ``speeds={"cuda": 300e12}, links={"cuda": 300e9}``
             for NVLink H100s; ``bandwidths`` set decode predictions).
+        map_only: only a plan that ``plan.device_map`` alone says fully, as accelerate's
+            ``dispatch_model`` and ``from_pretrained`` read a map (units on ``"cpu"``/``"disk"``
+            compute on the first accelerator the map names, else the CPU): what
+            ``infer_auto_device_map`` returns. Raises :class:`~automap.errors.MapFormatError`
+            when no plan that fits is such.
 
     Returns:
         A :class:`Plan`; ``plan.device_map`` is the Hugging Face / accelerate form.
@@ -87,6 +98,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     """
     if isinstance(device_map, Plan):
         return device_map
+    device_map, dtype = one_device_map(device_map), as_dtype(dtype)
     if isinstance(model, nn.Module) and state_of(model) is not None:
         raise PlanError(
             f"{type(model).__name__} is dispatched, so its weights are spread out and hooked; see where "
@@ -110,7 +122,8 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         else:
             prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
             refine = Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
-        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine)
+        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
+                         accept=expressible if map_only else None)
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
@@ -163,6 +176,48 @@ def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], device
 
 _MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"
 
+DtypeLike = torch.dtype | str | None
+
+
+def as_dtype(dtype: DtypeLike) -> torch.dtype | None:
+    """A ``torch.dtype`` from the forms transformers and accelerate take: the dtype itself or
+    its name (``"bfloat16"``, ``"torch.float16"``, ``"fp16"``).
+
+    Raises:
+        PlanError: not a floating-point dtype or its name (``"auto"`` is for :func:`load`).
+    """
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    name = str(dtype).strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    found = getattr(torch, _DTYPE_SHORT.get(name, name), None) if name else None
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    hint = " ('auto' takes the checkpoint's dtype, in automap.load)" if name == "auto" else ""
+    raise PlanError(f"dtype={dtype!r} is not a floating-point dtype{hint}; give a torch.dtype or its name, "
+                    "e.g. torch.bfloat16, 'bfloat16', 'float16' or 'float32'")
+
+
+_DTYPE_SHORT = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def one_device_map(device_map: DeviceMap | int | torch.device) -> DeviceMap:
+    """``device_map`` with transformers' one-device forms (``"cpu"``, ``"cuda:0"``, ``0``,
+    ``torch.device``, ``"disk"``) as the dict ``{"": device}``; strategies, dicts and plans
+    as they are.
+
+    Raises:
+        PlanError: neither a strategy, a device, a dict nor a Plan.
+    """
+    if isinstance(device_map, (Plan, Mapping)) or (isinstance(device_map, str) and device_map in STRATEGIES):
+        return device_map
+    if isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
+        try:
+            return {"": canonical_name(str(device_map) if isinstance(device_map, torch.device) else device_map)}
+        except DeviceError as exc:
+            raise PlanError(f"device_map={device_map!r} is neither a strategy ({', '.join(STRATEGIES)}) nor a "
+                            f"device ({exc}); or give a dict or a Plan") from None
+    raise PlanError(f"device_map must be a strategy name, a device, a dict or a Plan, not {type(device_map).__name__}")
+
 
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
              offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
@@ -210,23 +265,26 @@ PathLike = str | os.PathLike[str]
 
 @overload
 def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
-         offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         quiet: bool = False, batch: int | None = None, max_length: int | None = None) -> nn.Module: ...
+         quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
 
 
 @overload
 def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
-         *, offload_dir: PathLike | None = None, dtype: torch.dtype | None = None,
+         *, offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         quiet: bool = False, batch: int | None = None, max_length: int | None = None) -> nn.Module: ...
+         quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
 
 
 def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
          max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
-         dtype: torch.dtype | None = None, no_split: Iterable[str | type] | None = None,
+         dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
          example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
-         max_length: int | None = None) -> nn.Module:
+         max_length: int | None = None, strict: bool = True, torch_dtype: DtypeLike = None,
+         offload_folder: PathLike | None = None) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
 
     Two forms:
@@ -250,13 +308,20 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         checkpoint: a ``.safetensors`` file, a ``.bin``/``.pt``/``.pth`` file, or a folder of
             shards (with or without ``model.safetensors.index.json``). Not given with a folder.
         device_map, max_memory, no_split, example_inputs, batch, max_length: as for
-            :func:`automap.plan`; pass a :class:`~automap.Plan` as ``device_map`` to use the
-            planner's other options.
+            :func:`automap.plan` (one device, ``"cpu"`` or ``0``, puts the whole model there);
+            pass a :class:`~automap.Plan` as ``device_map`` to use the planner's other options.
         offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
             source, buffers computed at init in a unit on disk). Not needed when every offloaded
             tensor comes from a safetensors checkpoint already in the target dtype.
         dtype: convert floating-point weights and buffers to this dtype on the way, as
-            ``model.to(dtype)`` would.
+            ``model.to(dtype)`` would: a ``torch.dtype`` or its name (``"bfloat16"``), or
+            ``"auto"`` for the checkpoint's own (a folder: its config's dtype). ``torch_dtype``
+            is the same argument under transformers' former name.
+        offload_folder: ``offload_dir`` under transformers' and accelerate's name.
+        strict: True: checkpoint keys the model lacks, or model tensors the checkpoint lacks,
+            raise. False (accelerate's default in ``load_checkpoint_and_dispatch``): skip the
+            former, keep the model's own values of the latter (a tensor on meta still
+            raises), and say which in a warning.
         quiet: no progress bar (it only appears for loads longer than a second).
 
     Returns:
@@ -274,11 +339,17 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
         >>> model = automap.load("path/to/llama", max_memory={"cpu": "8GiB"}, offload_dir="offload")
     """
+    dtype = _one_of("dtype", dtype, "torch_dtype", torch_dtype)
+    offload_dir = _one_of("offload_dir", offload_dir, "offload_folder", offload_folder)
+    folder_form = not isinstance(model, nn.Module)
+    if dtype == "auto":
+        dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
+    dtype = as_dtype(dtype)
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype)
     check_not_dispatched(model)
     start = time.perf_counter()
     with open_checkpoint(checkpoint) as ckpt:
-        match = match_keys(model, ckpt)
+        match = _matched(model, ckpt, strict)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
                             batch=batch, max_length=max_length), match)
@@ -297,6 +368,50 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             raise
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     return model
+
+
+def _one_of(name: str, value: object, alias: str, aliased: object) -> Any:
+    """``value``, or ``aliased`` given under its other name (transformers' and accelerate's)."""
+    if aliased is None:
+        return value
+    if value is not None:
+        raise PlanError(f"{name}= and {alias}= are the same argument; give one")
+    return aliased
+
+
+def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating-point tensor (transformers' ``"auto"``)."""
+    if checkpoint is None:
+        return None  # _model_and_checkpoint says what is missing
+    with open_checkpoint(checkpoint) as ckpt:
+        return next((s.dtype for s in ckpt.tensors.values() if s.dtype.is_floating_point), None)
+
+
+def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool) -> Match:
+    """:func:`match_keys`; not ``strict``: keys only one side has are skipped with a warning,
+    as accelerate loads them (shapes that differ still raise)."""
+    try:
+        return match_keys(model, ckpt)
+    except CheckpointError as exc:
+        if strict:
+            raise
+        first = exc
+    saved = {name: model.__dict__.get(name) for name in _IGNORE_ATTRIBUTES}
+    try:
+        for name in _IGNORE_ATTRIBUTES:  # what transformers' models declare for keys to skip
+            setattr(model, name, [".*"])
+        match = match_keys(model, ckpt)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                model.__dict__.pop(name, None)
+            else:
+                setattr(model, name, value)
+    warnings.warn(f"strict=False: loading anyway, {first}", stacklevel=3)
+    return match
+
+
+_IGNORE_ATTRIBUTES = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
 
 
 def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,

@@ -29,6 +29,17 @@ class DeviceMapError(PlanError):
     """A user-given device map names unknown modules or leaves tensors without a device."""
 
 
+class MapFormatError(PlanError):
+    """No plan that fits can be written as a device map alone as well as one that cannot
+    (accelerate's format cannot say where offloaded units compute unless it is the
+    lowest-numbered GPU the map names). ``fallback``: the best plan that can be written, of a
+    worse kind (the CPU computing units the GPUs could), or None."""
+
+    def __init__(self, message: str, fallback: object = None) -> None:
+        super().__init__(message)
+        self.fallback = fallback
+
+
 class DispatchError(AutomapError):
     """The model could not be dispatched; it was left exactly as it was."""
 

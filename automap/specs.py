@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from torch import nn
 from automap.errors import AutomapError, SpecError
 from automap.loading.hf import config_dtype, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -66,6 +69,7 @@ def parse_value(text: str) -> Any:
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """Parse ``--set`` arguments: ``["a=1,b=silu", "c=true"]`` -> ``{"a": 1, "b": "silu", "c": True}``.
+    A dotted key names a field of a nested config: ``text_config.num_hidden_layers=2``.
 
     Raises:
         SpecError: an item is not ``key=value``.
@@ -74,9 +78,10 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     for item in items:
         for pair in filter(None, (p.strip() for p in item.split(","))):
             key, sep, value = pair.partition("=")
-            if not sep or not key.strip() or not key.strip().isidentifier():
+            if not sep or not key.strip() or not all(part.isidentifier() for part in key.strip().split(".")):
                 raise SpecError(f"--set expects key=value pairs separated by commas, got {pair!r}; "
-                                "e.g. --set num_hidden_layers=80,hidden_size=8192")
+                                "e.g. --set num_hidden_layers=80,hidden_size=8192 (text_config.num_hidden_layers=2 "
+                                "for a nested config)")
             result[key.strip()] = parse_value(value)
     return result
 
@@ -174,7 +179,7 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
     transformers = import_transformers()
     model_type, fields = _hf_config_source(name)
-    _check_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
+    overrides = resolve_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
     try:
         # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
@@ -241,12 +246,37 @@ def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     return model_type, data
 
 
-def _check_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> None:
+def resolve_config_keys(config: Any, overrides: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """``overrides`` as ``config``'s constructor takes them: aliases by their field
+    (``num_hidden_layers`` -> GPT-2's ``n_layer``, through ``attribute_map``), and dotted keys
+    (``text_config.num_hidden_layers``) merged into the nested config's fields.
+
+    Raises:
+        SpecError: a key the config (or its nested config) does not have.
+    """
+    resolved: dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, dot, rest = key.partition(".")
+        field = _config_field(config, head, name)
+        if not dot:
+            resolved[field] = value
+            continue
+        nested = getattr(config, field, None)
+        if not hasattr(nested, "to_dict"):
+            raise SpecError(f"--set {key}: the {name} config's {field!r} is not a nested config")
+        inner = resolved.get(field) or {k: v for k, v in nested.to_dict().items() if k != "transformers_version"}
+        resolved[field] = {**inner, **resolve_config_keys(nested, {rest: value}, f"{name} {field}")}
+    return resolved
+
+
+def _config_field(config: Any, key: str, name: str) -> str:
+    field = (getattr(config, "attribute_map", None) or {}).get(key, key)
     known = set(config.to_dict()) | {k for k in dir(config) if not k.startswith("_")}
-    unknown = [k for k in overrides if k not in known]
-    if unknown:
-        raise SpecError(f"--set names {unknown[0]!r}, which the {name} config does not have" +
-                        _did_you_mean(unknown[0], sorted(known)))
+    if field not in known:
+        aliases = list(getattr(config, "attribute_map", None) or {})
+        raise SpecError(f"--set names {key!r}, which the {name} config does not have" +
+                        _did_you_mean(key, sorted(known | set(aliases))))
+    return field
 
 
 def _hf_model(config: Any, guess: bool = True) -> nn.Module:
@@ -316,6 +346,7 @@ class SpecPlan:
     built: BuiltModel
     plan: Any
     dtype: torch.dtype | None
+    note: str = ""  # what was changed from what was asked (a capped --seq-len)
 
     def headline(self, seconds: float) -> str:
         """``'LlamaForCausalLM (hf:llama): 68.98B parameters, 128.48 GiB at bfloat16; planned ...'``."""
@@ -323,8 +354,9 @@ class SpecPlan:
                                    torch.float32)
         weights = sum(u.weight_bytes for u in self.plan.units)
         source = f" ({self.built.source})" if self.built.source else ""
+        note = f"; {self.note}" if self.note else ""
         return (f"{self.built.label}: {_count(self.built.parameters)} parameters, {format_bytes(weights)} at "
-                f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s")
+                f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s{note}")
 
 
 def _count(n: int) -> str:
@@ -373,6 +405,9 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         parse_max_memory(max_memory)  # a bad size fails now, before the model is built
     built = build_model(spec, overrides)
     chosen_dtype = dtype or built.dtype
+    seq_len, note = capped_seq_len(built.model, seq_len)
+    if note:
+        log.info("%s", note)
     inputs, how = example_inputs_for(built.model, batch, seq_len)
     # Plans are for inference: tracing a backward pass too would double the time for nothing.
     prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False, guessed=how)
@@ -380,4 +415,15 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     if max_length is not None:
         prof = profile_generation(built.model, prof, inputs, batch=batch, max_length=max_length, dtype=chosen_dtype)
     splitter = Splitter(built.model, example_inputs=inputs, dtype=chosen_dtype)  # units that do not fit split
-    return SpecPlan(built, make_plan(prof, detect_devices(max_memory), strategy, refine=splitter), chosen_dtype)
+    return SpecPlan(built, make_plan(prof, detect_devices(max_memory), strategy, refine=splitter), chosen_dtype, note)
+
+
+def capped_seq_len(model: nn.Module, seq_len: int) -> tuple[int, str]:
+    """``seq_len``, or the model's ``max_position_embeddings`` when that is smaller (its
+    position table has no rows beyond), with a sentence saying so ("" when not capped)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    if isinstance(limit, int) and 0 < limit < seq_len and getattr(model, "main_input_name", "") == "input_ids":
+        return limit, (f"--seq-len {seq_len} capped at {limit}, the model's max_position_embeddings: "
+                       f"planned for {limit} tokens")
+    return seq_len, ""

@@ -179,3 +179,36 @@ def test_max_length_shorter_than_the_prompt_exits_1_with_one_line(capsys):
                           "--seq-len", "64", "--max-length", "32")
     assert code == 1 and err.count("\n") == 1
     assert "max_length=32 is not longer than the prompt (64 tokens)" in err
+
+
+def test_set_resolves_config_aliases_and_nested_keys():
+    gpt2 = build_model("hf:gpt2", parse_overrides(["num_hidden_layers=2,hidden_size=64,num_attention_heads=2"]))
+    config = gpt2.model.config
+    assert config.n_layer == 2 and config.n_embd == 64 and len(gpt2.model.transformer.h) == 2
+    llava = build_model("hf:llava", parse_overrides(["text_config.num_hidden_layers=1,text_config.hidden_size=64",
+                                                     "text_config.intermediate_size=128",
+                                                     "vision_config.num_hidden_layers=1"]))
+    config = llava.model.config
+    assert config.text_config.num_hidden_layers == 1 and config.text_config.hidden_size == 64
+    assert config.vision_config.num_hidden_layers == 1
+    with pytest.raises(SpecError, match="not a nested config"):
+        build_model("hf:gpt2", {"n_layer.x": 1})
+    with pytest.raises(SpecError, match="'num_hidden_layerz'.*text_config config"):
+        build_model("hf:llava", parse_overrides(["text_config.num_hidden_layerz=1"]))
+
+
+def test_a_capped_seq_len_is_said_with_the_value_used(capsys):
+    code, out, _ = _run(capsys, "plan", "hf:gpt2", "--set", "n_layer=1,n_embd=32,n_head=2,n_positions=64",
+                        "--seq-len", "4096", "--max-memory", "cpu=1GB")
+    assert code == 0
+    assert "--seq-len 4096 capped at 64" in out and "input_ids 1x64" in out
+
+
+def test_plans_print_no_third_party_deprecation_and_no_tied_unit_that_never_ran():
+    # a fresh process: transformers warns once per process
+    result = subprocess.run([sys.executable, "-m", "automap", "plan", "hf:t5", "--set",
+                             "num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,num_heads=2,d_kv=16",
+                             "--max-memory", "cpu=1GB"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr + result.stdout
+    assert "never" not in result.stderr + result.stdout, "T5's shared embedding is tied to one that ran"

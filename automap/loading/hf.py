@@ -81,7 +81,8 @@ def read_config(folder: str | os.PathLike[str]) -> Any:
 
 def config_dtype(config: Any) -> torch.dtype | None:
     """The dtype a config says its weights are in (``"dtype"``, formerly ``"torch_dtype"``)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 keeps "dtype" and warns on every read of "torch_dtype"; older ones have only the latter.
+    dtype = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):  # a config.json stores "bfloat16"
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) else None

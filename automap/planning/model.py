@@ -198,7 +198,9 @@ class Plan:
 
         Keys are unit names, plus the full names of tensors held by non-unit modules; together
         they cover every parameter and buffer. Accepted as-is by ``from_pretrained(device_map=)``
-        and ``accelerate.dispatch_model``.
+        and ``accelerate.dispatch_model``, which compute its "cpu"/"disk" units on the
+        lowest-numbered GPU it names; a plan that streams them elsewhere says so in its
+        warnings (``automap.plan(..., map_only=True)`` never returns one).
         """
         result: dict[str, int | str] = {}
         for unit, where in zip(self.units, self.placement):

@@ -27,10 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from automap.devices import DeviceSpec
-from automap.errors import PlanError
+from automap.errors import MapFormatError, PlanError
 from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
+from automap.planning.usermap import expressible, map_execution_device
 from automap.profiling import Profile
 from automap.profiling.refine import Refinement
 from automap.sizes import format_bytes, format_seconds
@@ -56,7 +57,8 @@ class _Level:
 
 
 def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
-              reserve: Mapping[str, int] | None = None, refine: Refine | None = None) -> Plan:
+              reserve: Mapping[str, int] | None = None, refine: Refine | None = None,
+              accept: Callable[[Plan], bool] | None = None) -> Plan:
     """Place ``profile``'s units on ``devices`` with a named strategy.
 
     Args:
@@ -67,6 +69,8 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         reserve: bytes to keep free per device name (KV cache, optimizer state).
         refine: splits units into their children (:class:`~automap.profiling.refine.Splitter`);
             without it the units stay as profiled.
+        accept: only plans it returns True for may be chosen (the accelerate drop-in keeps
+            those whose device map alone says where each unit computes).
 
     Returns:
         A deterministic :class:`Plan`; ``plan.choices`` says what was split and chosen.
@@ -75,6 +79,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         PlanError: unknown strategy, no devices, a unit that fits nowhere and cannot be split
             (the message names its class when ``no_split`` keeps it whole), or a model that
             does not fit even on disk (the message gives the numbers per tier).
+        MapFormatError: ``accept`` refused every plan that fits.
 
     Example:
         >>> make_plan(prof, (make_device("cuda:0", 2**30), make_device("cuda:1", 2**30)))
@@ -107,7 +112,50 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
             break
         splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
-    return _best(levels, refused, error)
+    best = _best(levels, refused, error)
+    if accept is None or accept(best):
+        return _map_note(best)
+    return _best_accepted(levels, refused, error, accept, best)
+
+
+def _map_note(plan: Plan) -> Plan:
+    """``plan`` with a warning when its ``device_map`` alone would be read as another placement
+    (the CPU computing while GPUs hold units has its own note, from the layout)."""
+    if expressible(plan) or plan.execution_device == "cpu":
+        return plan
+    reading = map_execution_device(plan)
+    read_as = "computing them on the CPU" if reading == "cpu" else f"streaming them into {reading}"
+    note = (f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
+            f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
+            "automap.load, or plan with map_only=True for a map that says everything")
+    return replace(plan, warnings=plan.warnings + (note,))
+
+
+def _best_accepted(levels: list[_Level], refused: Mapping[str, str], error: PlanError | None,
+                   accept: Callable[[Plan], bool], best: Plan) -> Plan:
+    """The best plan ``accept`` takes, when it is as good a kind as ``best`` (all on the
+    accelerators; the accelerators computing every unit; the CPU computing some).
+
+    Raises:
+        MapFormatError: every plan of ``best``'s kind was refused; ``fallback`` is the best one
+            taken, of a worse kind (None when none was).
+    """
+    kept = [replace(level, candidates=tuple(c for c in level.candidates if accept(c.plan))) for level in levels]
+    fallback = _best(kept, refused, error) if any(level.candidates for level in kept) else None
+    if fallback is not None and _kind_rank(fallback) <= _kind_rank(best):
+        return fallback
+    raise MapFormatError("no plan that fits can be said by a device map alone as well as one that cannot: "
+                         "those stream offloaded units into a GPU other than the lowest-numbered one holding "
+                         "units (or into one holding none), or let the CPU compute while GPUs hold units; raise "
+                         "the GPU budgets, allow 'cpu' in max_memory, or pass the Plan itself (not its "
+                         "device_map) to automap.dispatch/automap.load", fallback=fallback)
+
+
+def _kind_rank(plan: Plan) -> int:
+    """0: every unit on an accelerator; 1: accelerators compute every unit; 2: the CPU computes some."""
+    if _all_on_accelerators(plan):
+        return 0
+    return 1 if all(plan.device(plan.compute_device(d)).is_accelerator for d in plan.placement) else 2
 
 
 def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],

@@ -75,6 +75,25 @@ def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], de
     return found or default
 
 
+def map_execution_device(plan: Plan) -> str:
+    """Where the units of ``plan.device_map`` on ``"cpu"`` and ``"disk"`` compute when the map
+    alone is read, as accelerate's ``dispatch_model`` and ``from_pretrained(device_map=...)``
+    read it: on the lowest-numbered GPU the map names (accelerate takes the first of the set
+    of its GPU values, which for GPU indices is the lowest), or on the CPU when it names none.
+    This is a user map's execution device in automap too (:func:`plan_from_device_map`)."""
+    return next((d for d in plan.used_devices if plan.device(d).is_accelerator), "cpu")
+
+
+def expressible(plan: Plan) -> bool:
+    """Whether ``plan.device_map`` alone means ``plan`` to every reader of the format: its units
+    on ``"cpu"`` and ``"disk"`` compute where :func:`map_execution_device` says. Not so when
+    the CPU computes its units while GPUs keep others, or when units stream into a GPU that
+    holds none (or is not the lowest-numbered one holding some)."""
+    reading = map_execution_device(plan)
+    return all(plan.compute_device(where) == reading for where in plan.placement
+               if not plan.device(where).is_accelerator)
+
+
 def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
                          device_map: Mapping[str, int | str], tensor_names: Iterable[str],
                          module_names: set[str]) -> Plan:
