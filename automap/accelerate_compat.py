@@ -256,6 +256,10 @@ def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: lis
     say)."""
     budgets: dict[int | str, int | str] = (dict(max_memory) if max_memory is not None else
                                            {d.name: d.capacity_bytes for d in detect_devices()})
+    if not any(make_device(key, 0).kind == "cpu" for key in budgets):
+        # accelerate computes on the CPU what no GPU can run even when max_memory gives the CPU
+        # no budget: RAM then holds nothing and every such unit streams from disk.
+        budgets["cpu"] = 0
     fallback = None
     while True:
         try:

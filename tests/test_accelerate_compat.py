@@ -276,6 +276,21 @@ def test_init_empty_weights_with_buffers_puts_them_on_meta_and_the_checkpoint_fi
     assert torch.equal(model(x), real(x))
 
 
+def test_max_memory_without_a_cpu_entry_computes_on_the_cpu_from_disk_as_accelerate_does(tmp_path):
+    """accelerate plans `{0: 30}` (no "cpu" key) for a model no GPU can run as all on disk,
+    computed by the CPU; the drop-in reads a missing "cpu" as a CPU that computes with 0 B of RAM."""
+    real = _norm_model()
+    device_map = automap.infer_auto_device_map(real, max_memory={0: 30})
+    assert set(device_map.values()) == {"disk"}
+    with pytest.raises(PlanError):  # automap.plan itself keeps the budgets as given: no CPU named, none used
+        automap.plan(real, max_memory={0: 30})
+    x = torch.randn(2, 3)
+    expected = real(x)
+    model = automap.dispatch_model(real, device_map, offload_dir=tmp_path / "off")
+    assert automap.placement(model).device_of("linear1") == "disk"
+    assert torch.equal(model(x), expected)
+
+
 def _layers(count: int = 8) -> torch.nn.Module:
     """``count`` layers of 1 MiB each."""
     return torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(count)])
