@@ -11,6 +11,7 @@ import pytest
 
 from automap import bench
 from automap.cli import main
+from automap.errors import SizeError
 from automap.specs import SpecError, build_model, parse_max_memory_arg, parse_overrides
 
 LLAMA_70B = ("hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
@@ -96,7 +97,7 @@ def test_config_file_and_factory_specs(capsys, tmp_path, monkeypatch):
     (["plan", "hf:llama", "--set", "num_hidden_layers"], "key=value"),
     (["plan", "torchvision:resnet18", "--max-memory", "0=20XB"], "unknown size unit 'XB'"),
     (["plan", "torchvision:resnet18", "--max-memory", "gpu=20GiB"], "unknown device 'gpu'"),
-    (["plan", "torchvision:resnet18", "--dtype", "bf15"], "unknown dtype 'bf15'"),
+    (["plan", "torchvision:resnet18", "--dtype", "bf15"], "invalid choice: 'bf15'"),
     (["plan", "torchvision:resnet18", "--figure", "plan.jpg"], ".png"),
     (["plan", "torchvision:resnet18", "--json", "no/such/folder/p.json"], "does not exist"),
     (["plan", "nosuchmodule_xyz:build"], "cannot import 'nosuchmodule_xyz'"),
@@ -143,7 +144,7 @@ def test_parsers_read_the_documented_forms():
         0: "20GiB", 1: "20GiB", "cpu": "64GiB", "disk": "500GiB"}
     assert parse_overrides(["a=1,b=2.5", "c=true,d=silu,e=none"]) == {"a": 1, "b": 2.5, "c": True, "d": "silu",
                                                                      "e": None}
-    with pytest.raises(SpecError, match="device=size"):
+    with pytest.raises(SizeError, match="device=size"):
         parse_max_memory_arg("0:20GiB")
 
 

@@ -93,7 +93,13 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
             stacklevel=2,
         )
         return _without_trace(model, unit_names, dtype, "no example inputs were given or derivable")
-    trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
+    try:
+        trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
+    except ProfileError as exc:
+        if how == "given":
+            raise
+        raise ProfileError(f"{exc}. automap guessed these inputs ({how}); pass the model's own as "
+                           "example_inputs=(...) (automap plan: --input-shape or --example-inputs)") from exc
     log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
              len(unit_names), trace.total_flops)
     prof = _assemble(model, unit_names, trace, dtype, how)

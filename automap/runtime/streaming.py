@@ -41,6 +41,7 @@ from torch import nn
 
 from automap.errors import DispatchError
 from automap.offload import Transfer
+from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
 from automap.runtime.state import Group, Streamed
 
@@ -82,14 +83,14 @@ class StreamWeights(Hook):
             self._leave(module.training)
         return None
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _touch(self) -> None:
         """CPU execution: the weights are the views the parameters hold; check their files
         and read ahead."""
         self.transfer.take(self.group.key, self.group.names)
         self._prefetch_next()
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _enter(self) -> None:
         self.lock.acquire()
         try:
@@ -99,7 +100,7 @@ class StreamWeights(Hook):
             raise
         self._inside.depth = getattr(self._inside, "depth", 0) + 1
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _leave(self, training: bool) -> None:
         if not getattr(self._inside, "depth", 0):
             return  # this thread's pre never ran (an earlier hook raised)
@@ -169,7 +170,7 @@ class CheckFiles(Hook):
         self.checked = False
         return None
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _check(self) -> None:
         self.checked = False
         self.transfer.source.check_unchanged(self.names)
