@@ -16,6 +16,7 @@ from automap.devices import MaxMemory, Reserve, check_present, detect_devices, p
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceMapError, PlanError
+from automap.progress import silenced, step
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, offloaded_names, open_checkpoint,
                              plan_tasks, verify_loaded)
 from automap.planning import Plan, get_strategy, make_plan, plan_from_device_map
@@ -107,7 +108,8 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         else:
             prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
             refine = Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
-        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine)
+        with step("automap: planning"):
+            return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine)
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
@@ -268,10 +270,10 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         >>> model = automap.load(model, "gpt2/model.safetensors", max_memory={"cpu": "200MB"})
         >>> model = automap.load("path/to/llama", max_memory={"cpu": "8GiB"}, offload_dir="offload")
     """
-    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype)
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
     check_not_dispatched(model)
     start = time.perf_counter()
-    with open_checkpoint(checkpoint) as ckpt:
+    with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = match_keys(model, ckpt)
         chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                       dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
@@ -294,7 +296,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
 
 
 def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
-                          dtype: torch.dtype | None) -> tuple[nn.Module, PathLike]:
+                          dtype: torch.dtype | None, quiet: bool = False) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
     if isinstance(model, nn.Module):
         if checkpoint is None:
@@ -309,4 +311,5 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
         raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
                               "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
                               "or build the model yourself and call automap.load(model, checkpoint)")
-    return build_from_folder(model, dtype), model
+    with step(f"automap: building the model in {model}", quiet=quiet):
+        return build_from_folder(model, dtype), model

@@ -221,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from automap.progress import silenced, step
     from automap.report import figure, write_json
     from automap.specs import input_tensors, load_example_inputs, parse_dtype, parse_overrides, plan_spec
 
@@ -228,10 +229,11 @@ def _plan(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.overrides)
     inputs = (input_tensors(args.shapes) if args.shapes else
               load_example_inputs(args.example_inputs) if args.example_inputs else None)
-    result = plan_spec(
-        args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
-        seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None, max_length=args.max_length,
-        example_inputs=inputs)
+    with silenced(args.quiet), step(f"automap: planning {args.spec}"):  # on a terminal, after a second
+        result = plan_spec(
+            args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
+            seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None,
+            max_length=args.max_length, example_inputs=inputs)
     if not args.quiet:
         print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())

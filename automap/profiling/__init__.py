@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from automap.errors import ProfileError
+from automap.progress import step
 from automap.profiling.fallback import eval_mode, fill_untraced, untraced_reasons, untraced_units
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
@@ -94,7 +95,8 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
         )
         return _without_trace(model, unit_names, dtype, "no example inputs were given or derivable")
     try:
-        trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
+        with step(f"automap: tracing {type(model).__name__}"):
+            trace = _trace(model, example_inputs, unit_names, dtype, backward, measure)
     except ProfileError as exc:
         if how == "given":
             raise
