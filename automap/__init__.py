@@ -16,6 +16,7 @@ wait for the call that uses them).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -44,6 +45,8 @@ _LIGHT = {"automap.errors", "automap.sizes"}  # torch-free: imported alone
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
+        if importlib.util.find_spec(f"automap.{name}") is not None:  # a submodule: automap.progress
+            return importlib.import_module(f"automap.{name}")
         raise AttributeError(f"module 'automap' has no attribute {name!r}")
     # The first torch-backed name imports the whole surface, as an eager __init__ would: a
     # plan's report() and to_json() need automap.report's renderers registered.

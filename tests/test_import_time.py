@@ -35,3 +35,13 @@ def test_the_command_answers_help_and_bad_arguments_before_torch(argv):
     names, done = imported("-m", "automap", *argv)
     assert done.returncode == (0 if "--help" in argv else 2), done.stderr[-2000:]
     assert "torch" not in names
+
+
+def test_the_lazy_package_still_offers_every_name_and_submodule():
+    code = ("import automap; names = dir(automap); assert 'plan' in names and 'SizeError' in names; "
+            "assert callable(automap.progress.silenced); assert automap.__all__ == sorted(automap.__all__); "
+            "[getattr(automap, n) for n in automap.__all__]; "
+            "import torchvision; assert 'cuda:0' in automap.plan(torchvision.models.resnet18(), "
+            "max_memory={0: '1GB'}).report()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
