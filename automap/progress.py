@@ -48,7 +48,8 @@ def bar(total: int | None, desc: str, *, unit: str = "it", quiet: bool = False, 
 
     if unit == "B":
         options = {"unit_scale": True, "unit_divisor": 1024, **options}
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=DELAY_SECONDS, leave=False,
+    options.setdefault("leave", True)  # a count's last line stays (what was done, how fast)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=DELAY_SECONDS,
                 disable=not shown(quiet), dynamic_ncols=True, **options)
 
 
@@ -67,7 +68,7 @@ def step(desc: str, *, quiet: bool = False) -> Iterator[None]:
     if not shown(quiet):
         yield
         return
-    with bar(None, desc, bar_format="{desc}: {elapsed}") as timer:
+    with bar(None, desc, bar_format="{desc}: {elapsed}", leave=False) as timer:  # a step leaves no line
         token = _active.set(timer)
         done = threading.Event()
         ticker = threading.Thread(target=_tick, args=(timer, done), name="automap-progress", daemon=True)
