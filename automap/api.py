@@ -17,6 +17,7 @@ from automap.devices import MaxMemory, Reserve, canonical_name, check_present, d
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
+from automap.progress import silenced, step
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.keys import Match
 from automap.offload import check_offload_dir
@@ -122,8 +123,9 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         else:
             prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
             refine = Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
-        return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
-                         accept=expressible if map_only else None)
+        with step("automap: planning"):
+            return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
+                             accept=expressible if map_only else None)
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
@@ -345,10 +347,10 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     if dtype == "auto":
         dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
     dtype = as_dtype(dtype)
-    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype)
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
     check_not_dispatched(model)
     start = time.perf_counter()
-    with open_checkpoint(checkpoint) as ckpt:
+    with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = _matched(model, ckpt, strict)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
@@ -415,7 +417,7 @@ _IGNORE_ATTRIBUTES = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_loa
 
 
 def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
-                          dtype: torch.dtype | None) -> tuple[nn.Module, PathLike]:
+                          dtype: torch.dtype | None, quiet: bool = False) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
     if isinstance(model, nn.Module):
         if checkpoint is None:
@@ -430,4 +432,5 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
         raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
                               "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
                               "or build the model yourself and call automap.load(model, checkpoint)")
-    return build_from_folder(model, dtype), model
+    with step(f"automap: building the model in {model}", quiet=quiet):
+        return build_from_folder(model, dtype), model

@@ -10,6 +10,7 @@ GPU, bytes spilled off the GPUs (to CPU or disk), and the busiest GPU's share of
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -126,6 +127,15 @@ def run_case(case: BenchCase) -> list[BenchRow]:
     inputs, _ = example_inputs_for(ours.built.model, batch=1, seq_len=128)
     theirs = plan(ours.built.model, theirs_map, case.max_memory, dtype=case.dtype, example_inputs=inputs)
     return [score(case.name, "automap", ours.plan), score(case.name, "accelerate", theirs)]
+
+
+def runnable_cases(cases: Sequence[BenchCase] | None = None) -> tuple[list[BenchCase], list[BenchCase]]:
+    """``cases`` (default: :data:`DEFAULT_CASES`) split into those this install can run and
+    those skipped: ``hf:`` cases need transformers (``pip install "automap[hf]"``)."""
+    has_hf = importlib.util.find_spec("transformers") is not None
+    chosen = list(DEFAULT_CASES if cases is None else cases)
+    return ([c for c in chosen if has_hf or not c.spec.startswith("hf:")],
+            [c for c in chosen if not has_hf and c.spec.startswith("hf:")])
 
 
 def run_bench(cases: Sequence[BenchCase] | None = None) -> list[BenchRow]:

@@ -1,5 +1,8 @@
 """Devices a plan can use: real ones detected on this machine, or hypothetical ones from
 ``max_memory``. Nothing here places anything; it only describes capacity, speed and links.
+
+torch is imported by the functions that ask it about this machine's hardware, not with the
+module: the ``automap`` command checks ``--max-memory`` before it imports torch.
 """
 from __future__ import annotations
 
@@ -8,12 +11,13 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
-import torch
-
-from automap.errors import DeviceError
+from automap.errors import DeviceError, SizeError
 from automap.sizes import parse_size
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ def canonical_name(key: int | str) -> str:
         if key < 0:
             raise DeviceError(f"device index {key} is negative; GPU indices start at 0")
         return f"cuda:{key}"
-    if isinstance(key, torch.device):
+    if type(key).__module__ == "torch" and type(key).__name__ == "device":  # torch.device, torch not imported here
         key = str(key)
     if not isinstance(key, str):
         raise DeviceError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
@@ -107,6 +111,11 @@ def canonical_name(key: int | str) -> str:
 def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
     """Normalise a ``max_memory`` mapping to ``{canonical name: bytes}``.
 
+    Raises:
+        DeviceError: not a mapping, or a key names no device.
+        SizeError: a budget is not a size (a fraction such as ``0.5`` included: budgets are
+            bytes), or two keys name the same device (``0`` and ``"cuda:0"``).
+
     Example:
         >>> parse_max_memory({0: "10GiB", "cpu": "500MB"})
         {'cuda:0': 10737418240, 'cpu': 500000000}
@@ -116,11 +125,42 @@ def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
             f"max_memory must be a dict such as {{0: '20GiB', 'cpu': '64GiB'}}, got {type(max_memory).__name__}"
         )
     result: dict[str, int] = {}
+    given: dict[str, Any] = {}
     for key, value in max_memory.items():
         name = canonical_name(key)
         if name in result:
-            raise DeviceError(f"max_memory names {name!r} twice (as {key!r} and another key); keep one")
-        result[name] = parse_size(value)
+            raise SizeError(f"max_memory gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
+                            f"and {key!r}: {value!r}); keep one")
+        result[name], given[name] = parse_size(value), key
+    return result
+
+
+def parse_max_memory_text(text: str) -> dict[int | str, str]:
+    """Parse the command line's ``0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB`` into the accelerate
+    form, checked as :func:`parse_max_memory` checks it (no torch needed).
+
+    Raises:
+        DeviceError, SizeError: see :func:`parse_max_memory`; SizeError also for an item that
+            is not ``device=size``, a device named twice, or nothing at all.
+
+    Example:
+        >>> parse_max_memory_text("0=20GiB,cpu=64GiB")
+        {0: '20GiB', 'cpu': '64GiB'}
+    """
+    result: dict[int | str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise SizeError(f"--max-memory expects device=size pairs separated by commas, got {pair!r}; "
+                            "e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB")
+        device: int | str = int(key.strip()) if key.strip().isdigit() else key.strip()
+        if device in result:
+            raise SizeError(f"--max-memory gives {key.strip()!r} two budgets ({result[device]} and "
+                            f"{value.strip()}); keep one")
+        result[device] = value.strip()
+    if not result:
+        raise SizeError("--max-memory is empty; e.g. --max-memory 0=20GiB,cpu=64GiB")
+    parse_max_memory(result)
     return result
 
 
@@ -175,6 +215,8 @@ def _cuda_budget(index: int) -> int:
     """Free memory of one GPU: measured when CUDA is already initialised (mem_get_info needs
     a context, and creating one would cost this process ~300 MiB on every GPU), else a share
     of the total from the device properties."""
+    import torch
+
     if torch.cuda.is_initialized():
         free, _ = torch.cuda.mem_get_info(index)
         return int(free * _FRESH_GPU_SHARE)
@@ -182,6 +224,8 @@ def _cuda_budget(index: int) -> int:
 
 
 def _detect_accelerators() -> dict[str, int]:
+    import torch
+
     found: dict[str, int] = {}
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -202,8 +246,8 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
 
     With ``max_memory`` the devices are exactly the ones it names (they need not exist on
     this machine: that is how hypothetical hardware is planned), plus ``"disk"`` with the
-    free space of ``offload_dir`` unless ``max_memory`` sets it. Without it, the real GPUs,
-    CPU RAM and disk of this machine are detected.
+    free space of ``offload_dir`` unless ``max_memory`` sets it. Without it (None or an empty
+    mapping), the real GPUs, CPU RAM and disk of this machine are detected.
 
     Args:
         max_memory: ``{0: "20GiB", "cpu": "64GiB", "disk": "1TB"}`` in the accelerate form.
@@ -217,8 +261,9 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
     Example:
         >>> detect_devices({0: "20GiB", 1: "20GiB", "cpu": "64GiB"}, speeds={"cuda": 300e12})
     """
-    if max_memory is not None:
-        budget = parse_max_memory(max_memory)
+    detect = max_memory is None or (isinstance(max_memory, Mapping) and not max_memory)  # {}: as None
+    if not detect:
+        budget = parse_max_memory(max_memory)  # type: ignore[arg-type]
     else:
         budget = _detect_accelerators()
         budget["cpu"] = available_ram_bytes()
@@ -291,6 +336,8 @@ def check_present(name: str) -> None:
     kind, index = _kind(name), (int(name.split(":")[1]) if ":" in name else 0)
     if kind in ("cpu", "disk"):
         return
+    import torch
+
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     elif kind == "xpu":

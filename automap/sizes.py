@@ -27,10 +27,11 @@ def parse_size(value: int | float | str) -> int:
             ``"500MB"``, ``"1.5GB"``, ``"2048"``.
 
     Returns:
-        The size in bytes, rounded down.
+        The size in bytes, rounded down (``"1.3KiB"`` is 1331).
 
     Raises:
-        SizeError: the value is negative, not a number, or has an unknown suffix.
+        SizeError: the value is negative, not a number, has an unknown suffix, or is a
+            fraction without a unit (``0.5``: budgets are bytes, not shares of a device).
 
     Example:
         >>> parse_size("1.5GB")
@@ -57,6 +58,9 @@ def parse_size(value: int | float | str) -> int:
         raise SizeError(f"size {value!r} is not a finite number")
     if number < 0:
         raise SizeError(f"size {value!r} is negative; memory budgets must be >= 0")
+    if factor == 1 and not number.is_integer():
+        raise SizeError(f"size {value!r} is not a whole number of bytes; a budget is bytes, not a share of "
+                        "the device: write e.g. '8GiB' or '500MB'")
     return int(number * factor)
 
 

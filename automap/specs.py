@@ -20,6 +20,7 @@ import ast
 import dataclasses
 import difflib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from automap.errors import AutomapError, SpecError
+from automap.errors import AutomapError, ProfileError, SpecError
 from automap.loading.hf import config_dtype, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
 
@@ -90,19 +91,11 @@ def parse_max_memory_arg(text: str) -> dict[int | str, str]:
     """Parse ``--max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB`` into the accelerate form.
 
     Raises:
-        SpecError: an item is not ``device=size``.
+        SizeError: an item is not ``device=size``, a size is bad, or a device is named twice.
     """
-    result: dict[int | str, str] = {}
-    for pair in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise SpecError(f"--max-memory expects device=size pairs separated by commas, got {pair!r}; "
-                            "e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB")
-        key = key.strip()
-        result[int(key) if key.isdigit() else key] = value.strip()
-    if not result:
-        raise SpecError("--max-memory is empty; e.g. --max-memory 0=20GiB,cpu=64GiB")
-    return result
+    from automap.devices import parse_max_memory_text
+
+    return parse_max_memory_text(text)
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -173,11 +166,14 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
     if name not in known:
         raise SpecError(f"torchvision has no model {name!r}" + _did_you_mean(name, known) +
                         "; list them with torchvision.models.list_models()")
+    # Nothing is downloaded: no weights, and no pretrained backbone for the detection models.
+    if "weights_backbone" in inspect.signature(torchvision.models.get_model_builder(name)).parameters:
+        kwargs = {"weights_backbone": None, **kwargs}
     return _on_meta(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
 
 
 def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
-    transformers = import_transformers()
+    transformers = import_transformers(f"planning hf:{name}")
     model_type, fields = _hf_config_source(name)
     overrides = resolve_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
     try:
@@ -359,6 +355,41 @@ class SpecPlan:
                 f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s{note}")
 
 
+def _as_inputs(value: Any) -> Any:
+    """A forward's inputs as profile takes them: one tensor becomes a 1-tuple."""
+    return (value,) if isinstance(value, torch.Tensor) else value
+
+
+def input_tensors(shapes: Iterable[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+    """Meta float tensors of ``shapes``: the forward's positional inputs (``--input-shape``)."""
+    return tuple(torch.zeros(shape, device="meta") for shape in shapes)
+
+
+def load_example_inputs(ref: str) -> Any:
+    """Call ``module.path:function`` (``--example-inputs``) on the meta device and return the
+    inputs it builds: a tuple of positional arguments, a dict of keyword arguments, or a tensor.
+
+    Raises:
+        SpecError: the reference is malformed, cannot be imported, or the call fails.
+    """
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"--example-inputs expects module.path:function, got {ref!r}")
+    try:
+        module = _import_user_module(module_name)
+    except ImportError as exc:
+        raise SpecError(f"--example-inputs: cannot import {module_name!r} ({exc})") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise SpecError(f"module {module_name!r} has no callable {attr!r}" +
+                        _did_you_mean(attr, [n for n in dir(module) if not n.startswith("_")]))
+    try:
+        with torch.device("meta"):
+            return function()
+    except Exception as exc:  # noqa: BLE001 - user code: report it in one line, with its type
+        raise SpecError(f"--example-inputs {ref} failed: {type(exc).__name__}: {exc}") from exc
+
+
 def _count(n: int) -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -369,7 +400,7 @@ def _count(n: int) -> str:
 def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
               max_memory: Mapping[int | str, Any] | None = None, strategy: str = "auto",
               batch: int = 1, seq_len: int = 128, dtype: torch.dtype | None = None,
-              max_length: int | None = None) -> SpecPlan:
+              max_length: int | None = None, example_inputs: Any = None) -> SpecPlan:
     """Build the model a SPEC names on meta, profile it at ``batch`` x ``seq_len`` and plan it.
 
     Args:
@@ -381,6 +412,8 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         dtype: the dtype the model will run in; default: the config's, else as built (fp32).
         max_length: plan for ``generate``: ``batch`` sequences whose ``seq_len``-token prompts
             grow to ``max_length`` tokens; each device keeps room for its layers' KV cache.
+        example_inputs: the forward's inputs (a tuple, a dict, or one tensor; meta tensors
+            welcome) instead of ones guessed from the model at ``batch`` x ``seq_len``.
 
     Returns:
         A :class:`SpecPlan` with the built model and its :class:`~automap.plan.Plan`.
@@ -405,12 +438,25 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
         parse_max_memory(max_memory)  # a bad size fails now, before the model is built
     built = build_model(spec, overrides)
     chosen_dtype = dtype or built.dtype
-    seq_len, note = capped_seq_len(built.model, seq_len)
-    if note:
-        log.info("%s", note)
-    inputs, how = example_inputs_for(built.model, batch, seq_len)
+    note = ""
+    if example_inputs is None:
+        seq_len, note = capped_seq_len(built.model, seq_len)
+        if note:
+            log.info("%s", note)
+        inputs, how = example_inputs_for(built.model, batch, seq_len)
+    else:
+        inputs, how = _as_inputs(example_inputs), "given"
     # Plans are for inference: tracing a backward pass too would double the time for nothing.
-    prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False, guessed=how)
+    try:
+        prof = profile(built.model, inputs, dtype=chosen_dtype, backward=False,
+                       guessed="" if example_inputs is not None else how)
+    except ProfileError as exc:
+        if example_inputs is not None:
+            raise
+        raise ProfileError(f"{exc}. automap guessed these inputs ({how}); give the model's own: "
+                           "--input-shape 1x3x16x112x112 (one tensor; several separated by commas) or "
+                           "--example-inputs module:function on the command line, example_inputs=(...) "
+                           "in Python") from exc
     prof = dataclasses.replace(prof, example=how if inputs is not None else "")
     if max_length is not None:
         prof = profile_generation(built.model, prof, inputs, batch=batch, max_length=max_length, dtype=chosen_dtype)

@@ -11,6 +11,7 @@ import pytest
 
 from automap import bench
 from automap.cli import main
+from automap.errors import SizeError
 from automap.specs import SpecError, build_model, parse_max_memory_arg, parse_overrides
 
 LLAMA_70B = ("hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
@@ -96,7 +97,7 @@ def test_config_file_and_factory_specs(capsys, tmp_path, monkeypatch):
     (["plan", "hf:llama", "--set", "num_hidden_layers"], "key=value"),
     (["plan", "torchvision:resnet18", "--max-memory", "0=20XB"], "unknown size unit 'XB'"),
     (["plan", "torchvision:resnet18", "--max-memory", "gpu=20GiB"], "unknown device 'gpu'"),
-    (["plan", "torchvision:resnet18", "--dtype", "bf15"], "unknown dtype 'bf15'"),
+    (["plan", "torchvision:resnet18", "--dtype", "bf15"], "invalid choice: 'bf15'"),
     (["plan", "torchvision:resnet18", "--figure", "plan.jpg"], ".png"),
     (["plan", "torchvision:resnet18", "--json", "no/such/folder/p.json"], "does not exist"),
     (["plan", "nosuchmodule_xyz:build"], "cannot import 'nosuchmodule_xyz'"),
@@ -143,7 +144,7 @@ def test_parsers_read_the_documented_forms():
         0: "20GiB", 1: "20GiB", "cpu": "64GiB", "disk": "500GiB"}
     assert parse_overrides(["a=1,b=2.5", "c=true,d=silu,e=none"]) == {"a": 1, "b": 2.5, "c": True, "d": "silu",
                                                                      "e": None}
-    with pytest.raises(SpecError, match="device=size"):
+    with pytest.raises(SizeError, match="device=size"):
         parse_max_memory_arg("0:20GiB")
 
 
@@ -212,3 +213,77 @@ def test_plans_print_no_third_party_deprecation_and_no_tied_unit_that_never_ran(
     assert result.returncode == 0, result.stderr
     assert "deprecated" not in result.stderr + result.stdout
     assert "never" not in result.stderr + result.stdout, "T5's shared embedding is tied to one that ran"
+
+
+def test_the_names_offered_before_torch_are_the_registries():
+    from automap import cli
+    from automap.planning import STRATEGIES
+    from automap.report.figure import FORMATS
+    from automap.specs import DTYPES
+
+    assert set(cli.STRATEGY_NAMES) == set(STRATEGIES)
+    assert set(cli.DTYPE_NAMES) == set(DTYPES)
+    assert tuple(cli.FIGURE_FORMATS) == tuple(FORMATS)
+
+
+@pytest.mark.parametrize("argv", [["-v", "plan", "torchvision:resnet18"], ["plan", "-v", "torchvision:resnet18"],
+                                  ["plan", "torchvision:resnet18", "-v"]])
+def test_verbose_is_accepted_anywhere(capsys, argv):
+    code, out, err = _run(capsys, *argv, "--max-memory", "cpu=1GB", "--quiet")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "x", "--max-memory", "cpu=2GB,cpu=3GB"], "'cpu' two budgets"),
+    (["plan", "x", "--max-memory", "0=1GB,cuda:0=2GB"], "'cuda:0' two budgets"),
+    (["plan", "x", "--max-memory", "cpu=0.5"], "not a whole number of bytes"),
+    (["plan", "x", "--input-shape", "1x0x3"], "--input-shape"),
+    (["plan", "x", "--input-shape", "1x3", "--example-inputs", "m:f"], "not allowed with"),
+])
+def test_strict_arguments(capsys, argv, needle):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_detection_models_plan_without_downloading_a_backbone(capsys, monkeypatch):
+    import torch.hub
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", lambda *a, **k: pytest.fail("a download started"))
+    code, out, err = _run(capsys, "plan", "torchvision:fasterrcnn_resnet50_fpn", "--max-memory", "cpu=2GB",
+                          "--quiet")
+    assert code == 0, err
+
+
+def test_a_video_model_plans_with_its_input_shape_and_a_failed_guess_names_the_options(capsys, tmp_path,
+                                                                                       monkeypatch):
+    # the guessed image input fails: the plan falls back to the weights (issue 22) and says how to trace it
+    code, out, err = _run(capsys, "plan", "torchvision:r3d_18", "--max-memory", "cpu=1GB")
+    assert code == 0, err
+    assert "without a trace" in out and "--input-shape" in out and "--example-inputs" in out
+    assert "example_inputs=" in out
+    code, out, err = _run(capsys, "plan", "torchvision:r3d_18", "--input-shape", "1x3x8x56x56", "--max-memory",
+                          "cpu=1GB")
+    assert code == 0, err
+    assert "layer4" in out
+    (tmp_path / "clips.py").write_text("import torch\ndef clip():\n    return (torch.zeros(1, 3, 8, 56, 56),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, out, err = _run(capsys, "plan", "torchvision:r3d_18", "--example-inputs", "clips:clip", "--max-memory",
+                          "cpu=1GB", "--json", "p.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "p.json").read_text())["units"]
+
+
+def test_without_transformers_hf_specs_and_the_demo_name_the_extra():
+    """A real missing module (None in sys.modules makes every import of it fail)."""
+    block = "import sys; sys.modules['transformers'] = None; from automap.cli import main; "
+    done = subprocess.run([sys.executable, "-c", block + "sys.exit(main(['plan', 'hf:llama']))"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and 'pip install "automap[hf]"' in done.stderr
+    assert "folder" not in done.stderr.split(";")[0]  # says what needed it: planning hf:llama
+
+
+def test_help_mentions_the_input_options(capsys):
+    code, out, _ = _run(capsys, "plan", "--help")
+    assert code == 0 and "--input-shape" in out and "--example-inputs" in out and "r3d_18" in out

@@ -1,6 +1,9 @@
 """Devices: max_memory parsing, hypothetical devices, speed/link overrides, calibration, reserves."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -59,3 +62,14 @@ def test_device_names_are_canonical():
     with pytest.raises(DeviceError, match="unknown device 'tpu'"):
         canonical_name("tpu")
     assert parse_max_memory({"0": "1KB"}) == {"cuda:0": 1000}
+
+
+def test_empty_max_memory_detects_this_machine_like_none():
+    detected = {d.name for d in detect_devices(None)}
+    assert {d.name for d in detect_devices({})} == detected and "cpu" in detected
+
+
+def test_devices_parse_without_importing_torch():
+    code = ("import sys; from automap.devices import parse_max_memory_text; "
+            "parse_max_memory_text('0=1GB,cpu=2GB'); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -304,7 +304,7 @@ def test_a_failing_guess_keeps_what_ran_and_plans_the_rest_from_weight_shapes():
         assert unit.untraced.startswith("the forward failed on the guessed example inputs (vector 1x32 (first "
                                         "linear) + None for mask) after unit 'body', in code between units: "
                                         "TypeError: unsupported operand")
-        assert unit.untraced.endswith("pass example_inputs to trace it") and "\n" not in unit.untraced
+        assert unit.untraced.endswith("pass example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)") and "\n" not in unit.untraced
         assert unit.flops_estimated
     # FLOPs from weight shapes, at the rate the traced body ran at (2 per element per row).
     assert (mid.flops, head.flops) == (2 * 64 * 64, 2 * 64 * 10)

@@ -1,7 +1,7 @@
 import pytest
 
 from automap import SizeError, format_bytes, parse_size
-from automap.devices import parse_max_memory
+from automap.devices import parse_max_memory, parse_max_memory_text
 from automap.errors import AutomapError, DeviceError
 
 
@@ -31,7 +31,29 @@ def test_max_memory_accepts_the_accelerate_forms():
     assert parsed == {"cuda:0": 10 * 2**30, "cuda:1": 100, "mps": 10**9, "cpu": 2 * 2**30, "disk": 10**12}
 
 
-@pytest.mark.parametrize("bad", [{"gpu0": "1GB"}, {-1: "1GB"}, {0: "1GB", "cuda:0": "2GB"}, ["cpu"]])
+@pytest.mark.parametrize("bad", [{"gpu0": "1GB"}, {-1: "1GB"}, ["cpu"]])
 def test_bad_max_memory_keys(bad):
     with pytest.raises(DeviceError):
         parse_max_memory(bad)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({0: "1GB", "cuda:0": "2GB"}, "'cuda:0' two budgets"),
+    ({"cpu": 0.5}, "not a whole number of bytes"),
+    ({"cpu": "0.5"}, "not a whole number of bytes"),
+])
+def test_fractional_or_duplicate_budgets_are_size_errors(bad, needle):
+    with pytest.raises(SizeError, match=needle):
+        parse_max_memory(bad)
+
+
+def test_max_memory_text_refuses_a_device_named_twice():
+    with pytest.raises(SizeError, match="'cpu' two budgets"):
+        parse_max_memory_text("cpu=2GB,cpu=3GB")
+    with pytest.raises(SizeError, match="'cuda:0' two budgets"):
+        parse_max_memory_text("0=2GB,cuda:0=3GB")
+    assert parse_max_memory_text(" 0=20GiB, cpu=1.5GB") == {0: "20GiB", "cpu": "1.5GB"}
+
+
+def test_units_still_take_fractions():
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size(1e9) == 10**9 and parse_size("1.3KiB") == 1331

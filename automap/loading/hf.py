@@ -40,8 +40,11 @@ def is_model_folder(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
 
 
-def import_transformers() -> Any:
+def import_transformers(purpose: str = "building a model from a Hugging Face folder's config.json") -> Any:
     """The ``transformers`` module.
+
+    Args:
+        purpose: what needs it, for the error message.
 
     Raises:
         DependencyError: transformers is not installed.
@@ -50,9 +53,9 @@ def import_transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise DependencyError(
-            "building a model from a Hugging Face folder's config.json needs transformers, which is not installed "
-            f"({exc}); pip install transformers, or build the model yourself under automap.empty_model() and call "
-            "automap.load(model, folder)") from exc
+            f"{purpose} needs transformers, which is not installed ({exc}); install it with "
+            "pip install \"automap[hf]\" (or pip install transformers), or build the model yourself under "
+            "automap.empty_model() and call automap.load(model, folder)") from exc
     return transformers
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
+from automap.progress import bar as progress_bar
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.convert import Recipe
 from automap.loading.keys import Match
@@ -36,9 +36,6 @@ from automap.profiling.units import all_named_tensors
 from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
-
-# Loads shorter than this show no progress bar at all.
-PROGRESS_DELAY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -111,8 +108,7 @@ def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os
     """
     loaded = Loaded()
     total = sum(t.nbytes for t in tasks)
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="automap.load", file=sys.stderr,
-              disable=quiet, delay=PROGRESS_DELAY_SECONDS) as bar:
+    with progress_bar(total, "automap.load", unit="B", quiet=quiet) as bar:
         reader = _Reader(checkpoint)
         progress = _Progress(bar, len(tasks))
         for task in tasks:

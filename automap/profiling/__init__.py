@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from automap.errors import ProfileError
+from automap.progress import step
 from automap.profiling.fallback import eval_mode, fill_untraced, flop_weights, untraced_reasons, untraced_units
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
@@ -108,7 +109,14 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
             stacklevel=2,
         )
         return _without_trace(model, unit_names, dtype, "no example inputs were given or derivable")
-    trace = _trace(model, example_inputs, unit_names, dtype, backward, measure, bool(guessed))
+    try:
+        with step(f"automap: tracing {type(model).__name__}"):
+            trace = _trace(model, example_inputs, unit_names, dtype, backward, measure, bool(guessed))
+    except ProfileError as exc:
+        if how == "given":
+            raise
+        raise ProfileError(f"{exc}. automap guessed these inputs ({how}); pass the model's own as "
+                           "example_inputs=(...) (automap plan: --input-shape or --example-inputs)") from exc
     log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
              len(unit_names), trace.total_flops)
     prof = _assemble(model, unit_names, trace, dtype, how)
@@ -210,7 +218,7 @@ def _stopped(trace: TraceResult, how: str) -> str:
         return ""
     if trace.guess_failed:
         return (f"the forward failed on the guessed example inputs ({how}) {trace.stopped}; pass "
-                "example_inputs to trace it")
+                "example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)")
     return f"the traced forward stopped before it ran, {trace.stopped}"
 
 

@@ -10,9 +10,10 @@ counting a tensor twice.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx is imported when a graph is built, not with automap
+    import networkx as nx
 
 from automap.profiling.result import INPUT, OUTPUT, Flow, Unit, live_bytes
 
@@ -29,6 +30,8 @@ def build_graph(units: Sequence[Unit], flows: Sequence[Flow]) -> nx.DiGraph:
         ``bytes`` (every distinct tensor passed along it, relayed ones included),
         ``produced_bytes`` (those its source produced) and ``tensors`` (how many).
     """
+    import networkx as nx
+
     graph = nx.DiGraph()
     graph.add_node(INPUT, position=-1)
     for i, u in enumerate(units):

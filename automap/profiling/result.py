@@ -5,11 +5,19 @@ Plain frozen data, no torch: the planner reads these and never re-measures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import networkx as nx
+if TYPE_CHECKING:  # networkx is imported when a graph is built, not with automap
+    import networkx as nx
 
 from automap.errors import ProfileError
+
+
+def _empty_graph() -> nx.DiGraph:
+    import networkx as nx
+
+    return nx.DiGraph()
+
 
 INPUT = "<input>"
 OUTPUT = "<output>"
@@ -175,7 +183,7 @@ class Profile:
     model_name: str
     units: tuple[Unit, ...]
     tie_groups: tuple[tuple[str, ...], ...] = ()
-    graph: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False)
+    graph: nx.DiGraph = field(default_factory=_empty_graph, compare=False)
     example: str = ""
     uncalled: tuple[str, ...] = ()
     flows: tuple[Flow, ...] = field(default=(), compare=False)

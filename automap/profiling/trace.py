@@ -33,7 +33,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from automap.errors import ProfileError
 from automap.profiling.fallback import MetaLimit, describe, is_meta_limit, meta_limit, stand_ins
@@ -125,6 +124,9 @@ class Tracer(TorchDispatchMode):
         self._writes: dict[Any, bool] = {}
         self._has_decomposition: dict[Any, bool] = {}
         self.memo = MemoTable()
+        from torch.utils.flop_counter import flop_registry  # imports triton: not at `import automap`
+
+        self.flop_formulas = flop_registry
         self.fused = 0
         self._assumed = False
 
@@ -136,7 +138,7 @@ class Tracer(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return self._truth(args[0])
-        formula = flop_registry.get(func._overloadpacket)
+        formula = self.flop_formulas.get(func._overloadpacket)
         if formula is None and self._decomposes(func):
             # As FlopCounterMode does: an op without a formula is counted through its decomposition.
             with self:

@@ -10,6 +10,7 @@ from torch import nn
 
 from automap.devices import check_present
 from automap.errors import AutomapError, DispatchError
+from automap.progress import step
 from automap.offload import OffloadStore, RamSource, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.planning import Plan, unit_label
 from automap.profiling import Unit
@@ -156,7 +157,8 @@ def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offloa
             "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
         )
     specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
-    return OffloadStore.write(offload_dir, specs, lambda name: tensors[name].data)
+    with step("automap: writing the offload store"):
+        return OffloadStore.write(offload_dir, specs, lambda name: tensors[name].data)
 
 
 def record(state: DispatchState, tensor: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ from torch import nn
 
 from automap.errors import DispatchError
 from automap.offload import Transfer
+from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
 from automap.runtime.state import DispatchState, Gate, Group, follow
 
@@ -86,7 +87,7 @@ class StreamWeights(Hook):
             self._leave(module.training)
         return None
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _touch(self) -> None:
         """CPU execution: the weights are the views the parameters hold; check their files
         and read ahead."""
@@ -94,7 +95,7 @@ class StreamWeights(Hook):
             self.transfer.take(self.group.key, self.group.names)
             self._prefetch_next()
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _enter(self) -> None:
         self.lock.acquire()
         try:
@@ -107,7 +108,7 @@ class StreamWeights(Hook):
             raise
         self._inside.depth = getattr(self._inside, "depth", 0) + 1
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _leave(self, training: bool) -> None:
         if not getattr(self._inside, "depth", 0):
             return  # this thread's pre never ran (an earlier hook raised)
@@ -186,7 +187,7 @@ class CheckFiles(Hook):
         self._leave()
         return None
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _check(self) -> None:
         self.checked = False
         self.gate.enter(self.model)
