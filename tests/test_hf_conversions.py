@@ -211,7 +211,11 @@ def test_plan_moe_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     MixtralForCausalLM(config).save_pretrained(folder, max_shard_size="40MB")
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert size > 100e6
-    measured = measure_plan_rss(folder, "transformers.models.mixtral.modeling_mixtral")
+    tiny = tmp_path / "tiny"
+    MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                     vocab_size=128)).save_pretrained(tiny)
+    measured = measure_plan_rss(folder, "transformers.models.mixtral.modeling_mixtral", warm=tiny)
     assert "converted at load" in measured["report"]
     assert measured["read"] > 0.9 * size, f"the control must see the weights read: {measured}"
     assert measured["plan"] < size / 5, f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"

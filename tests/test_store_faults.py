@@ -192,10 +192,13 @@ def test_2_a_process_of_another_user_makes_a_store_of_its_own(tmp_path):
     changed = _reachable_by_others(shared)
     try:
         out_text = ok(run_python(f"""
-            import os, sys, torch, automap
+            import os, sys, tempfile, torch, automap
             from test_store_faults import DISK, out, small
             model, x = small(), torch.randn(3, 64)
             expected = out(model, x)
+            with tempfile.TemporaryDirectory() as warm:  # imports what a dispatch needs while root: this
+                automap.dispatch(model, DISK, offload_dir=warm)  # Python's stdlib under /root is unreadable
+                automap.undispatch(model)  # to the other user, its own Python would not be
             os.setgid({OTHER_UID}); os.setuid({OTHER_UID})
             automap.dispatch(model, DISK, offload_dir=sys.argv[1])
             assert torch.equal(out(model, x), expected)

@@ -4,6 +4,7 @@ what it is predicted to cost. Built by :mod:`automap.planning.layout` or from a 
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -34,8 +35,9 @@ class Origin(str, enum.Enum):
 
 
 # How a plan is turned into text and JSON belongs to automap.report, which imports this module;
-# report registers its renderers here when it is imported (``import automap`` always imports
-# it), so Plan.report() and Plan.to_json() work without planning importing report.
+# report registers its renderers here when it is imported, and the first Plan.report() or
+# Plan.to_json() imports it if nothing has (``import automap`` is lazy), so planning never
+# imports report at import time.
 Renderer = Callable[..., str]
 RENDERERS: dict[str, Renderer] = {}
 
@@ -47,10 +49,12 @@ def register_renderer(kind: str, renderer: Renderer) -> None:
 
 
 def _render(kind: str, plan: Plan, **options: Any) -> str:
+    if kind not in RENDERERS:
+        importlib.import_module("automap.report")  # registers "text" and "json"
     try:
         renderer = RENDERERS[kind]
     except KeyError:
-        raise PlanError(f"no {kind} renderer is registered; import automap (or automap.report) first") from None
+        raise PlanError(f"no {kind} renderer is registered (automap.report registers text and json)") from None
     return renderer(plan, **options)
 
 
