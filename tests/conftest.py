@@ -68,6 +68,17 @@ def resnet50():
     return torchvision.models.resnet50().eval()
 
 
+@pytest.fixture
+def exact_cuda_math():
+    """Full float32 on CUDA (no TF32 in convolutions and matmuls, which cuDNN uses by default):
+    a test comparing units computed on a GPU with the same units computed on the CPU then
+    checks the placement, not TF32's 10-bit mantissa."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 

@@ -287,7 +287,7 @@ def test_split_units_stream_piece_by_piece_to_a_gpu(tmp_path):
 
 
 @pytest.mark.cuda
-def test_the_cpu_computes_what_no_gpu_can_hold_beside_gpu_units(tmp_path):
+def test_the_cpu_computes_what_no_gpu_can_hold_beside_gpu_units(tmp_path, exact_cuda_math):
     model, x = _resnet50_and_input()
     with torch.no_grad():
         expected = model(x)
