@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from automap.progress import silenced, step
     from automap.report import figure, write_json
-    from automap.specs import input_tensors, load_example_inputs, parse_dtype, parse_overrides, plan_spec
+    from automap.spec_plan import plan_spec
+    from automap.specs import input_tensors, load_example_inputs, parse_dtype, parse_overrides
 
     start = time.perf_counter()
     overrides = parse_overrides(args.overrides)

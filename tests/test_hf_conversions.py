@@ -195,7 +195,7 @@ def test_plan_folder_reports_the_conversion_and_counts_the_built_tensors(capsys,
     assert "no weights read" in out and "converted at load:" in out and "conversion for qwen2_moe" in out, out
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["devices"]
-    from automap.specs import plan_spec
+    from automap.spec_plan import plan_spec
 
     result = plan_spec(str(folder), max_memory={"cpu": "1GB"})
     assert sum(u.param_bytes for u in result.plan.units) == weight_bytes(real)  # bf16 as built, fused

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import automap
 from automap.cli import main
 from automap.errors import CheckpointError, DependencyError
-from automap.specs import plan_spec
+from automap.spec_plan import plan_spec
 from conftest import store_dirs, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
