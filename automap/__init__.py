@@ -32,8 +32,9 @@ _HOMES = {
     "placement": "automap.report", "undispatch": "automap.runtime",
     "format_bytes": "automap.sizes", "parse_size": "automap.sizes",
     **{name: "automap.errors" for name in (
-        "AutomapError", "CheckpointError", "DependencyError", "DeviceError", "DeviceMapError", "DispatchError",
-        "FormatError", "MapFormatError", "OffloadError", "PipelineError", "PlanError", "ProfileError", "ReportError", "SizeError", "SpecError")},
+        "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
+        "DispatchError", "FormatError", "MapFormatError", "OffloadError", "PipelineError", "PlanError", "ProfileError",
+        "ReportError", "SizeError", "SpecError")},
 }
 
 __all__ = sorted(_HOMES)
@@ -66,9 +67,9 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
                                            load_checkpoint_and_dispatch)
     from automap.api import dispatch, load, plan
     from automap.devices import DeviceSpec, detect_devices
-    from automap.errors import (AutomapError, CheckpointError, DependencyError, DeviceError, DeviceMapError,
-                                DispatchError, FormatError, MapFormatError, OffloadError, PipelineError, PlanError,
-                                ProfileError, ReportError, SizeError, SpecError)
+    from automap.errors import (AutomapError, CheckpointError, ConversionError, DependencyError, DeviceError,
+                                DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadError,
+                                PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
     from automap.loading import empty_model
     from automap.pipelining import pipeline
     from automap.planning import Plan

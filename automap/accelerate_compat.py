@@ -18,7 +18,7 @@ these functions (``benchmarks/accelerate_suite.py``).
 
 Parameters that change nothing under automap are accepted and documented as no-ops
 (``offload_buffers``, ``fallback_allocation``, ``skip_keys``, ``preload_module_classes``,
-``force_hooks``, ``offload_state_dict``); those it cannot honour
+``offload_state_dict``); those it cannot honour
 (``special_dtypes``, ``state_dict``, ``offload_index``, a ``main_device`` other than the
 plan's execution device, sharded-distributed loading) raise an :class:`~automap.errors.AutomapError`
 naming what to do instead.
@@ -40,7 +40,7 @@ from automap.devices import MaxMemory, detect_devices, make_device
 from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanError
 from automap.loading import empty_model
 from automap.planning import Plan
-from automap.runtime import check_not_dispatched, state_of, undispatch
+from automap.runtime import check_not_dispatched, dispatch_plan, state_of, undispatch
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,11 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
         offload_dir: where automap creates its store for the units on ``"disk"``.
         state_dict, offload_index: not supported (raise): automap streams from the model's own
             weights, or from a checkpoint in place through :func:`load_checkpoint_and_dispatch`.
-        offload_buffers, skip_keys, preload_module_classes, force_hooks: no-ops. Buffers stream
-            with their unit; cache objects pass between layers untouched; a unit's whole subtree
-            comes in before its forward; hooks are installed wherever they do something.
+        offload_buffers, skip_keys, preload_module_classes: no-ops. Buffers stream with their
+            unit; cache objects pass between layers untouched; a unit's whole subtree comes in
+            before its forward.
+        force_hooks: as accelerate: with everything on one device, inputs are still moved to
+            it (hooks are otherwise installed only where they do something).
 
     Returns:
         ``model``, dispatched, with ``model.hf_device_map`` set. A model automap dispatched
@@ -148,7 +150,8 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
     folder = None if offload_dir is None else Path(offload_dir)
     chosen = plan(model, device_map, offload_dir=folder)
     _check_main_device(main_device, chosen)
-    dispatch(model, chosen, offload_dir=folder)
+    check_not_dispatched(model)
+    dispatch_plan(model, chosen, offload_dir=folder, always_hook=force_hooks)
     return _with_device_map(model, device_map)
 
 

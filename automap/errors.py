@@ -44,6 +44,12 @@ class DispatchError(AutomapError):
     """The model could not be dispatched; it was left exactly as it was."""
 
 
+class ConversionError(DispatchError, RuntimeError):
+    """A dtype or device conversion (``.to()``, ``.half()``, ``.cuda()``) of a dispatched model was
+    refused: it would break the placement. Also a ``RuntimeError``, which is what accelerate
+    raises for it, so scripts that catch that keep working."""
+
+
 class OffloadError(AutomapError):
     """The offload store is unwritable, missing, changed or truncated."""
 

@@ -344,3 +344,28 @@ def test_the_suite_runner_swaps_only_the_four_imports_and_keeps_line_numbers():
     assert "FP8RecipeKwargs" not in out
     compile(out, "rewritten", "exec")
     assert calling_tests(source) == ["test_a"]
+
+
+def test_force_hooks_moves_inputs_even_when_everything_is_on_one_device():
+    from automap.runtime import state_of
+
+    plain, hooked = tiny_llama(layers=2), tiny_llama(layers=2)
+    expected = logits_of(plain, _ids())
+    automap.dispatch_model(plain, {"": "cpu"})
+    automap.dispatch_model(hooked, {"": "cpu"}, force_hooks=True)
+    assert not state_of(plain).hooks  # nothing to do: as accelerate, no hooks
+    assert state_of(hooked).hooks  # as accelerate: inputs are sent to the unit's device
+    assert torch.equal(logits_of(hooked, _ids()), expected)
+    automap.undispatch(hooked)
+    automap.undispatch(plain)
+
+
+def test_a_refused_conversion_is_the_runtime_error_accelerate_raises(tmp_path):
+    model = tiny_llama(layers=2)
+    automap.dispatch_model(model, {"model": "cpu", "lm_head": "disk"}, offload_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="undispatch"):  # scripts written for accelerate catch this
+        model.half()
+    with pytest.raises(automap.ConversionError):
+        model.to(torch.float64)
+    assert model.lm_head.weight.dtype == torch.float32
+    automap.undispatch(model)

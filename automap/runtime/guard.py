@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from automap.devices import available_ram_bytes
-from automap.errors import DispatchError
+from automap.errors import ConversionError, DispatchError
 from automap.runtime.state import DispatchState, holds
 from automap.sizes import format_bytes
 
@@ -153,13 +153,13 @@ class Guard:
                 seen[key] = probe(fn, tensor, named[id(tensor)], self.refusal)
             dtype, device = seen[key]
             if device != tensor.device:
-                raise DispatchError(self.refusal(f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
+                raise ConversionError(self.refusal(f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
                                                  f"{device}; automap placed every unit of the model, and moving it by "
                                                  "hand would break that placement"))
             if id(tensor) in offloaded and dtype != tensor.dtype:
                 total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse)
                             if id(t) in offloaded)
-                raise DispatchError(self.refusal(
+                raise ConversionError(self.refusal(
                     f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
                     f"offloaded weights ({format_bytes(total)}) off disk into RAM behind the plan's back; to run it in "
                     f"{dtype}, load or dispatch it in that dtype (automap.load(..., dtype=...))"))
@@ -220,8 +220,8 @@ def probe(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name
         with torch.no_grad():
             out = fn(torch.empty(1, dtype=tensor.dtype, device=tensor.device))
     except Exception as exc:  # noqa: BLE001 - the conversion's own failure, reported with the refusal
-        raise DispatchError(refusal(f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
+        raise ConversionError(refusal(f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
                                     "conversion that moves a placed tensor is refused")) from exc
     if not isinstance(out, torch.Tensor):
-        raise DispatchError(refusal(f"does not give a tensor for {name!r}"))
+        raise ConversionError(refusal(f"does not give a tensor for {name!r}"))
     return out.dtype, out.device
