@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "automap"
 # report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
     "errors": 0, "sizes": 0, "progress": 0,
-    "devices": 1,
+    "devices": 1, "kinds": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
