@@ -52,12 +52,18 @@ class DeviceKind:
         detect: ``() -> {name: free bytes}`` of the devices of this kind on this machine.
         count: ``() -> int``, how many exist here; None: always present (CPU RAM, disk).
         synchronize: ``(torch.device) -> None``, wait for the work queued there (timing).
-        stream_module: the torch submodule with ``Stream``/``current_stream``/``set_stream``
-            for per-device compute streams (``torch.cuda``), or None where there are none.
+        torch_module: the torch submodule of the kind (``"cuda"`` for ``torch.cuda``), which has
+            ``current_device`` where the kind is indexed.
+        compute_streams: the pipeline runs each device's stages on a compute stream of its own
+            (``torch_module``'s ``Stream``, ``current_stream``, ``set_stream``).
+        torch_device: ``(name) -> torch.device`` where tensors of the device ``name`` live;
+            None: ``torch.device(name)`` (a kind that is not a torch device type maps its
+            names here, a fake accelerator backed by CPU memory, say).
         ops: ``(torch.device) -> DeviceOps`` for staged copies into this kind when it executes;
             None: the weights are used where they are (host memory, prefetched pages).
         source: ``(tensors, groups, offload_dir, execution) -> WeightSource`` for a storage
-            tier: holds the tensors ``groups`` names (tensor name -> unit name).
+            tier: holds the tensors ``groups`` names (tensor name -> unit name) for the
+            execution device named ``execution``.
     """
 
     name: str
@@ -76,7 +82,9 @@ class DeviceKind:
     detect: Factory = None
     count: Factory = None
     synchronize: Factory = None
-    stream_module: str | None = None
+    torch_module: str | None = None
+    compute_streams: bool = False
+    torch_device: Factory = None
     ops: Factory = None
     source: Factory = None
 
@@ -102,6 +110,14 @@ class DeviceKind:
             module, _, attribute = value.partition(":")
             value = getattr(importlib.import_module(module), attribute)
         return value
+
+    def torch_api(self) -> Any:
+        """The torch submodule of this kind (``torch.cuda``); None for a kind without one."""
+        if self.torch_module is None:
+            return None
+        import torch
+
+        return getattr(torch, self.torch_module)
 
     def present_count(self) -> int | None:
         """How many devices of this kind this machine has; None when it always has one."""
@@ -166,6 +182,21 @@ def on_host(device: torch.device) -> bool:
     """True when a tensor on ``device`` is host memory (False for meta and for accelerators)."""
     kind = _REGISTRY.get(device.type)
     return kind is not None and kind.host_addressable
+
+
+def torch_device(name: str) -> torch.device:
+    """The torch device holding the tensors of the device ``name`` (``"cuda:0"``), as its kind says."""
+    make = kind_of(name).factory("torch_device")
+    if make is not None:
+        return make(name)
+    import torch
+
+    return torch.device(name)
+
+
+def is_host_name(name: str) -> bool:
+    """True when the device named ``name`` is the host CPU; False for ``""`` (none chosen)."""
+    return bool(name) and kind_of(name).is_host
 
 
 def host_kind() -> DeviceKind:
@@ -268,14 +299,14 @@ _ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False)
 register_kind(DeviceKind("cuda", 0, **_ACCELERATOR, async_copies=True, flops_per_second=100e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=2e12, indexed=True,
                          integer_keys=True, detect=_detect_cuda, count=_cuda_count, synchronize=_sync_cuda,
-                         stream_module="cuda", ops="automap.offload.transfer:CudaOps"))
+                         torch_module="cuda", compute_streams=True, ops="automap.offload.transfer:CudaOps"))
 register_kind(DeviceKind("xpu", 1, **_ACCELERATOR, async_copies=False, flops_per_second=50e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=1e12, indexed=True,
-                         detect=_detect_xpu, count=_xpu_count, synchronize=_sync_xpu,
+                         detect=_detect_xpu, count=_xpu_count, synchronize=_sync_xpu, torch_module="xpu",
                          ops="automap.offload.transfer:DeviceCopyOps"))
 register_kind(DeviceKind("mps", 2, **_ACCELERATOR, async_copies=False, flops_per_second=10e12,
                          link_bytes_per_second=50e9, memory_bytes_per_second=2e11, index_alias=True,
-                         detect=_detect_mps, count=_mps_count, synchronize=_sync_mps,
+                         detect=_detect_mps, count=_mps_count, synchronize=_sync_mps, torch_module="mps",
                          ops="automap.offload.transfer:DeviceCopyOps"))
 register_kind(DeviceKind("cpu", 3, computes=True, is_storage=True, host_addressable=True, async_copies=False,
                          flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10,

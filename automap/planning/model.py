@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from automap.devices import DEFAULT_MEMORY, DeviceSpec
 from automap.errors import PlanError
+from automap.kinds import kind_of
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 from automap.profiling.units import longest_prefix
@@ -190,7 +191,8 @@ class Plan:
 
     def is_offloaded(self, device_name: str) -> bool:
         """True when units placed on ``device_name`` are streamed to the execution device."""
-        return device_name == "disk" or (device_name == "cpu" and self.execution_device != "cpu")
+        kind = kind_of(device_name)
+        return kind.is_storage and (not kind.computes or device_name != self.execution_device)
 
     @property
     def offloaded_units(self) -> tuple[str, ...]:
