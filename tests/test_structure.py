@@ -129,3 +129,51 @@ def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
         assert any(layer(t) > layer("automap.planning.probe") for t, _, _ in found if t in known)
     else:
         assert [t for t, _, _ in found] == ["automap.planning.partition"]
+
+
+# DESIGN.md: a rule about a kind of device or tier lives with that kind in the registry
+# (automap/kinds.py), never in an ``if kind == "disk"`` elsewhere. "meta" is not a kind (it holds
+# no data), so comparing with it is allowed.
+KIND_NAMES = {"cuda", "xpu", "mps", "cpu", "disk"}
+REGISTRY_MODULES = {"automap.kinds"}
+
+
+def names_a_kind(node: ast.AST) -> bool:
+    """A string literal naming a kind or a device of one (``"cuda:0"``), or a tuple/set/list
+    holding one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.strip().lower().split(":")[0] in KIND_NAMES
+    if isinstance(node, (ast.Tuple, ast.Set, ast.List)):
+        return any(names_a_kind(e) for e in node.elts)
+    return False
+
+
+def kind_comparisons(path: Path) -> list[str]:
+    """``line: source`` of each comparison in ``path`` (==, !=, in, not in, is, ...) with a
+    device-kind literal on either side."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(names_a_kind(o) for o in [node.left, *node.comparators]):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_device_kind_string_checks_outside_the_registry():
+    wrong = [f"{path.relative_to(ROOT.parent)}:{hit}" for name, path in modules().items()
+             if name not in REGISTRY_MODULES for hit in kind_comparisons(path)]
+    assert not wrong, ("compare kinds through automap.kinds (kind_of(device).computes, .is_storage, "
+                       ".host_addressable, .async_copies, ...), not with a string:\n" + "\n".join(wrong))
+
+
+@pytest.mark.parametrize("source, hits", [
+    ("if device.type == 'cuda': pass\n", 1),
+    ("x = where != 'disk:0'\n", 1),
+    ("y = kind in ('cpu', 'disk')\n", 1),
+    ("z = 'mps' not in values\n", 1),
+    ("w = {'xpu'} == found\n", 1),
+    ("ok = device.type == 'meta' or name == 'cudagraph'\n", 0),
+])
+def test_the_kind_check_catches_what_it_looks_for(tmp_path, source, hits):
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    assert len(kind_comparisons(probe)) == hits
