@@ -43,6 +43,8 @@ class DeviceKind:
             streaming overlaps compute (and host RAM offloaded to it is pinned).
         flops_per_second, link_bytes_per_second, memory_bytes_per_second: default speeds for
             the cost model (see :mod:`automap.devices`).
+        overlaps: in the cost model, a step's compute, memory reads and streamed weights
+            overlap here (an accelerator's copy engines run beside its kernels); else they add.
         indexed: names carry an index (``cuda:0``); a bare ``cuda`` means index 0.
         index_alias: an unindexed kind whose ``name:N`` is read as the kind itself (``mps:0``).
         integer_keys: a bare integer device key (``0``) names this kind, and device maps write
@@ -75,6 +77,7 @@ class DeviceKind:
     flops_per_second: float
     link_bytes_per_second: float
     memory_bytes_per_second: float
+    overlaps: bool = False
     indexed: bool = False
     index_alias: bool = False
     integer_keys: bool = False
@@ -182,6 +185,12 @@ def on_host(device: torch.device) -> bool:
     """True when a tensor on ``device`` is host memory (False for meta and for accelerators)."""
     kind = _REGISTRY.get(device.type)
     return kind is not None and kind.host_addressable
+
+
+def default_memory_bandwidth(name: str) -> float:
+    """The memory bandwidth (bytes/s) the kind ``name`` assumes by default; 0 for an unknown one."""
+    kind = _REGISTRY.get(name)
+    return kind.memory_bytes_per_second if kind is not None else 0.0
 
 
 def torch_device(name: str) -> torch.device:
@@ -295,7 +304,7 @@ def available_ram_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-_ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False)
+_ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False, overlaps=True)
 register_kind(DeviceKind("cuda", 0, **_ACCELERATOR, async_copies=True, flops_per_second=100e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=2e12, indexed=True,
                          integer_keys=True, detect=_detect_cuda, count=_cuda_count, synchronize=_sync_cuda,
