@@ -208,11 +208,6 @@ def is_host_name(name: str) -> bool:
     return bool(name) and kind_of(name).is_host
 
 
-def host_kind() -> DeviceKind:
-    """The host CPU's kind: where a plan computes when nothing else can."""
-    return next(k for k in registered_kinds() if k.is_host)
-
-
 def integer_kind() -> DeviceKind:
     """The kind a bare integer device key (``0``) names."""
     return next(k for k in registered_kinds() if k.integer_keys)

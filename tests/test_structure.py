@@ -11,8 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "automap"
 
-# DESIGN.md: sizes/errors <- devices <- profiling <- planning <- offload <- runtime <- loading <-
-# report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
+# DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
+# loading <- report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
     "errors": 0, "sizes": 0, "progress": 0,
     "devices": 1, "kinds": 1,
