@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from automap.api import DeviceMap, as_dtype, dispatch, load, plan
-from automap.devices import MaxMemory, detect_devices, make_device
+from automap.devices import MaxMemory, canonical_name, detect_devices, make_device
 from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanError
+from automap.kinds import kind_of
 from automap.loading import empty_model
 from automap.planning import Plan
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of, undispatch
@@ -215,7 +216,7 @@ def grouped(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
     for prefix in sorted(_prefixes(result), key=lambda p: p.count(".") if p else -1):
         under = [k for k in result if _within(k, prefix)]
         values = {result[k][1] for k in under}
-        if len(under) > 1 and len(values) == 1 and "disk" not in values:
+        if len(under) > 1 and len(values) == 1 and not kind_of(canonical_name(next(iter(values)))).stores_only:
             first = min(result[k] for k in under)
             for key in under:
                 del result[key]
@@ -259,7 +260,7 @@ def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: lis
     say)."""
     budgets: dict[int | str, int | str] = (dict(max_memory) if max_memory is not None else
                                            {d.name: d.capacity_bytes for d in detect_devices()})
-    if not any(make_device(key, 0).kind == "cpu" for key in budgets):
+    if not any(kind_of(make_device(key, 0)).is_host for key in budgets):
         # accelerate computes on the CPU what no GPU can run even when max_memory gives the CPU
         # no budget: RAM then holds nothing and every such unit streams from disk.
         budgets["cpu"] = 0
@@ -270,7 +271,7 @@ def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: lis
         except MapFormatError as exc:
             fallback = fallback or exc.fallback
             kinds = sorted((make_device(key, 0) for key in budgets), key=lambda d: d.sort_key())
-            computing = [d for d in kinds if d.kind != "disk"]
+            computing = [d for d in kinds if kind_of(d).computes]
             if len(computing) < 2 or not computing[0].is_accelerator:
                 if isinstance(fallback, Plan):
                     return fallback

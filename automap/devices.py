@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from automap.errors import DeviceError, SizeError
+from automap.kinds import available_ram_bytes, find_kind, integer_kind, kind_of, registered_kinds
 from automap.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -24,16 +24,16 @@ log = logging.getLogger(__name__)
 MaxMemory = Mapping[Union[int, str], Union[int, float, str]]
 Reserve = Union[int, str, Mapping[Union[int, str], Union[int, float, str]], None]
 
-# Sustained compute (FLOP/s) and the bandwidth (bytes/s) of the link that feeds the device.
-# They are deliberately round numbers: what matters to the balancer is their ratio, and a
-# measured profile (automap.profiling.calibrated_device and Profile.with_measured_time) replaces them when precision matters.
-DEFAULT_FLOPS = {"cuda": 100e12, "xpu": 50e12, "mps": 10e12, "cpu": 2e11, "disk": 0.0}
-DEFAULT_LINK = {"cuda": 25e9, "xpu": 25e9, "mps": 50e9, "cpu": 25e9, "disk": 2e9}
+# Sustained compute (FLOP/s) and the bandwidth (bytes/s) of the link that feeds the device,
+# per kind: each kind's entry in the registry (automap.kinds) owns them. They are deliberately
+# round numbers: what matters to the balancer is their ratio, and a measured profile
+# (automap.profiling.calibrated_device and Profile.with_measured_time) replaces them when precision matters.
+DEFAULT_FLOPS = {k.name: k.flops_per_second for k in registered_kinds()}
+DEFAULT_LINK = {k.name: k.link_bytes_per_second for k in registered_kinds()}
 # Bandwidth of the device's own memory (bytes/s): what bounds a decode step, which reads every
-# resident weight and the cache once per token. HBM of a data-centre GPU, dual-channel DDR.
-DEFAULT_MEMORY = {"cuda": 2e12, "xpu": 1e12, "mps": 2e11, "cpu": 2e10, "disk": 2e9}
-ACCELERATORS = ("cuda", "xpu", "mps")
-_KIND_ORDER = {"cuda": 0, "xpu": 1, "mps": 2, "cpu": 3, "disk": 4}
+# resident weight and the cache once per token.
+DEFAULT_MEMORY = {k.name: k.memory_bytes_per_second for k in registered_kinds()}
+ACCELERATORS = tuple(k.name for k in registered_kinds() if k.is_accelerator)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class DeviceSpec:
 
     @property
     def is_accelerator(self) -> bool:
-        return self.kind in ACCELERATORS
+        return kind_of(self).is_accelerator
 
     @property
     def index(self) -> int | None:
@@ -69,10 +69,10 @@ class DeviceSpec:
     @property
     def map_value(self) -> int | str:
         """The value Hugging Face / accelerate device maps use: ``0`` for cuda:0, else the name."""
-        return self.index if self.kind == "cuda" and self.index is not None else self.name
+        return self.index if kind_of(self).integer_keys and self.index is not None else self.name
 
     def sort_key(self) -> tuple[int, int]:
-        return (_KIND_ORDER[self.kind], self.index or 0)
+        return (kind_of(self).rank, self.index or 0)
 
 
 def canonical_name(key: int | str) -> str:
@@ -86,26 +86,34 @@ def canonical_name(key: int | str) -> str:
     if isinstance(key, int):
         if key < 0:
             raise DeviceError(f"device index {key} is negative; GPU indices start at 0")
-        return f"cuda:{key}"
+        return f"{integer_kind().name}:{key}"
     if type(key).__module__ == "torch" and type(key).__name__ == "device":  # torch.device, torch not imported here
         key = str(key)
     if not isinstance(key, str):
         raise DeviceError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
     text = key.strip().lower()
     if text.isdigit():
-        return f"cuda:{int(text)}"
-    if text in ("cpu", "disk", "mps", "meta"):
-        if text == "meta":
-            raise DeviceError("'meta' holds no data and cannot be a placement; use 'cpu' or 'disk'")
-        return text
-    if text in ("cuda", "xpu"):
-        return f"{text}:0"
-    match = re.fullmatch(r"(cuda|xpu|mps):(\d+)", text)
-    if match:
-        return "mps" if match.group(1) == "mps" else f"{match.group(1)}:{int(match.group(2))}"
-    raise DeviceError(
-        f"unknown device {key!r}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', 'cpu' or 'disk'"
-    )
+        return f"{integer_kind().name}:{int(text)}"
+    if text == "meta":
+        raise DeviceError("'meta' holds no data and cannot be a placement; use 'cpu' or 'disk'")
+    name = _kind_name(text)
+    if name is None:
+        raise DeviceError(
+            f"unknown device {key!r}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', 'cpu' or 'disk'"
+        )
+    return name
+
+
+def _kind_name(text: str) -> str | None:
+    """``text`` (lowercase) as its kind writes it, or None: an indexed kind reads ``k`` as
+    ``k:0``; an unindexed one takes no index unless it is an alias (``mps:0`` is ``mps``)."""
+    base, sep, index = text.partition(":")
+    kind = find_kind(base)
+    if kind is None or (sep and not (index.isascii() and index.isdigit())):
+        return None
+    if kind.indexed:
+        return f"{base}:{int(index) if sep else 0}"
+    return base if not sep or kind.index_alias else None
 
 
 def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
@@ -164,38 +172,22 @@ def parse_max_memory_text(text: str) -> dict[int | str, str]:
     return result
 
 
-def _kind(name: str) -> str:
-    return name.split(":")[0]
-
-
 def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | None = None,
                 link_bytes_per_second: float | None = None,
                 memory_bytes_per_second: float | None = None) -> DeviceSpec:
     """Build a :class:`DeviceSpec` with per-kind default speeds unless given."""
-    kind = _kind(canonical_name(name))
+    canonical = canonical_name(name)
+    kind = kind_of(canonical)
     return DeviceSpec(
-        name=canonical_name(name),
-        kind=kind,
+        name=canonical,
+        kind=kind.name,
         capacity_bytes=int(capacity_bytes),
-        flops_per_second=DEFAULT_FLOPS[kind] if flops_per_second is None else float(flops_per_second),
-        link_bytes_per_second=DEFAULT_LINK[kind] if link_bytes_per_second is None else float(link_bytes_per_second),
-        memory_bytes_per_second=DEFAULT_MEMORY[kind] if memory_bytes_per_second is None
+        flops_per_second=kind.flops_per_second if flops_per_second is None else float(flops_per_second),
+        link_bytes_per_second=kind.link_bytes_per_second if link_bytes_per_second is None
+        else float(link_bytes_per_second),
+        memory_bytes_per_second=kind.memory_bytes_per_second if memory_bytes_per_second is None
         else float(memory_bytes_per_second),
     )
-
-
-def available_ram_bytes() -> int:
-    """Memory this process can still use without swapping (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def free_disk_bytes(path: str | os.PathLike[str] | None = None) -> int:
@@ -206,35 +198,13 @@ def free_disk_bytes(path: str | os.PathLike[str] | None = None) -> int:
     return shutil.disk_usage(target or ".").free
 
 
-# Share of a GPU's total memory a fresh process can count on (the CUDA context, the caching
-# allocator's fragmentation and cuDNN workspaces take the rest).
-_FRESH_GPU_SHARE = 0.9
-
-
-def _cuda_budget(index: int) -> int:
-    """Free memory of one GPU: measured when CUDA is already initialised (mem_get_info needs
-    a context, and creating one would cost this process ~300 MiB on every GPU), else a share
-    of the total from the device properties."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        free, _ = torch.cuda.mem_get_info(index)
-        return int(free * _FRESH_GPU_SHARE)
-    return int(torch.cuda.get_device_properties(index).total_memory * _FRESH_GPU_SHARE)
-
-
 def _detect_accelerators() -> dict[str, int]:
-    import torch
-
+    """Each kind's own detection (the accelerators'; CPU RAM and disk are sized below)."""
     found: dict[str, int] = {}
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            found[f"cuda:{i}"] = _cuda_budget(i)
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        for i in range(torch.xpu.device_count()):
-            found[f"xpu:{i}"] = int(torch.xpu.get_device_properties(i).total_memory * _FRESH_GPU_SHARE)
-    if torch.backends.mps.is_available():
-        found["mps"] = int(available_ram_bytes() * 0.7)
+    for kind in registered_kinds():
+        detect = kind.factory("detect")
+        if detect is not None:
+            found.update(detect())
     return found
 
 
@@ -279,7 +249,7 @@ def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, fl
     """``device`` with ``field_name`` taken from ``values`` by device name, else by kind."""
     if not values:
         return device
-    by_name = {(k if k in _KIND_ORDER else canonical_name(k)): float(v) for k, v in values.items()}
+    by_name = {(k if find_kind(str(k)) is not None else canonical_name(k)): float(v) for k, v in values.items()}
     for key in (device.name, device.kind):
         if key in by_name:
             if by_name[key] < 0:
@@ -327,25 +297,16 @@ def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, 
     if isinstance(reserve, Mapping):
         return parse_max_memory(reserve)
     size = parse_size(reserve)
-    runners = [d for d in devices if d.is_accelerator] or [d for d in devices if d.kind == "cpu"]
+    runners = [d for d in devices if d.is_accelerator] or [d for d in devices if kind_of(d).is_host]
     return {d.name: size for d in runners}
 
 
 def check_present(name: str) -> None:
     """Raise :class:`DeviceError` unless the device ``name`` exists on this machine."""
-    kind, index = _kind(name), (int(name.split(":")[1]) if ":" in name else 0)
-    if kind in ("cpu", "disk"):
-        return
-    import torch
-
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    elif kind == "xpu":
-        count = torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0
-    else:
-        count = 1 if torch.backends.mps.is_available() else 0
-    if index >= count:
+    kind, index = kind_of(name), (int(name.split(":")[1]) if ":" in name else 0)
+    count = kind.present_count()
+    if count is not None and index >= count:
         raise DeviceError(
-            f"the plan places weights on {name!r} but this machine has {count} {kind} device(s); "
+            f"the plan places weights on {name!r} but this machine has {count} {kind.name} device(s); "
             f"plan for the devices present (omit max_memory to detect them) or run where {name} exists"
         )

@@ -11,11 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "automap"
 
-# DESIGN.md: sizes/errors <- devices <- profiling <- planning <- offload <- runtime <- loading <-
-# report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
+# DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
+# loading <- report, pipelining, distributed <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
     "errors": 0, "sizes": 0, "progress": 0,
-    "devices": 1,
+    "devices": 1, "kinds": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
@@ -182,3 +182,53 @@ def test_the_size_check_sees_a_long_function_and_module(tmp_path):
     documented = "def short():\n    \"\"\"doc\n\n\n\n    more doc\"\"\"\n" + "    x = 1\n" * 35
     probe.write_text(documented + "\n\ndef long():\n" + "    x = 1\n" * 40 + "\n" * 400)
     assert oversized({"probe": probe}, root=tmp_path) == {"automap/probe.py": 484, "automap/probe.py:long": 41}
+
+
+# ------------------------------------------------------------------ device kinds (issue 24)
+
+# DESIGN.md: a rule about a kind of device or tier lives with that kind in the registry
+# (automap/kinds.py), never in an ``if kind == "disk"`` elsewhere. "meta" is not a kind (it holds
+# no data), so comparing with it is allowed.
+KIND_NAMES = {"cuda", "xpu", "mps", "cpu", "disk"}
+REGISTRY_MODULES = {"automap.kinds"}
+
+
+def names_a_kind(node: ast.AST) -> bool:
+    """A string literal naming a kind or a device of one (``"cuda:0"``), or a tuple/set/list
+    holding one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.strip().lower().split(":")[0] in KIND_NAMES
+    if isinstance(node, (ast.Tuple, ast.Set, ast.List)):
+        return any(names_a_kind(e) for e in node.elts)
+    return False
+
+
+def kind_comparisons(path: Path) -> list[str]:
+    """``line: source`` of each comparison in ``path`` (==, !=, in, not in, is, ...) with a
+    device-kind literal on either side."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(names_a_kind(o) for o in [node.left, *node.comparators]):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_device_kind_string_checks_outside_the_registry():
+    wrong = [f"{path.relative_to(ROOT.parent)}:{hit}" for name, path in modules().items()
+             if name not in REGISTRY_MODULES for hit in kind_comparisons(path)]
+    assert not wrong, ("compare kinds through automap.kinds (kind_of(device).computes, .is_storage, "
+                       ".host_addressable, .async_copies, ...), not with a string:\n" + "\n".join(wrong))
+
+
+@pytest.mark.parametrize("source, hits", [
+    ("if device.type == 'cuda': pass\n", 1),
+    ("x = where != 'disk:0'\n", 1),
+    ("y = kind in ('cpu', 'disk')\n", 1),
+    ("z = 'mps' not in values\n", 1),
+    ("w = {'xpu'} == found\n", 1),
+    ("ok = device.type == 'meta' or name == 'cudagraph'\n", 0),
+])
+def test_the_kind_check_catches_what_it_looks_for(tmp_path, source, hits):
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    assert len(kind_comparisons(probe)) == hits

@@ -26,6 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
+from automap.kinds import kind_of, torch_device
 from automap.progress import bar as progress_bar
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.convert import Recipe
@@ -77,7 +78,7 @@ class Loaded:
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
     """Every tensor of the model once, in execution order, with where it goes."""
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
-    execution = torch.device(plan.execution_device)
+    execution = torch_device(plan.execution_device)
     tasks = []
     for unit, where in zip(plan.units, plan.placement):
         for name in unit.tensors:
@@ -94,7 +95,7 @@ def _destination(plan: Plan, where: str, loose: bool, execution: torch.device) -
     units offloaded to "cpu" (a GPU executes) live in host RAM, loose tensors where they run."""
     if loose and plan.is_offloaded(where):
         return execution
-    return None if where == "disk" else torch.device(where)
+    return None if not kind_of(where).computes else torch_device(where)
 
 
 def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,

@@ -18,10 +18,11 @@ from automap.offload.reference import CheckpointSource
 from automap.offload.source import MappedSource, RamSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
                                    checksum, read_manifest)
-from automap.offload.transfer import (CudaOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer, Transfer,
-                                      make_transfer)
+from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
+                                      Transfer, make_transfer)
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceOps",
+__all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceCopyOps",
+           "DeviceOps",
            "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
            "Record", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
            "WeightSource", "backing_file", "check_offload_dir", "checksum", "load_json", "make_transfer", "read_header",

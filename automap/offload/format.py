@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Mapping
 import torch
 
 from automap.errors import FormatError
+from automap.kinds import on_host
 
 # safetensors dtype names (the format's own spelling).
 DTYPES: dict[str, torch.dtype] = {
@@ -270,7 +271,7 @@ def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
+    if not on_host(flat.device):
         flat = flat.cpu()
     return memoryview(flat.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
 

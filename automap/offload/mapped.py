@@ -39,6 +39,7 @@ from typing import Iterable
 import torch
 
 from automap.errors import OffloadError
+from automap.kinds import on_host
 from automap.offload.format import Header, TensorInfo, read_header
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ def backing_file(tensor: torch.Tensor) -> Path | None:
     """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
     they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
     store or checkpoint file, from one held in RAM."""
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
+    if not on_host(tensor.device) or tensor.numel() == 0:
         return None
     address = tensor.data_ptr()
     try:

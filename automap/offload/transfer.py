@@ -12,6 +12,10 @@ torchgpipe's ``AbstractStream`` hides CPU vs CUDA:
   Tensors already pinned (RAM offload) skip the staging. At most one unit is in flight ahead of
   the running one, which is what the plan's reserve pays for.
 
+The execution device's kind (:mod:`automap.kinds`) names its :class:`DeviceOps`:
+:class:`CudaOps` for CUDA, :class:`DeviceCopyOps` (copies finished when issued) for XPU and MPS;
+a kind without ops (the CPU) gets the :class:`PageTransfer`.
+
 :class:`StagedTransfer` issues every stream, event and copy through :class:`DeviceOps`, so its
 ordering (wait before use, drain before reusing the staging buffer, keep tensors alive for the
 stream that reads them) can be checked on a CPU with ops that delay copies and record waits.
@@ -27,6 +31,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from automap.kinds import kind_of, torch_device
 from automap.offload.source import WeightSource
 
 log = logging.getLogger(__name__)
@@ -293,8 +298,26 @@ class HostCopyOps:
         return None
 
 
-def make_transfer(source: WeightSource, device: torch.device) -> Transfer:
-    """The transfer for an execution device: staged copies to an accelerator, pages on CPU."""
-    if device.type == "cuda":
-        return StagedTransfer(source, CudaOps(device))
-    return PageTransfer(source)
+class DeviceCopyOps(HostCopyOps):
+    """:class:`DeviceOps` for an accelerator without side streams here (``xpu``, ``mps``):
+    each weight is copied into memory of the device, finished when issued. No overlap, but
+    the weights land where the unit computes, as :class:`~automap.runtime.hooks.MoveInputs`
+    sends its inputs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
+    """The transfer for an execution device (a ``torch.device`` or a plan's device name), as
+    its kind says: staged copies through the kind's :class:`DeviceOps` for an accelerator,
+    pages where the weights already are host memory (the CPU).
+
+    Raises:
+        DeviceError: ``device`` is of no registered kind.
+    """
+    ops = kind_of(device).factory("ops")
+    return StagedTransfer(source, ops(torch_device(str(device)))) if ops is not None else PageTransfer(source)

@@ -21,6 +21,7 @@ from torch import nn
 
 from automap.runtime import state_of
 from automap.errors import PipelineError
+from automap.kinds import kind_of
 from automap.pipelining.cost import StageCost, best_chunks, pipeline_seconds, stage_costs
 from automap.pipelining.microbatch import (batch_size, chunk_sizes, chunks_for_split_size, merge_outputs,
                                          split_batch)
@@ -125,8 +126,9 @@ def _real_devices(plan: Plan, stages: tuple[Stage, ...],
 
 def _indexed(device: torch.device) -> torch.device:
     """``cuda`` as ``cuda:N`` (the current one), so that stages on one GPU compare equal."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    kind = kind_of(device)
+    if kind.indexed and device.index is None:
+        return torch.device(device.type, kind.torch_api().current_device())
     return device
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from automap.runtime import send
 from automap.errors import PipelineError
+from automap.kinds import kind_of
 from automap.pipelining.cost import best_chunks, stage_costs
 from automap.pipelining.microbatch import batch_size, input_bytes, merge_outputs, split_batch
 from automap.pipelining.stages import Stage
@@ -109,7 +110,8 @@ class Pipeline(nn.Module):
         # submission order, so a tensor one stage makes is ready when a later stage on the same
         # GPU reads it, and its memory is never reused across streams; between GPUs the copy
         # synchronises the two streams itself.
-        self._device_streams = {d: torch.cuda.Stream(d) for d in devices if d.type == "cuda"}
+        self._apis = {d: kind_of(d).torch_api() for d in devices if kind_of(d).compute_streams}
+        self._device_streams = {d: api.Stream(d) for d, api in self._apis.items()}
         self._streams = [self._device_streams.get(d) for d in devices]
         modules = dict(module.named_modules())
         self._handles = [modules[name].register_forward_pre_hook(self._gate(stage.index), with_kwargs=True,
@@ -207,11 +209,11 @@ class Pipeline(nn.Module):
                 self._turnstiles[ticket.stage].enter(ticket.micro)
                 stream = self._streams[ticket.stage]
                 if stream is not None:
-                    torch.cuda.set_stream(stream)
+                    self._apis[self.devices[ticket.stage]].set_stream(stream)
 
     def _sync_streams(self, into_stages: bool) -> None:
         for device, stream in self._device_streams.items():
-            caller = torch.cuda.current_stream(device)
+            caller = self._apis[device].current_stream(device)
             if into_stages:
                 stream.wait_stream(caller)  # the inputs were made on the caller's stream
             else:

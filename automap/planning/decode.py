@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from automap.devices import DEFAULT_MEMORY, DeviceSpec
+from automap.devices import DeviceSpec
+from automap.kinds import kind_of
 from automap.planning.model import Plan
 from automap.sizes import format_bytes, format_flops, format_rate
 
@@ -190,12 +191,12 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
 
 def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
                  streams: dict[str, float]) -> DeviceStep:
-    memory = device.memory_bytes_per_second or DEFAULT_MEMORY.get(device.kind, 1.0)
+    memory = device.memory_bytes_per_second or kind_of(device).memory_bytes_per_second or 1.0
     read = [Term(kind, device.name, nbytes, nbytes / memory) for kind, nbytes in reads.items() if nbytes]
     stream = [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
               for tier, nbytes in streams.items() if nbytes]
     compute = Term("compute", device.name, flops, flops / max(device.flops_per_second, 1.0))
-    overlapped = device.is_accelerator
+    overlapped = kind_of(device).overlaps
     if not overlapped:  # every part adds to the step
         return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped)
     c, r, s = _parts(compute, read, stream)

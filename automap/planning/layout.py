@@ -38,6 +38,7 @@ from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
+from automap.kinds import is_host_name, kind_of
 from automap.planning.model import Origin, Plan, unit_label
 from automap.planning.packing import pack_out_of_order
 from automap.planning.partition import Chain, Range, Slot, fill
@@ -188,8 +189,8 @@ def _sub(chain: Chain, start: int, end: int) -> Chain:
 def _tiers(devices: Sequence[DeviceSpec]) -> tuple[list[DeviceSpec], list[DeviceSpec]]:
     """Computing devices (accelerators, else the CPU) and storage tiers (CPU RAM, disk)."""
     accelerators = [d for d in devices if d.is_accelerator]
-    hosts = [d for d in devices if d.kind == "cpu"]
-    disks = [d for d in devices if d.kind == "disk"]
+    hosts = [d for d in devices if kind_of(d).is_host]
+    disks = [d for d in devices if kind_of(d).stores_only]
     return (accelerators, hosts + disks) if accelerators else (hosts, disks)
 
 
@@ -289,13 +290,13 @@ def _store_staged(weights: Sequence[int], order: Sequence[int], storage: Sequenc
     """:func:`_store` for streaming to an accelerator: an item read from disk passes through a
     pinned staging buffer in CPU RAM, as large as the largest such item, so the CPU tier keeps
     that much free. Returns the tiers and the staging bytes (0 when nothing is on disk)."""
-    host = next((d.name for d in storage if d.kind == "cpu"), None)
+    host = next((d.name for d in storage if kind_of(d).is_host), None)
     staging = 0
     while True:
         where = _store(weights, order, storage, reserve, {host: staging} if host else None)
         if where is None:
             return None
-        need = max((weights[i] for i, d in where.items() if d.kind == "disk"), default=0) if host else 0
+        need = max((weights[i] for i, d in where.items() if kind_of(d).staged_via_host), default=0) if host else 0
         if need <= staging:
             return where, staging
         staging = need
@@ -331,7 +332,7 @@ def layout_options(items: Items, devices: Sequence[DeviceSpec], strategy: Strate
     packed = _packed(groups, compute, rooms, reserve) if len(compute) > 1 else None
     options = [Option(PACKED, packed)] if packed is not None else []
     fits = sum(items.chain.weight) <= sum(room(d, reserve) for d in [*compute, *storage])
-    host = any(d.kind == "cpu" for d in storage)
+    host = any(kind_of(d).is_host for d in storage)
     if fits:
         streamed = _streamed(groups, items, compute, rooms, storage, strategy, reserve)
         options += [Option(STREAMED, streamed)] if streamed else []
@@ -396,9 +397,10 @@ def _streamed(groups: _Groups, items: Items, compute: Sequence[DeviceSpec], room
     # The streamed weights are a reserve (the largest item still streamed, once GPUs with room
     # keep some); the offloaded units' activations show as activations.
     reserves[executor.name] = reserves.get(executor.name, 0) + max((items.chain.weight[i] for i in where), default=0)
-    staging = min(staging, max((items.chain.weight[i] for i, d in where.items() if d.kind == "disk"), default=0))
+    staging = min(staging, max((items.chain.weight[i] for i, d in where.items() if kind_of(d).staged_via_host),
+                               default=0))
     if staging:
-        host = next(d.name for d in storage if d.kind == "cpu")
+        host = next(d.name for d in storage if kind_of(d).is_host)
         reserves[host] = reserves.get(host, 0) + staging
     # A plan's execution device is its first accelerator used unless it names another.
     default = next((d.name for d in compute if d.name in names), "cpu")
@@ -439,7 +441,7 @@ def _cpu_computes(groups: _Groups, items: Items, gpus: Sequence[DeviceSpec], roo
     model on the CPU, when the run could be a lone small unit whose cuts cost more than the
     accelerators save (the predicted times decide). Empty when the rest overflows RAM and disk."""
     run = _cpu_computes_run(groups, items, gpus, rooms, storage, strategy, reserve)
-    if run is None or run.executor != "cpu":
+    if run is None or not is_host_name(run.executor):
         return [run] if run is not None else []
     where = _store(items.chain.weight, range(len(items.chain)), storage, reserve)
     alone = Layout(_names(groups, [], gpus, 0, where), dict(reserve)) if where is not None else None
@@ -495,7 +497,7 @@ def _does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence
     tiers = ", ".join(f"{d.name} {format_bytes(room(d, reserve))}" for d in [*compute, *storage])
     available = sum(room(d, reserve) for d in [*compute, *storage])
     short = weights + peak + extra - available
-    has_disk = any(d.kind == "disk" for d in storage)
+    has_disk = any(kind_of(d).stores_only for d in storage)
     return PlanError(
         f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs {format_bytes(weights)} of weights "
         f"+ {format_bytes(peak)} of activations + {format_bytes(extra)} to stream offloaded units, "
@@ -515,13 +517,13 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
         PlanError: an item fits nowhere; the message names it and the numbers
             (:mod:`automap.planning.splitting` adds the units it could not split, and why).
     """
-    runners = [d for d in devices if d.kind != "disk"]
+    runners = [d for d in devices if kind_of(d).computes]
     if not runners:
         return
-    has_disk = any(d.kind == "disk" for d in devices)
+    has_disk = any(kind_of(d).stores_only for d in devices)
     for members, weight, act in zip(items.members, items.chain.weight, items.chain.activation):
         needs = {d.name: weight + (act if d.is_accelerator else 0) for d in runners}
-        if any(needs[d.name] <= room(d, reserve) or (d.kind == "cpu" and has_disk) for d in runners):
+        if any(needs[d.name] <= room(d, reserve) or (kind_of(d).is_host and has_disk) for d in runners):
             continue
         best = max(runners, key=lambda d: (room(d, reserve) - needs[d.name], -d.sort_key()[0]))
         names = [unit_label(profile.units[i].name) for i in members]
@@ -644,7 +646,7 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
         found.append(f"{count} unit{'' if count == 1 else 's'} offloaded "
                      f"({format_bytes(sum(plan.bytes_on(d.name) for d in devices if plan.is_offloaded(d.name)))}), "
                      f"streamed to {plan.execution_device} when they run")
-    if executor == "cpu" and any(d.is_accelerator for d in devices):
+    if is_host_name(executor) and any(d.is_accelerator for d in devices):
         found.append("the CPU computes the units placed on 'cpu' (and streams those on 'disk'); accelerate and "
                      "from_pretrained read 'cpu' in a device_map as streamed to GPU 0 instead, so pass this Plan, "
                      "not its device_map, to automap.dispatch or automap.load")

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
-from automap.devices import DEFAULT_MEMORY, DeviceSpec
+from automap.devices import DeviceSpec
 from automap.errors import PlanError
+from automap.kinds import default_memory_bandwidth, kind_of
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 from automap.profiling.units import longest_prefix
@@ -190,7 +191,8 @@ class Plan:
 
     def is_offloaded(self, device_name: str) -> bool:
         """True when units placed on ``device_name`` are streamed to the execution device."""
-        return device_name == "disk" or (device_name == "cpu" and self.execution_device != "cpu")
+        kind = kind_of(device_name)
+        return kind.is_storage and (not kind.computes or device_name != self.execution_device)
 
     @property
     def offloaded_units(self) -> tuple[str, ...]:
@@ -338,7 +340,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     devices = tuple(
         DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
                    float(d["link_bytes_per_second"]),
-                   float(d.get("memory_bytes_per_second", DEFAULT_MEMORY.get(d["kind"], 0.0))))
+                   float(d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))))
         for d in data["devices"]
     )
     fields = set(Unit.__dataclass_fields__)

@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
+from automap.kinds import is_host_name
 from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
@@ -121,10 +122,10 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
 def _map_note(plan: Plan) -> Plan:
     """``plan`` with a warning when its ``device_map`` alone would be read as another placement
     (the CPU computing while GPUs hold units has its own note, from the layout)."""
-    if expressible(plan) or plan.execution_device == "cpu":
+    if expressible(plan) or is_host_name(plan.execution_device):
         return plan
     reading = map_execution_device(plan)
-    read_as = "computing them on the CPU" if reading == "cpu" else f"streaming them into {reading}"
+    read_as = "computing them on the CPU" if is_host_name(reading) else f"streaming them into {reading}"
     note = (f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
             f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
             "automap.load, or plan with map_only=True for a map that says everything")
@@ -251,7 +252,7 @@ def _describe(candidate: Candidate, level: int) -> str:
         PACKED: "units packed out of order on the accelerators",
         STREAMED: f"{format_bytes(off)} streamed to {plan.execution_device}",
         CPU_COMPUTES: (f"the CPU computes {format_bytes(off)} the accelerators cannot hold"
-                       if plan.executor == "cpu" else "all on the CPU"),
+                       if is_host_name(plan.executor) else "all on the CPU"),
     }[candidate.kind]
     return what + (f" after {level} round{'' if level == 1 else 's'} of splitting" if level else "")
 

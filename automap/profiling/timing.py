@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from automap.devices import DeviceSpec
 from automap.errors import ProfileError
+from automap.kinds import kind_of
 from automap.profiling.metaops import TensorSpec
 
 if TYPE_CHECKING:
@@ -104,8 +105,10 @@ def _tensor_for(spec: Any, device: torch.device, dtype: torch.dtype | None) -> A
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the work queued on ``device``, as its kind does (nothing to wait for on the CPU)."""
+    synchronize = kind_of(device).factory("synchronize")
+    if synchronize is not None:
+        synchronize(device)
 
 
 def calibrated_device(spec: DeviceSpec, prof: Profile) -> DeviceSpec:

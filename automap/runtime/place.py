@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from automap.devices import check_present
+from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DispatchError
 from automap.progress import step
-from automap.offload import OffloadStore, RamSource, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
+from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.planning import Plan, unit_label
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
@@ -23,7 +24,8 @@ from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
 
-TransferFactory = Callable[[WeightSource, torch.device], Transfer]
+# Builds the transfer from a weight source to the execution device, given by its name in the plan.
+TransferFactory = Callable[[WeightSource, str], Transfer]
 
 
 def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
@@ -41,8 +43,9 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
             owns the source from here on: :func:`undispatch` closes it.
         always_hook: install input-moving hooks even when everything is on one device (for
             measuring hook overhead).
-        transfer: builds the transfer to the execution device (default: pages on CPU, staged
-            copies on a GPU).
+        transfer: builds the transfer to the execution device, given the source and the
+            device's name in the plan (default: as the device's kind says: pages on CPU,
+            staged copies on a GPU).
 
     Raises:
         DispatchError, DeviceError, OffloadError: the model is left exactly as it was, and
@@ -129,20 +132,22 @@ def check_meta(tensors: dict[str, torch.Tensor], plan: Plan, source: WeightSourc
 
 def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: Plan, given: WeightSource | None,
                  offload_dir: str | Path | None) -> WeightSource | None:
-    """One source for every offloaded tensor: ``given`` for what it holds, a new store for
-    the rest of the disk units' tensors, host RAM (pinned for a GPU) for units on "cpu"."""
+    """One source for every offloaded tensor: ``given`` for what it holds, and for the rest
+    the source each storage tier's kind builds (a new store for "disk", host RAM, pinned for
+    a GPU, for "cpu"), slowest tier first."""
     held = set(given.names()) if given is not None else set()
     if given is not None:
         state.owned.append(given)
-    disk, ram = {}, {}
+    tiers: dict[str, dict[str, str]] = {}
     for name, (unit, where) in streamed_names(plan, tensors).items():
         if name not in held:
-            (disk if where == "disk" else ram)[name] = unit.name
-    if disk:
-        state.owned.append(write_store(tensors, disk, offload_dir))
-    if ram:
-        pin = torch.device(plan.execution_device).type == "cuda"
-        state.owned.append(RamSource({n: tensors[n].data for n in ram}, pin=pin))
+            tiers.setdefault(where, {})[name] = unit.name
+    for where in sorted(tiers, key=lambda w: plan.device(w).sort_key(), reverse=True):
+        make = kind_of(where).factory("source")
+        if make is None:
+            raise DispatchError(f"the plan streams units from {where!r}, a kind of device that holds no offloaded "
+                                "weights; plan the model again with automap.plan")
+        state.owned.append(make(tensors, tiers[where], offload_dir, plan.execution_device))
     if not state.owned:
         return None
     return state.owned[0] if len(state.owned) == 1 else SourceSet(state.owned)
@@ -190,7 +195,6 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     off_meta(model, plan, state)
     modules = dict(model.named_modules())
     tensors = named_tensors(model)
-    execution = torch.device(plan.execution_device)
     compute_devices = {plan.compute_device(d) for d in plan.placement}
     needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
     streamed = streamed_names(plan, tensors)
@@ -198,7 +202,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     for name, (unit, _) in streamed.items():
         owned[unit.name].append(offload(state, name, tensors[name], modules))
     for unit, where in zip(plan.units, plan.placement):
-        device = torch.device(plan.compute_device(where))
+        device = torch_device(plan.compute_device(where))
         for name in unit.tensors:
             if id(tensors[name]) not in state.streamed:
                 place(state, tensors[name], device)
@@ -214,7 +218,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     if state.groups:
         assert state.source is not None
         link(state.groups)
-        state.transfer = transfer(state.source, execution)
+        state.transfer = transfer(state.source, plan.execution_device)
         files = CheckFiles(state.gate, name) if state.transfer.swaps else \
             CheckFiles(state.gate, name, state.groups, state.transfer)
         for group in state.groups:
@@ -291,7 +295,7 @@ def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchS
     """A split unit's own forward code (a residual add) runs between its pieces, on what it
     was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`)."""
     for name, devices in split_devices(plan).items():
-        state.hooks.append(MoveInputs(torch.device(next(iter(devices)))).attach(modules[name]))
+        state.hooks.append(MoveInputs(torch_device(next(iter(devices)))).attach(modules[name]))
 
 
 # ------------------------------------------------------------------ undo
@@ -336,11 +340,11 @@ def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tenso
     for item in state.streamed.values():
         follow(item, state.streamed)
     views = {i.view.untyped_storage().data_ptr(): i for i in state.streamed.values()
-             if i.view is not None and i.view.numel() and i.view.device.type == "cpu"}
+             if i.view is not None and i.view.numel() and on_host(i.view.device)}
     devices = {id(tensor): device for tensor, device in state.original.values()}
     holders: dict[int, tuple[torch.Tensor, str]] = {}
     for tensor in named_tensors(model).values():
-        if tensor.numel() and tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in views:
+        if tensor.numel() and on_host(tensor.device) and tensor.untyped_storage().data_ptr() in views:
             holders.setdefault(id(tensor), (tensor, views[tensor.untyped_storage().data_ptr()].name))
     if state.source is not None and holders:  # one fstat per file, not one per tensor
         state.source.check_unchanged(sorted({name for _, name in holders.values()}))

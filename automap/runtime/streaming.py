@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from automap.errors import DispatchError
+from automap.kinds import torch_device
 from automap.offload import Transfer
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
@@ -65,7 +66,7 @@ class StreamWeights(Hook):
         self.group, self.state, self.files = group, state, files
         self.transfer: Transfer = state.transfer
         self.lock: threading.RLock = state.lock
-        self.device = torch.device(state.plan.execution_device)
+        self.device = torch_device(state.plan.execution_device)
         self._inside = threading.local()  # per thread: swap-ins not yet undone
         self._saving: ExitStack | None = None
 
