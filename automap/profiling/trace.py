@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automap.errors import ProfileError
 from automap.profiling.fallback import MetaLimit, describe, is_meta_limit, meta_limit, stand_ins
+from automap.profiling.metarules import flop_formulas
 from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
                                      unique_bytes, unpack_saved)
 from automap.profiling.result import INPUT, OUTPUT, Flow
@@ -124,9 +125,7 @@ class Tracer(TorchDispatchMode):
         self._writes: dict[Any, bool] = {}
         self._has_decomposition: dict[Any, bool] = {}
         self.memo = MemoTable()
-        from torch.utils.flop_counter import flop_registry  # imports triton: not at `import automap`
-
-        self.flop_formulas = flop_registry
+        self.flop_formulas = flop_formulas()  # FlopCounterMode's, and grouped matmuls' (metarules.py)
         self.fused = 0
         self._assumed = False
 
