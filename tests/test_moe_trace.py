@@ -176,6 +176,22 @@ def test_a_moe_model_plans_from_a_trace(kind):
     assert json.loads(plan.to_json())["totals"]["untraced_units"] == []
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_traced_moe_model_dispatches_with_part_on_disk_and_gives_the_plain_outputs(kind, tmp_path):
+    model = tiny(kind, layers=4)
+    with torch.no_grad():
+        expected = model(*ids()).logits
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = automap.plan(model, "auto", max_memory={"cpu": int(0.4 * weights)}, offload_dir=tmp_path)
+    assert plan.bytes_on("disk") > 0 and plan.bytes_on("cpu") > 0, plan.device_map
+    assert not [u.name for u in plan.units if u.untraced]
+    automap.dispatch(model, plan, offload_dir=tmp_path / "offload")
+    with torch.no_grad():
+        got = model(*ids()).logits
+    assert (got - expected).abs().max().item() <= 1e-6
+    automap.undispatch(model)
+
+
 def test_the_cli_plans_a_moe_folder_with_a_trace(tmp_path, capsys):
     from automap.cli import main
 
