@@ -80,7 +80,7 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     except RuntimeError:
         rule = _RULES.get(func._overloadpacket)
-        if rule is None:
+        if rule is None or not all(a.is_meta for a in args if isinstance(a, torch.Tensor)):
             raise
         return rule(*args, **kwargs)
 
