@@ -1,8 +1,8 @@
 """The traced run: one forward (and backward) of the model on the meta device.
 
 A :class:`Tracer` is a ``TorchDispatchMode`` that counts FLOPs as ``FlopCounterMode`` does
-(its formulas, plus grouped matmuls' from ``metarules.py``; ops without a formula through their
-decomposition), so the units' FLOPs add up to ``FlopCounterMode``'s total. It sees every aten
+(its formulas; ops without one through their decomposition), so the units' FLOPs add up to
+its total, plus the grouped matmuls it has no formula for (``metarules.py``). It sees every aten
 op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit running,
 or the code between units, which belongs to the next unit to run for the first time (a
 parent's ``x + pos_embedding`` is the next block's work). Backward ops are attributed through
