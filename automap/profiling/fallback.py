@@ -15,8 +15,9 @@ is not called by the trace; such units are planned as never called (bytes only, 
 **Forwards meta cannot run.** Meta tensors have shapes and no values, so some forwards cannot
 run on them: a unit reads a number (``tensor.item()``, ``int(tensor)``), an op's output shape
 depends on values (``nonzero``, ``unique``, boolean indexing), or an op's meta kernel rejects a
-dtype its real kernel takes (``torch._grouped_mm``, which transformers' mixture-of-experts layers
-call, checks for bfloat16 on meta). Such a failure is a :class:`MetaLimit`; any other error (a
+dtype its real kernel takes (a fused GPU kernel's checks for bfloat16; ``torch._grouped_mm``, which
+transformers' mixture-of-experts layers call, has such checks and a rule in ``metarules.py`` that
+runs it anyway). Such a failure is a :class:`MetaLimit`; any other error (a
 shape mismatch from wrong example inputs) is the user's to fix and still raises
 :class:`~automap.errors.ProfileError`. A failure counts as a meta limit when it is one of the
 above: the tracer's own ``.item()`` refusal, a ``NotImplementedError`` or a message about meta
@@ -122,8 +123,8 @@ def meta_limit(func: Any, args: tuple, kwargs: dict, exc: Exception) -> MetaLimi
     error the real kernel would raise too (a shape mismatch).
 
     Example:
-        >>> meta_limit(torch.ops.aten._grouped_mm.default, (a, b), {"offs": offs}, exc)
-        MetaLimit('the meta kernel of aten._grouped_mm rejects float32 but runs at bfloat16 ...')
+        >>> meta_limit(torch.ops.my_kernels.fused_mm.default, (a, b), {}, exc)
+        MetaLimit('the meta kernel of my_kernels.fused_mm rejects float32 but runs at bfloat16 ...')
     """
     if isinstance(exc, MetaLimit):
         return exc

@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from automap.profiling.metarules import run_op
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a tensor a unit received (to rebuild it for timing)."""
@@ -67,7 +70,7 @@ class MemoTable:
         hit = self.results.get(key) if key is not None else None
         if hit is not None:
             return _rebuild(hit[0]), hit[1]
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         if key is not None and _aliases_input(out, args, kwargs):
             self._is_pure[func] = False  # an alias its schema does not declare (_unsafe_view)

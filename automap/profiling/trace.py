@@ -1,14 +1,13 @@
 """The traced run: one forward (and backward) of the model on the meta device.
 
 A :class:`Tracer` is a ``TorchDispatchMode`` that counts FLOPs as ``FlopCounterMode`` does
-(its formula registry; ops without a formula through their decomposition), so the units'
-FLOPs add up to ``FlopCounterMode``'s total. It sees every
-aten op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit
-running, or the code between units, which belongs to the next unit to run for the first
-time (a parent's ``x + pos_embedding`` is the next block's work). Backward ops are
-attributed through the autograd node running them: each segment records the autograd
-sequence number at its start, so a node's ``_sequence_nr()`` names the segment whose
-forward created it.
+(its formulas; ops without one through their decomposition), so the units' FLOPs add up to
+its total, plus the grouped matmuls it has no formula for (``metarules.py``). It sees every aten
+op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit running,
+or the code between units, which belongs to the next unit to run for the first time (a
+parent's ``x + pos_embedding`` is the next block's work). Backward ops are attributed through
+the autograd node running them: each segment records the autograd sequence number at its
+start, so a node's ``_sequence_nr()`` names the segment whose forward created it.
 
 It also follows tensors: each storage remembers the segment that produced (or last wrote)
 it, so a tensor read later by any unit, however far away, becomes a :class:`Flow` from its
@@ -35,7 +34,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from automap.errors import ProfileError
+from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import MetaLimit, describe, is_meta_limit, meta_limit, stand_ins
+from automap.profiling.metarules import flop_formulas
 from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
                                      unique_bytes, unpack_saved)
 from automap.profiling.result import INPUT, OUTPUT, Flow
@@ -124,9 +125,7 @@ class Tracer(TorchDispatchMode):
         self._writes: dict[Any, bool] = {}
         self._has_decomposition: dict[Any, bool] = {}
         self.memo = MemoTable()
-        from torch.utils.flop_counter import flop_registry  # imports triton: not at `import automap`
-
-        self.flop_formulas = flop_registry
+        self.flop_formulas = flop_formulas()  # FlopCounterMode's, and grouped matmuls' (metarules.py)
         self.fused = 0
         self._assumed = False
 
@@ -435,6 +434,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
+        stack.enter_context(traceable_experts(model))  # eager experts cannot run on meta (experts.py)
         stack.enter_context(stand_ins(modules, units, tracer.result.failed))
         stack.enter_context(tracer)
         stack.enter_context(_FusedAttention(tracer))

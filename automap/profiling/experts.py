@@ -1,0 +1,76 @@
+"""Tracing transformers' mixture-of-experts layers in an implementation meta tensors can run.
+
+transformers (5.x) runs a fused ``experts`` module (all experts' weights in 3-D
+``gate_up_proj``/``down_proj`` parameters) through one of several implementations, chosen by
+``config._experts_implementation``: ``grouped_mm`` (the default), ``batched_mm`` and ``eager``.
+The first two trace on meta (``profiling/metarules.py`` supplies the grouped matmul's meta rule
+and FLOPs). ``eager`` cannot: it loops over the experts the batch hit, found with ``nonzero``,
+whose output shape depends on the routing values meta tensors do not have.
+
+Its work is the same routed computation the ``grouped_mm`` implementation does in one call:
+each token multiplied by the weights of its ``top_k`` experts. So while tracing, a model whose
+experts run eagerly runs them as ``grouped_mm`` instead (through transformers' public
+``set_experts_implementation``), and gets its own implementation back afterwards, error or not.
+The FLOPs are those of the eager loop; the activations are those of the grouped call (all
+routed rows at once, where the loop holds one expert's rows at a time), the bound to plan for.
+A model transformers will not switch keeps its eager experts, which then stand in
+(``profiling/fallback.py``).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+TRACEABLE = "grouped_mm"  # the implementation run while tracing in place of "eager"
+
+
+@contextmanager
+def traceable_experts(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every transformers model within ``model`` whose experts run ``eager``
+    runs them as ``grouped_mm``; afterwards each has the implementations it had.
+
+    Example:
+        >>> with traceable_experts(model):   # a Mixtral built with experts_implementation="eager"
+        ...     run_trace(model, ...)
+    """
+    with ExitStack() as stack:
+        for module in model.modules():
+            stack.enter_context(_switched(module))
+        yield
+
+
+@contextmanager
+def _switched(module: nn.Module) -> Iterator[None]:
+    before = _implementations(module)
+    if not before or "eager" not in before.values():
+        yield
+        return
+    try:
+        module.set_experts_implementation({k: TRACEABLE if v == "eager" else v for k, v in before.items()})
+    except (ValueError, KeyError, ImportError, RuntimeError) as exc:  # transformers refused: eager stands in
+        log.info("%s keeps its eager experts while tracing (%s)", type(module).__name__, exc)
+        yield
+        return
+    log.info("tracing %s with its experts as %s (eager ones cannot run on meta)", type(module).__name__, TRACEABLE)
+    try:
+        yield
+    finally:
+        module.set_experts_implementation(before)
+
+
+def _implementations(module: nn.Module) -> dict[str, Any] | None:
+    """The model's experts implementations by sub-config ("" for its own), or None when it is
+    not a transformers model that can say."""
+    get = getattr(module, "get_experts_implementation", None)
+    if get is None or not callable(getattr(module, "set_experts_implementation", None)):
+        return None
+    try:
+        found = get()
+    except AttributeError:  # a config without the attribute: not a model with experts
+        return None
+    return found if isinstance(found, dict) else None
