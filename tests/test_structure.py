@@ -139,7 +139,6 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 40
 STILL_OVER = {
     "automap/planning/layout.py": "issue 24: layout kinds as registered objects, each its own fit and cost",
     "automap/profiling/trace.py": "issue 24: the trace's hooks and its flow recording apart",
-    "automap/runtime/place.py:apply": "issue 24: resolved placements (the plan says each unit's route)",
 }
 
 

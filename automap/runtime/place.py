@@ -197,23 +197,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     tensors = named_tensors(model)
     compute_devices = {plan.compute_device(d) for d in plan.placement}
     needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
-    streamed = streamed_names(plan, tensors)
-    owned = {u.name: [] for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
-    for name, (unit, _) in streamed.items():
-        owned[unit.name].append(offload(state, name, tensors[name], modules))
-    for unit, where in zip(plan.units, plan.placement):
-        device = torch_device(plan.compute_device(where))
-        for name in unit.tensors:
-            if id(tensors[name]) not in state.streamed:
-                place(state, tensors[name], device)
-        # A unit also streams in tied tensors that an offloaded unit owns (even when it is
-        # resident itself), so a tie split between RAM and disk stays one parameter.
-        own = owned.get(unit.name, [])
-        items = own + aliases(modules[unit.name], state, own)
-        if items:
-            state.groups.append(Group(unit.name, where, items))
-        if needs_hooks:
-            state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
+    place_units(plan, state, modules, tensors, needs_hooks)
     name = type(model).__name__
     if state.groups:
         assert state.source is not None
@@ -233,6 +217,29 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     if output_device is not None:
         state.hooks.append(MoveOutputs(torch.device(output_device)).attach(model))
     state.guard = Guard(model, state).install()
+
+
+def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
+                needs_hooks: bool) -> None:
+    """Point offloaded tensors at their homes, move resident ones to their devices, and make a
+    streaming group per unit that has offloaded tensors (its own or tied ones)."""
+    streamed = streamed_names(plan, tensors)
+    owned = {u.name: [] for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
+    for name, (unit, _) in streamed.items():
+        owned[unit.name].append(offload(state, name, tensors[name], modules))
+    for unit, where in zip(plan.units, plan.placement):
+        device = torch_device(plan.compute_device(where))
+        for name in unit.tensors:
+            if id(tensors[name]) not in state.streamed:
+                place(state, tensors[name], device)
+        # A unit also streams in tied tensors that an offloaded unit owns (even when it is
+        # resident itself), so a tie split between RAM and disk stays one parameter.
+        own = owned.get(unit.name, [])
+        items = own + aliases(modules[unit.name], state, own)
+        if items:
+            state.groups.append(Group(unit.name, where, items))
+        if needs_hooks:
+            state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
 
 
 def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> Streamed:
