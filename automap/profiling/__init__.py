@@ -29,7 +29,8 @@ from automap.profiling.inputs import ExampleInputs, default_example_inputs, spli
 from automap.profiling.graph import build_graph
 from automap.profiling.result import Flow, Profile, Unit
 from automap.profiling.timing import calibrated_device, measure_units
-from automap.profiling.trace import TraceResult, run_trace
+from automap.profiling.trace import TraceResult
+from automap.profiling.traced_run import run_trace
 from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, has_forward,
                                    stray_reads, tensor_bytes, tie_groups, unit_aliases)
 

@@ -19,26 +19,19 @@ inference forward and a backward still runs.
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import weakref
 from collections import Counter, defaultdict
-from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from automap.errors import ProfileError
-from automap.profiling.experts import traceable_experts
-from automap.profiling.fallback import MetaLimit, describe, is_meta_limit, meta_limit, stand_ins
+from automap.profiling.fallback import MetaLimit, meta_limit
 from automap.profiling.metarules import flop_formulas
-from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
-                                     unique_bytes, unpack_saved)
+from automap.profiling.metaops import MemoTable, arg_specs, op_tensors, storage_of, tensors_in, unique_bytes
 from automap.profiling.result import INPUT, OUTPUT, Flow
 
 log = logging.getLogger(__name__)
@@ -369,118 +362,3 @@ class Tracer(TorchDispatchMode):
             tid = tensor_ids.setdefault(view, len(tensor_ids))
             flows.add(Flow(src, dst, start, end, tid, view[0], nbytes, storage_bytes))
         return sorted(flows, key=lambda f: (f.start, f.end, f.src, f.dst, f.tensor))
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Counts ``scaled_dot_product_attention`` as the fused kernel CUDA and CPU run: its
-    output stays, the score matrix the meta (math) path builds is never alive at once."""
-
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **(kwargs or {}))
-        self.tracer.fused += 1
-        try:
-            out = func(*args, **(kwargs or {}))
-        finally:
-            self.tracer.fused -= 1
-        self.tracer.fused_output(out)
-        return out
-
-
-def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool = False,
-              guessed: bool = False) -> TraceResult:
-    """Run ``model`` with ``state`` (meta tensors) on meta inputs and measure every unit.
-
-    Args:
-        model: the model; its own tensors are not used (``functional_call`` swaps in ``state``).
-        state: meta tensors for every parameter and buffer name.
-        args, kwargs: meta example inputs.
-        units: unit names to hook.
-        backward: also run a backward pass for ``train_flops``.
-        record_inputs: keep the shapes each unit was called with (for timing).
-        keep_output: return the forward's output too (``TraceResult.output``): the storages it
-            keeps alive, such as a generation cache, are then still in ``TraceResult.producers``.
-        guessed: the inputs were derived by automap, not given: a forward failing on them ends
-            the trace there (``guess_failed``) instead of raising.
-
-    Returns:
-        A :class:`TraceResult`.
-
-    A unit whose forward meta cannot run stands in (``profiling/fallback.py``) and is listed in
-    ``failed``; a meta limit between units, or any error on ``guessed`` inputs, ends the forward
-    early, said in ``stopped``.
-
-    Raises:
-        ProfileError: the forward failed otherwise; the message says in which unit.
-    """
-    tracer = Tracer(state, record_inputs, backward)
-    tracer.add_inputs((args, kwargs))
-    modules = dict(model.named_modules(remove_duplicate=False))
-    with ExitStack() as stack:
-        if gc.isenabled():
-            # Tens of thousands of meta tensors and autograd nodes make each cyclic collection
-            # slow; reference counting alone frees them (and tells the live bytes).
-            gc.disable()
-            stack.callback(gc.enable)
-        for name in units:
-            stack.callback(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True).remove)
-            stack.callback(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True).remove)
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
-        if backward:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
-        stack.enter_context(traceable_experts(model))  # eager experts cannot run on meta (experts.py)
-        stack.enter_context(stand_ins(modules, units, tracer.result.failed))
-        stack.enter_context(tracer)
-        stack.enter_context(_FusedAttention(tracer))
-        tracer.begin(None)
-        output = _forward(model, state, args, kwargs, tracer, guessed)
-        tracer.add_outputs(output)
-        forward_flops = tracer.total_flops
-        if backward and not tracer.result.stopped:
-            _backward(output, tracer)
-    result = tracer.finish(forward_flops)
-    if keep_output:
-        result.output, result.producers = output, tracer.producers()
-    return result
-
-
-def _forward(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,
-             guessed: bool) -> Any:
-    try:
-        return torch.func.functional_call(model, dict(state), args, kwargs, tie_weights=True, strict=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
-        result = tracer.result
-        failed = result.failed
-        if is_meta_limit(exc) or failed or guessed:
-            after = f", after the stand-in for {next(iter(failed))!r}" if failed and not is_meta_limit(exc) else ""
-            result.stopped = f"{tracer.where()}: {describe(exc)}{after}"
-            result.guess_failed = guessed and not is_meta_limit(exc) and not failed
-            result.interrupted = tuple(call.name for call in tracer.active)
-            log.info("the traced forward of %s stopped %s", type(model).__name__, result.stopped)
-            return None
-        raise ProfileError(
-            f"the forward of {type(model).__name__} failed on the example inputs {tracer.where()}: "
-            f"{type(exc).__name__}: {exc}. Check the example inputs (shapes, dtypes, argument names) "
-            "against the model's forward"
-        ) from exc
-
-
-def _backward(output: Any, tracer: Tracer) -> None:
-    roots = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
-    if not roots:
-        log.warning("no output requires grad: train_flops are forward FLOPs only")
-        return
-    tracer.in_backward = True
-    try:
-        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-    except Exception as exc:  # noqa: BLE001 - training FLOPs are optional; forward ones stand
-        log.warning("backward on meta failed (%s: %s); train_flops cover what ran before it",
-                    type(exc).__name__, exc)
-    finally:
-        tracer.in_backward = False
