@@ -53,7 +53,7 @@ def _switched(module: nn.Module) -> Iterator[None]:
     try:
         module.set_experts_implementation({k: TRACEABLE if v == "eager" else v for k, v in before.items()})
     except (ValueError, KeyError, ImportError, RuntimeError) as exc:  # transformers refused: eager stands in
-        log.info("%s keeps its eager experts while tracing (%s)", type(module).__name__, exc)
+        log.debug("%s keeps its eager experts while tracing (%s)", type(module).__name__, exc)  # dense models too
         yield
         return
     log.info("tracing %s with its experts as %s (eager ones cannot run on meta)", type(module).__name__, TRACEABLE)
