@@ -78,6 +78,11 @@ SAVED_AS_NAMED = {
     "Qwen2_5_VLModel", "Siglip2TextModel", "Siglip2VisionModel", "SiglipTextModel", "SiglipVisionModel",
     "UltrabertModel", "apertus1p5_text", "emu3", "exaone", "mlcd", "mllama", "qwen3_5_text"}
 
+# Families whose experts run torch._grouped_mm: on a CPU its float32 result depends on where the
+# tensors sit in memory (from_pretrained's mmap-backed weights and the model that was saved differ
+# by 3e-8 with equal weights), so their outputs are compared to 1e-6 instead of bit for bit.
+ALIGNMENT_SENSITIVE = {"granitemoe", "granitemoeshared"}
+
 
 def registry() -> dict[str, list[Any]]:
     """transformers' conversion registry: model type or class name -> its transforms."""
@@ -154,7 +159,7 @@ def test_registry_families_are_tested():
     families = non_moe_families()
     assert {"llava", "paligemma", "SiglipVisionModel", "qwen2_audio"} <= set(families)
     assert set(NOT_BUILT) <= set(families), "a family left out is no longer in transformers' registry"
-    assert set(SAVED_AS_NAMED) <= set(families) - set(NOT_BUILT)
+    assert SAVED_AS_NAMED | ALIGNMENT_SENSITIVE <= set(families) - set(NOT_BUILT)
     assert len(families) - len(NOT_BUILT) >= 0.6 * len(families), (len(families), len(NOT_BUILT))
 
 
@@ -172,7 +177,11 @@ def test_registry_family_loads_like_from_pretrained(family, tmp_path):
     assert type(model) is type(real) and "disk" in automap.placement(model).placement
     reference = text_output(expected)
     if reference is not None:
-        assert torch.equal(text_output(model), reference)
+        got = text_output(model)
+        if family in ALIGNMENT_SENSITIVE:
+            torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(got, reference)
     automap.undispatch(model)
     loaded, wanted = model.state_dict(), expected.state_dict()
     assert loaded.keys() == wanted.keys()
