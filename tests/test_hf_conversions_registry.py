@@ -33,8 +33,10 @@ TINY: dict[str, Any] = dict(
 # Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
 DERIVED = ("out_features", "out_indices")
 # Families whose tiny config needs more than TINY: hrm_text's cache has num_hidden_layers slots, which
-# must be num_layers_per_stack * H_cycles * (L_cycles + 1) (1 * 2 * 4 by default).
-CHANGES: dict[str, dict[str, Any]] = {"hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8}}
+# must be num_layers_per_stack * H_cycles * (L_cycles + 1) (1 * 2 * 4 by default); with 2 layers,
+# every layer of qwen3_5_text is linear attention and its forward fails.
+CHANGES: dict[str, dict[str, Any]] = {"hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+                                      "qwen3_5_text": {"num_hidden_layers": 4}}
 # A tiny model above this many bytes means the sizes did not reach some part of it; such families are
 # left out (see NOT_BUILT) to keep the file fast.
 MAX_TINY_BYTES = 30_000_000
@@ -117,16 +119,17 @@ def model_class(family: str) -> type:
     raise LookupError(f"transformers has no model class for {family!r}")
 
 
-def shrink(fields: dict[str, Any]) -> dict[str, Any]:
-    """A config's fields with TINY sizes applied here and in every nested sub-config."""
+def shrink(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A config's fields with TINY sizes, and then ``changes``, applied here and in every nested
+    sub-config that has the field."""
     out = {k: v for k, v in fields.items() if k not in DERIVED}
     layers = out.get("num_hidden_layers")
-    for key, size in TINY.items():
+    for key, size in {**TINY, **changes}.items():
         if out.get(key) is not None and not isinstance(out[key], (list, dict)):
             out[key] = size
     for key, value in list(out.items()):
         if isinstance(value, dict) and ("model_type" in value or TINY.keys() & value.keys()):
-            out[key] = shrink(value)
+            out[key] = shrink(value, changes)
         elif isinstance(value, list) and layers and len(value) == layers and key != "architectures":
             out[key] = value[: out["num_hidden_layers"]]
     return out
@@ -134,7 +137,7 @@ def shrink(fields: dict[str, Any]) -> dict[str, Any]:
 
 def tiny(family: str) -> torch.nn.Module:
     cls = model_class(family)
-    fields = {**shrink(cls.config_class().to_dict()), **CHANGES.get(family, {})}
+    fields = shrink(cls.config_class().to_dict(), CHANGES.get(family, {}))
     for key in ("model_type", "transformers_version"):
         fields.pop(key, None)
     torch.manual_seed(0)
