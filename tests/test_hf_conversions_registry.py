@@ -35,11 +35,21 @@ TINY: dict[str, Any] = dict(
     moe_intermediate_size=32, n_group=1, topk_group=1)
 # Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
 DERIVED = ("out_features", "out_indices")
-# Families whose tiny config needs more than TINY: hrm_text's cache has num_hidden_layers slots, which
-# must be num_layers_per_stack * H_cycles * (L_cycles + 1) (1 * 2 * 4 by default); with 2 layers,
-# every layer of qwen3_5_text is linear attention and its forward fails.
-CHANGES: dict[str, dict[str, Any]] = {"hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
-                                      "qwen3_5_text": {"num_hidden_layers": 4}}
+# Families whose tiny config needs more than TINY (given wherever the field is, lists too):
+# hrm_text's cache has num_hidden_layers slots, which must be num_layers_per_stack * H_cycles *
+# (L_cycles + 1); with 2 layers, every layer of qwen3_5_text, olmo_hybrid and granitemoehybrid is
+# linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
+# vision RoPE of LLaVA-OneVision-1.5 needs hidden_size divisible by 4 * num_heads.
+_ONEVISION15 = {"num_heads": 4, "out_hidden_size": 32}
+CHANGES: dict[str, dict[str, Any]] = {
+    "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+    "qwen3_5_text": {"num_hidden_layers": 4},
+    "olmo_hybrid": {"num_hidden_layers": 4},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+                         "mamba_n_groups": 1},
+    **dict.fromkeys(["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision"],
+                    _ONEVISION15),
+}
 # A tiny model above this many bytes means the sizes did not reach some part of it; such families are
 # left out (see NOT_BUILT) to keep the file fast.
 MAX_TINY_BYTES = 16_000_000
@@ -63,9 +73,7 @@ NOT_BUILT: dict[str, str] = {
                      "hy_v4_vl_text", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "maskformer",
                      "pp_doclayout_v3", "pp_doclayout_v4", "rt_detr", "rt_detr_v2", "sam3_tracker_video",
                      "unlimited_ocr", "vibevoice_asr"], _TOO_BIG),
-    **dict.fromkeys(["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision",
-                     "cosmos3_edge", "dory", "gradium_phonon_tts", "granitemoehybrid", "lw_detr", "molmo2",
-                     "nemo_speechlm", "olmo_hybrid"], _VALIDATOR),
+    **dict.fromkeys(["cosmos3_edge", "dory", "gradium_phonon_tts", "lw_detr", "molmo2", "nemo_speechlm"], _VALIDATOR),
     **dict.fromkeys(["BeitForSemanticSegmentation", "Emu3Model", "MimiDecoderModel", "MimiModel",
                      "Sapiens2ForImageMatting", "Sapiens2ForNormalEstimation", "Sapiens2ForPointmapEstimation",
                      "Sapiens2ForPoseEstimation", "Sapiens2ForSemanticSegmentation", "d_fine", "ernie4_5_vl_moe", "esm",
@@ -126,9 +134,10 @@ def shrink(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     sub-config that has the field."""
     out = {k: v for k, v in fields.items() if k not in DERIVED}
     layers = out.get("num_hidden_layers")
-    for key, size in {**TINY, **changes}.items():
+    for key, size in TINY.items():
         if out.get(key) is not None and not isinstance(out[key], (list, dict)):
             out[key] = size
+    out.update({key: value for key, value in changes.items() if key in out})
     for key, value in list(out.items()):
         if isinstance(value, dict) and ("model_type" in value or TINY.keys() & value.keys()):
             out[key] = shrink(value, changes)
