@@ -32,7 +32,8 @@ TINY: dict[str, Any] = dict(
     decoder_ffn_dim=64, num_layers=2, embed_dim=32, depth=2, projection_dim=32, text_hidden_size=32, pad_token_id=0,
     decoder_hidden_size=32, decoder_intermediate_size=64, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
     hidden_dim=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, n_group=1, topk_group=1)
+    moe_intermediate_size=32, n_group=1, topk_group=1, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8)
 # Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
 DERIVED = ("out_features", "out_indices")
 # Families whose tiny config needs more than TINY (given wherever the field is, lists too):
