@@ -148,6 +148,7 @@ def shrink(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 def tiny(family: str) -> torch.nn.Module:
+    """A small model of ``family``, random weights, built from its default config made tiny."""
     cls = model_class(family)
     fields = shrink(cls.config_class().to_dict(), CHANGES.get(family, {}))
     for key in ("model_type", "transformers_version"):
