@@ -1,0 +1,217 @@
+"""Every non-MoE entry of transformers' checkpoint-conversion registry (model types and class
+names whose conversion renames keys or splits/concatenates tensors, but merges no experts — the
+MoE families are in ``test_hf_conversions.py``): a tiny model of it, ``save_pretrained`` to a
+folder, loads through ``automap.load(folder)`` with about half its weights on disk into exactly
+the tensors ``from_pretrained(folder)`` builds, and gives the same outputs where a forward from
+``input_ids`` alone runs. The list is transformers' own, read at test time: a family added to
+the registry is tested (or must be listed in NOT_BUILT with the reason it cannot be)."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import automap
+from conftest import weight_bytes
+from test_hf_conversions import converted_keys
+from test_hf_folder import save
+
+transformers = pytest.importorskip("transformers")
+conversion_mapping = pytest.importorskip("transformers.conversion_mapping")
+core_model_loading = pytest.importorskip("transformers.core_model_loading")
+
+# Small sizes, given to the config and to every sub-config that has the field; lists with one entry
+# per layer (layer_types, ...) are cut to the new number of layers.
+TINY: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    head_dim=8, vocab_size=128, image_size=32, patch_size=8, max_position_embeddings=64, d_model=32,
+    encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+    decoder_ffn_dim=64, num_layers=2, embed_dim=32, depth=2, projection_dim=32, text_hidden_size=32, pad_token_id=0,
+    decoder_hidden_size=32, decoder_intermediate_size=64, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
+    hidden_dim=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_group=1, topk_group=1, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8)
+# Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
+DERIVED = ("out_features", "out_indices")
+# Families whose tiny config needs more than TINY (given wherever the field is, lists too):
+# hrm_text's cache has num_hidden_layers slots, which must be num_layers_per_stack * H_cycles *
+# (L_cycles + 1); with 2 layers, every layer of qwen3_5_text, olmo_hybrid and granitemoehybrid is
+# linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
+# vision RoPE of LLaVA-OneVision-1.5 needs hidden_size divisible by 4 * num_heads.
+_ONEVISION15 = {"num_heads": 4, "out_hidden_size": 32}
+CHANGES: dict[str, dict[str, Any]] = {
+    "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+    "qwen3_5_text": {"num_hidden_layers": 4},
+    "olmo_hybrid": {"num_hidden_layers": 4},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+                         "mamba_n_groups": 1},
+    **dict.fromkeys(["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision"],
+                    _ONEVISION15),
+}
+# A tiny model above this many bytes means the sizes did not reach some part of it; such families are
+# left out (see NOT_BUILT) to keep the file fast.
+MAX_TINY_BYTES = 16_000_000
+
+# Entries of the registry that do not build as a tiny model on a CPU here, and why (found by building
+# each with this transformers; worth trying again when it changes).
+_NO_CLASS = "the registry names a class or model type transformers has no model class for"
+_TIMM = "its backbone needs the timm library, not installed"
+_TOO_BIG = "the tiny sizes do not reach a part of it (over MAX_TINY_BYTES: its own field names)"
+_VALIDATOR = "its config validator rejects the generic tiny sizes (needs a per-family CHANGES entry)"
+_CONSTRUCTOR = "its constructor fails on the generic tiny config"
+NOT_BUILT: dict[str, str] = {
+    **dict.fromkeys(["MaskFormerDetrDecoder", "MtpModel", "PPChart2TableModel", "UnlimitedOcrSamVisionEncoder",
+                     "UnlimitedOcrVisionEncoder", "xCLIPTextModel", "xCLIPVisionModel", "mlcd_vision", "colqwen2",
+                     "dots3_note_audio_encoder", "jev", "pp_doclayout_v2", "step3p5_vision", "tipsv2_dpt"], _NO_CLASS),
+    **dict.fromkeys(["ConditionalDetrForSegmentation", "ConditionalDetrModel", "DetrForSegmentation", "DetrModel",
+                     "deformable_detr", "timm_wrapper"], _TIMM),
+    **dict.fromkeys(["MimiEncoderModel", "NemotronH_Omni_Reasoning_V3", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                     "Qwen3OmniMoeThinkerModel", "Tipsv2DptForDepthEstimation", "Tipsv2DptForNormalEstimation",
+                     "Tipsv2DptForSemanticSegmentation", "VibeVoiceAsrModel", "dinov3_convnext", "hy_v4", "hy_v4_vl",
+                     "hy_v4_vl_text", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "maskformer",
+                     "pp_doclayout_v3", "pp_doclayout_v4", "rt_detr", "rt_detr_v2", "sam3_tracker_video",
+                     "unlimited_ocr", "vibevoice_asr"], _TOO_BIG),
+    **dict.fromkeys(["cosmos3_edge", "dory", "gradium_phonon_tts", "lw_detr", "molmo2", "nemo_speechlm"], _VALIDATOR),
+    **dict.fromkeys(["BeitForSemanticSegmentation", "Emu3Model", "MimiDecoderModel", "MimiModel",
+                     "Sapiens2ForImageMatting", "Sapiens2ForNormalEstimation", "Sapiens2ForPointmapEstimation",
+                     "Sapiens2ForPoseEstimation", "Sapiens2ForSemanticSegmentation", "d_fine", "ernie4_5_vl_moe", "esm",
+                     "hunyuan_vl", "t5gemma2_encoder"], _CONSTRUCTOR),
+    **dict.fromkeys(["Dots3NoteForConditionalGeneration", "Dots3NoteModel", "gemma4_unified"],
+                    "its config keeps settings per layer index of the full-size model (per_layer_config)"),
+    "gemma3n_text": "its layer types cut to 2 layers leave a cache-sharing layer without its source",
+    "inkling_mm_model": "building it from the tiny config takes over a minute",
+}
+
+# Families whose save_pretrained writes the model's own names: transformers' conversion for them
+# renames only older layouts (or, for qwen3_vl_moe, transposes the experts under the same names), so
+# the keys alone do not show it; the load is compared all the same.
+SAVED_AS_NAMED = {
+    "AltCLIPVisionModel", "CLIPSegTextModel", "CLIPSegVisionModel", "CLIPTextModel", "CLIPVisionModel",
+    "ChineseCLIPVisionModel", "MetaClip2TextModel", "MetaClip2VisionModel", "Qwen2VLModel", "Qwen2_5OmniThinkerModel",
+    "Qwen2_5_VLModel", "Siglip2TextModel", "Siglip2VisionModel", "SiglipTextModel", "SiglipVisionModel",
+    "UltrabertModel", "apertus1p5_text", "emu3", "exaone", "mlcd", "mllama", "qwen3_5_text", "qwen3_vl_moe"}
+
+# Families whose experts run torch._grouped_mm: on a CPU its float32 result depends on where the
+# tensors sit in memory (from_pretrained's mmap-backed weights and the model that was saved differ
+# by 3e-8 with equal weights), so their outputs are compared to 1e-6 instead of bit for bit.
+ALIGNMENT_SENSITIVE = {"granitemoe", "granitemoeshared"}
+
+
+def registry() -> dict[str, list[Any]]:
+    """transformers' conversion registry: model type or class name -> its transforms."""
+    return {k: v for k, v in conversion_mapping._build_checkpoint_conversion_mapping().items() if k != "legacy"}
+
+
+def is_moe_merge(transforms: list[Any]) -> bool:
+    merges = core_model_loading.MergeModulelist
+    return any(isinstance(op, merges) for t in transforms for op in getattr(t, "operations", ()))
+
+
+def non_moe_families() -> list[str]:
+    """The registry's entries whose conversion merges no per-expert tensors."""
+    return sorted(k for k, v in registry().items() if not is_moe_merge(v))
+
+
+def model_class(family: str) -> type:
+    """The class a registry entry applies to: the named class, or for a model type its causal-LM,
+    image-text-to-text or base model class (the first transformers has)."""
+    from transformers.models.auto import modeling_auto as auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if family not in CONFIG_MAPPING_NAMES:
+        return getattr(transformers, family)
+    for names in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                  auto.MODEL_MAPPING_NAMES):
+        if family in names:
+            return getattr(transformers, names[family])
+    raise LookupError(f"transformers has no model class for {family!r}")
+
+
+def shrink(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A config's fields with TINY sizes, and then ``changes``, applied here and in every nested
+    sub-config that has the field."""
+    out = {k: v for k, v in fields.items() if k not in DERIVED}
+    layers = out.get("num_hidden_layers")
+    for key, size in TINY.items():
+        if out.get(key) is not None and not isinstance(out[key], (list, dict)):
+            out[key] = size
+    out.update({key: value for key, value in changes.items() if key in out})
+    for key, value in list(out.items()):
+        if isinstance(value, dict) and ("model_type" in value or TINY.keys() & value.keys()):
+            out[key] = shrink(value, changes)
+        elif isinstance(value, list) and layers and len(value) == layers and key != "architectures":
+            out[key] = value[: out["num_hidden_layers"]]
+    return out
+
+
+def tiny(family: str) -> torch.nn.Module:
+    """A small model of ``family``, random weights, built from its default config made tiny."""
+    cls = model_class(family)
+    fields = shrink(cls.config_class().to_dict(), CHANGES.get(family, {}))
+    for key in ("model_type", "transformers_version"):
+        fields.pop(key, None)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cls(cls.config_class(**fields)).eval()
+    assert weight_bytes(model) < MAX_TINY_BYTES, f"{family}: {weight_bytes(model):,} bytes is not tiny"
+    return model
+
+
+def is_text_model(model: torch.nn.Module) -> bool:
+    """Whether the model is a causal LM or a text encoder, whose forward needs only input_ids."""
+    from transformers.models.auto import modeling_auto as auto
+
+    texts = {*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
+    return type(model).__name__ in texts or type(model).__name__.endswith("TextModel")
+
+
+def text_output(model: torch.nn.Module) -> torch.Tensor | None:
+    """The first output of a forward from ``input_ids`` alone, or None where the model needs more."""
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(7))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model(input_ids=ids)
+    except Exception:  # noqa: BLE001 - an audio or vision model: its weights are still compared
+        return None
+    first = out[0] if isinstance(out, (tuple, dict)) or hasattr(out, "to_tuple") else out
+    return first if isinstance(first, torch.Tensor) else None
+
+
+def test_registry_families_are_tested():
+    families = non_moe_families()
+    assert {"llava", "paligemma", "SiglipVisionModel", "qwen2_audio"} <= set(families)
+    assert set(NOT_BUILT) <= set(families), "a family left out is no longer in transformers' registry"
+    assert SAVED_AS_NAMED | ALIGNMENT_SENSITIVE | set(CHANGES) <= set(families) - set(NOT_BUILT)
+    assert len(families) - len(NOT_BUILT) >= 0.6 * len(families), (len(families), len(NOT_BUILT))
+
+
+@pytest.mark.parametrize("family", [f for f in non_moe_families() if f not in NOT_BUILT])
+def test_registry_family_loads_like_from_pretrained(family, tmp_path):
+    real = tiny(family)
+    fmt = "sharded" if sum(map(ord, family)) % 2 else "single"  # both forms, spread over the families
+    folder = save(real, tmp_path / "model", fmt)
+    assert converted_keys(folder, real) == (family not in SAVED_AS_NAMED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = type(real).from_pretrained(folder).eval()
+    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off",
+                         quiet=True)
+    assert type(model) is type(real) and "disk" in automap.placement(model).placement
+    reference = text_output(expected)
+    assert reference is not None or not is_text_model(real), "a text model's forward must be compared"
+    if reference is not None:
+        got = text_output(model)
+        if family in ALIGNMENT_SENSITIVE:
+            torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(got, reference)
+    automap.undispatch(model)
+    loaded, wanted = model.state_dict(), expected.state_dict()
+    assert loaded.keys() == wanted.keys()
+    for name, tensor in wanted.items():
+        assert torch.equal(loaded[name], tensor), name
