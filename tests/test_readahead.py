@@ -74,3 +74,27 @@ def test_ranges_merge_where_they_touch_and_cut_at_page_boundaries():
     assert coalesce(spans, gap=8 * PAGE) == [(0, 14 * PAGE)]
     pieces = chunked([(0, 14 * PAGE)], 4 * PAGE + 1)
     assert pieces == [(0, 4 * PAGE), (4 * PAGE, 4 * PAGE), (8 * PAGE, 4 * PAGE), (12 * PAGE, 2 * PAGE)]
+
+
+def test_page_transfer_reads_two_units_ahead_and_reads_a_stale_guess_again(tmp_path):
+    """CPU execution keeps two units in flight; a guess read before the pages were dropped
+    (the previous forward's, then an eviction) is read again when asked for anew."""
+    from automap.offload import PageTransfer
+
+    path, weights = _checkpoint(tmp_path)
+    source = CheckpointSource({n: (path, n) for n in weights})
+    mapped = source.files[path.resolve()]
+    transfer = PageTransfer(source)
+    units = [("q", ["layer.q"]), ("k", ["layer.k"]), ("other", ["other.w"])]
+    source.evict()
+    transfer.prefetch_units(units)
+    assert list(transfer._pending) == ["q", "k"], "two units ahead, not three"
+    transfer._pool.submit(lambda: None).result()  # the worker read them
+    assert mapped.resident(["layer.q", "layer.k"])
+    source.evict()
+    assert not mapped.resident(["layer.q", "layer.k"])
+    transfer.prefetch_units(units[:2])
+    transfer._pool.submit(lambda: None).result()
+    assert mapped.resident(["layer.q", "layer.k"]), "the guesses made before the eviction were read again"
+    assert torch.equal(transfer.take("q", ["layer.q"])["layer.q"], weights["layer.q"])
+    transfer.close()
