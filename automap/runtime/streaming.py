@@ -8,7 +8,7 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
 
 - **CPU execution** (:class:`~automap.offload.PageTransfer`): the home *is* what the unit
   computes with. Before the unit runs the hook checks that the files behind it are unchanged
-  (one ``stat`` each) and asks for the next unit's pages to be read ahead; nothing is copied,
+  (one ``stat`` each) and asks for the next units' pages to be read ahead; nothing is copied,
   swapped or locked, so forwards from several threads run side by side, and autograd may keep
   the views for backward (they are file-backed: no anonymous memory).
 - **Accelerator execution** (:class:`~automap.offload.StagedTransfer`): before the unit runs the
