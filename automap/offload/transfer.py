@@ -62,23 +62,29 @@ class Transfer(abc.ABC):
 
     def prefetch(self, key: str, names: Sequence[str]) -> None:
         """Start bringing ``names`` (the tensors of unit ``key``) in, without waiting. A
-        previous guess that was never taken is dropped, so at most one unit is in flight."""
-        self.prefetch_units([(key, names)])
-
-    def prefetch_units(self, units: Sequence[tuple[str, Sequence[str]]]) -> None:
-        """Start bringing in the units ``(key, names)`` expected next, in that order (at most
-        :attr:`lookahead` of them are kept), without waiting. Guesses not among them that
-        were never taken are dropped; those still among them are not read twice."""
-        units = list(units)[:max(self.lookahead, 1)]
-        keep = {key for key, _ in units}
+        previous guess that was never taken is dropped, so at most one unit is in flight
+        (until :meth:`prefetch_after` adds the ones after it)."""
         with self._state:
             if self._closed:
                 return  # a forward racing undispatch: a prefetch is a hint, and there is no worker now
-            for other in [k for k in self._pending if k not in keep]:
+            for other in [k for k in self._pending if k != key]:
                 self._pending.pop(other).cancel()
+            self._submit(key, names)
+
+    def prefetch_after(self, units: Sequence[tuple[str, Sequence[str]]]) -> None:
+        """Also start bringing in the units ``(key, names)`` expected after those in flight,
+        in that order, while fewer than :attr:`lookahead` units are in flight; drops nothing."""
+        with self._state:
+            if self._closed:
+                return
             for key, names in units:
-                if names and (key not in self._pending or self._stale(self._pending[key])):
-                    self._pending[key] = self._pool.submit(self._ahead, tuple(names))
+                if key not in self._pending and len(self._pending) >= self.lookahead:
+                    break
+                self._submit(key, names)
+
+    def _submit(self, key: str, names: Sequence[str]) -> None:
+        if names and (key not in self._pending or self._stale(self._pending[key])):
+            self._pending[key] = self._pool.submit(self._ahead, tuple(names))
 
     def _stale(self, future: Future[Any]) -> bool:
         """Whether a prefetch done but not yet taken must run again when asked for once more."""

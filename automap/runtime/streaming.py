@@ -121,7 +121,8 @@ class StreamWeights(Hook):
     def _prefetch_next(self) -> None:
         units = following(self.group.next, self.group, self.transfer.lookahead)
         if units:
-            self.transfer.prefetch_units(units)
+            self.transfer.prefetch(*units[0])  # the next unit; a guess that missed is dropped
+            self.transfer.prefetch_after(units[1:])  # and those after it, as far as the transfer reads ahead
 
     def _swap_in(self) -> None:
         # Weights swapped in under inference_mode would become inference tensors, which a
@@ -194,7 +195,7 @@ class CheckFiles(Hook):
         if self.transfer is not None and self.first is not None:
             self.transfer.source.check_unchanged(self.names)
             # The first streamed units are read while the resident units before them compute.
-            self.transfer.prefetch_units(following(self.first, None, self.transfer.lookahead))
+            self.transfer.prefetch_after(following(self.first, None, self.transfer.lookahead))
         self.checked = True
 
     @torch.compiler.disable
