@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from automap.offload import CheckpointSource
 from automap.offload.mapped import PAGE
-from automap.offload.readahead import ReadAhead, chunked, coalesce
+from automap.offload.readahead import Chunk, ReadAhead, chunked, coalesce
 
 
 class Gated(ReadAhead):
@@ -24,13 +24,13 @@ class Gated(ReadAhead):
         self.chunks: list[tuple[int, int]] = []
         self._seen = threading.Lock()
 
-    def read_chunk(self, start: int, length: int) -> None:
+    def read_chunk(self, chunk: Chunk) -> None:
         with self._seen:
-            self.chunks.append((start, length))
+            self.chunks.append((chunk.address, chunk.length))
             first_two = len(self.chunks) <= 2
         if first_two:
             self.barrier.wait()
-        super().read_chunk(start, length)
+        super().read_chunk(chunk)
 
 
 def _checkpoint(tmp_path) -> tuple[os.PathLike, dict[str, torch.Tensor]]:

@@ -56,9 +56,10 @@ _RESIDENT = bytes(range(1, 256, 2))  # mincore's byte per page: bit 0 set = in m
 
 
 class SpanReader(Protocol):
-    """What reads page-aligned ``(address, length)`` spans of a map in (:class:`~automap.offload.readahead.ReadAhead`)."""
+    """What reads page-aligned ``(address, length)`` spans of the file ``fd`` mapped at ``base``
+    in (:class:`~automap.offload.readahead.ReadAhead`)."""
 
-    def read(self, spans: Iterable[tuple[int, int]]) -> None: ...
+    def read(self, spans: Iterable[tuple[int, int]], fd: int, base: int) -> None: ...
 
 
 def madvise(address: int, length: int, advice: int) -> bool:
@@ -209,7 +210,7 @@ class MappedFile:
         if self._mapped_in.issuperset(keys) and _resident(spans):
             return
         if populate and reader is not None:
-            reader.read(spans)
+            reader.read(spans, self.fd, self.address)
             self._mapped_in.update(keys)
             return
         for start, length in spans:
