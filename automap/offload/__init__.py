@@ -9,7 +9,9 @@
   link), :mod:`~automap.offload.store_lock`, :mod:`~automap.offload.manifest` and
   :mod:`~automap.offload.store_writer`;
 - :mod:`~automap.offload.reference`: a user's checkpoint read in place;
-- :mod:`~automap.offload.transfer`: bringing weights to the execution device, one unit ahead.
+- :mod:`~automap.offload.readahead`: reading a unit's file ranges with several large requests in flight;
+- :mod:`~automap.offload.transfer`: bringing weights to the execution device, one unit ahead (two on CPU
+  execution).
 """
 from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, load_json, read_header, read_regular,
                                     write_file)

@@ -34,7 +34,7 @@ import struct
 import warnings
 import weakref
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 
@@ -54,6 +54,13 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 _RESIDENT = bytes(range(1, 256, 2))  # mincore's byte per page: bit 0 set = in memory (the rest reserved)
+
+
+class SpanReader(Protocol):
+    """What reads page-aligned ``(address, length)`` spans of the file ``fd`` mapped at ``base``
+    in (:class:`~automap.offload.readahead.ReadAhead`)."""
+
+    def read(self, spans: Iterable[tuple[int, int]], fd: int, base: int) -> None: ...
 
 
 def madvise(address: int, length: int, advice: int) -> bool:
@@ -177,7 +184,8 @@ class MappedFile:
         return [k for k in (self._tensors if keys is None else keys)
                 if self.header.tensors[k].nbytes and self.header.tensors[k].end > size]
 
-    def _spans(self, keys: Iterable[str]) -> list[tuple[int, int]]:
+    def spans(self, keys: Iterable[str]) -> list[tuple[int, int]]:
+        """The page-aligned ``(address, length)`` span of each of ``keys`` in this process (none when empty)."""
         if self._map is None:
             return []
         found = []
@@ -188,17 +196,23 @@ class MappedFile:
                 found.append((start - start % PAGE, info.nbytes + start % PAGE))
         return found
 
-    def advise(self, keys: Iterable[str], populate: bool = True) -> None:
+    def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
         queued at once (large reads, no waiting), then, with ``populate``, the pages are mapped
         in as they arrive so that the compute thread takes no page faults. Releases the GIL.
+        With a ``reader`` (and ``populate``), the ranges are merged and read by it instead, with
+        several large requests in flight (:mod:`automap.offload.readahead`).
 
         Keys mapped in before whose pages are all still in memory are skipped at the cost of
         one ``mincore`` (:meth:`resident`): a warm forward asks the kernel for nothing, so the
         prefetch takes no CPU from the threads computing."""
         keys = list(keys)
-        spans = self._spans(keys)
+        spans = self.spans(keys)
         if self._mapped_in.issuperset(keys) and _resident(spans):
+            return
+        if populate and reader is not None:
+            reader.read(spans, self.fd, self.address)
+            self._mapped_in.update(keys)
             return
         for start, length in spans:
             madvise(start, length, mmap.MADV_WILLNEED)
@@ -213,12 +227,12 @@ class MappedFile:
         """Whether every page of ``keys`` is in memory now (``mincore``: a byte per page, about
         0.1 ms for 200 MB). Pages the kernel reclaimed since are read again by the next
         :meth:`advise`."""
-        return _resident(self._spans(keys))
+        return _resident(self.spans(keys))
 
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
         (whole pages), or None where the kernel does not say."""
-        pages = [p for start, length in self._spans(self._tensors if keys is None else keys)
+        pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
                  for p in _page_range(start, length)]
         count = private_pages(pages)
         return None if count is None else count * PAGE

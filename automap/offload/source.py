@@ -31,6 +31,7 @@ from typing import Collection, Iterable, Mapping, Protocol, Sequence, runtime_ch
 import torch
 
 from automap.errors import OffloadError
+from automap.offload.readahead import SHARED, ReadAhead
 from automap.offload.mapped import MappedFile, Signature
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class MappedSource:
         self.files = {path: MappedFile(path, keys) for path, keys in by_file.items()}
         self._names_in = {path: [n for n, (p, _) in self.entries.items() if p == path] for path in by_file}
         self._lock = threading.Lock()  # one thread at a time decides about a changed file
+        self.reader: ReadAhead = SHARED  # several large reads in flight
 
     def names(self) -> Collection[str]:
         return self.entries.keys()
@@ -147,7 +149,7 @@ class MappedSource:
 
     def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
         for path, keys in self._keys_by_file(names).items():
-            self.files[path].advise(keys, populate)
+            self.files[path].advise(keys, populate, self.reader)
 
     def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         found: dict[Path, list[str]] = {}

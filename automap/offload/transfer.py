@@ -4,7 +4,8 @@ torchgpipe's ``AbstractStream`` hides CPU vs CUDA:
 
 - :class:`PageTransfer`, when the CPU executes: the weights already *are* CPU tensors (views of
   the source), so nothing is copied; the prefetch asks the kernel, on a worker thread, to read
-  the next unit's pages and map them in while the current unit computes.
+  the next two units' pages and map them in while the current unit computes (the source reads
+  each with several requests in flight: :mod:`automap.offload.readahead`).
 - :class:`StagedTransfer`, when an accelerator executes: the worker copies the next unit's
   weights from the source into a pinned staging buffer and issues each host-to-device copy on a
   side stream as soon as its tensor is staged, so the memcpy of one tensor overlaps the DMA of
@@ -52,6 +53,10 @@ class Transfer(abc.ABC):
     """
 
     swaps: bool = False
+    # Units read ahead of the running one. One where each costs a staging buffer the plan
+    # reserved; page transfers read into the page cache (file-backed memory the kernel may
+    # drop), where a second keeps the disk busy while the first is being computed.
+    lookahead: int = 1
 
     def __init__(self, source: WeightSource):
         self.source = source
@@ -62,14 +67,33 @@ class Transfer(abc.ABC):
 
     def prefetch(self, key: str, names: Sequence[str]) -> None:
         """Start bringing ``names`` (the tensors of unit ``key``) in, without waiting. A
-        previous guess that was never taken is dropped, so at most one unit is in flight."""
+        previous guess that was never taken is dropped, so at most one unit is in flight
+        (until :meth:`prefetch_after` adds the ones after it)."""
         with self._state:
             if self._closed:
                 return  # a forward racing undispatch: a prefetch is a hint, and there is no worker now
             for other in [k for k in self._pending if k != key]:
                 self._pending.pop(other).cancel()
-            if names and key not in self._pending:
-                self._pending[key] = self._pool.submit(self._ahead, tuple(names))
+            self._submit(key, names)
+
+    def prefetch_after(self, units: Sequence[tuple[str, Sequence[str]]]) -> None:
+        """Also start bringing in the units ``(key, names)`` expected after those in flight,
+        in that order, while fewer than :attr:`lookahead` units are in flight; drops nothing."""
+        with self._state:
+            if self._closed:
+                return
+            for key, names in units:
+                if key not in self._pending and len(self._pending) >= self.lookahead:
+                    break
+                self._submit(key, names)
+
+    def _submit(self, key: str, names: Sequence[str]) -> None:
+        if names and (key not in self._pending or self._stale(self._pending[key])):
+            self._pending[key] = self._pool.submit(self._ahead, tuple(names))
+
+    def _stale(self, future: Future[Any]) -> bool:
+        """Whether a prefetch done but not yet taken must run again when asked for once more."""
+        return False
 
     def _claim(self, key: str) -> Future[Any] | None:
         with self._state:
@@ -112,9 +136,16 @@ class PageTransfer(Transfer):
     """
 
     swaps = False
+    lookahead = 2
 
     def _ahead(self, names: tuple[str, ...]) -> None:
         self.source.prefetch(names)
+
+    def _stale(self, future: Future[Any]) -> bool:
+        # Pages read ahead may have been dropped since (memory pressure, the previous forward's
+        # guess for this one made before an eviction): read again, which costs one mincore
+        # per file when they are still there.
+        return future.done()
 
     def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         self.source.check_unchanged(names)

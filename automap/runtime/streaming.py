@@ -8,7 +8,7 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
 
 - **CPU execution** (:class:`~automap.offload.PageTransfer`): the home *is* what the unit
   computes with. Before the unit runs the hook checks that the files behind it are unchanged
-  (one ``stat`` each) and asks for the next unit's pages to be read ahead; nothing is copied,
+  (one ``stat`` each) and asks for the next units' pages to be read ahead; nothing is copied,
   swapped or locked, so forwards from several threads run side by side, and autograd may keep
   the views for backward (they are file-backed: no anonymous memory).
 - **Accelerator execution** (:class:`~automap.offload.StagedTransfer`): before the unit runs the
@@ -120,9 +120,10 @@ class StreamWeights(Hook):
             self.lock.release()
 
     def _prefetch_next(self) -> None:
-        ahead = self.group.next
-        if ahead is not None and ahead is not self.group:
-            self.transfer.prefetch(ahead.key, [i.name for i in ahead.items if i.users == 0])
+        units = following(self.group.next, self.group, self.transfer.lookahead)
+        if units:
+            self.transfer.prefetch(*units[0])  # the next unit; a guess that missed is dropped
+            self.transfer.prefetch_after(units[1:])  # and those after it, as far as the transfer reads ahead
 
     def _swap_in(self) -> None:
         # Weights swapped in under inference_mode would become inference tensors, which a
@@ -160,8 +161,8 @@ class CheckFiles(Hook):
     """On the model itself: counts the forward in (the model's :class:`Gate`, which
     :func:`automap.undispatch` waits on) and, when units stream on CPU execution, checks every
     file behind the offloaded weights before it (one ``fstat`` each) and reads the first streamed
-    unit ahead; ``checked`` stays True until the forward returns (or raises). A compiled forward
-    then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
+    units ahead (:attr:`~automap.offload.Transfer.lookahead` of them); ``checked`` stays True
+    until the forward returns (or raises). A compiled forward then skips the units' own hooks (dynamo guards on ``checked``), so it compiles without a
     graph break. A forward that did not come through the model's hooks (``model.forward(...)``,
     ``torch.compile(model.forward)``) finds ``checked`` False and checks unit by unit, as in
     eager mode, where the units check their own files anyway.
@@ -176,7 +177,7 @@ class CheckFiles(Hook):
         super().__init__()
         self.gate, self.model, self.transfer = gate, model, transfer
         self.first = groups[0] if groups else None
-        self.names = [n for group in (groups or [])[1:] for n in group.names]
+        self.names = [n for group in (groups or []) for n in group.names]
         self.checked = False
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -194,12 +195,25 @@ class CheckFiles(Hook):
         self.gate.enter(self.model)
         if self.transfer is not None and self.first is not None:
             self.transfer.source.check_unchanged(self.names)
-            self.transfer.take(self.first.key, self.first.names)  # checks the first unit too, and reads it ahead
+            # The first streamed units are read while the resident units before them compute.
+            self.transfer.prefetch_after(following(self.first, None, self.transfer.lookahead))
         self.checked = True
 
     @torch.compiler.disable
     def _leave(self) -> None:
         self.gate.leave()
+
+
+def following(start: Group | None, stop: Group | None, count: int) -> list[tuple[str, list[str]]]:
+    """Up to ``count`` groups from ``start`` on in run order, before coming back to ``stop``
+    (or to a group already listed): ``(key, names)`` of each, the weights not already in use."""
+    found: list[tuple[str, list[str]]] = []
+    seen = {id(stop)} if stop is not None else set()
+    while start is not None and id(start) not in seen and len(found) < count:
+        seen.add(id(start))
+        found.append((start.key, [i.name for i in start.items if i.users == 0]))
+        start = start.next
+    return found
 
 
 @dataclass(frozen=True)

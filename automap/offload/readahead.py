@@ -1,0 +1,153 @@
+"""Reading a unit's file ranges ahead with several requests in flight.
+
+A cold offloaded unit is bound by the disk, and most disks — NVMe, and the network volumes of
+cloud machines even more — serve a deep queue of requests several times faster than one stream
+(on the development machine: ~0.6 GB/s for one sequential reader, ~2 GB/s for four in flight).
+One ``MADV_POPULATE_READ`` over a unit faults its pages in one readahead window after another,
+about one request at a time. :class:`ReadAhead` instead merges the unit's tensors into the
+fewest contiguous byte ranges (a layer's tensors lie side by side in a checkpoint), cuts them
+into large chunks and reads each on its own thread, so ``workers`` requests are in flight at
+once and each is large. A chunk is read by the kernel into the page cache with ``sendfile`` to
+``/dev/null`` (no copy into this process; measured on the development machine, cold 2.3 GB in
+11 units: 1.70 GB/s against 1.46 for ``MADV_WILLNEED`` + ``MADV_POPULATE_READ`` per chunk and
+1.43 for the one-request path, with less CPU), then mapped in.
+
+What it reads goes through the page cache into the file-backed map: no anonymous memory and no
+copy, and the kernel may drop the pages again under pressure. How far ahead it reads is the
+caller's business (:class:`~automap.offload.transfer.Transfer` bounds it in units).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Iterable, NamedTuple
+
+from automap.offload.mapped import MADV_POPULATE_READ, PAGE, madvise
+
+log = logging.getLogger(__name__)
+
+WORKERS = 4  # requests in flight: where this machine's disk (and most NVMe) reaches its best rate
+CHUNK_BYTES = 16 << 20  # large enough that each request is a long transfer, small enough to spread a 200 MB layer
+
+
+def coalesce(spans: Iterable[tuple[int, int]], gap: int = PAGE) -> list[tuple[int, int]]:
+    """``(start, length)`` spans merged where they touch, overlap or lie within ``gap`` bytes
+    of each other (reading a few bytes between two tensors is cheaper than a second request)."""
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(s for s in spans if s[1] > 0):
+        if merged and start <= merged[-1][0] + merged[-1][1] + gap:
+            first, size = merged[-1]
+            merged[-1] = (first, max(size, start + length - first))
+        else:
+            merged.append((start, length))
+    return merged
+
+
+def chunked(spans: Iterable[tuple[int, int]], chunk_bytes: int) -> list[tuple[int, int]]:
+    """The spans cut into pieces of at most ``chunk_bytes`` (page-aligned cuts)."""
+    size = max(PAGE, chunk_bytes // PAGE * PAGE)
+    return [(offset, min(size, start + length - offset))
+            for start, length in spans for offset in range(start, start + length, size)]
+
+
+class Chunk(NamedTuple):
+    """One request: ``length`` bytes at ``offset`` in the file open as ``fd``, mapped at ``address``."""
+
+    fd: int
+    offset: int
+    address: int
+    length: int
+
+
+class ReadAhead:
+    """Maps file ranges in with up to ``workers`` large requests in flight.
+
+    Args:
+        workers: threads issuing requests (each blocks in the kernel, without the GIL).
+        chunk_bytes: the size of each request.
+
+    ``peak_in_flight`` and ``requests`` count what it did, for tests and benchmarks.
+
+    Example:
+        >>> ReadAhead().read(mapped.spans(["model.layers.3.mlp.up_proj.weight"]), mapped.fd, mapped.address)
+    """
+
+    def __init__(self, workers: int = WORKERS, chunk_bytes: int = CHUNK_BYTES):
+        self.workers, self.chunk_bytes = workers, chunk_bytes
+        self._pool: ThreadPoolExecutor | None = None
+        self._count = threading.Lock()
+        self.in_flight = self.peak_in_flight = self.requests = 0
+
+    def read(self, spans: Iterable[tuple[int, int]], fd: int, base: int) -> None:
+        """Read the page-aligned ``(address, length)`` spans of the file ``fd``, mapped at
+        ``base``, into memory and map them in; returns when every page is there (or the kernel
+        refused: a hint, never an error)."""
+        chunks = [Chunk(fd, start - base, start, length) for start, length in chunked(coalesce(spans), self.chunk_bytes)]
+        if len(chunks) <= 1 or self.workers <= 1:
+            for chunk in chunks:
+                self._one(chunk)
+            return
+        wait([self._executor().submit(self._one, chunk) for chunk in chunks])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._count:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="automap-read")
+            return self._pool
+
+    def _one(self, chunk: Chunk) -> None:
+        with self._count:
+            self.in_flight += 1
+            self.requests += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            self.read_chunk(chunk)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+    def read_chunk(self, chunk: Chunk) -> None:
+        """One request: the kernel reads the chunk into the page cache (``sendfile`` to
+        ``/dev/null``: its own large reads, no copy to this process), then its pages are mapped
+        in. Where ``sendfile`` cannot read the file, readahead is queued instead."""
+        if not _send(chunk.fd, chunk.offset, chunk.length):
+            madvise(chunk.address, chunk.length, mmap.MADV_WILLNEED)
+        madvise(chunk.address, chunk.length, MADV_POPULATE_READ)  # kernels before 5.14 lack it: the pages are read
+
+    def close(self) -> None:
+        """Stop the threads (a later :meth:`read` starts them again)."""
+        with self._count:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _send(fd: int, offset: int, length: int) -> bool:
+    """Read ``length`` bytes of ``fd`` at ``offset`` into the page cache, discarding them."""
+    end = offset + length
+    try:
+        sink = _sink()
+        while offset < end:
+            sent = os.sendfile(sink, fd, offset, end - offset)
+            if sent <= 0:
+                break  # the end of the file (a truncated one is refused before any read)
+            offset += sent
+    except OSError:
+        return False
+    return True
+
+
+_SINK: list[int] = []
+
+
+def _sink() -> int:
+    """``/dev/null``, open for writing once per process."""
+    if not _SINK:
+        _SINK.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+    return _SINK[0]
+
+
+SHARED = ReadAhead()  # one pool for every source: the disk's queue, not the number of models, sets the depth
