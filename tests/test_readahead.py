@@ -98,3 +98,42 @@ def test_page_transfer_reads_two_units_ahead_and_reads_a_stale_guess_again(tmp_p
     assert mapped.resident(["layer.q", "layer.k"]), "the guesses made before the eviction were read again"
     assert torch.equal(transfer.take("q", ["layer.q"])["layer.q"], weights["layer.q"])
     transfer.close()
+
+
+_FORK = """
+import os, signal, sys, torch
+from safetensors.torch import save_file
+from automap.offload import CheckpointSource
+from automap.offload.readahead import ReadAhead
+
+path = sys.argv[1]
+save_file({"a": torch.randn(1024, 1024), "b": torch.randn(1024, 1024)}, path)
+source = CheckpointSource({n: (path, n) for n in "ab"})
+reader = source.reader = ReadAhead(workers=4, chunk_bytes=1 << 18)
+source.evict()
+source.prefetch(["a", "b"])  # the pool's threads exist now
+assert reader.requests >= 8
+reader._count.acquire()  # as if a reading thread held the lock at the fork
+pid = os.fork()
+if pid == 0:  # the child reads the same unit through its own threads
+    signal.alarm(20)  # a deadlock on the parent's lock or threads ends here, with SIGALRM
+    source.evict()
+    source.prefetch(["a", "b"])
+    assert torch.equal(source.get("a"), source.get("a").clone())
+    os._exit(0 if reader.requests >= 8 else 3)
+reader._count.release()
+_, status = os.waitpid(pid, 0)
+print("child", status)
+sys.exit(0 if status == 0 else 1)
+"""
+
+
+def test_a_forked_child_reads_with_threads_of_its_own(tmp_path):
+    # DataLoader workers and other forks inherit a dispatched model: the parent's pool threads do
+    # not exist in the child, and the lock one of them held at the fork would never be released.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "w.safetensors")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterable, NamedTuple
 
@@ -80,6 +81,12 @@ class ReadAhead:
         self._pool: ThreadPoolExecutor | None = None
         self._count = threading.Lock()
         self.in_flight = self.peak_in_flight = self.requests = 0
+        _READERS.add(self)
+
+    def forget_threads(self) -> None:
+        """In a forked child: the parent's threads do not exist here, and its lock may have been
+        held by one of them at the fork; start afresh (the first read makes a new pool)."""
+        self._pool, self._count, self.in_flight = None, threading.Lock(), 0
 
     def read(self, spans: Iterable[tuple[int, int]], fd: int, base: int) -> None:
         """Read the page-aligned ``(address, length)`` spans of the file ``fd``, mapped at
@@ -149,5 +156,15 @@ def _sink() -> int:
         _SINK.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
     return _SINK[0]
 
+
+_READERS: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for reader in list(_READERS):
+        reader.forget_threads()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 SHARED = ReadAhead()  # one pool for every source: the disk's queue, not the number of models, sets the depth
