@@ -130,32 +130,31 @@ class LayoutContext:
     def nothing_fits(self) -> PlanError:
         """The error when no kind builds a layout: the numbers, and why."""
         if not self.accelerated:
-            return does_not_fit(self.items.chain, self.compute, self.storage, self.reserve, 0)
+            return self.does_not_fit(0)
         fits = self.total_fits
         reason = ("" if not (fits and self.storage) else "no accelerator can hold its units beside the room to stream "
                   "the largest offloaded one" + ("" if self.host_stores else ", and no CPU budget lets the CPU "
                                                  "compute them (allow 'cpu' in max_memory)"))
-        return does_not_fit(self.items.chain, self.compute, self.storage, self.reserve,
-                            max(self.groups.stream, default=0) if fits else 0, reason)
+        return self.does_not_fit(max(self.groups.stream, default=0) if fits else 0, reason)
 
-
-def does_not_fit(chain: Chain, compute: Sequence[DeviceSpec], storage: Sequence[DeviceSpec],
-                 reserve: Mapping[str, int], extra: int, reason: str = "") -> PlanError:
-    """The model does not fit even with offloading: what it needs, what the devices hold."""
-    weights = sum(chain.weight)
-    peak = max(chain.activation, default=0) if compute and compute[0].is_accelerator else 0
-    listed = ", ".join(f"{d.name} {format_bytes(room(d, reserve))}" for d in [*compute, *storage])
-    available = sum(room(d, reserve) for d in [*compute, *storage])
-    short = weights + peak + extra - available
-    has_disk = any(kind_of(d).stores_only for d in storage)
-    return PlanError(
-        f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs {format_bytes(weights)} of weights "
-        f"+ {format_bytes(peak)} of activations + {format_bytes(extra)} to stream offloaded units, "
-        f"but the devices hold {listed} (total {format_bytes(available)}, about {format_bytes(max(short, 0))} "
-        f"short); raise max_memory"
-        + (", free space where offload_dir points" if has_disk else ", allow 'disk' in max_memory")
-        + ", or load the weights in a smaller dtype (dtype=torch.float16 halves float32 weights)"
-    )
+    def does_not_fit(self, extra: int, reason: str = "") -> PlanError:
+        """The model does not fit even with offloading (and ``extra`` bytes to stream
+        offloaded units): what it needs, what the devices hold."""
+        chain, reserve, every = self.items.chain, self.reserve, [*self.compute, *self.storage]
+        weights = sum(chain.weight)
+        peak = max(chain.activation, default=0) if self.accelerated else 0
+        listed = ", ".join(f"{d.name} {format_bytes(room(d, reserve))}" for d in every)
+        available = sum(room(d, reserve) for d in every)
+        short = weights + peak + extra - available
+        has_disk = any(kind_of(d).stores_only for d in self.storage)
+        return PlanError(
+            f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs "
+            f"{format_bytes(weights)} of weights + {format_bytes(peak)} of activations + {format_bytes(extra)} to "
+            f"stream offloaded units, but the devices hold {listed} (total {format_bytes(available)}, about "
+            f"{format_bytes(max(short, 0))} short); raise max_memory"
+            + (", free space where offload_dir points" if has_disk else ", allow 'disk' in max_memory")
+            + ", or load the weights in a smaller dtype (dtype=torch.float16 halves float32 weights)"
+        )
 
 
 class LayoutKind:
