@@ -35,7 +35,7 @@ import automap
 from automap.devices import DeviceSpec, make_device
 from automap.errors import AutomapError
 from automap.planning import Plan, make_plan, plan_from_device_map
-from automap.planning.layout import all_cut_bytes, make_items
+from automap.planning.items import all_cut_bytes, make_items
 from automap.profiling import Profile, Unit
 from automap.profiling.kvcache import profile_generation
 from automap.profiling.refine import Splitter

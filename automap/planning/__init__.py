@@ -6,8 +6,12 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 - :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;
 - :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
 - :mod:`automap.planning.strategies`: the named strategies, one registration each;
-- :mod:`automap.planning.layout`: items, tie groups, tiers, offloading and reserves: the
-  options for one profile;
+- :mod:`automap.planning.items`: units merged into items (ties) and groups (split pieces);
+- :mod:`automap.planning.layouts`: the layout-kind registry and the context every kind reads;
+- :mod:`automap.planning.layout_kinds`: the registered kinds (resident, packed, streamed, CPU
+  computes), with :mod:`automap.planning.offloading` for what streams from where;
+- :mod:`automap.planning.layout`: the options for one profile, with generation-cache room,
+  built as plans;
 - :mod:`automap.planning.splitting`: :func:`make_plan`: options at each level of splitting,
   the fastest kept;
 - :mod:`automap.planning.packing`: the out-of-order fallback before offloading;

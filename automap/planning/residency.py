@@ -1,7 +1,7 @@
 """Room left on the GPUs of a streamed layout, given to offloaded items so they stop streaming.
 
 A streamed layout keeps one contiguous run of items on the accelerators and streams the rest
-to the execution GPU (:mod:`automap.planning.layout`). GPUs can still have room after that:
+to the execution GPU (:mod:`automap.planning.layout_kinds`). GPUs can still have room after that:
 the executor beside its streaming slot, and GPUs the balanced split left empty because the
 executor's streaming is the bottleneck whatever they hold. An offloaded item kept resident is
 an item not streamed every forward, so, largest first:

@@ -29,7 +29,8 @@ from typing import Callable, Mapping, Sequence
 from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
 from automap.kinds import is_host_name
-from automap.planning.layout import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, Candidate, level_plans, room
+from automap.planning.layout import Candidate, level_plans
+from automap.planning.layouts import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
 from automap.planning.usermap import expressible, map_execution_device

@@ -3,7 +3,7 @@
 Each strategy is one registration: a function from the chain of items and one
 :class:`~automap.planning.partition.Slot` per computing device (room, speed, link, work it
 already has) to one range of items per slot. Everything around it (tiers, offloading, tie
-groups, reserves) is shared and lives in :mod:`automap.planning.layout`. A new strategy is a
+groups, reserves) is shared and lives in :mod:`automap.planning.layout_kinds`. A new strategy is a
 function here with ``@register_strategy("name")``; ``device_map="name"`` then selects it, like
 ``torch.distributed.pipelining`` looks up its schedules by name.
 """
