@@ -122,6 +122,9 @@ class Plan:
         choices: what the planner decided and why, for the report: units split (into how
             many pieces, and the reason), units kept whole, and the alternative chosen by
             predicted forward time.
+        offload_dir: the folder the plan was sized for: the disk budget is the free space
+            there (unless ``max_memory`` set it), and dispatch and load write the store of its
+            disk units there when given no other folder; None when planned without one.
     """
 
     units: tuple[Unit, ...]
@@ -137,6 +140,7 @@ class Plan:
     generation: Generation | None = None
     executor: str = ""
     choices: tuple[str, ...] = ()
+    offload_dir: str | None = None
 
     def __repr__(self) -> str:
         """One line a person can read (the dataclass's own repr lists every unit: thousands of
@@ -362,6 +366,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
         generation=_generation_of(data.get("generation")),
         choices=tuple(data.get("choices", [])),
+        offload_dir=data.get("offload_dir"),  # absent in JSON written before it was recorded
     )
     executor = str(data.get("execution_device", ""))
     # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.

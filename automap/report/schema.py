@@ -34,6 +34,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "origin": plan.origin.value,
         "example": plan.example,
         "execution_device": plan.execution_device,
+        "offload_dir": plan.offload_dir,
         "device_map": plan.device_map,
         "devices": [_device_dict(plan, facts, row) for row in facts.rows],
         "bottleneck_seconds": plan.bottleneck_seconds,

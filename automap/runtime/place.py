@@ -13,6 +13,7 @@ from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DispatchError
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
+from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
 from automap.planning import Plan, unit_label
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
@@ -35,7 +36,9 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
     Args:
         offload_dir: where to create the store for the weights of units placed on ``"disk"``
-            (a directory of automap's own inside it; nothing else there is touched).
+            (a directory of automap's own inside it; nothing else there is touched); None: the
+            folder the plan was sized for (``plan.offload_dir``). Another folder than the
+            plan's must have room for its disk units.
         output_device: move the model's outputs here (default: where they were produced).
         source: a weight source that already holds offloaded tensors (under their names in
             the plan), e.g. built by :func:`automap.load` from checkpoint references. Those
@@ -49,9 +52,11 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
     Raises:
         DispatchError, DeviceError, OffloadError: the model is left exactly as it was, and
-            nothing this call wrote is left on disk.
+            nothing this call wrote is left on disk. :class:`~automap.errors.OffloadDirError`
+            (a DispatchError) when disk units have no folder, or one without room for them.
     """
     check_not_dispatched(model)
+    offload_dir = store_folder(plan, offload_dir, stored_bytes(plan) if source is None else 0)
     tensors = named_tensors(model)
     check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:
@@ -157,10 +162,7 @@ def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offloa
     if offload_dir is None:
         units = [unit_label(u) for u in dict.fromkeys(groups.values())]
         listed = ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
-        raise DispatchError(
-            f"the plan offloads {len(units)} unit{'' if len(units) == 1 else 's'} ({listed}) to disk but no offload_dir was "
-            "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
-        )
+        raise no_offload_dir(f"{len(units)} unit{'' if len(units) == 1 else 's'} ({listed})")
     specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
     with step("automap: writing the offload store"):
         return OffloadStore.write(offload_dir, specs, lambda name: tensors[name].data)
