@@ -1,6 +1,7 @@
 """Resolved placements (issue 24): the plan records the offload_dir it was sized for, dispatch and
 load use it (or check the room of another folder first), and both raise one error when there is
-no folder; JSON written before the field existed still reads."""
+no folder; each unit's placement (home, compute device, route) is resolved once and shown in the
+JSON; JSON written before either existed still reads."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import torch
 
 import automap
 from automap.errors import CheckpointError, DispatchError, OffloadDirError
+from automap.offload import backing_file
+from automap.planning.placement import Placement, Route
 from conftest import store_dirs
 
 DATA = Path(__file__).parent / "data"
@@ -137,5 +140,84 @@ def test_another_folder_with_room_is_used(tmp_path):
     try:
         assert len(store_dirs(tmp_path / "b")) == 1 and not store_dirs(tmp_path / "a")
         torch.testing.assert_close(model(*inputs()), expected)
+    finally:
+        automap.undispatch(model)
+
+
+# ------------------------------------------------------------------ resolved placements
+
+
+def test_placements_of_a_plan_with_gpu_cpu_and_disk_units():
+    model = mlp(64, 6)
+    plan = automap.plan(model, max_memory={0: 40000, "cpu": 40000, "disk": "1GB"}, example_inputs=inputs(64))
+    assert set(plan.placement) == {"cuda:0", "cpu", "disk"} and plan.execution_device == "cuda:0"
+    assert len(plan.placements) == len(plan.units)
+    expected = {"cuda:0": Placement("cuda:0", "cuda", "cuda:0", Route.RESIDENT),
+                "cpu": Placement("cpu", "cpu", "cuda:0", Route.STREAMED),
+                "disk": Placement("disk", "disk", "cuda:0", Route.STAGED)}
+    assert plan.placements == tuple(expected[d] for d in plan.placement)
+    assert plan.offloaded_units == tuple(u.name for u, p in zip(plan.units, plan.placements) if p.offloaded)
+    units = json.loads(plan.to_json())["units"]
+    assert [u["placement"] for u in units] == [p.as_dict() for p in plan.placements]
+    assert units[-1]["placement"] == {"home": "disk", "tier": "disk", "compute_device": "cuda:0", "route": "staged"}
+
+
+def test_placements_when_the_cpu_computes():
+    plan = automap.plan(mlp(), max_memory={"cpu": 200_000, "disk": "1GB"}, example_inputs=inputs())
+    assert set(plan.placement) == {"cpu", "disk"} and plan.execution_device == "cpu"
+    routes = {p.home: (p.compute, p.route) for p in plan.placements}
+    assert routes == {"cpu": ("cpu", Route.RESIDENT), "disk": ("cpu", Route.STREAMED)}  # pages read in place
+
+
+def test_placements_of_json_from_before_they_were_written():
+    plan = automap.Plan.from_json(OLD_JSON.read_text())
+    assert {(p.home, p.route) for p in plan.placements} == {
+        ("cuda:0", Route.RESIDENT), ("cpu", Route.STREAMED), ("disk", Route.STAGED)}
+    again = automap.Plan.from_json(plan.to_json())
+    assert again.placements == plan.placements
+
+
+def test_load_and_dispatch_follow_the_placements(tmp_path):
+    """A CPU plan with disk units, loaded from a pickle: the resident units' tensors are on the
+    CPU, the disk units' tensors view the store's files, and the output is the plain model's."""
+    model = mlp()
+    expected = model(*inputs())
+    checkpoint = tmp_path / "model.bin"
+    torch.save(model.state_dict(), checkpoint)
+    plan = automap.plan(model, max_memory={"cpu": 200_000}, offload_dir=tmp_path / "off", example_inputs=inputs())
+    with automap.empty_model():
+        skeleton = mlp()
+    loaded = automap.load(skeleton, checkpoint, plan, quiet=True)  # the plan's folder: none given here
+    try:
+        assert len(store_dirs(tmp_path / "off")) == 1
+        for unit, placement in zip(plan.units, plan.placements):
+            for name in unit.tensors:
+                tensor = loaded.get_parameter(name)
+                assert tensor.device == torch.device(placement.compute)
+                stored = backing_file(tensor) is not None
+                assert stored == placement.in_store, name
+        torch.testing.assert_close(loaded(*inputs()), expected)
+    finally:
+        automap.undispatch(loaded)
+
+
+@pytest.mark.cuda
+def test_dispatch_puts_each_unit_where_its_placement_says_on_a_gpu(tmp_path):
+    model = mlp()
+    with torch.no_grad():
+        expected = model(*inputs())
+    device_map = {str(i): [0, "cpu", "disk"][i % 3] for i in range(8)}
+    plan = automap.plan(model, device_map, offload_dir=tmp_path)
+    assert {p.route for p in plan.placements} == {Route.RESIDENT, Route.STREAMED, Route.STAGED}
+    automap.dispatch(model, plan)
+    try:
+        for unit, placement in zip(plan.units, plan.placements):
+            weight = model.get_parameter(f"{unit.name}.weight")
+            if placement.route is Route.RESIDENT:
+                assert weight.device == torch.device("cuda:0"), unit.name
+            else:  # between forwards an offloaded weight is its host copy: pinned RAM, or the store's file
+                assert weight.device.type == "cpu" and (backing_file(weight) is not None) == placement.in_store
+        with torch.no_grad():
+            torch.testing.assert_close(model(*inputs()).cpu(), expected)
     finally:
         automap.undispatch(model)

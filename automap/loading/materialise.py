@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
-from automap.kinds import kind_of, torch_device
+from automap.kinds import torch_device
 from automap.progress import bar as progress_bar
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.convert import Recipe
@@ -34,6 +34,7 @@ from automap.loading.keys import Match
 from automap.offload import CheckpointSource, OffloadStore, SourceSet, TensorSpec, WeightSource
 from automap.offload.folder import no_offload_dir
 from automap.planning import Plan
+from automap.planning.placement import Placement
 from automap.profiling.units import all_named_tensors
 from automap.sizes import format_bytes
 
@@ -79,24 +80,23 @@ class Loaded:
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
     """Every tensor of the model once, in execution order, with where it goes."""
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
-    execution = torch_device(plan.execution_device)
     tasks = []
-    for unit, where in zip(plan.units, plan.placement):
+    for unit, placement in zip(plan.units, plan.placements):
         for name in unit.tensors:
             tensor = tensors[name]
             target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             tasks.append(Task(name, tensor, match.sources.get(name), target,
-                              _destination(plan, where, name in unit.loose, execution), unit.name,
-                              match.built.get(name)))
+                              _destination(placement, name in unit.loose), unit.name, match.built.get(name)))
     return tasks
 
 
-def _destination(plan: Plan, where: str, loose: bool, execution: torch.device) -> torch.device | None:
-    """None for the offload store (disk); else the device whose memory holds the tensor:
-    units offloaded to "cpu" (a GPU executes) live in host RAM, loose tensors where they run."""
-    if loose and plan.is_offloaded(where):
-        return execution
-    return None if not kind_of(where).computes else torch_device(where)
+def _destination(placement: Placement, loose: bool) -> torch.device | None:
+    """None for a weight source (the unit's home stores only: disk); else the device whose
+    memory holds the tensor: units streamed from "cpu" (a GPU executes) live in host RAM,
+    loose tensors of an offloaded unit where it computes."""
+    if loose and placement.offloaded:
+        return torch_device(placement.compute)
+    return None if placement.in_store else torch_device(placement.home)
 
 
 def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,

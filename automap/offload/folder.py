@@ -13,7 +13,6 @@ from pathlib import Path
 
 from automap.devices import free_disk_bytes
 from automap.errors import OffloadDirError
-from automap.kinds import kind_of
 from automap.planning import Plan
 from automap.sizes import format_bytes
 
@@ -56,7 +55,7 @@ def store_folder(plan: Plan, given: str | os.PathLike[str] | None, needed_bytes:
 def stored_bytes(plan: Plan) -> int:
     """Weight bytes of the units on a tier that stores only (disk): what a store under
     ``offload_dir`` holds at most."""
-    return sum(plan.bytes_on(name) for name in plan.used_devices if kind_of(name).stores_only)
+    return sum(u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.in_store)
 
 
 def same_folder(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

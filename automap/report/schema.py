@@ -40,7 +40,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "bottleneck_seconds": plan.bottleneck_seconds,
         "forward_seconds": plan.forward_seconds,
         "cuts": [asdict(cut) for cut in facts.cuts],
-        "units": [{**asdict(u), "device": d} for u, d in zip(plan.units, plan.placement)],
+        "units": [{**asdict(u), "device": p.home, "placement": p.as_dict()}
+                  for u, p in zip(plan.units, plan.placements)],
         "tie_groups": [list(g) for g in plan.tie_groups],
         "cut_bytes": list(plan.cut_bytes),
         "warnings": list(plan.warnings),
