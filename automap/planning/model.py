@@ -373,7 +373,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
         generation=_generation_of(data.get("generation")),
         choices=tuple(data.get("choices", [])),
-        offload_dir=data.get("offload_dir"),  # absent in JSON written before it was recorded
+        # Absent (None) in JSON written before the plan recorded it.
+        offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
     )
     executor = str(data.get("execution_device", ""))
     # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.
