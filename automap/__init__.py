@@ -33,8 +33,8 @@ _HOMES = {
     "format_bytes": "automap.sizes", "parse_size": "automap.sizes",
     **{name: "automap.errors" for name in (
         "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
-        "DispatchError", "FormatError", "MapFormatError", "OffloadError", "PipelineError", "PlanError", "ProfileError",
-        "ReportError", "SizeError", "SpecError")},
+        "DispatchError", "FormatError", "MapFormatError", "OffloadDirError", "OffloadError", "PipelineError",
+        "PlanError", "ProfileError", "ReportError", "SizeError", "SpecError")},
 }
 
 __all__ = sorted(_HOMES)
@@ -68,8 +68,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from automap.api import dispatch, load, plan
     from automap.devices import DeviceSpec, detect_devices
     from automap.errors import (AutomapError, CheckpointError, ConversionError, DependencyError, DeviceError,
-                                DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadError,
-                                PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
+                                DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadDirError,
+                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
     from automap.loading import empty_model
     from automap.pipelining import pipeline
     from automap.planning import Plan

@@ -20,7 +20,9 @@ from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanErr
 from automap.progress import silenced, step
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.keys import Match
+from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
+from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
                              open_checkpoint, plan_tasks, verify_loaded)
 from automap.planning import STRATEGIES, Plan, get_strategy, make_plan, plan_from_device_map
@@ -68,7 +70,9 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
             a ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float16"``). A unit that does
             not fit where it must go is split into its children (the model traced again)
             unless its class is in ``no_split``; ``plan.choices`` says what was split and why.
-        offload_dir: where disk offload would go (its free space bounds "disk").
+        offload_dir: where disk offload would go: its free space bounds "disk" (unless
+            ``max_memory`` sets it), and the plan records it (``plan.offload_dir``, absolute) as
+            the folder dispatch and load use when given none.
         reserve: bytes to keep free for KV cache or optimizer state: one size for every
             computing device (``"2GiB"``) or per device (``{0: "4GiB", 1: "1GiB"}``).
         batch: profile at this batch size (default example inputs only) so that activations
@@ -114,23 +118,31 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     generation = _Generate(batch, max_length)
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
-        refine = None
-        if isinstance(model, Profile):
-            if max_length is not None and model.generation is None:
-                raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
-                                "or a Profile from automap.profiling.kvcache.profile_generation")
-            prof = model
-        else:
-            prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
-            refine = Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
+        prof, refine = _strategy_profile(model, example_inputs, no_split, dtype, generation)
         with step("automap: planning"):
-            return make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
+            made = make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
                              accept=expressible if map_only else None)
+        return replace(made, offload_dir=recorded_folder(offload_dir))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
-        return _plan_user_map(model, device_map, devices, example_inputs, dtype, generation)
+        made = _plan_user_map(model, device_map, devices, example_inputs, dtype, generation)
+        return replace(made, offload_dir=recorded_folder(offload_dir))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
+
+
+def _strategy_profile(model: nn.Module | Profile, example_inputs: ExampleInputs | None,
+                      no_split: Iterable[str | type] | None, dtype: torch.dtype | None,
+                      generation: _Generate) -> tuple[Profile, Splitter | None]:
+    """The profile a strategy plans from (``model`` when it is one), and the splitter that
+    traces the model again to split a unit (None for a given profile)."""
+    if not isinstance(model, Profile):
+        prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
+        return prof, Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
+    if generation.max_length is not None and model.generation is None:
+        raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
+                        "or a Profile from automap.profiling.kvcache.profile_generation")
+    return model, None
 
 
 @dataclass(frozen=True)
@@ -358,7 +370,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         for device in chosen.used_devices:
             check_present(device)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
-        loaded = materialise(tasks, ckpt, offload_dir, quiet=quiet)  # cleans up what it wrote if it fails
+        folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
+        loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
         on_purpose = offloaded_names(model, tasks)
         undo = install(model, loaded.fresh)
         try:

@@ -58,6 +58,12 @@ class CheckpointError(AutomapError):
     """A checkpoint is missing, corrupt, unsafe, or does not match the model."""
 
 
+class OffloadDirError(DispatchError, CheckpointError):
+    """The plan keeps weights on disk but no ``offload_dir`` was given (nor recorded in the
+    plan), or the folder given has no room for them. Dispatch and load raise the same one:
+    caught as either a :class:`DispatchError` or a :class:`CheckpointError`."""
+
+
 class FormatError(CheckpointError, OffloadError):
     """A safetensors file (a checkpoint or a store file) breaks the format: a header that is
     not an object, bad offsets, overlapping or out-of-bounds ranges, an unknown dtype, or a

@@ -26,13 +26,15 @@ from torch import nn
 from tqdm import tqdm
 
 from automap.errors import CheckpointError
-from automap.kinds import kind_of, torch_device
+from automap.kinds import torch_device
 from automap.progress import bar as progress_bar
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.convert import Recipe
 from automap.loading.keys import Match
 from automap.offload import CheckpointSource, OffloadStore, SourceSet, TensorSpec, WeightSource
+from automap.offload.folder import no_offload_dir
 from automap.planning import Plan
+from automap.planning.placement import Placement
 from automap.profiling.units import all_named_tensors
 from automap.sizes import format_bytes
 
@@ -78,24 +80,23 @@ class Loaded:
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
     """Every tensor of the model once, in execution order, with where it goes."""
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
-    execution = torch_device(plan.execution_device)
     tasks = []
-    for unit, where in zip(plan.units, plan.placement):
+    for unit, placement in zip(plan.units, plan.placements):
         for name in unit.tensors:
             tensor = tensors[name]
             target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             tasks.append(Task(name, tensor, match.sources.get(name), target,
-                              _destination(plan, where, name in unit.loose, execution), unit.name,
-                              match.built.get(name)))
+                              _destination(placement, name in unit.loose), unit.name, match.built.get(name)))
     return tasks
 
 
-def _destination(plan: Plan, where: str, loose: bool, execution: torch.device) -> torch.device | None:
-    """None for the offload store (disk); else the device whose memory holds the tensor:
-    units offloaded to "cpu" (a GPU executes) live in host RAM, loose tensors where they run."""
-    if loose and plan.is_offloaded(where):
-        return execution
-    return None if not kind_of(where).computes else torch_device(where)
+def _destination(placement: Placement, loose: bool) -> torch.device | None:
+    """None for a weight source (the unit's home stores only: disk); else the device whose
+    memory holds the tensor: units streamed from "cpu" (a GPU executes) live in host RAM,
+    loose tensors of an offloaded unit where it computes."""
+    if loose and placement.offloaded:
+        return torch_device(placement.compute)
+    return None if placement.in_store else torch_device(placement.home)
 
 
 def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
@@ -103,8 +104,9 @@ def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os
     """Read every task's tensor to its device, and build the weight source for the rest.
 
     Raises:
-        CheckpointError: a tensor needs writing to disk but no ``offload_dir`` was given, or
-            a buffer is neither computed nor in the checkpoint.
+        OffloadDirError: a tensor needs writing to disk but no ``offload_dir`` was given (a
+            CheckpointError, and the DispatchError dispatch raises for the same).
+        CheckpointError: a buffer is neither computed nor in the checkpoint.
         OffloadError: the store could not be written (nothing of it is left).
     """
     loaded = Loaded()
@@ -171,6 +173,12 @@ def _in_place(task: Task, checkpoint: Checkpoint) -> bool:
     return task.key is not None and checkpoint.in_place(task.key) and checkpoint.tensors[task.key].dtype == task.dtype
 
 
+def store_bytes(tasks: list[Task], checkpoint: Checkpoint) -> int:
+    """Bytes of the offloaded tasks that must be written to a store (the rest are referenced
+    in the checkpoint, in place)."""
+    return sum(t.nbytes for t in tasks if t.device is None and not _in_place(t, checkpoint))
+
+
 def _build_source(tasks: list[Task], reader: _Reader, offload_dir: str | os.PathLike[str] | None,
                   progress: _Progress, loaded: Loaded) -> WeightSource:
     checkpoint = reader.checkpoint
@@ -182,13 +190,9 @@ def _build_source(tasks: list[Task], reader: _Reader, offload_dir: str | os.Path
             progress.step(task.nbytes)
     loaded.referenced, loaded.written = len(references), len(to_write)
     if to_write and offload_dir is None:
-        first = next(iter(to_write))
-        raise CheckpointError(
-            f"the plan offloads {len(to_write)} tensor(s) (first {first!r}) that must be written to disk "
-            "(converted to another dtype, merged by transformers' checkpoint conversion, read from a pickle, or "
-            "buffers computed at init) but no offload_dir was given; pass offload_dir='path', or raise max_memory "
-            "so that they fit in memory"
-        )
+        raise no_offload_dir(f"{len(to_write)} tensor(s) (first {next(iter(to_write))!r})",
+                             " that must be written there (converted to another dtype, merged by transformers' "
+                             "checkpoint conversion, read from a pickle, or buffers computed at init)")
     sources: list[WeightSource] = [CheckpointSource(references)] if references else []
     if to_write:
         assert offload_dir is not None

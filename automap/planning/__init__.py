@@ -4,6 +4,8 @@ Pure and deterministic: a :class:`Plan` is a function of a :class:`~automap.prof
 and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 
 - :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;
+- :mod:`automap.planning.placement`: :class:`Placement`, each unit's resolved home, compute
+  device and route;
 - :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
 - :mod:`automap.planning.strategies`: the named strategies, one registration each;
 - :mod:`automap.planning.items`: units merged into items (ties) and groups (split pieces);
@@ -20,9 +22,10 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 """
 from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict, unit_label
 from automap.planning.layout import build_plan
+from automap.planning.placement import Placement, Route
 from automap.planning.splitting import make_plan
 from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
 from automap.planning.usermap import plan_from_device_map
 
 __all__ = ["JSON_VERSION", "STRATEGIES", "Strategy", "build_plan", "get_strategy", "register_strategy", "Cut", "DeviceSummary", "Plan", "make_plan", "plan_from_device_map",
-           "Origin", "plan_from_dict", "unit_label"]
+           "Origin", "Placement", "Route", "plan_from_dict", "unit_label"]

@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
-from automap.kinds import default_memory_bandwidth, kind_of
+from automap.kinds import default_memory_bandwidth
+from automap.planning.placement import Placement, placements_of, resolve
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 from automap.profiling.units import longest_prefix
@@ -122,6 +123,9 @@ class Plan:
         choices: what the planner decided and why, for the report: units split (into how
             many pieces, and the reason), units kept whole, and the alternative chosen by
             predicted forward time.
+        offload_dir: the folder the plan was sized for: the disk budget is the free space
+            there (unless ``max_memory`` set it), and dispatch and load write the store of its
+            disk units there when given no other folder; None when planned without one.
     """
 
     units: tuple[Unit, ...]
@@ -137,6 +141,7 @@ class Plan:
     generation: Generation | None = None
     executor: str = ""
     choices: tuple[str, ...] = ()
+    offload_dir: str | None = None
 
     def __repr__(self) -> str:
         """One line a person can read (the dataclass's own repr lists every unit: thousands of
@@ -189,14 +194,20 @@ class Plan:
                 return name
         return "cpu"
 
+    @cached_property
+    def placements(self) -> tuple[Placement, ...]:
+        """Each unit's resolved placement, aligned with ``units``: its home (tier and device),
+        the device it computes on and the route its weights take there. Dispatch, load and the
+        report read these instead of working them out again from the device names."""
+        return placements_of(self.placement, self.execution_device)
+
     def is_offloaded(self, device_name: str) -> bool:
         """True when units placed on ``device_name`` are streamed to the execution device."""
-        kind = kind_of(device_name)
-        return kind.is_storage and (not kind.computes or device_name != self.execution_device)
+        return resolve(device_name, self.execution_device).offloaded
 
     @property
     def offloaded_units(self) -> tuple[str, ...]:
-        return tuple(u.name for u, d in zip(self.units, self.placement) if self.is_offloaded(d))
+        return tuple(u.name for u, p in zip(self.units, self.placements) if p.offloaded)
 
     @property
     def device_map(self) -> dict[str, int | str]:
@@ -230,7 +241,7 @@ class Plan:
 
     def compute_device(self, device_name: str) -> str:
         """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
-        return self.execution_device if self.is_offloaded(device_name) else device_name
+        return resolve(device_name, self.execution_device).compute
 
     def cuts(self) -> tuple[Cut, ...]:
         """Every boundary where consecutive units compute on different devices."""
@@ -362,6 +373,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
         generation=_generation_of(data.get("generation")),
         choices=tuple(data.get("choices", [])),
+        # Absent (None) in JSON written before the plan recorded it.
+        offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
     )
     executor = str(data.get("execution_device", ""))
     # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.

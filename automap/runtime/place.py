@@ -13,7 +13,9 @@ from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DispatchError
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
+from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
 from automap.planning import Plan, unit_label
+from automap.planning.placement import Placement
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
@@ -35,7 +37,9 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
     Args:
         offload_dir: where to create the store for the weights of units placed on ``"disk"``
-            (a directory of automap's own inside it; nothing else there is touched).
+            (a directory of automap's own inside it; nothing else there is touched); None: the
+            folder the plan was sized for (``plan.offload_dir``). Another folder than the
+            plan's must have room for its disk units.
         output_device: move the model's outputs here (default: where they were produced).
         source: a weight source that already holds offloaded tensors (under their names in
             the plan), e.g. built by :func:`automap.load` from checkpoint references. Those
@@ -49,9 +53,11 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
     Raises:
         DispatchError, DeviceError, OffloadError: the model is left exactly as it was, and
-            nothing this call wrote is left on disk.
+            nothing this call wrote is left on disk. :class:`~automap.errors.OffloadDirError`
+            (a DispatchError) when disk units have no folder, or one without room for them.
     """
     check_not_dispatched(model)
+    offload_dir = store_folder(plan, offload_dir, stored_bytes(plan) if source is None else 0)
     tensors = named_tensors(model)
     check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:
@@ -78,14 +84,14 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
     modules = dict(model.named_modules())
-    for unit in plan.units:
+    for unit, placement in zip(plan.units, plan.placements):
         if unit.name not in modules:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
                                 "was the plan made for another model?")
         module = modules[unit.name]
         # A container is never called unless its class has a forward (torchvision's _DenseBlock).
         never_called = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-        if plan.is_offloaded(plan.device_of(unit.name)) and never_called:
+        if placement.offloaded and never_called:
             children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
             raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
                                 f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
@@ -100,17 +106,18 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
                                 "model again with automap.plan")
 
 
-def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, str]]:
-    """Each offloaded tensor once (tied ones under their first name): name -> (unit, device)."""
-    found: dict[str, tuple[Unit, str]] = {}
+def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, Placement]]:
+    """Each offloaded tensor once (tied ones under their first name): name -> (unit, its
+    resolved placement)."""
+    found: dict[str, tuple[Unit, Placement]] = {}
     seen: set[int] = set()
-    for unit, where in zip(plan.units, plan.placement):
-        if not plan.is_offloaded(where):
+    for unit, placement in zip(plan.units, plan.placements):
+        if not placement.offloaded:
             continue
         for name in unit.tensors:
             if name not in unit.loose and id(tensors[name]) not in seen:
                 seen.add(id(tensors[name]))
-                found[name] = (unit, where)
+                found[name] = (unit, placement)
     return found
 
 
@@ -138,16 +145,16 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
     held = set(given.names()) if given is not None else set()
     if given is not None:
         state.owned.append(given)
-    tiers: dict[str, dict[str, str]] = {}
-    for name, (unit, where) in streamed_names(plan, tensors).items():
+    tiers: dict[Placement, dict[str, str]] = {}
+    for name, (unit, placement) in streamed_names(plan, tensors).items():
         if name not in held:
-            tiers.setdefault(where, {})[name] = unit.name
-    for where in sorted(tiers, key=lambda w: plan.device(w).sort_key(), reverse=True):
-        make = kind_of(where).factory("source")
+            tiers.setdefault(placement, {})[name] = unit.name
+    for placement in sorted(tiers, key=lambda p: plan.device(p.home).sort_key(), reverse=True):
+        make = kind_of(placement.tier).factory("source")
         if make is None:
-            raise DispatchError(f"the plan streams units from {where!r}, a kind of device that holds no offloaded "
-                                "weights; plan the model again with automap.plan")
-        state.owned.append(make(tensors, tiers[where], offload_dir, plan.execution_device))
+            raise DispatchError(f"the plan streams units from {placement.home!r}, a kind of device that holds no "
+                                "offloaded weights; plan the model again with automap.plan")
+        state.owned.append(make(tensors, tiers[placement], offload_dir, placement.compute))
     if not state.owned:
         return None
     return state.owned[0] if len(state.owned) == 1 else SourceSet(state.owned)
@@ -157,10 +164,7 @@ def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offloa
     if offload_dir is None:
         units = [unit_label(u) for u in dict.fromkeys(groups.values())]
         listed = ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
-        raise DispatchError(
-            f"the plan offloads {len(units)} unit{'' if len(units) == 1 else 's'} ({listed}) to disk but no offload_dir was "
-            "given; pass offload_dir='path/to/dir' or raise max_memory so everything fits"
-        )
+        raise no_offload_dir(f"{len(units)} unit{'' if len(units) == 1 else 's'} ({listed})")
     specs = {n: TensorSpec(g, tensors[n].dtype, tuple(tensors[n].shape)) for n, g in groups.items()}
     with step("automap: writing the offload store"):
         return OffloadStore.write(offload_dir, specs, lambda name: tensors[name].data)
@@ -195,7 +199,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     off_meta(model, plan, state)
     modules = dict(model.named_modules())
     tensors = named_tensors(model)
-    compute_devices = {plan.compute_device(d) for d in plan.placement}
+    compute_devices = {p.compute for p in plan.placements}
     needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
     place_units(plan, state, modules, tensors, needs_hooks)
     name = type(model).__name__
@@ -224,11 +228,11 @@ def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module],
     """Point offloaded tensors at their homes, move resident ones to their devices, and make a
     streaming group per unit that has offloaded tensors (its own or tied ones)."""
     streamed = streamed_names(plan, tensors)
-    owned = {u.name: [] for u, where in zip(plan.units, plan.placement) if plan.is_offloaded(where)}
+    owned = {u.name: [] for u, p in zip(plan.units, plan.placements) if p.offloaded}
     for name, (unit, _) in streamed.items():
         owned[unit.name].append(offload(state, name, tensors[name], modules))
-    for unit, where in zip(plan.units, plan.placement):
-        device = torch_device(plan.compute_device(where))
+    for unit, placement in zip(plan.units, plan.placements):
+        device = torch_device(placement.compute)
         for name in unit.tensors:
             if id(tensors[name]) not in state.streamed:
                 place(state, tensors[name], device)
@@ -237,7 +241,7 @@ def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module],
         own = owned.get(unit.name, [])
         items = own + aliases(modules[unit.name], state, own)
         if items:
-            state.groups.append(Group(unit.name, where, items))
+            state.groups.append(Group(unit.name, placement.home, items))
         if needs_hooks:
             state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
 
@@ -292,9 +296,9 @@ def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[s
 def split_devices(plan: Plan) -> dict[str, set[str]]:
     """For each unit the planner split (``Unit.split_from``), where its pieces compute."""
     found: dict[str, set[str]] = {}
-    for unit, where in zip(plan.units, plan.placement):
+    for unit, placement in zip(plan.units, plan.placements):
         if unit.split_from:
-            found.setdefault(unit.split_from, set()).add(plan.compute_device(where))
+            found.setdefault(unit.split_from, set()).add(placement.compute)
     return found
 
 
