@@ -312,3 +312,19 @@ def test_store_files_are_aligned_and_valid_safetensors(tmp_path):
         assert torch.equal(f.get_tensor("a.bias"), _tensors()["a.bias"])
     with safe_open(str(store.directory / "b.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("b.weight"), _tensors()["b.weight"])
+
+
+def test_shared_anonymous_memory_is_not_a_backing_file():
+    # Pinned host memory from CUDA's allocator is a shared anonymous mapping, which
+    # /proc/self/maps names "/dev/zero (deleted)": RAM, not a file a weight is read from.
+    import mmap
+
+    from automap.offload import backing_file
+
+    shared = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_SHARED)
+    tensor = torch.frombuffer(shared, dtype=torch.uint8)
+    with open("/proc/self/maps") as maps:
+        assert any("/dev/zero" in line for line in maps), "the kernel names shared anonymous memory otherwise"
+    assert backing_file(tensor) is None
+    del tensor
+    shared.close()

@@ -254,6 +254,11 @@ class MappedFile:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+# Mappings /proc/self/maps names by a path though no file holds their bytes: shared anonymous
+# memory (pinned host memory from the CUDA allocator shows as "/dev/zero (deleted)") and memfds.
+ANONYMOUS_FILES = ("/dev/zero", "/memfd:")
+
+
 def backing_file(tensor: torch.Tensor) -> Path | None:
     """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
     they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
@@ -268,7 +273,7 @@ def backing_file(tensor: torch.Tensor) -> Path | None:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if start <= address < end:
                     path = fields[5].strip() if len(fields) > 5 else ""
-                    return Path(path) if path.startswith("/") else None
+                    return Path(path) if path.startswith("/") and not path.startswith(ANONYMOUS_FILES) else None
     except OSError:
         return None
     return None
