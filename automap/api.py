@@ -59,7 +59,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     given (then FLOPs and cut bytes are counted for the report).
 
     Args:
-        model: a module (real or on meta) or a :class:`~automap.profile.Profile` of one.
+        model: a module (real or on meta) or a :class:`~automap.profiling.Profile` of one.
         device_map: a strategy (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
             ``"sequential"``), a dict in the Hugging Face form, a :class:`Plan`, or one device
             for the whole model as transformers takes it (``"cpu"``, ``"cuda:0"``, ``0``,

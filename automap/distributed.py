@@ -1,4 +1,4 @@
-"""One plan across processes and machines: a :class:`~automap.plan.Plan` handed to PyTorch's
+"""One plan across processes and machines: a :class:`~automap.planning.Plan` handed to PyTorch's
 own pipeline engine, ``torch.distributed.pipelining``.
 
 That engine traces the model (``torch.export``), cuts it where a ``split_spec`` says, and runs

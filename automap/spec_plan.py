@@ -88,7 +88,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
             welcome) instead of ones guessed from the model at ``batch`` x ``seq_len``.
 
     Returns:
-        A :class:`SpecPlan` with the built model and its :class:`~automap.plan.Plan`.
+        A :class:`SpecPlan` with the built model and its :class:`~automap.planning.Plan`.
 
     Raises:
         SpecError: bad SPEC or overrides. PlanError: the model does not fit, or ``max_length``

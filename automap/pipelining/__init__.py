@@ -1,5 +1,5 @@
 """Micro-batch pipelining in one process: the model-parallel tutorial's ``split_size`` trick,
-automated for any model a :class:`~automap.plan.Plan` splits.
+automated for any model a :class:`~automap.planning.Plan` splits.
 
 A plan's *stages* are the contiguous runs of units that compute on one device. The batch is
 split into ``chunks`` micro-batches; each runs the model's own ``forward`` on a thread of its

@@ -1,6 +1,6 @@
 """The balancer: which device each placement unit goes to.
 
-Pure and deterministic: a :class:`Plan` is a function of a :class:`~automap.profile.Profile`
+Pure and deterministic: a :class:`Plan` is a function of a :class:`~automap.profiling.Profile`
 and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 
 - :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;

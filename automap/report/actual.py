@@ -1,4 +1,4 @@
-"""Where a model's tensors really are, as a :class:`~automap.plan.Plan` that the text, JSON and
+"""Where a model's tensors really are, as a :class:`~automap.planning.Plan` that the text, JSON and
 figure render like any other (its origin is ``Origin.ACTUAL``)."""
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
     which units each device holds; and the planner's choices and the warnings.
 
     Args:
-        plan: a :class:`~automap.plan.Plan`, or :func:`automap.placement`'s view of a
+        plan: a :class:`~automap.planning.Plan`, or :func:`automap.placement`'s view of a
             dispatched model.
         path: where to write; the suffix picks the format.
         title: replaces the default title (strategy, sizes and predicted times).
