@@ -35,7 +35,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.api import DeviceMap, as_dtype, dispatch, load, plan
+from automap.api import DeviceMap, as_dtype, load, plan
 from automap.devices import MaxMemory, canonical_name, detect_devices, make_device
 from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanError
 from automap.kinds import kind_of
@@ -151,7 +151,6 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
     folder = None if offload_dir is None else Path(offload_dir)
     chosen = plan(model, device_map, offload_dir=folder)
     _check_main_device(main_device, chosen)
-    check_not_dispatched(model)
     dispatch_plan(model, chosen, offload_dir=folder, always_hook=force_hooks)
     return _with_device_map(model, device_map)
 

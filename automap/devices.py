@@ -10,14 +10,11 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from automap.errors import DeviceError, SizeError
 from automap.kinds import available_ram_bytes, find_kind, integer_kind, kind_of, registered_kinds
 from automap.sizes import parse_size
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,25 @@ def tiny_llama(layers: int = 4, tie: bool = False):
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_moe(kind: str, *, layers: int, hidden: int, experts: int, shared: int):
+    """A small mixture-of-experts causal LM from transformers, 2 experts per token, vocab 128:
+    ``kind`` "mixtral" (``experts`` routed experts) or "qwen2_moe" (also a shared expert of
+    ``shared`` features)."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=experts)
+        build = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=experts, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=shared)
+        build = transformers.Qwen2MoeForCausalLM
+    torch.manual_seed(0)
+    return build(config).eval()
+
+
 def tiny_gpt2(layers: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 

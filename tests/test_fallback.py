@@ -18,6 +18,7 @@ import automap
 from automap.errors import ProfileError
 from automap.profiling.inputs import to_meta
 from conftest import tiny_gpt2, weight_bytes
+from conftest import tiny_moe as moe_lm
 from test_profile import reference_flops, snapshot
 
 
@@ -77,20 +78,8 @@ class EarlyExit(nn.Module):
 
 
 def tiny_moe(kind: str) -> nn.Module:
-    """A small mixture-of-experts causal LM from transformers (4 experts, 2 per token)."""
-    import transformers
-
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
-    if kind == "mixtral":
-        config = transformers.MixtralConfig(**common, num_local_experts=4)
-        build = transformers.MixtralForCausalLM
-    else:
-        config = transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
-                                             shared_expert_intermediate_size=32)
-        build = transformers.Qwen2MoeForCausalLM
-    torch.manual_seed(0)
-    return build(config).eval()
+    """A small mixture-of-experts causal LM from transformers (hidden 32, 4 layers, 4 experts, 2 per token)."""
+    return moe_lm(kind, layers=4, hidden=32, experts=4, shared=32)
 
 
 @torch.library.custom_op("automap_tests::half_only_mm", mutates_args=())

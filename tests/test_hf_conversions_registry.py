@@ -8,7 +8,6 @@ the registry is tested (or must be listed in NOT_BUILT with the reason it cannot
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest

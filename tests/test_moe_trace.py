@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import automap
 from automap.profiling.metarules import grouped_mm_flops, grouped_mm_shape
+from conftest import tiny_moe
 
 BATCH, SEQ = 2, 16
 TOKENS = BATCH * SEQ
@@ -21,19 +22,7 @@ FLOAT = 4  # bytes of a float32
 
 def tiny(kind: str, layers: int = 2):
     """A small MoE causal LM: hidden 64, 8 experts, 2 per token, vocab 128."""
-    import transformers
-
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
-    if kind == "mixtral":
-        config = transformers.MixtralConfig(**common, num_local_experts=8)
-        build = transformers.MixtralForCausalLM
-    else:
-        config = transformers.Qwen2MoeConfig(**common, num_experts=8, moe_intermediate_size=32,
-                                             shared_expert_intermediate_size=48)
-        build = transformers.Qwen2MoeForCausalLM
-    torch.manual_seed(0)
-    return build(config).eval()
+    return tiny_moe(kind, layers=layers, hidden=64, experts=8, shared=48)
 
 
 def ids() -> tuple[torch.Tensor]:
@@ -145,7 +134,7 @@ class RoutedRows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._grouped_mm.default:
-            mat_a, mat_b, offs = args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None)
+            mat_b, offs = args[1], kwargs.get("offs", args[2] if len(args) > 2 else None)
             rows = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
             self.flops += sum(2 * r * mat_b.shape[1] * mat_b.shape[2] for r in rows)
         return func(*args, **kwargs)

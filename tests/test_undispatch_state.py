@@ -25,7 +25,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 import automap
-from automap.errors import AutomapError, DispatchError, OffloadError
+from automap.errors import DispatchError, OffloadError
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.runtime import dispatch_plan, state_of
 from conftest import file_backing
