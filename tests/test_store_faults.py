@@ -548,3 +548,30 @@ def test_7_a_unit_name_of_300_characters_is_stored(tmp_path):
     automap.dispatch(model, {"a" * 300: "disk", "b" * 300: "disk"}, offload_dir=tmp_path)
     assert store_dirs(tmp_path) == [store] and torch.equal(out(model, x), expected)
 
+
+
+def test_too_few_file_descriptors_is_an_offload_error_naming_the_limit(tmp_path):
+    # A real limit (RLIMIT_NOFILE), in a subprocess: the store cannot open its files.
+    out_text = ok(run_python("""
+        import os, resource, sys, tempfile, torch, automap
+        from test_store_faults import DISK, out, small
+        model, x = small(), torch.randn(3, 64)
+        expected = out(model, x)
+        with tempfile.TemporaryDirectory() as warm:  # the code a dispatch runs is imported first
+            automap.dispatch(model, DISK, offload_dir=warm)
+            automap.undispatch(model)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+        try:
+            automap.dispatch(model, DISK, offload_dir=sys.argv[1])
+        except automap.OffloadError as exc:
+            assert "ulimit -n" in str(exc), exc
+        else:
+            raise SystemExit("dispatched with one file descriptor to spare")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert torch.equal(out(model, x), expected)  # the model is as it was
+        print("OK")
+    """, str(tmp_path / "off")))
+    assert "OK" in out_text
+    assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())

@@ -170,12 +170,23 @@ def as_offload_error(exc: BaseException, folder: StoreDir | Path) -> BaseExcepti
         reason = exc.strerror or str(exc)
         if exc.errno == errno.ENOSPC and isinstance(folder, StoreDir) and _no_inodes(folder):
             reason += ", no free inodes"
+        fix = _FIXES.get(exc.errno, "Free space there or pass another offload_dir")
         return OffloadError(f"writing the offload store in {directory} failed ({reason}{where}); nothing it wrote was "
-                            "kept. Free space there or pass another offload_dir")
+                            f"kept. {fix}")
     if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
         return exc
     return OffloadError(f"writing the offload store in {directory} failed ({type(exc).__name__}: {exc}); "
                         "nothing it wrote was kept")
+
+
+# What to do about a failed write, by its errno (the rest: the disk is full, or quota).
+_FIXES = {
+    errno.EMFILE: "The process may open no more files: raise its limit (ulimit -n) and try again",
+    errno.ENFILE: "The system may open no more files: close some, or raise fs.file-max, and try again",
+    errno.EROFS: "The file system is read-only: pass an offload_dir on a writable one",
+    errno.EACCES: "Pass an offload_dir you may write to",
+    errno.EPERM: "Pass an offload_dir you may write to",
+}
 
 
 def _no_inodes(folder: StoreDir) -> bool:
