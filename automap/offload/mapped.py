@@ -142,6 +142,10 @@ class MappedFile:
         # became of its name (closed when this object goes; the map outlives it if tensors do).
         self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.fd)
+        # Reads through this descriptor are automap's own, each of the ranges it wants: the
+        # kernel's readahead would add up to read_ahead_kb (8 MiB on many volumes) after each,
+        # which for routed experts is the rows of experts no token went to.
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.signature: Signature = signature(self.fd)
         size = self.signature[2]
         self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY) if size else None
@@ -195,6 +199,25 @@ class MappedFile:
                 start = self.address + info.begin
                 found.append((start - start % PAGE, info.nbytes + start % PAGE))
         return found
+
+    def row_spans(self, key: str, rows: Iterable[int]) -> list[tuple[int, int]]:
+        """The page-aligned ``(address, length)`` span of each of ``rows`` of ``key`` along its
+        first dimension (one expert of a tensor that stacks them), in this process."""
+        info = self.header.tensors[key]
+        if self._map is None or not info.nbytes or not info.shape:
+            return []
+        row = info.nbytes // info.shape[0]
+        found = []
+        for index in rows:
+            start = self.address + info.begin + index * row
+            found.append((start - start % PAGE, row + start % PAGE))
+        return found
+
+    def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
+        """Read ``spans`` (of :meth:`row_spans`) in and map them, unless every page is in
+        memory already (one ``mincore``)."""
+        if spans and not _resident(spans):
+            reader.read(spans, self.fd, self.address)
 
     def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is

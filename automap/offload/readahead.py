@@ -168,3 +168,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 SHARED = ReadAhead()  # one pool for every source: the disk's queue, not the number of models, sets the depth
+# Routed experts are read on the critical path, once the router has chosen them: a few ranges of
+# a few MB each, where the time is the requests' latency. Smaller requests, more of them in
+# flight (measured on the development machine, 19 MB in four ranges, cold: 0.85 GB/s with four
+# 16 MB requests at most, 1.2 GB/s with sixteen of 1 MB).
+ROUTED = ReadAhead(workers=16, chunk_bytes=1 << 20)

@@ -31,7 +31,7 @@ from typing import Collection, Iterable, Mapping, Protocol, Sequence, runtime_ch
 import torch
 
 from automap.errors import OffloadError
-from automap.offload.readahead import SHARED, ReadAhead
+from automap.offload.readahead import ROUTED, SHARED, ReadAhead
 from automap.offload.mapped import MappedFile, Signature
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,17 @@ class WeightSource(Protocol):
         source itself created on disk (a failed dispatch or load)."""
 
 
+@runtime_checkable
+class RowSource(Protocol):
+    """A :class:`WeightSource` that can also read part of a tensor: some of the rows along its
+    first dimension (the routed experts of a tensor that stacks every expert). A source without
+    it has whole tensors read instead."""
+
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+        """Bring ``rows`` of each of ``names`` into memory and map them in; returns when they
+        are there (a hint: doing nothing is correct)."""
+
+
 class RamSource:
     """Tensors kept in host RAM, pinned for fast copies when an accelerator executes.
 
@@ -107,6 +118,9 @@ class RamSource:
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         return None
+
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+        return None  # already in RAM
 
     def stats(self) -> SourceStats:
         nbytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
@@ -136,6 +150,7 @@ class MappedSource:
         self._names_in = {path: [n for n, (p, _) in self.entries.items() if p == path] for path in by_file}
         self._lock = threading.Lock()  # one thread at a time decides about a changed file
         self.reader: ReadAhead = SHARED  # several large reads in flight
+        self.row_reader: ReadAhead = ROUTED  # routed experts: more, smaller requests
 
     def names(self) -> Collection[str]:
         return self.entries.keys()
@@ -150,6 +165,13 @@ class MappedSource:
     def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
         for path, keys in self._keys_by_file(names).items():
             self.files[path].advise(keys, populate, self.reader)
+
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+        """Read ``rows`` of each of ``names`` with several requests in flight (the file ranges
+        of every tensor of one file merged into one read)."""
+        for path, keys in self._keys_by_file(names).items():
+            mapped = self.files[path]
+            mapped.read_spans([span for key in keys for span in mapped.row_spans(key, rows)], self.row_reader)
 
     def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         found: dict[Path, list[str]] = {}
@@ -247,6 +269,13 @@ class SourceSet:
     def prefetch(self, names: Sequence[str], populate: bool = True) -> None:
         for source, part in self._split(names).values():
             source.prefetch(part, populate)
+
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+        for source, part in self._split(names).values():
+            if isinstance(source, RowSource):
+                source.prefetch_rows(part, rows)
+            else:
+                source.prefetch(part)
 
     def check_unchanged(self, names: Iterable[str]) -> None:
         for source, part in self._split(names).values():

@@ -26,14 +26,14 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, Sequence
 
 import torch
 
 from automap.kinds import kind_of, torch_device
-from automap.offload.source import WeightSource
+from automap.offload.source import RowSource, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,18 @@ class Transfer(abc.ABC):
             OffloadError: a file behind them changed, was truncated or deleted.
         """
 
+    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+        """``names`` on the execution device, read now (the routing that decides what a unit
+        of experts needs is known only as it runs): of each, only ``rows`` along its first
+        dimension when given (the routed experts of tensors that stack every expert; the
+        other rows hold what they hold, the caller reads only these), else the whole tensor.
+        By default the whole tensors (:meth:`take`).
+
+        Raises:
+            OffloadError: a file behind them changed, was truncated or deleted.
+        """
+        return self.take(key, names)
+
     @property
     def pinned_bytes(self) -> int:
         """Page-locked host memory this transfer holds (its staging buffer)."""
@@ -149,11 +161,31 @@ class PageTransfer(Transfer):
 
     def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         self.source.check_unchanged(names)
-        if self._claim(key) is None:
+        future = self._claim(key)
+        if future is None:
             # Not prefetched (the first unit, or a guess that missed): queue the reads of the
             # whole unit now rather than page by page as the compute thread faults.
             self.source.prefetch(names, populate=False)
+        else:
+            # The prefetch in flight maps every page in: a page the compute thread faulted on
+            # meanwhile would be read with the kernel's read-around (up to read_ahead_kb around
+            # it), which reaches into the rows of experts no token goes to.
+            wait([future])
         return {n: self.source.get(n) for n in names}
+
+    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+        self.source.check_unchanged(names)
+        read_rows(self.source, names, rows)
+        return {n: self.source.get(n) for n in names}
+
+
+def read_rows(source: WeightSource, names: Sequence[str], rows: Sequence[int] | None) -> None:
+    """Have ``source`` read ``rows`` of ``names`` (all of them: None) in now, several requests
+    in flight; a source that reads only whole tensors reads those."""
+    if rows is not None and isinstance(source, RowSource):
+        source.prefetch_rows(names, rows)
+    else:
+        source.prefetch(names)
 
 
 class DeviceOps(Protocol):
@@ -262,17 +294,32 @@ class StagedTransfer(Transfer):
             self.ops.keep_alive(tensor, current)  # its memory is reused only after compute used it
         return {n: got[n] for n in names}
 
-    def _copy(self, names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Any]:
+    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+        self.source.check_unchanged(names)
+        read_rows(self.source, names, rows)
+        got, event = self._copy(tuple(names), rows)
+        current = self.ops.current_stream()
+        self.ops.wait(current, event)
+        for tensor in got.values():
+            self.ops.keep_alive(tensor, current)
+        return got
+
+    def _copy(self, names: tuple[str, ...], rows: Sequence[int] | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+        """Copy ``names`` (only ``rows`` of each along its first dimension, when given) into new
+        tensors on the device, through the staging buffer where the source is not pinned."""
         sources = {n: self.source.get(n) for n in names}
-        staged = sum(aligned(t.nbytes) for t in sources.values() if not self.ops.is_pinned(t))
+        parts = {n: [t] if rows is None else [t[r] for r in rows] for n, t in sources.items()}
+        staged = sum(aligned(p.nbytes) for ps in parts.values() for p in ps if not self.ops.is_pinned(p))
         out: dict[str, torch.Tensor] = {}
         with self._staging_lock, self.ops.on_stream(self._stream):
             offset = 0
             for name, src in sources.items():
-                if not self.ops.is_pinned(src):
-                    src, offset = self._stage(src, offset, staged), offset + aligned(src.nbytes)
                 out[name] = self.ops.empty(src.shape, src.dtype)
-                self.ops.copy(out[name], src)
+                targets = [out[name]] if rows is None else [out[name][r] for r in rows]
+                for part, target in zip(parts[name], targets):
+                    if not self.ops.is_pinned(part):
+                        part, offset = self._stage(part, offset, staged), offset + aligned(part.nbytes)
+                    self.ops.copy(target, part)
             event = self.ops.record(self._stream)
             # The staging buffer is reused by the next unit: it must be drained first. This
             # thread waits, the compute stream does not.

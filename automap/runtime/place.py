@@ -19,6 +19,7 @@ from automap.planning.placement import Placement
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
+from automap.runtime.experts import hook_experts
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
 from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
@@ -212,6 +213,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
         for group in state.groups:
             state.hooks.append(StreamWeights(group, state, None if state.transfer.swaps else files)
                                .attach(modules[group.key]))
+        hook_experts(state, modules)
         state.hooks.append(files.attach(model))
     elif needs_hooks:
         state.hooks.append(CheckFiles(state.gate, name).attach(model))

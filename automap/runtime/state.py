@@ -78,16 +78,24 @@ def follow(item: Streamed, streamed: dict[int, Streamed]) -> bool:
 @dataclass(eq=False)
 class Group:
     """The offloaded tensors one unit needs (its own and tied ones owned elsewhere), and the
-    group expected to run after it (prefetched while this one computes)."""
+    group expected to run after it (prefetched while this one computes). ``experts``: the names
+    of those its routed experts hold, which their own hooks read once the routing is known
+    (:mod:`automap.runtime.experts`); the rest is the unit's *dense* part, read ahead."""
 
     key: str
     where: str
     items: list[Streamed]
     next: Group | None = None
+    experts: frozenset[str] = frozenset()
 
     @property
     def names(self) -> list[str]:
         return [i.name for i in self.items]
+
+    @property
+    def dense(self) -> list[Streamed]:
+        """The items the unit's own hook brings in (all but the routed experts')."""
+        return [i for i in self.items if i.name not in self.experts]
 
 
 class Gate:

@@ -93,7 +93,7 @@ class StreamWeights(Hook):
         """CPU execution: the weights are the views the parameters hold; check their files
         and read ahead."""
         if not self.state.undone:  # a forward racing undispatch runs on the weights in RAM
-            self.transfer.take(self.group.key, self.group.names)
+            self.transfer.take(self.group.key, [i.name for i in self.group.dense])
             self._prefetch_next()
 
     @skip_when_compiling
@@ -129,14 +129,14 @@ class StreamWeights(Hook):
         # Weights swapped in under inference_mode would become inference tensors, which a
         # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
         with torch.inference_mode(False):
-            needed = [i for i in self.group.items if i.users == 0 and follow(i, self.state.streamed)]
+            needed = [i for i in self.group.dense if i.users == 0 and follow(i, self.state.streamed)]
             got = self.transfer.take(self.group.key, [i.name for i in needed if i.streams])
             for item in needed:
                 # What torch's API put in the tensor since dispatch (adopted by follow) is
                 # copied in as the source's tensors are; it stays what the model holds.
                 item.tensor.data = got[item.name] if item.streams else item.home.to(self.device)
                 item.version = item.tensor._version
-        for item in self.group.items:
+        for item in self.group.dense:
             item.users += 1
         if torch.is_grad_enabled() and self._saving is None:
             self._saving = ExitStack()
@@ -148,7 +148,7 @@ class StreamWeights(Hook):
             self._saving.close()
             self._saving = None
         with torch.inference_mode(False), torch.no_grad():
-            for item in self.group.items:
+            for item in self.group.dense:
                 item.users -= 1
                 if item.users:
                     continue
@@ -206,12 +206,13 @@ class CheckFiles(Hook):
 
 def following(start: Group | None, stop: Group | None, count: int) -> list[tuple[str, list[str]]]:
     """Up to ``count`` groups from ``start`` on in run order, before coming back to ``stop``
-    (or to a group already listed): ``(key, names)`` of each, the weights not already in use."""
+    (or to a group already listed): ``(key, names)`` of each, the weights not already in use
+    (its dense part: routed experts are read when the routing is known)."""
     found: list[tuple[str, list[str]]] = []
     seen = {id(stop)} if stop is not None else set()
     while start is not None and id(start) not in seen and len(found) < count:
         seen.add(id(start))
-        found.append((start.key, [i.name for i in start.items if i.users == 0]))
+        found.append((start.key, [i.name for i in start.dense if i.users == 0]))
         start = start.next
     return found
 
@@ -227,7 +228,7 @@ class SavedWeight:
 
 
 def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i for i in hook.group.items if i.tensor.numel()}
+    loaded = {i.tensor.data_ptr(): i for i in hook.group.dense if i.tensor.numel()}
 
     def pack(tensor: torch.Tensor) -> Any:
         item = loaded.get(tensor.data_ptr()) if tensor.numel() else None

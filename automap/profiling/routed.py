@@ -1,0 +1,122 @@
+"""Finding a model's routed experts: the weights of a mixture-of-experts layer that a forward
+reads only in part, for the experts its router picked.
+
+Two shapes cover transformers' models and hand-written ones:
+
+- **stacked**: one module holds every expert's weights in tensors whose first dimension counts
+  the experts (``num_experts`` of them): transformers' fused ``experts`` of Mixtral, Qwen2/3-MoE,
+  GPT-OSS, DeepSeek and the rest. The routing reaches it as an argument, the integer tensor of
+  the experts each token goes to (``top_k_index``), and every implementation transformers has
+  (``eager``, ``grouped_mm``, ``batched_mm``) reads only those experts' rows. A router also has
+  ``num_experts`` and a weight with a row per expert; it differs in having no tensor of three
+  dimensions or more.
+- **listed**: an ``nn.ModuleList`` of like modules, one per expert, in a block that also holds a
+  router (a weight with one row per expert); the block calls only the experts it routes to.
+
+The runtime reads a stacked module's routed rows once the call's routing is known, and a listed
+expert whole when it is called (:mod:`automap.runtime.experts`); whatever the router did not pick
+is never read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Weights read per call, for the experts routed to.
+
+    Attributes:
+        module: the stacked module's name, or one listed expert's.
+        tensors: the full names of its parameters and buffers.
+        count: experts stacked along the first dimension of each tensor; 0 for a listed
+            expert (read whole, when the block calls it).
+    """
+
+    module: str
+    tensors: tuple[str, ...]
+    count: int
+
+    @property
+    def stacked(self) -> bool:
+        return self.count > 0
+
+
+def find_experts(root: nn.Module, prefix: str = "") -> list[Experts]:
+    """The routed experts inside ``root`` (whose name in the model is ``prefix``), stacked
+    modules and listed experts, in module order.
+
+    Example:
+        >>> [e.module for e in find_experts(mixtral.model.layers[0], "model.layers.0")]
+        ['model.layers.0.mlp.experts']
+    """
+    found: list[Experts] = []
+    for name, module in root.named_modules(prefix=prefix):
+        count = stacked_count(module)
+        if count:
+            found.append(Experts(name, _own_tensors(module, name), count))
+        elif isinstance(module, nn.ModuleList) and _listed(module, name, root, prefix):
+            found.extend(Experts(f"{name}.{i}", _all_tensors(child, f"{name}.{i}"), 0) for i, child in enumerate(module))
+    return found
+
+
+def stacked_count(module: nn.Module) -> int:
+    """The experts stacked in ``module``'s own tensors, or 0 when it is not such a module: it
+    says ``num_experts``, each of its own parameters has them along its first dimension, and
+    one has three dimensions or more (a router's weight has two)."""
+    count = getattr(module, "num_experts", None)
+    own = list(module.parameters(recurse=False))
+    if not isinstance(count, int) or count < 2 or not own:
+        return 0
+    if all(p.dim() >= 2 and p.shape[0] == count for p in own) and any(p.dim() >= 3 for p in own):
+        return count
+    return 0
+
+
+def _listed(experts: nn.ModuleList, name: str, root: nn.Module, prefix: str) -> bool:
+    """Whether ``experts`` (``name``) is a list of experts: two or more modules of one class
+    with the same tensors, beside a router in the block that holds the list."""
+    children = list(experts)
+    if len(children) < 2 or len({type(c) for c in children}) > 1:
+        return False
+    shapes = [[tuple(p.shape) for p in c.parameters()] for c in children]
+    if not shapes[0] or any(s != shapes[0] for s in shapes):
+        return False
+    block = _parent(root, prefix, name)
+    inside = {id(p) for p in experts.parameters()}
+    return any(p.dim() == 2 and p.shape[0] == len(children) for p in block.parameters() if id(p) not in inside)
+
+
+def _parent(root: nn.Module, prefix: str, name: str) -> nn.Module:
+    relative = name[len(prefix) + 1:] if prefix else name
+    owner = relative.rpartition(".")[0]
+    return root.get_submodule(owner) if owner else root
+
+
+def _own_tensors(module: nn.Module, name: str) -> tuple[str, ...]:
+    return tuple(f"{name}.{key}" for key, _ in _named(module, recurse=False))
+
+
+def _all_tensors(module: nn.Module, name: str) -> tuple[str, ...]:
+    return tuple(f"{name}.{key}" for key, _ in _named(module, recurse=True))
+
+
+def _named(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=recurse)
+    yield from module.named_buffers(recurse=recurse)
+
+
+def routed_rows(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[int] | None:
+    """The experts a call of a stacked module routes to: the distinct values below ``count``
+    of its first integer tensor argument (values past it mark tokens sent to no expert here);
+    None when the call carries no such tensor (then every expert is read)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype is not torch.bool:
+            ids = torch.unique(value.detach()).tolist()
+            return [i for i in ids if 0 <= i < count]
+    return None

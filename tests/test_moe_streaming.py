@@ -1,0 +1,223 @@
+"""Routed experts streamed from disk: a mixture-of-experts layer on disk reads its dense part
+ahead and, of its experts, only those the router picked — stacked experts (transformers' fused
+``experts``) by rows, listed experts (an ``nn.ModuleList``) when called — and the model gives
+the plain model's outputs, on CPU execution and through the staged (accelerator) path."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import automap
+from automap.offload import HostCopyOps, StagedTransfer
+from automap.offload.mapped import PAGE
+from automap.profiling.routed import find_experts, routed_rows
+from automap.runtime.place import dispatch_plan
+from automap.runtime.state import state_of
+from conftest import tiny_gpt2, tiny_moe
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+
+
+class ListedMoE(nn.Module):
+    """A hand-written MoE block: a router and a list of expert MLPs, top-2, calling only the
+    experts its tokens go to."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                                   nn.Linear(4 * hidden, hidden)) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        weights, index = self.gate(h).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for expert in index.unique().tolist():
+            chosen = index == expert
+            tokens = chosen.any(-1)
+            weight = (weights * chosen).sum(-1, keepdim=True)[tokens]
+            out[tokens] += weight * self.experts[expert](h[tokens])
+        return x + out
+
+
+class ListedNet(nn.Module):
+    def __init__(self, hidden: int = 64, experts: int = 8, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(100, hidden)
+        self.blocks = nn.ModuleList(ListedMoE(hidden, experts) for _ in range(layers))
+        self.head = nn.Linear(hidden, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _layers_on_disk(model: nn.Module) -> dict[str, str]:
+    if isinstance(model, ListedNet):
+        return {"embed": "cpu", "head": "cpu", **{f"blocks.{i}": "disk" for i in range(len(model.blocks))}}
+    layers = model.model.layers
+    found = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu"}
+    found.update({f"model.layers.{i}": "disk" for i in range(len(layers))})
+    return found
+
+
+def _ids(batch: int, length: int = 1, vocab: int = 100) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(batch + length))
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids) if isinstance(model, ListedNet) else model(ids, use_cache=False).logits
+    return out
+
+
+def _routed(model: nn.Module, ids: torch.Tensor) -> dict[str, set[int]]:
+    """Per stacked experts module, the experts the plain model's tokens go to."""
+    found: dict[str, set[int]] = {}
+    handles = []
+    for experts in find_experts(model):
+        module = model.get_submodule(experts.module)
+
+        def record(m, args, kwargs, name=experts.module, count=experts.count):
+            found.setdefault(name, set()).update(routed_rows(args, kwargs, count))
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    _logits(model, ids)
+    for handle in handles:
+        handle.remove()
+    return found
+
+
+def _resident_pages(address: int, length: int) -> tuple[int, int]:
+    """(pages in memory, pages) of the bytes ``[address, address + length)``."""
+    start = address - address % PAGE
+    vector = ctypes.create_string_buffer((length + address - start + PAGE - 1) // PAGE)
+    assert LIBC.mincore(start, length + address - start, vector) == 0
+    return sum(b & 1 for b in vector.raw), len(vector.raw)
+
+
+def _row_pages(model: nn.Module, name: str) -> list[tuple[int, int]]:
+    """(resident pages, pages) of each row of stacked tensor ``name`` (a view of the store)."""
+    tensor = model.get_parameter(name)
+    row = tensor[0].nbytes
+    out = []
+    for index in range(tensor.shape[0]):
+        address = tensor.data_ptr() + index * row
+        out.append(_resident_pages(address, row))
+    return out
+
+
+def _cold(model: nn.Module) -> None:
+    os.sync()
+    state_of(model).source.evict()
+
+
+# ------------------------------------------------------------------ finding experts
+
+
+def test_stacked_and_listed_experts_are_found_and_routers_are_not():
+    mixtral = tiny_moe("mixtral", layers=1, hidden=32, experts=4, shared=0)
+    qwen = tiny_moe("qwen2_moe", layers=1, hidden=32, experts=4, shared=48)
+    assert [(e.module, e.count) for e in find_experts(mixtral)] == [("model.layers.0.mlp.experts", 4)]
+    assert [(e.module, e.count) for e in find_experts(qwen)] == [("model.layers.0.mlp.experts", 4)]
+    assert set(find_experts(qwen)[0].tensors) == {"model.layers.0.mlp.experts.gate_up_proj",
+                                                  "model.layers.0.mlp.experts.down_proj"}
+    listed = find_experts(ListedNet(hidden=16, experts=3, layers=1), "net")
+    assert [(e.module, e.count) for e in listed] == [(f"net.blocks.0.experts.{i}", 0) for i in range(3)]
+    assert "net.blocks.0.experts.1.2.weight" in listed[1].tensors
+    assert find_experts(tiny_gpt2(layers=2)) == []  # a list of blocks beside no router is no list of experts
+
+
+def test_routing_is_read_from_the_first_integer_argument():
+    index = torch.tensor([[3, 1], [1, 9]])
+    assert routed_rows((torch.randn(2, 4), index, torch.rand(2, 2)), {}, 8) == [1, 3]  # 9: no expert here
+    assert routed_rows((torch.randn(2, 4),), {"top_k_index": index}, 4) == [1, 3]
+    assert routed_rows((torch.randn(2, 4),), {}, 4) is None
+
+
+# ------------------------------------------------------------------ transparency
+
+
+BUILDERS = {
+    "mixtral": lambda: tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0),
+    "qwen2_moe": lambda: tiny_moe("qwen2_moe", layers=2, hidden=64, experts=8, shared=96),
+    "listed": lambda: ListedNet(),
+}
+STAGED = {"pages": None, "staged": lambda source, _: StagedTransfer(source, HostCopyOps())}
+
+
+@pytest.mark.parametrize("path", sorted(STAGED))
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_experts_streamed_from_disk_give_the_plain_outputs(kind, path, tmp_path):
+    torch.manual_seed(0)
+    model = BUILDERS[kind]().eval()
+    batches = [_ids(1), _ids(4), _ids(2, length=5)]
+    expected = [_logits(model, ids) for ids in batches]
+    plan = automap.plan(model, _layers_on_disk(model))
+    extra = {"transfer": STAGED[path]} if STAGED[path] else {}
+    dispatch_plan(model, plan, offload_dir=tmp_path, **extra)
+    assert all(g.experts for g in state_of(model).groups), "every layer on disk reads its experts as routed"
+    for ids, want in zip(batches, expected):
+        assert torch.equal(_logits(model, ids), want)
+    automap.undispatch(model)
+    assert all(torch.equal(_logits(model, ids), want) for ids, want in zip(batches, expected))
+
+
+def test_generate_through_streamed_experts_gives_the_plain_tokens(tmp_path):
+    model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
+    ids = _ids(2, length=4, vocab=128)
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+# ------------------------------------------------------------------ what is read
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_cold_forward_reads_only_the_routed_experts_rows(batch, tmp_path):
+    model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
+    ids = _ids(batch, vocab=128)
+    expected, routed = _logits(model, ids), _routed(model, ids)
+    automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
+    _cold(model)
+    assert torch.equal(_logits(model, ids), expected)
+    for module, experts in routed.items():
+        assert 0 < len(experts) < 8
+        for tensor in ("gate_up_proj", "down_proj"):
+            rows = _row_pages(model, f"{module}.{tensor}")
+            for index, (resident, pages) in enumerate(rows):
+                if index in experts:
+                    assert resident == pages, f"{module}.{tensor} routed row {index}: {resident}/{pages} pages"
+                else:  # at most the pages its routed neighbours share with it
+                    assert resident <= 2, f"{module}.{tensor} row {index} of no routed expert: {resident}/{pages} pages read"
+
+
+def test_listed_experts_that_no_token_went_to_are_never_read(tmp_path):
+    torch.manual_seed(0)
+    model = ListedNet().eval()
+    ids = _ids(1)
+    called: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda m, a, name=n: called.add(name))
+               for n, m in model.named_modules() if n.count(".") == 3 and ".experts." in n]
+    expected = _logits(model, ids)
+    for handle in handles:
+        handle.remove()
+    automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
+    _cold(model)
+    assert torch.equal(_logits(model, ids), expected)
+    for name, module in model.named_modules():
+        if name.count(".") == 3 and ".experts." in name:
+            weight = module[0].weight
+            resident, pages = _resident_pages(weight.data_ptr(), weight.nbytes)
+            if name in called:
+                assert resident == pages, name
+            else:
+                assert resident <= 2, f"{name} was called by no token but {resident}/{pages} pages were read"
