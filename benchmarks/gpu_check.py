@@ -16,7 +16,10 @@ Steps, in this order (``benchmarks/gpu_steps.py`` holds each one):
   CPU RAM, and with a part on disk: automap vs accelerate vs all on the GPU, one process each;
 - ``load``: the checkpoint loaded to the GPU (all, and GPU + CPU + disk), automap vs accelerate;
 - ``tutorial``: the model-parallel tutorial's experiment (1 GPU: both stages on it, the
-  overhead alone; 2+ GPUs: the real comparison and its plot).
+  overhead alone; 2+ GPUs: the real comparison and its plot);
+- ``moe``: Mixtral- and Qwen2-MoE-shaped models with their layers on disk, in CPU RAM, and only
+  their routed experts in CPU RAM: outputs, ``generate``, bytes copied per forward
+  (``benchmarks/gpu_moe.py``).
 
 Each step runs in a forked process of its own, so a failure (a CUDA error, an OOM, a crash) is
 reported in the JSON and the next step still runs; the parent never touches CUDA (and sets
@@ -70,12 +73,12 @@ class Step:
 
 
 def steps() -> list[Step]:
-    from benchmarks import gpu_steps as s
+    from benchmarks import gpu_moe, gpu_steps as s
 
     llama = [Step(f"llama-{c}", partial(s.llama, config=c), 35) for c in s.LLAMA_CONFIGS]
     return [Step("environment", s.environment, 5), Step("tests", s.gpu_tests, 60),
             Step("transparency", s.transparency, 30), Step("h2d", s.h2d, 30), *llama,
-            Step("load", s.load, 40), Step("tutorial", s.tutorial, 40)]
+            Step("load", s.load, 40), Step("tutorial", s.tutorial, 40), Step("moe", gpu_moe.moe, 40)]
 
 
 def preload() -> None:

@@ -221,3 +221,22 @@ def test_listed_experts_that_no_token_went_to_are_never_read(tmp_path):
                 assert resident == pages, name
             else:
                 assert resident <= 2, f"{name} was called by no token but {resident}/{pages} pages were read"
+
+
+@pytest.mark.parametrize("path", sorted(STAGED))
+def test_experts_mapped_apart_from_the_rest_of_the_model_are_brought_in_once(path, tmp_path):
+    """``{"": device, "...experts": tier}``: the model's own unit holds everything else, and
+    must not bring in the experts' weights as if they were tied to it (they stream with their
+    own unit, by routed rows, once per call, and the model's weights stay what they were)."""
+    model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
+    prompt, ids = _ids(1, length=5, vocab=128), _ids(1, vocab=128)
+    expected_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    expected, weights = _logits(model, ids), {n: p.detach().clone() for n, p in model.named_parameters()}
+    device_map = {"": "cpu", **{f"model.layers.{i}.mlp.experts": "disk" for i in range(2)}}
+    extra = {"transfer": STAGED[path]} if STAGED[path] else {}
+    dispatch_plan(model, automap.plan(model, device_map), offload_dir=tmp_path, **extra)
+    groups = state_of(model).groups
+    assert sorted(g.key for g in groups) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False), expected_tokens)
+    assert torch.equal(_logits(model, ids), expected)
+    assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())

@@ -86,13 +86,15 @@ class ReadExperts(Hook):
 def hook_experts(state: DispatchState, modules: dict[str, nn.Module]) -> None:
     """Give each streamed unit's routed experts a :class:`ReadExperts` hook and take them out
     of the unit's dense part, which its own hook reads ahead."""
+    hooked: set[str] = set()  # a module of experts gets one hook, from the first unit streaming it
     for group in state.groups:
         by_name = {i.name: i for i in group.items}
         taken: set[str] = set()
         for experts in find_experts(modules[group.key], group.key):
             items = [by_name[n] for n in experts.tensors if n in by_name and n not in taken]
-            if not items:
+            if not items or experts.module in hooked:
                 continue
+            hooked.add(experts.module)
             taken.update(i.name for i in items)
             state.hooks.append(ReadExperts(experts, items, group, state).attach(modules[experts.module]))
         if taken:

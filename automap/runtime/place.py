@@ -17,6 +17,7 @@ from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
 from automap.planning import Plan, unit_label
 from automap.planning.placement import Placement
 from automap.profiling import Unit
+from automap.profiling.routed import stacked_count
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
 from automap.runtime.experts import hook_experts
@@ -100,7 +101,7 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
         bad = [t for t in unit.tensors if t not in tensors]
         if bad:
             raise DispatchError(f"the plan names tensors {bad[:3]} that the model lacks; plan this model again")
-    for name, devices in split_devices(plan).items():
+    for name, devices in split_devices(plan, modules).items():
         if name not in modules or len(devices) > 1:
             raise DispatchError(f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
                                 "own forward code runs between them, so they must compute on one device; plan the "
@@ -241,7 +242,7 @@ def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module],
         # A unit also streams in tied tensors that an offloaded unit owns (even when it is
         # resident itself), so a tie split between RAM and disk stays one parameter.
         own = owned.get(unit.name, [])
-        items = own + aliases(modules[unit.name], state, own)
+        items = own + aliases(modules[unit.name], unit.name, inner_units(plan, unit.name), state, own)
         if items:
             state.groups.append(Group(unit.name, placement.home, items))
         if needs_hooks:
@@ -265,15 +266,27 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict
     return item
 
 
-def aliases(module: nn.Module, state: DispatchState, own: list[Streamed]) -> list[Streamed]:
-    """Streamed tensors reachable from ``module`` that another unit owns (tied weights)."""
+def aliases(module: nn.Module, name: str, inner: list[str], state: DispatchState,
+            own: list[Streamed]) -> list[Streamed]:
+    """Streamed tensors reachable from unit ``name``'s ``module`` that another unit owns (tied
+    weights); not those of the ``inner`` units (modules inside it that are units of their own,
+    as the model's children are inside a unit mapped as ``""``), which bring in their own."""
     mine = {id(i.tensor) for i in own}
     found = []
-    for t in list(module.parameters()) + list(module.buffers()):
+    named = [*module.named_parameters(prefix=name, remove_duplicate=False),
+             *module.named_buffers(prefix=name, remove_duplicate=False)]
+    for key, t in named:
+        if any(key.startswith(f"{n}.") for n in inner):
+            continue
         if id(t) in state.streamed and id(t) not in mine:
             found.append(state.streamed[id(t)])
             mine.add(id(t))
     return found
+
+
+def inner_units(plan: Plan, name: str) -> list[str]:
+    """The plan's units inside unit ``name`` (all others when it is the model, ``""``)."""
+    return [u.name for u in plan.units if u.name != name and (not name or u.name.startswith(f"{name}."))]
 
 
 def link(groups: list[Group]) -> None:
@@ -295,20 +308,53 @@ def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[s
         state.hooks.append(MoveInputs(device).attach(modules[owner]))
 
 
-def split_devices(plan: Plan) -> dict[str, set[str]]:
-    """For each unit the planner split (``Unit.split_from``), where its pieces compute."""
+def split_devices(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, set[str]]:
+    """For each unit the planner split (``Unit.split_from``), where its pieces compute; routed
+    experts left out (:func:`hook_split_units`)."""
     found: dict[str, set[str]] = {}
     for unit, placement in zip(plan.units, plan.placements):
-        if unit.split_from:
+        if unit.split_from and not is_experts(modules.get(unit.name)):
             found.setdefault(unit.split_from, set()).add(placement.compute)
     return found
 
 
+def is_experts(module: nn.Module | None) -> bool:
+    """Whether ``module`` holds a layer's routed experts, stacked (a piece that may compute
+    apart from the rest of its layer: the experts in CPU RAM computed by the CPU, the
+    attention on a GPU)."""
+    return module is not None and stacked_count(module) > 0
+
+
 def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
     """A split unit's own forward code (a residual add) runs between its pieces, on what it
-    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`)."""
-    for name, devices in split_devices(plan).items():
-        state.hooks.append(MoveInputs(torch_device(next(iter(devices)))).attach(modules[name]))
+    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`).
+    A piece of routed experts computing elsewhere sends its outputs back there."""
+    devices = {name: torch_device(next(iter(found))) for name, found in split_devices(plan, modules).items()}
+    for name, device in devices.items():
+        state.hooks.append(MoveInputs(device).attach(modules[name]))
+    hook_expert_outputs(plan, modules, state, devices)
+
+
+def hook_expert_outputs(plan: Plan, modules: dict[str, nn.Module], state: DispatchState,
+                        parents: dict[str, torch.device]) -> None:
+    """A unit of routed experts that computes apart from the code around it — its split
+    parent's pieces (``parents``) or the unit that encloses it — sends its outputs back there."""
+    computes = {u.name: torch_device(p.compute) for u, p in zip(plan.units, plan.placements)}
+    for unit, placement in zip(plan.units, plan.placements):
+        if not is_experts(modules[unit.name]):
+            continue
+        around = parents.get(unit.split_from) if unit.split_from else enclosing(unit.name, computes)
+        if around is not None and around != torch_device(placement.compute):
+            state.hooks.append(MoveOutputs(around).attach(modules[unit.name]))
+
+
+def enclosing(name: str, computes: dict[str, torch.device]) -> torch.device | None:
+    """Where the nearest unit whose module contains module ``name`` computes (None: none does)."""
+    while name:
+        name = name.rpartition(".")[0]
+        if name in computes:
+            return computes[name]
+    return None
 
 
 # ------------------------------------------------------------------ undo

@@ -1,0 +1,125 @@
+"""The ``moe`` step of ``make gpu-check``: mixture-of-experts layers streamed to the GPU by
+routed experts (:mod:`automap.runtime.experts`).
+
+A Mixtral-shaped and a Qwen2-MoE-shaped model (transformers, random weights, fp32) run on
+``cuda:0`` with, in turn, every decoder layer on disk, every decoder layer in CPU RAM, and only
+the routed experts in CPU RAM (the rest on the GPU). For each: logits against the model all on
+the GPU, ``generate`` tokens, the median one-token forward, and the bytes copied to the GPU per
+forward against the bytes of the offloaded weights (only the routed experts' rows cross).
+In a dry run the CPU executes and the copies go through ``StagedTransfer(source, HostCopyOps())``.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import automap
+from automap.offload import CudaOps, HostCopyOps, StagedTransfer
+from automap.runtime import dispatch_plan
+from benchmarks.gpu_steps import CheckFailed, Context, TimedOps
+
+
+def build(kind: str, dry: bool) -> nn.Module:
+    import transformers
+
+    hidden, layers = (64, 2) if dry else (512, 6)
+    common = dict(vocab_size=256 if dry else 4096, hidden_size=hidden, intermediate_size=3 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
+        model_class = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(**common, num_experts=16, num_experts_per_tok=4,
+                                             moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden)
+        model_class = transformers.Qwen2MoeForCausalLM
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+def device_maps(model: nn.Module, dry: bool) -> dict[str, dict[str, Any]]:
+    """The placements to check; in a dry run the "GPU" is the CPU and CPU RAM becomes disk."""
+    gpu, ram = ("cpu", "disk") if dry else (0, "cpu")
+    count = len(model.model.layers)
+    layers = {f"model.layers.{i}": "disk" for i in range(count)}
+    return {"layers-on-disk": {"": gpu, **layers},
+            "layers-in-ram": {"": gpu, **{k: ram for k in layers}},
+            "experts-in-ram": {"": gpu, **{f"model.layers.{i}.mlp.experts": ram for i in range(count)}}}
+
+
+def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float().cpu()
+
+
+def median_seconds(ctx: Context, model: nn.Module, ids: torch.Tensor, runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        ctx.sync()
+        start = time.perf_counter()
+        forward(model, ids)
+        ctx.sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_mode(ctx: Context, base: nn.Module, device_map: dict[str, Any], name: str,
+               reference: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    model = copy.deepcopy(base)
+    ids, gen = _inputs(ctx, model)
+    ops = TimedOps(HostCopyOps() if ctx.dry else CudaOps(ctx.device))
+    plan = automap.plan(model, device_map)
+    dispatch_plan(model, plan, offload_dir=ctx.scratch / f"moe-{name}",
+                  transfer=lambda source, _: StagedTransfer(source, ops))
+    try:
+        logits = forward(model, ids)
+        tokens = model.generate(**gen).cpu()
+        ops.timings.clear()
+        forward(model, ids)
+        copied = sum(sum(t.sizes) for t in ops.timings)
+        seconds = median_seconds(ctx, model, ids)
+        offloaded = sum(u.param_bytes + u.buffer_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
+    finally:
+        automap.undispatch(model)
+    diff = (logits - reference[0]).abs().max().item()
+    return {"max_abs_diff": diff, "outputs_match": bool(torch.allclose(logits, reference[0], rtol=1e-4, atol=1e-5)),
+            "generate_identical": bool(torch.equal(tokens, reference[1])), "copied_bytes_per_forward": copied,
+            "offloaded_bytes": offloaded, "copied_vs_offloaded": copied / max(offloaded, 1),
+            "median_forward_seconds": seconds}
+
+
+def _inputs(ctx: Context, model: nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 1), generator=torch.Generator().manual_seed(1)).to(ctx.device)
+    prompt = torch.randint(0, vocab, (1, 6), generator=torch.Generator().manual_seed(2)).to(ctx.device)
+    gen = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt), "max_new_tokens": 6,
+           "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    return ids, gen
+
+
+def check_model(ctx: Context, kind: str) -> dict[str, Any]:
+    base = build(kind, ctx.dry)
+    plain = copy.deepcopy(base).to(ctx.device)
+    ids, gen = _inputs(ctx, plain)
+    reference = (forward(plain, ids), plain.generate(**gen).cpu())
+    found: dict[str, Any] = {"all_on_device_seconds": median_seconds(ctx, plain, ids)}
+    del plain
+    for name, device_map in device_maps(base, ctx.dry).items():
+        found[name] = check_mode(ctx, base, device_map, f"{kind}-{name}", reference)
+    return found
+
+
+def moe(ctx: Context) -> dict[str, Any]:
+    results = {kind: check_model(ctx, kind) for kind in ("mixtral", "qwen2_moe")}
+    bad = [f"{k}/{m}: {r}" for k, modes in results.items() for m, r in modes.items()
+           if isinstance(r, dict) and not (r["outputs_match"] and r["generate_identical"])]
+    if bad:
+        raise CheckFailed("routed experts not transparent: " + "; ".join(bad))
+    worst = max(r["copied_vs_offloaded"] for modes in results.values() for r in modes.values() if isinstance(r, dict))
+    return {"models": results,
+            "headline": f"mixtral, qwen2_moe: layers on disk / in RAM, experts in RAM: outputs match, generate identical;"
+                        f" copied at most {worst:.2f}x of the offloaded bytes per forward"}
