@@ -89,12 +89,12 @@ def test_page_transfer_reads_two_units_ahead_and_reads_a_stale_guess_again(tmp_p
     source.evict()
     transfer.prefetch_after(units)
     assert list(transfer._pending) == ["q", "k"], "two units ahead, not three"
-    transfer._pool.submit(lambda: None).result()  # the worker read them
+    transfer.drain()  # the worker read them
     assert mapped.resident(["layer.q", "layer.k"])
     source.evict()
     assert not mapped.resident(["layer.q", "layer.k"])
     transfer.prefetch_after(units[:2])
-    transfer._pool.submit(lambda: None).result()
+    transfer.drain()
     assert mapped.resident(["layer.q", "layer.k"]), "the guesses made before the eviction were read again"
     assert torch.equal(transfer.take("q", ["layer.q"])["layer.q"], weights["layer.q"])
     transfer.close()

@@ -60,7 +60,9 @@ class Transfer(abc.ABC):
 
     def __init__(self, source: WeightSource):
         self.source = source
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automap-prefetch")
+        # A worker per unit in flight: the reads of the next unit start while those of the one
+        # before still end, so the disk's queue does not drain at each unit's last requests.
+        self._pool = ThreadPoolExecutor(max_workers=self.lookahead, thread_name_prefix="automap-prefetch")
         self._pending: dict[str, Future[Any]] = {}
         self._state = threading.Lock()  # guards _pending: forwards may run on several threads
         self._closed = False
@@ -94,6 +96,12 @@ class Transfer(abc.ABC):
     def _stale(self, future: Future[Any]) -> bool:
         """Whether a prefetch done but not yet taken must run again when asked for once more."""
         return False
+
+    def drain(self) -> None:
+        """Wait until every prefetch in flight has finished (tests and benchmarks)."""
+        with self._state:
+            pending = list(self._pending.values())
+        wait(pending)
 
     def _claim(self, key: str) -> Future[Any] | None:
         with self._state:
