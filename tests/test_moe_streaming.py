@@ -14,7 +14,8 @@ from torch import nn
 import automap
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.offload.mapped import PAGE
-from automap.profiling.routed import find_experts, routed_rows
+from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
+from automap.runtime.experts import GuessedReads
 from automap.runtime.place import dispatch_plan
 from automap.runtime.state import state_of
 from conftest import tiny_gpt2, tiny_moe
@@ -79,20 +80,29 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _routed(model: nn.Module, ids: torch.Tensor) -> dict[str, set[int]]:
-    """Per stacked experts module, the experts the plain model's tokens go to."""
+def _routed(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """Per stacked experts module, the experts the plain model's tokens go to, and those the
+    layer before guesses for it (its router applied to the layer before's input)."""
     found: dict[str, set[int]] = {}
+    inputs: dict[str, tuple[torch.Tensor, int]] = {}
     handles = []
-    for experts in find_experts(model):
+    stacked = find_experts(model)
+    for experts in stacked:
         module = model.get_submodule(experts.module)
 
         def record(m, args, kwargs, name=experts.module, count=experts.count):
             found.setdefault(name, set()).update(routed_rows(args, kwargs, count))
+            inputs[name] = (args[0], args[1].shape[-1])
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     _logits(model, ids)
     for handle in handles:
         handle.remove()
-    return found
+    guessed: dict[str, set[int]] = {e.module: set() for e in stacked}
+    for before, after in zip(stacked, stacked[1:]):
+        module = model.get_submodule(after.module)
+        router = router_of(model.get_submodule(after.module.rpartition(".")[0]), module, after.count)
+        guessed[after.module] = set(guess_rows(*inputs[before.module][:1], router, inputs[before.module][1]))
+    return found, guessed
 
 
 def _resident_pages(address: int, length: int) -> tuple[int, int]:
@@ -185,18 +195,21 @@ def test_generate_through_streamed_experts_gives_the_plain_tokens(tmp_path):
 def test_a_cold_forward_reads_only_the_routed_experts_rows(batch, tmp_path):
     model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
     ids = _ids(batch, vocab=128)
-    expected, routed = _logits(model, ids), _routed(model, ids)
+    expected, (routed, guessed) = _logits(model, ids), _routed(model, ids)
     automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
     _cold(model)
     assert torch.equal(_logits(model, ids), expected)
+    for hook in state_of(model).hooks:  # the guessed reads run in the background: let them end
+        if isinstance(hook, GuessedReads):
+            hook.settle()
     for module, experts in routed.items():
-        assert 0 < len(experts) < 8
+        assert 0 < len(experts | guessed[module]) < 8
         for tensor in ("gate_up_proj", "down_proj"):
             rows = _row_pages(model, f"{module}.{tensor}")
             for index, (resident, pages) in enumerate(rows):
-                if index in experts:
+                if index in experts or index in guessed[module]:  # guessed: read while the layer before ran
                     assert resident == pages, f"{module}.{tensor} routed row {index}: {resident}/{pages} pages"
-                else:  # at most the pages its routed neighbours share with it
+                else:  # at most the pages its neighbours share with it
                     assert resident <= 2, f"{module}.{tensor} row {index} of no routed expert: {resident}/{pages} pages read"
 
 

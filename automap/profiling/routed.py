@@ -15,7 +15,8 @@ Two shapes cover transformers' models and hand-written ones:
 
 The runtime reads a stacked module's routed rows once the call's routing is known, and a listed
 expert whole when it is called (:mod:`automap.runtime.experts`); whatever the router did not pick
-is never read.
+is never read. It also guesses the next layer's experts from this layer's input and the next
+router (:func:`guess_rows`), to read them while this layer computes.
 """
 from __future__ import annotations
 
@@ -110,13 +111,41 @@ def _named(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor
     yield from module.named_buffers(recurse=recurse)
 
 
-def routed_rows(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[int] | None:
-    """The experts a call of a stacked module routes to: the distinct values below ``count``
-    of its first integer tensor argument (values past it mark tokens sent to no expert here);
-    None when the call carries no such tensor (then every expert is read)."""
+def routing_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The routing a call of a stacked module carries: its first integer tensor argument (the
+    experts of each token, ``top_k`` along the last dimension), or None."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
                 and value.dtype is not torch.bool:
-            ids = torch.unique(value.detach()).tolist()
-            return [i for i in ids if 0 <= i < count]
+            return value
     return None
+
+
+def routed_rows(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[int] | None:
+    """The experts a call of a stacked module routes to: the distinct values below ``count``
+    of its routing (:func:`routing_of`; values past it mark tokens sent to no expert here);
+    None when the call carries none (then every expert is read)."""
+    routing = routing_of(args, kwargs)
+    if routing is None:
+        return None
+    return [i for i in torch.unique(routing.detach()).tolist() if 0 <= i < count]
+
+
+def router_of(block: nn.Module, experts: nn.Module, count: int) -> torch.Tensor | None:
+    """The router's weight of the stacked ``experts`` in ``block`` (the module holding them):
+    a weight outside them with one row per expert, or None."""
+    inside = {id(p) for p in experts.parameters()}
+    for weight in block.parameters():
+        if id(weight) not in inside and weight.dim() == 2 and weight.shape[0] == count:
+            return weight
+    return None
+
+
+def guess_rows(hidden: torch.Tensor, router: torch.Tensor, top_k: int) -> list[int]:
+    """The experts ``router`` (a weight with a row per expert) would pick, ``top_k`` per token,
+    for the tokens of ``hidden``: from one layer's input, a guess of the next layer's routing
+    (the residual stream changes little from one layer to the next; biases, normalisation and
+    scoring functions are left out, which rarely changes the top ones)."""
+    tokens = hidden.detach().reshape(-1, hidden.shape[-1])
+    weight = router.detach().to(device=tokens.device, dtype=tokens.dtype)
+    return torch.unique((tokens @ weight.T).topk(min(top_k, weight.shape[0]), dim=-1).indices).tolist()

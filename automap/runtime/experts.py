@@ -14,6 +14,12 @@ module that holds them, which runs once the routing is known:
 - a **listed** expert (one module of an ``nn.ModuleList``) is called only when routed to; the
   hook reads it whole, then.
 
+While a layer's experts compute, the next layer's are guessed — its router applied to this
+layer's input (:func:`~automap.profiling.routed.guess_rows`) — and read in the background, so most
+of the next layer's experts are in memory when its routing is known; a wrong guess costs its
+bytes (on random-weight Mixtral and Qwen2-MoE shapes, 65-89 % of the next layer's experts are
+guessed, with 20-35 % more experts read).
+
 On CPU execution the weights are the source's views, so the hook only reads pages in. On an
 accelerator (weights swapped in for the call) it swaps in device tensors that hold the routed
 rows — the others are never read by any experts implementation, which follow the routing — and
@@ -22,13 +28,17 @@ swaps the homes back after, as the unit's hook does for its own weights, inside 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from automap.kinds import torch_device
-from automap.profiling.routed import Experts, find_experts, routed_rows
+from automap.offload import WeightSource
+from automap.offload.transfer import read_rows
+from automap.profiling.routed import Experts, find_experts, guess_rows, router_of, routed_rows, routing_of
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
 from automap.runtime.state import DispatchState, Group, Streamed, follow
@@ -52,12 +62,15 @@ class ReadExperts(Hook):
         self.experts, self.items, self.group, self.state = experts, items, group, state
         self.transfer = state.transfer
         self.device = torch_device(state.plan.execution_device)
+        self.guess: Guess | None = None  # the next layer's experts, read while this one computes
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.state.undone:
             return None  # a forward racing undispatch runs on the weights in RAM
         rows = routed_rows(args, kwargs, self.experts.count) if self.experts.stacked else None
         self._bring(rows)
+        if self.guess is not None and rows is not None:
+            self._guess_next(args, kwargs)
         return None
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -77,15 +90,83 @@ class ReadExperts(Hook):
                 item.tensor.data = got[item.name] if item.streams else item.home.to(self.device)
 
     @skip_when_compiling
+    def _guess_next(self, args: tuple, kwargs: dict) -> None:
+        assert self.guess is not None
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                      None)
+        routing = routing_of(args, kwargs)
+        if hidden is None or routing is None or hidden.shape[-1] != self.guess.router.shape[-1]:
+            return
+        try:
+            rows = guess_rows(hidden, self.guess.router, routing.shape[-1] if routing.dim() else 1)
+        except RuntimeError as exc:  # a guess must never break a forward: stop guessing here
+            log.debug("no guesses after %s: %s", self.experts.module, exc)
+            self.guess = None
+            return
+        self.guess.reads.submit(self.transfer.source, self.guess.names, rows)
+
+    @skip_when_compiling
     def _give_back(self) -> None:
         with torch.inference_mode(False), torch.no_grad():
             for item in self.items:
                 item.tensor.data = item.home
 
 
+@dataclass
+class Guess:
+    """What a :class:`ReadExperts` hook needs to read the next stacked experts ahead: their
+    router's weight, their offloaded tensors' names, and the reads in the background."""
+
+    router: torch.Tensor
+    names: list[str]
+    reads: GuessedReads
+
+
+class GuessedReads(Hook):
+    """The model's background reads of guessed experts: one worker, each guess a hint (a
+    failed or late one costs nothing but its bytes). Attached to nothing; undispatch detaches
+    it, which stops the worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="automap-experts")
+
+    def submit(self, source: WeightSource, names: list[str], rows: list[int]) -> None:
+        if self._pool is not None:
+            self._pool.submit(read_rows, source, names, rows)
+
+    def settle(self) -> None:
+        """Wait for the reads submitted so far (one worker: they run in order)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
+
+    def detach(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def link_guesses(hooks: list[ReadExperts], modules: dict[str, nn.Module], state: DispatchState) -> None:
+    """Each stacked experts hook guesses the next one's experts (in the order the units run),
+    where the next one's router is found."""
+    stacked = [h for h in hooks if h.experts.stacked]
+    reads = GuessedReads()
+    for hook, after in zip(stacked, stacked[1:]):
+        module = modules[after.experts.module]
+        router = router_of(modules[after.experts.module.rpartition(".")[0]], module, after.experts.count)
+        names = [i.name for i in after.items]
+        if router is not None and names:
+            hook.guess = Guess(router, names, reads)
+    if any(h.guess is not None for h in stacked):
+        state.hooks.append(reads)
+    else:
+        reads.detach()
+
+
 def hook_experts(state: DispatchState, modules: dict[str, nn.Module]) -> None:
     """Give each streamed unit's routed experts a :class:`ReadExperts` hook and take them out
     of the unit's dense part, which its own hook reads ahead."""
+    added: list[ReadExperts] = []
     hooked: set[str] = set()  # a module of experts gets one hook, from the first unit streaming it
     for group in state.groups:
         by_name = {i.name: i for i in group.items}
@@ -96,7 +177,9 @@ def hook_experts(state: DispatchState, modules: dict[str, nn.Module]) -> None:
                 continue
             hooked.add(experts.module)
             taken.update(i.name for i in items)
-            state.hooks.append(ReadExperts(experts, items, group, state).attach(modules[experts.module]))
+            added.append(ReadExperts(experts, items, group, state).attach(modules[experts.module]))
         if taken:
             group.experts = frozenset(taken)
             log.debug("unit %s reads %d expert tensor(s) as routed", group.key, len(taken))
+    state.hooks.extend(added)
+    link_guesses(added, modules, state)
