@@ -119,7 +119,8 @@ def score(case: str, tool: str, plan: Any) -> BenchRow:
 def run_case(case: BenchCase) -> list[BenchRow]:
     """Plan ``case`` with automap and with accelerate; score both."""
     from automap.api import plan
-    from automap.spec_plan import example_inputs_for, plan_spec
+    from automap.compose import example_inputs_for
+    from automap.spec_plan import plan_spec
 
     ours = plan_spec(case.spec, case.overrides, max_memory=case.max_memory, dtype=case.dtype)
     theirs_map = accelerate_map(ours.built.model, case.max_memory, case.dtype)
