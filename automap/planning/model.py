@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import default_memory_bandwidth
+from automap.planning.cost import flop_seconds, stage_seconds, transfer_seconds
 from automap.planning.placement import Placement, placements_of, resolve
 from automap.profiling import Unit
 from automap.profiling.result import Generation
@@ -236,8 +237,7 @@ class Plan:
         """Predicted time to move ``nbytes`` between two devices (the slower link bounds it)."""
         if src == dst or nbytes == 0:
             return 0.0
-        bandwidth = min(self.device(src).link_bytes_per_second, self.device(dst).link_bytes_per_second)
-        return nbytes / max(bandwidth, 1.0)
+        return transfer_seconds(nbytes, self.device(src), self.device(dst))
 
     def compute_device(self, device_name: str) -> str:
         """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
@@ -285,10 +285,9 @@ class Plan:
             flops = sum(u.flops for u in units)
             weights = sum(u.weight_bytes for u in units)
             compute = self.device(self.compute_device(device.name))
-            seconds = flops / max(compute.flops_per_second, 1.0)
-            if self.is_offloaded(device.name):
-                seconds += self.link_seconds(weights, device.name, compute.name)
-            seconds += incoming.get(device.name, 0.0) if units else 0.0
+            streamed = self.link_seconds(weights, device.name, compute.name) if self.is_offloaded(device.name) else 0.0
+            seconds = stage_seconds(flop_seconds(flops, compute.flops_per_second), streamed,
+                                    incoming.get(device.name, 0.0) if units else 0.0)
             # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
             activations = peak.get(device.name, 0) if device.is_accelerator else 0
             rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
