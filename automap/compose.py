@@ -2,7 +2,9 @@
 
 :func:`automap.plan` (and so ``dispatch``, ``load`` and the accelerate drop-ins, which call it)
 and ``automap plan SPEC`` (:mod:`automap.spec_plan`, also behind ``automap bench``) wire
-profile -> plan here, through :func:`plan_strategy` and :func:`traced_profile`. Where the
+profile -> plan here, through :func:`plan_strategy` and :func:`traced_profile`, as does
+:func:`automap.distributed.plan_for_ranks` (its ranks sized from the profile, which it then
+plans as it is). Where the
 library and the command line differ, the difference is a field of :class:`Tracing`, chosen by
 the front door in one place:
 
