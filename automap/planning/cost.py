@@ -8,6 +8,7 @@ Every time automap predicts is built from these formulas, and each exists only h
                 tier to where it computes)
     read      = bytes / the device's memory bandwidth                     (:func:`read_seconds`)
     stage     = compute + streamed weights + transfers into it            (:func:`stage_seconds`)
+    hooks     = HOOK_SECONDS per hook call (3 per call of a streamed unit) (:func:`hooks_seconds`)
     a device's share of a decode step = compute, reads and streams added, or on a kind that
                 overlaps them (its :attr:`~automap.kinds.DeviceKind.overlaps`) the largest
                                                                           (:func:`device_seconds`)
@@ -37,6 +38,10 @@ from automap.devices import DeviceSpec
 from automap.kinds import kind_of
 
 MIN_RATE = 1.0  # FLOP/s or bytes/s an unknown (0) rate counts as
+# What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
+# a streamed unit pays it twice more (weights in, weights out). It makes splitting a unit into
+# more units cost something in the predicted time, as it does when the model runs.
+HOOK_SECONDS = 3e-6
 
 
 def flop_seconds(flops: float, flops_per_second: float) -> float:
@@ -63,6 +68,17 @@ def stage_seconds(compute: float, streamed: float, incoming: float) -> float:
     """A stage of one forward: its compute, then its offloaded weights streamed in, then the
     activations it receives; one after another (a unit waits for its weights and inputs)."""
     return compute + streamed + incoming
+
+
+def hook_calls(calls: int, streamed: bool) -> int:
+    """Hook calls a unit called ``calls`` times pays per forward (at least once; three times
+    each when its weights stream in and out)."""
+    return max(calls, 1) * (3 if streamed else 1)
+
+
+def hooks_seconds(calls: int) -> float:
+    """Seconds ``calls`` hook calls (:func:`hook_calls`, summed) add to a forward."""
+    return HOOK_SECONDS * calls
 
 
 def device_seconds(compute: float, reads: float, streams: float, overlaps: bool) -> float:
