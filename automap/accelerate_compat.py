@@ -297,9 +297,11 @@ def _refuse(function: Any, **given: Any) -> None:
 
 
 def _check_main_device(main_device: str | torch.device | None, chosen: Plan) -> None:
-    if main_device is None or not chosen.offloaded_units:
+    """``main_device`` (accelerate's: where offloaded units compute) agrees with the plan's."""
+    streamed_to = next((p.compute for p in chosen.placements if p.offloaded), None)
+    if main_device is None or streamed_to is None:
         return
-    wanted, used = torch.device(main_device), torch.device(chosen.execution_device)
+    wanted, used = torch.device(main_device), torch.device(streamed_to)
     if (wanted.type, wanted.index or 0) != (used.type, used.index or 0):
         raise DispatchError(f"main_device={str(main_device)!r}: automap runs offloaded units on the plan's first "
                             f"accelerator, {chosen.execution_device}; drop main_device, or map the model so that "

@@ -1,12 +1,13 @@
 """The front doors: :func:`plan`, :func:`dispatch` and :func:`load` connect profile -> plan ->
 dispatch, and checkpoint -> plan -> dispatch (``load`` also builds the model of a Hugging Face
-folder itself)."""
+folder itself). Profile -> plan is wired once, in :mod:`automap.compose`, which the command
+line shares; this module checks the arguments and chooses the library's tracing."""
 from __future__ import annotations
 
 import os
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, overload
 
@@ -25,12 +26,11 @@ from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
                              open_checkpoint, plan_tasks, verify_loaded)
-from automap.planning import STRATEGIES, Plan, get_strategy, make_plan, plan_from_device_map
-from automap.planning.usermap import expressible, loose_homes, normalise_device_map
-from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
-from automap.profiling.kvcache import check_batch, profile_generation, prompt_inputs
-from automap.profiling.refine import Splitter
-from automap.profiling.units import all_named_tensors
+from automap.compose import library_tracing, plan_strategy, plan_user_map
+from automap.planning import STRATEGIES, Plan, get_strategy
+from automap.planning.usermap import expressible
+from automap.profiling import ExampleInputs, Profile
+from automap.profiling.kvcache import check_batch
 
 DeviceMap = str | Mapping[str, int | str] | Plan
 
@@ -115,80 +115,19 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
                              speeds=speeds, links=links, bandwidths=bandwidths)
     if batch is not None:
         check_batch(batch)  # fails before any profiling
-    generation = _Generate(batch, max_length)
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
-        prof, refine = _strategy_profile(model, example_inputs, no_split, dtype, generation)
-        with step("automap: planning"):
-            made = make_plan(prof, devices, device_map, reserve=parse_reserve(reserve, devices), refine=refine,
-                             accept=expressible if map_only else None)
+        tracing = library_tracing(model, example_inputs, batch, max_length)
+        made = plan_strategy(model, devices, device_map, tracing, no_split=no_split, dtype=dtype,
+                             reserve=parse_reserve(reserve, devices), accept=expressible if map_only else None)
         return replace(made, offload_dir=recorded_folder(offload_dir))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
-        made = _plan_user_map(model, device_map, devices, example_inputs, dtype, generation)
+        made = plan_user_map(model, device_map, devices, example_inputs, dtype, batch, max_length)
         return replace(made, offload_dir=recorded_folder(offload_dir))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
-
-def _strategy_profile(model: nn.Module | Profile, example_inputs: ExampleInputs | None,
-                      no_split: Iterable[str | type] | None, dtype: torch.dtype | None,
-                      generation: _Generate) -> tuple[Profile, Splitter | None]:
-    """The profile a strategy plans from (``model`` when it is one), and the splitter that
-    traces the model again to split a unit (None for a given profile)."""
-    if not isinstance(model, Profile):
-        prof, inputs = _profile(model, example_inputs, no_split, dtype, generation)
-        return prof, Splitter(model, example_inputs=inputs, no_split=no_split, dtype=dtype)
-    if generation.max_length is not None and model.generation is None:
-        raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
-                        "or a Profile from automap.profiling.kvcache.profile_generation")
-    return model, None
-
-
-@dataclass(frozen=True)
-class _Generate:
-    """What :func:`plan` was asked to plan a generation for (``max_length`` None: none)."""
-
-    batch: int | None
-    max_length: int | None
-
-
-def _profile(model: nn.Module, example_inputs: ExampleInputs | None, no_split: Iterable[str | type] | None,
-             dtype: torch.dtype | None, generation: _Generate,
-             units: list[str] | None = None) -> tuple[Profile, ExampleInputs | None]:
-    """The profile a plan needs and the inputs it was traced with: the example inputs (at
-    ``batch``), or for a generation its prompt, with each unit's cache measured."""
-    guessed = ""  # how automap derived the inputs, when it did: a failing forward then falls back
-    if generation.max_length is None:
-        if example_inputs is None and generation.batch is not None:
-            example_inputs, guessed = default_example_inputs(model, batch=generation.batch)
-        return profile(model, example_inputs, no_split=no_split, dtype=dtype, units=units,
-                       guessed=guessed), example_inputs
-    inputs, how = prompt_inputs(model, example_inputs, generation.batch or 1, generation.max_length)
-    guessed = how if example_inputs is None else ""
-    prof = profile(model, inputs, no_split=no_split, dtype=dtype, units=units, backward=False, guessed=guessed)
-    prof = replace(prof, example=how if prof.example else "")
-    return profile_generation(model, prof, inputs, batch=generation.batch, max_length=generation.max_length,
-                              dtype=dtype), inputs
-
-
-def _plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple,
-                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None, generation: _Generate) -> Plan:
-    modules = {name for name, _ in model.named_modules()}
-    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
-    normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
-    # The map's module keys that hold tensors are the units: what it keeps together stays together.
-    holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders] or [""]
-    if example_inputs is None and generation.max_length is None:  # the map says where everything goes
-        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
-                                loose_homes=loose_homes(device_map, units, tensors))
-    else:
-        prof, _ = _profile(model, example_inputs, None, dtype, generation, units)
-    return plan_from_device_map(prof, devices, device_map, tensors, modules)
-
-
-_MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"
 
 DtypeLike = torch.dtype | str | None
 

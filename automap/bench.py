@@ -102,10 +102,9 @@ def score(case: str, tool: str, plan: Any) -> BenchRow:
     gpus = [d.name for d in plan.devices if d.is_accelerator]
     total_flops = sum(u.flops for u in plan.units) or 1
     computed = {g: 0 for g in gpus}
-    for unit, where in zip(plan.units, plan.placement):
-        device = plan.compute_device(where)
-        if device in computed:
-            computed[device] += unit.flops
+    for unit, placement in zip(plan.units, plan.placements):
+        if placement.compute in computed:
+            computed[placement.compute] += unit.flops
     return BenchRow(
         case=case, tool=tool,
         gpu_bytes=tuple(plan.bytes_on(g) for g in gpus),
@@ -119,7 +118,8 @@ def score(case: str, tool: str, plan: Any) -> BenchRow:
 def run_case(case: BenchCase) -> list[BenchRow]:
     """Plan ``case`` with automap and with accelerate; score both."""
     from automap.api import plan
-    from automap.spec_plan import example_inputs_for, plan_spec
+    from automap.compose import example_inputs_for
+    from automap.spec_plan import plan_spec
 
     ours = plan_spec(case.spec, case.overrides, max_memory=case.max_memory, dtype=case.dtype)
     theirs_map = accelerate_map(ours.built.model, case.max_memory, case.dtype)

@@ -22,11 +22,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from automap.compose import Tracing, plan_strategy, traced_profile
 from automap.devices import detect_devices
 from automap.errors import AutomapError, PipelineError
 from automap.pipelining import Stage, plan_stages, split_batch
-from automap.planning import Plan, make_plan
-from automap.profiling import ExampleInputs, profile
+from automap.planning import Plan
+from automap.profiling import ExampleInputs
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: Example
     """
     if world_size < 1:
         raise PipelineError(f"world_size must be >= 1, got {world_size}")
-    prof = profile(model, example_inputs, no_split=no_split)
+    prof = traced_profile(model, Tracing(example_inputs), no_split=no_split)
     if len(prof.units) < world_size:
         raise PipelineError(f"{type(model).__name__} has {len(prof.units)} placement unit(s) but there are "
                             f"{world_size} ranks; use fewer ranks or smaller units (no_split=[])")
@@ -103,7 +104,7 @@ def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: Example
         memory_per_rank = 2 * max(sum(u.weight_bytes for u in prof.units), 1)
     budget: dict[int | str, int | str] = {rank: memory_per_rank for rank in range(world_size)}
     devices = detect_devices(budget, links={"cuda": FREE_LINK_BYTES_PER_SECOND})
-    chosen = make_plan(prof, devices, "balanced")
+    chosen = plan_strategy(prof, devices, "balanced", Tracing(None))  # the ranks' profile: planned as it is
     rank_stages(chosen, world_size)
     return chosen
 

@@ -18,6 +18,7 @@ from torch import nn
 from automap.devices import make_device
 from automap.pipelining.stages import Stage
 from automap.planning import Plan
+from automap.planning.cost import flop_seconds
 
 # Round figures, as in automap.devices. An op (a leaf module's forward) costs ~10 us of
 # dispatch and launch; its backward about twice that. A hand-off is a thread wake-up plus a
@@ -86,7 +87,7 @@ def stage_costs(plan: Plan, stages: Sequence[Stage], devices: Sequence[torch.dev
         flops = sum(units[n].train_flops if training and units[n].train_flops else passes * units[n].flops
                     for n in stage.units)
         ops = sum(_ops(modules[n]) for n in stage.units)
-        result.append(StageCost(scale * (flops / max(speed, 1.0) + into.get(stage.units[0], 0.0)),
+        result.append(StageCost(scale * (flop_seconds(flops, speed) + into.get(stage.units[0], 0.0)),
                                 passes * ops * OP_SECONDS, str(device), device.type in ASYNC_KINDS))
     return result
 

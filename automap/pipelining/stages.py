@@ -29,8 +29,8 @@ def plan_stages(plan: Plan) -> tuple[Stage, ...]:
         ['cuda:0', 'cuda:1']
     """
     runs: list[tuple[str, list[str]]] = []
-    for unit, where in zip(plan.units, plan.placement):
-        device = plan.compute_device(where)
+    for unit, placement in zip(plan.units, plan.placements):
+        device = placement.compute
         if not runs or runs[-1][0] != device:
             runs.append((device, []))
         runs[-1][1].append(unit.name)

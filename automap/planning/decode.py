@@ -28,6 +28,7 @@ from typing import Iterable
 
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
+from automap.planning.cost import device_seconds, flop_seconds, read_seconds
 from automap.planning.model import Plan
 from automap.sizes import format_bytes, format_flops, format_rate
 
@@ -78,7 +79,7 @@ class DeviceStep:
     @property
     def seconds(self) -> float:
         compute, reads, streams = _parts(self.compute, self.reads, self.streams)
-        return max(compute, reads, streams) if self.overlapped else compute + reads + streams
+        return device_seconds(compute, reads, streams, self.overlapped)
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -191,11 +192,10 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
 
 def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
                  streams: dict[str, float]) -> DeviceStep:
-    memory = device.memory_bytes_per_second or kind_of(device).memory_bytes_per_second or 1.0
-    read = [Term(kind, device.name, nbytes, nbytes / memory) for kind, nbytes in reads.items() if nbytes]
+    read = [Term(kind, device.name, nbytes, read_seconds(nbytes, device)) for kind, nbytes in reads.items() if nbytes]
     stream = [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
               for tier, nbytes in streams.items() if nbytes]
-    compute = Term("compute", device.name, flops, flops / max(device.flops_per_second, 1.0))
+    compute = Term("compute", device.name, flops, flop_seconds(flops, device.flops_per_second))
     overlapped = kind_of(device).overlaps
     if not overlapped:  # every part adds to the step
         return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped)

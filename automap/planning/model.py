@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import default_memory_bandwidth
+from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
 from automap.planning.placement import Placement, placements_of, resolve
 from automap.profiling import Unit
 from automap.profiling.result import Generation
@@ -20,11 +21,6 @@ from automap.profiling.units import longest_prefix
 from automap.sizes import format_bytes, format_seconds
 
 JSON_VERSION = 1
-
-# What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
-# a streamed unit pays it twice more (weights in, weights out). It makes splitting a unit into
-# more units cost something in the predicted time, as it does when the model runs.
-HOOK_SECONDS = 3e-6
 
 
 class Origin(str, enum.Enum):
@@ -236,8 +232,7 @@ class Plan:
         """Predicted time to move ``nbytes`` between two devices (the slower link bounds it)."""
         if src == dst or nbytes == 0:
             return 0.0
-        bandwidth = min(self.device(src).link_bytes_per_second, self.device(dst).link_bytes_per_second)
-        return nbytes / max(bandwidth, 1.0)
+        return transfer_seconds(nbytes, self.device(src), self.device(dst))
 
     def compute_device(self, device_name: str) -> str:
         """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
@@ -285,10 +280,9 @@ class Plan:
             flops = sum(u.flops for u in units)
             weights = sum(u.weight_bytes for u in units)
             compute = self.device(self.compute_device(device.name))
-            seconds = flops / max(compute.flops_per_second, 1.0)
-            if self.is_offloaded(device.name):
-                seconds += self.link_seconds(weights, device.name, compute.name)
-            seconds += incoming.get(device.name, 0.0) if units else 0.0
+            streamed = self.link_seconds(weights, device.name, compute.name) if self.is_offloaded(device.name) else 0.0
+            seconds = stage_seconds(flop_seconds(flops, compute.flops_per_second), streamed,
+                                    incoming.get(device.name, 0.0) if units else 0.0)
             # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
             activations = peak.get(device.name, 0) if device.is_accelerator else 0
             rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
@@ -316,11 +310,11 @@ class Plan:
     def hook_seconds(self) -> float:
         """Predicted overhead of automap's hooks per forward: none when the whole model
         computes on one device with nothing streamed (dispatch hooks nothing then), else
-        :data:`HOOK_SECONDS` per unit call, three times for a streamed unit."""
-        if len({self.compute_device(d) for d in self.placement}) <= 1 and not self.offloaded_units:
+        :func:`~automap.planning.cost.hooks_seconds` of every unit's hook calls."""
+        placements = self.placements
+        if len({p.compute for p in placements}) <= 1 and not any(p.offloaded for p in placements):
             return 0.0
-        return HOOK_SECONDS * sum(max(u.calls, 1) * (3 if self.is_offloaded(d) else 1)
-                                  for u, d in zip(self.units, self.placement))
+        return hooks_seconds(sum(hook_calls(u.calls, p.offloaded) for u, p in zip(self.units, placements)))
 
     @property
     def forward_seconds(self) -> float:

@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
+from automap.planning.cost import flop_seconds, transfer_seconds
 from automap.planning.items import sub_chain
 from automap.planning.layouts import room
 from automap.planning.partition import Chain, fill
@@ -115,6 +116,6 @@ def offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: Dev
     """Seconds the execution device spends running offloaded items: compute plus streaming."""
     total = 0.0
     for i, tier in where.items():
-        link = max(min(tier.link_bytes_per_second, executor.link_bytes_per_second), 1.0)
-        total += chain.work[i] / max(executor.flops_per_second, 1.0) + chain.weight[i] / link
+        total += flop_seconds(chain.work[i], executor.flops_per_second) + transfer_seconds(chain.weight[i], tier,
+                                                                                          executor)
     return total

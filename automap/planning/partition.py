@@ -11,7 +11,8 @@ speed, plus the transfer of the cut it receives, plus the slot's fixed work. It 
 bottleneck ``T``; each probe is a forward sweep over slots in which the prefixes a slot can end
 are a union of intervals (costs and memory grow with the range, so for a fixed start the
 feasible ends are ``start+1 .. E(start)``), computed with prefix sums and ``searchsorted``.
-Each probe costs O(k n log n) in numpy; memory limits are precomputed once per slot with two
+Stages are costed by :mod:`automap.planning.cost`'s formulas, applied to arrays. Each probe costs
+O(k n log n) in numpy; memory limits are precomputed once per slot with two
 pointers and a monotone queue.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from automap.planning.cost import MIN_RATE
 
 Range = tuple[int, int]
 # Bisection stops when the bracket is this small relative to the bottleneck; far below any
@@ -139,7 +142,7 @@ class _Probe:
         sweep = _Sweep([], [], [], False)
         for slot, memory in zip(self.slots, self.memory):
             link = np.minimum(best_link, slot.link)
-            transfer = np.where(self.cut > 0, self.cut / np.maximum(link, 1.0), 0.0)
+            transfer = np.where(self.cut > 0, self.cut / np.maximum(link, MIN_RATE), 0.0)  # cost.transfer_seconds
             budget = (limit - slot.base - transfer) * slot.speed
             ends = np.searchsorted(self.prefix, self.prefix + budget, side="right") - 1
             ends = np.minimum(ends, memory)
@@ -165,7 +168,7 @@ def _upper_bound(chain: Chain, slots: Sequence[Slot]) -> float:
     """A bottleneck every memory-feasible split meets: all work on the slowest slot, the
     largest cut over the slowest link, plus the largest fixed work."""
     speed = min(max(s.speed, 1e-300) for s in slots)
-    link = min(max(s.link, 1.0) for s in slots)
+    link = min(max(s.link, MIN_RATE) for s in slots)
     return (float(sum(chain.work)) / speed + float(max(chain.cut, default=0)) / link
             + max(s.base for s in slots)) * (1 + 1e-9) + 1e-300
 

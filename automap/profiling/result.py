@@ -165,7 +165,7 @@ class Profile:
             ``bytes`` is the size of the distinct tensors one unit passes to the other,
             including tensors that skip units (residual streams, encoder states). A tensor
             read by several later units is relayed from reader to reader, so the ``bytes`` of
-            the edges a cut crosses add up to :meth:`cut_bytes` (see ``profile/graph.py``);
+            the edges a cut crosses add up to :meth:`cut_bytes` (see ``profiling/graph.py``);
             ``flows`` keep the true producer of every read.
         example: how the example inputs were obtained ("" when bytes only).
         uncalled: units the traced forward never called.

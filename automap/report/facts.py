@@ -100,9 +100,8 @@ def facts_of(plan: Plan) -> Facts:
 def _computed_flops(plan: Plan) -> dict[str, int]:
     """FLOPs per computing device: units count where they compute, not where they are stored."""
     flops: dict[str, int] = {}
-    for unit, where in zip(plan.units, plan.placement):
-        device = plan.compute_device(where)
-        flops[device] = flops.get(device, 0) + unit.flops
+    for unit, placement in zip(plan.units, plan.placements):
+        flops[placement.compute] = flops.get(placement.compute, 0) + unit.flops
     return flops
 
 

@@ -1,0 +1,216 @@
+"""The one composition root: a module profiled and planned, for every front door.
+
+:func:`automap.plan` (and so ``dispatch``, ``load`` and the accelerate drop-ins, which call it)
+and ``automap plan SPEC`` (:mod:`automap.spec_plan`, also behind ``automap bench``) wire
+profile -> plan here, through :func:`plan_strategy` and :func:`traced_profile`, as does
+:func:`automap.distributed.plan_for_ranks` (its ranks sized from the profile, which it then
+plans as it is). Where the
+library and the command line differ, the difference is a field of :class:`Tracing`, chosen by
+the front door in one place:
+
+======================  ===============================================  =====================================
+                        :func:`library_tracing` (``automap.plan``)       :func:`spec_tracing` (``automap plan``)
+======================  ===============================================  =====================================
+inputs when not given   guessed at ``batch`` when given one, else by     guessed at ``batch`` x ``seq_len``
+                        the profiler (1 x 128)                           (capped at the model's positions)
+backward traced         yes (room for training), none for a generation   no: plans there are for inference
+a generation's prompt   the inputs, else a short guessed prompt          the ``seq_len`` inputs
+a failed guessed trace  the profiler's own hint                          also the command line's options
+======================  ===============================================  =====================================
+
+Both then split what does not fit with a :class:`~automap.profiling.refine.Splitter` traced on
+the same inputs, and plan with :func:`automap.planning.make_plan`. A dict device map is
+planned by :func:`plan_user_map` (the library's only: the command line takes strategies).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from automap.devices import DeviceSpec
+from automap.errors import PlanError, ProfileError
+from automap.planning import Plan, make_plan, plan_from_device_map
+from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
+from automap.profiling.kvcache import prompt_inputs, profile_generation
+from automap.profiling.refine import Splitter
+from automap.profiling.units import all_named_tensors
+from automap.progress import step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A plan for ``generate``: ``batch`` sequences (None: the prompt's) of ``max_length`` tokens."""
+
+    batch: int | None
+    max_length: int
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """How a model is traced for its plan; each front door says it in full (see the table above).
+
+    Attributes:
+        inputs: the forward's inputs (the prompt, for a generation); None: the profiler
+            guesses its own.
+        guessed: how automap derived ``inputs`` ("" when they are the user's): a forward
+            failing on a guess falls back to weights-only figures instead of raising.
+        backward: also trace a backward (activations kept for training).
+        generation: measure each unit's cache for this generation; None: no generation.
+        hint: added to a :class:`ProfileError` from guessed inputs, saying how to give them.
+    """
+
+    inputs: ExampleInputs | None
+    guessed: str = ""
+    backward: bool = True
+    generation: Generation | None = None
+    hint: str = ""
+
+
+def library_tracing(model: nn.Module | Profile, example_inputs: ExampleInputs | None, batch: int | None,
+                    max_length: int | None) -> Tracing:
+    """:func:`automap.plan`'s tracing: ``example_inputs`` (guessed at ``batch`` when only that
+    is given), backward included; for a generation (``max_length``) the prompt, forward only.
+
+    Raises:
+        PlanError: ``batch`` or ``max_length`` out of range for a generation.
+    """
+    generation = None if max_length is None else Generation(batch, max_length)
+    if isinstance(model, Profile):
+        return Tracing(None, generation=generation)  # already profiled: nothing to trace
+    if generation is None:
+        if example_inputs is None and batch is not None:
+            inputs, how = default_example_inputs(model, batch=batch)
+            return Tracing(inputs, guessed=how)
+        return Tracing(example_inputs)
+    inputs, how = prompt_inputs(model, example_inputs, batch or 1, max_length)
+    return Tracing(inputs, guessed=how if example_inputs is None else "", backward=False, generation=generation)
+
+
+def spec_tracing(model: nn.Module, example_inputs: Any, batch: int, seq_len: int,
+                 max_length: int | None) -> tuple[Tracing, str]:
+    """``automap plan``'s tracing: ``example_inputs`` (one tensor welcome) or inputs guessed at
+    ``batch`` x ``seq_len``, forward only (its plans are for inference: a backward would double
+    the time for nothing); for a generation those inputs are the prompt. Also the sentence
+    saying ``seq_len`` was capped ("" when not)."""
+    if example_inputs is not None:
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        guessed, note = "", ""
+    else:
+        seq_len, note = capped_seq_len(model, seq_len)
+        if note:
+            log.info("%s", note)
+        inputs, guessed = example_inputs_for(model, batch, seq_len)
+    generation = None if max_length is None else Generation(batch, max_length)
+    return Tracing(inputs, guessed=guessed, backward=False, generation=generation, hint=_CLI_HINT), note
+
+
+_CLI_HINT = ("give the model's own: --input-shape 1x3x16x112x112 (one tensor; several separated by commas) or "
+             "--example-inputs module:function on the command line, example_inputs=(...) in Python")
+
+
+def example_inputs_for(model: nn.Module, batch: int, seq_len: int) -> tuple[Any, str]:
+    """Meta example inputs for ``model`` at ``batch`` x ``seq_len`` and a description of them.
+
+    transformers vision models get ``pixel_values`` at their config's image size; everything
+    else gets :func:`automap.profiling.default_example_inputs`.
+    """
+    config = getattr(model, "config", None)
+    if config is not None and getattr(model, "main_input_name", None) == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        side = int(size[0] if isinstance(size, (list, tuple)) else size.get("height", 224)
+                   if isinstance(size, dict) else size)
+        channels = int(getattr(config, "num_channels", 3))
+        image = torch.zeros(batch, channels, side, side, device="meta")
+        return {"pixel_values": image}, f"pixel_values {batch}x{channels}x{side}x{side}"
+    return default_example_inputs(model, seq_len=seq_len, batch=batch)
+
+
+def capped_seq_len(model: nn.Module, seq_len: int) -> tuple[int, str]:
+    """``seq_len``, or the model's ``max_position_embeddings`` when that is smaller (its
+    position table has no rows beyond), with a sentence saying so ("" when not capped)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    if isinstance(limit, int) and 0 < limit < seq_len and getattr(model, "main_input_name", "") == "input_ids":
+        return limit, (f"--seq-len {seq_len} capped at {limit}, the model's max_position_embeddings: "
+                       f"planned for {limit} tokens")
+    return seq_len, ""
+
+
+def traced_profile(model: nn.Module, tracing: Tracing, *, no_split: Iterable[str | type] | None = None,
+                   dtype: torch.dtype | None = None, units: list[str] | None = None) -> Profile:
+    """``model``'s profile as ``tracing`` says, with each unit's cache for a generation.
+
+    Raises:
+        ProfileError: the forward failed on the user's inputs (or on guessed ones, with
+            ``tracing.hint``); ``no_split`` or ``units`` name what the model lacks.
+        PlanError: a generation's ``batch`` or ``max_length`` out of range.
+    """
+    try:
+        prof = profile(model, tracing.inputs, no_split=no_split, dtype=dtype, units=units,
+                       backward=tracing.backward, guessed=tracing.guessed)
+    except ProfileError as exc:
+        if not (tracing.hint and tracing.guessed):
+            raise
+        raise ProfileError(f"{exc}. automap guessed these inputs ({tracing.guessed}); {tracing.hint}") from exc
+    if tracing.generation is None:
+        return prof
+    return profile_generation(model, prof, tracing.inputs, batch=tracing.generation.batch,
+                              max_length=tracing.generation.max_length, dtype=dtype)
+
+
+def plan_strategy(model: nn.Module | Profile, devices: tuple[DeviceSpec, ...], strategy: str, tracing: Tracing, *,
+                  no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
+                  reserve: Mapping[str, int] | None = None,
+                  accept: Callable[[Plan], bool] | None = None) -> Plan:
+    """Profile ``model`` as ``tracing`` says and place it with ``strategy`` on ``devices``,
+    splitting a unit that does not fit (traced again on the same inputs). A :class:`Profile`
+    is planned as it is (nothing to trace again, so nothing split).
+
+    Raises:
+        PlanError: the model does not fit; a generation asked of a profile without its cache.
+        ProfileError, MapFormatError: see :func:`traced_profile`, :func:`automap.planning.make_plan`.
+    """
+    if isinstance(model, Profile):
+        if tracing.generation is not None and model.generation is None:
+            raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
+                            "or a Profile from automap.profiling.kvcache.profile_generation")
+        prof, refine = model, None
+    else:
+        prof = traced_profile(model, tracing, no_split=no_split, dtype=dtype)
+        refine = Splitter(model, example_inputs=tracing.inputs, no_split=no_split, dtype=dtype)
+    with step("automap: planning"):
+        return make_plan(prof, devices, strategy, reserve=reserve, refine=refine, accept=accept)
+
+
+def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple[DeviceSpec, ...],
+                  example_inputs: ExampleInputs | None, dtype: torch.dtype | None, batch: int | None,
+                  max_length: int | None) -> Plan:
+    """A dict ``device_map`` as a plan: its module keys that hold tensors are the units (what
+    it keeps together stays together). Traced only with ``example_inputs`` or for a generation
+    (:func:`library_tracing`); otherwise the map alone says where everything goes.
+
+    Raises:
+        DeviceMapError: the map names unknown modules or leaves tensors without a device.
+    """
+    modules = {name for name, _ in model.named_modules()}
+    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
+    normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
+    holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
+    units = [k for k in device_map if k in modules and k in holders] or [""]
+    if example_inputs is None and max_length is None:
+        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
+                                loose_homes=loose_homes(device_map, units, tensors))
+    else:
+        prof = traced_profile(model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype,
+                              units=units)
+    return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+_MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"

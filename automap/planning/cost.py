@@ -1,0 +1,88 @@
+"""The one cost model: how long computing, moving and reading bytes take, from a device's speeds.
+
+Every time automap predicts is built from these formulas, and each exists only here:
+
+    compute   = FLOPs / the computing device's FLOP/s                     (:func:`flop_seconds`)
+    transfer  = bytes / the slower link of the two devices                (:func:`transfer_seconds`)
+                (activations crossing a cut; an offloaded unit's weights streamed from its
+                tier to where it computes)
+    read      = bytes / the device's memory bandwidth                     (:func:`read_seconds`)
+    stage     = compute + streamed weights + transfers into it            (:func:`stage_seconds`)
+    hooks     = HOOK_SECONDS per hook call (3 per call of a streamed unit) (:func:`hooks_seconds`)
+    a device's share of a decode step = compute, reads and streams added, or on a kind that
+                overlaps them (its :attr:`~automap.kinds.DeviceKind.overlaps`) the largest
+                                                                          (:func:`device_seconds`)
+
+A rate of 0 (unknown) counts as :data:`MIN_RATE` per second, never a division by zero.
+
+Who reads them, and to what end (the objectives differ on purpose, the times do not):
+
+- the partitioner (:mod:`~automap.planning.partition`, with :mod:`~automap.planning.packing`)
+  minimises the *slowest* stage, the period of a pipeline over the stages; its probe applies
+  the compute and transfer formulas to numpy arrays (``work / speed``, ``cut / max(link,
+  MIN_RATE)``), the vectorised form of the two above;
+- a streamed layout's execution device carries the compute and streaming of the offloaded
+  units it runs (:func:`~automap.planning.offloading.offload_seconds`) as work it already has;
+- the plan's stages, per-device times, bottleneck and forward (:meth:`Plan.summary`,
+  :attr:`Plan.forward_seconds`) are what the report, the JSON and the figure show; splitting
+  (:mod:`~automap.planning.splitting`) keeps the plan with the smallest *forward* (every stage
+  in turn, plus the hooks' overhead), not the smallest bottleneck, since dispatch runs one
+  forward at a time;
+- decode predictions (:mod:`~automap.planning.decode`) add each computing device's step;
+- the one-process pipeline (:mod:`automap.pipelining.cost`) scales a stage's compute and
+  incoming cut by the batch and adds a fixed cost per micro-batch.
+"""
+from __future__ import annotations
+
+from automap.devices import DeviceSpec
+from automap.kinds import kind_of
+
+MIN_RATE = 1.0  # FLOP/s or bytes/s an unknown (0) rate counts as
+# What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
+# a streamed unit pays it twice more (weights in, weights out). It makes splitting a unit into
+# more units cost something in the predicted time, as it does when the model runs.
+HOOK_SECONDS = 3e-6
+
+
+def flop_seconds(flops: float, flops_per_second: float) -> float:
+    """Seconds to compute ``flops`` at ``flops_per_second``."""
+    return flops / max(flops_per_second, MIN_RATE)
+
+
+def transfer_seconds(nbytes: float, src: DeviceSpec, dst: DeviceSpec) -> float:
+    """Seconds to move ``nbytes`` from ``src`` to ``dst``: the slower link bounds it."""
+    return nbytes / max(min(src.link_bytes_per_second, dst.link_bytes_per_second), MIN_RATE)
+
+
+def memory_bandwidth(device: DeviceSpec) -> float:
+    """Bytes/s ``device`` reads its own memory at: its own figure, else its kind's default."""
+    return device.memory_bytes_per_second or kind_of(device).memory_bytes_per_second or MIN_RATE
+
+
+def read_seconds(nbytes: float, device: DeviceSpec) -> float:
+    """Seconds for ``device`` to read ``nbytes`` of its own memory."""
+    return nbytes / memory_bandwidth(device)
+
+
+def stage_seconds(compute: float, streamed: float, incoming: float) -> float:
+    """A stage of one forward: its compute, then its offloaded weights streamed in, then the
+    activations it receives; one after another (a unit waits for its weights and inputs)."""
+    return compute + streamed + incoming
+
+
+def hook_calls(calls: int, streamed: bool) -> int:
+    """Hook calls a unit called ``calls`` times pays per forward (at least once; three times
+    each when its weights stream in and out)."""
+    return max(calls, 1) * (3 if streamed else 1)
+
+
+def hooks_seconds(calls: int) -> float:
+    """Seconds ``calls`` hook calls (:func:`hook_calls`, summed) add to a forward."""
+    return HOOK_SECONDS * calls
+
+
+def device_seconds(compute: float, reads: float, streams: float, overlaps: bool) -> float:
+    """A computing device's time for work made of compute, memory reads and streamed bytes:
+    the largest when its kind ``overlaps`` them (copy engines, thousands of threads), else
+    their sum."""
+    return max(compute, reads, streams) if overlaps else compute + reads + streams
