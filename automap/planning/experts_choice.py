@@ -44,6 +44,7 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
     experts, fits the accelerators, or was not planned for a generation."""
     generation = profile.generation
     if (refine is None or not profile.routed or generation is None or not generation.cache
+            or not any(d.is_accelerator for d in devices)
             or all(best.device(d).is_accelerator for d in best.placement)):
         return best
     apart = experts_plan(profile, devices, strategy, reserve, refine)
