@@ -7,6 +7,7 @@ the cost model predicts, and the plan's predicted decode rate beats every whole-
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,21 @@ def test_a_plan_with_the_experts_as_units_dispatches_on_the_cpu_with_the_plain_o
         got = model(*ids).logits
     automap.undispatch(model)
     assert torch.equal(got, expected)
+
+
+def test_the_cli_shows_the_experts_plan_against_the_whole_layer_plan(tmp_path, capsys):
+    from automap.cli import main
+
+    out_json = tmp_path / "plan.json"
+    code = main(["plan", "hf:mixtral", "--max-memory", "0=24GiB,cpu=64GiB,disk=500GiB", "--dtype", "bfloat16",
+                 "--max-length", "4096", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0
+    text = " ".join(out.split())
+    assert "routed experts apart from their layers: predicted decode" in text
+    assert "for the best whole-layer plan" in text
+    rows = [line.split() for line in out.splitlines() if re.match(r"  model\.layers\.\d+ ", line)]
+    assert len(rows) == 32 and all(row[1] in ("cuda:0", "cpu", "disk") for row in rows), rows
+    record = json.loads(out_json.read_text())["experts"]
+    assert record["tokens_per_second"] > record["whole_layer_tokens_per_second"] > 0
+    assert len(record["layers"]) == 32
