@@ -58,7 +58,7 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
                 "that keeps each layer whole")
     if rate <= baseline:
         return replace(best, choices=best.choices + (f"kept layers whole; {compared}",))
-    return replace(apart, experts=record, choices=best.choices + (f"chosen: {compared}",))
+    return replace(apart, experts=record, choices=best.choices + (f"chosen instead: {compared}",))
 
 
 def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy,

@@ -146,7 +146,7 @@ def _experts(plan: Plan) -> str:
     lines = _wrap(head)
     lines.append(f"  {'layer':<22} {'experts on':<10} {'decode':<13} {'prefill':<13} streamed from")
     for layer in record.layers:
-        crossing = f"{layer.stream_from:,} tokens" if layer.stream_from else "-"
+        crossing = f"{layer.stream_from:,} token{'' if layer.stream_from == 1 else 's'}" if layer.stream_from else "-"
         lines.append(f"  {short_name(layer.layer):<22} {layer.home:<10} {layer.decode.value:<13} "
                      f"{layer.prefill.value:<13} {crossing}")
     return "\n".join(lines)
