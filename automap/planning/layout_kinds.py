@@ -26,6 +26,9 @@ With accelerators:
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
   accelerator that is the whole model on the CPU; else the whole model on the CPU is an option
   too, so that a lone small unit whose cuts cost more than the GPU saves is not chosen.
+- ``experts apart``: for a profile whose layers' routed experts are units of their own, every
+  other item on the accelerators and the experts beside their layer while room lasts, else in
+  CPU RAM, then on disk; offered only through :mod:`automap.planning.experts_choice`.
 """
 from __future__ import annotations
 

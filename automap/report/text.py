@@ -5,7 +5,8 @@ import textwrap
 from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.model import Origin
-from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name, unit_ranges
+from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels, short_name,
+                                  unit_ranges)
 from automap.sizes import format_bytes, format_rate
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def _devices(plan: Plan, facts: Facts) -> str:
                      f"{kv} {pct:>5} {headroom:>10} {flops:>6} {stage:>{_stage_width(with_kv)}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
-        span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
+        span = unit_ranges(layer_labels(plan, [short_name(n) for n in s.units])) if s.units else "(nothing placed)"
         lines += _wrap(span, " " * 16, first=" " * 9 + "units: ")
     return "\n".join(lines)
 
