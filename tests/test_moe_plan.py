@@ -171,3 +171,24 @@ def test_the_cli_shows_the_experts_plan_against_the_whole_layer_plan(tmp_path, c
     record = json.loads(out_json.read_text())["experts"]
     assert record["tokens_per_second"] > record["whole_layer_tokens_per_second"] > 0
     assert len(record["layers"]) == 32
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_plan_of_the_profile_with_experts_as_units_dispatches_on_the_cpu(kind):
+    from automap.profiling.refine import Splitter
+
+    model = tiny_moe(kind, layers=2, hidden=64, experts=8, shared=48)
+    ids = (torch.randint(0, 128, (2, 16)),)
+    with torch.no_grad():
+        expected = model(*ids).logits
+    prof = automap.profile(model, ids)
+    finer = Splitter(model, example_inputs=ids)(prof, list(prof.routed)).profile
+    experts = [u for u in finer.units if u.experts]
+    assert [u.name for u in experts] == list(prof.routed) and all(u.split_from for u in experts)
+    plan = automap.plan(finer, max_memory={"cpu": "1GiB"})
+    assert plan.device_map["model.layers.1.mlp.experts"] == "cpu"
+    automap.dispatch(model, plan)
+    with torch.no_grad():
+        got = model(*ids).logits
+    automap.undispatch(model)
+    assert torch.equal(got, expected)
