@@ -24,7 +24,7 @@ from automap.planning.layout import level_plans
 from automap.planning.layouts import EXPERTS
 from automap.planning.model import Plan
 from automap.planning.strategies import Strategy
-from automap.profiling import Profile
+from automap.profiling import Profile, Unit
 from automap.profiling.refine import Refinement
 from automap.sizes import format_rate
 
@@ -85,7 +85,7 @@ def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: St
     return on_cpu[0] if votes[ExpertsMode.CPU_COMPUTES] >= votes[ExpertsMode.STREAMED] else streaming[0]
 
 
-def _experts_units(plan: Plan) -> list:
+def _experts_units(plan: Plan) -> list[Unit]:
     return [u for u in plan.units if u.experts]
 
 
