@@ -130,7 +130,8 @@ def test_slow_cpu_memory_streams_the_experts_even_at_batch_1():
 def test_layers_stay_whole_without_a_generation_or_when_the_gpu_holds_everything():
     model = mixtral(2)
     prompt = (torch.zeros(1, 16, dtype=torch.long, device="meta"),)
-    assert automap.plan(model, max_memory=BUDGET, example_inputs=prompt).experts is None
+    whole = automap.plan(model, max_memory={0: "3GiB", "cpu": "64GiB"}, example_inputs=prompt)
+    assert whole.experts is None and any("plan for a generation" in c for c in whole.choices)
     roomy = automap.plan(model, max_memory={0: "80GiB", "cpu": "64GiB"}, example_inputs=prompt, batch=1,
                          max_length=64)
     assert roomy.experts is None and not [u for u in roomy.units if u.experts]

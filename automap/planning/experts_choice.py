@@ -30,6 +30,10 @@ from automap.sizes import format_rate
 
 Refine = Callable[[Profile, Sequence[str]], Refinement]
 
+NO_GENERATION = ("layers kept whole: the model has routed experts, which may live apart from their layers when "
+                 "that decodes faster; plan for a generation (batch= and max_length=, or --max-length) to compare "
+                 "(docs/experts.md)")
+
 
 def decode_rate(plan: Plan) -> float:
     """``plan``'s predicted decode tokens/s (0 when it predicts none)."""
@@ -43,10 +47,11 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
     ``whole`` (the whole-layer plans found); ``best`` as it is when the model has no routed
     experts, fits the accelerators, or was not planned for a generation."""
     generation = profile.generation
-    if (refine is None or not profile.routed or generation is None or not generation.cache
-            or not any(d.is_accelerator for d in devices)
+    if (refine is None or not profile.routed or not any(d.is_accelerator for d in devices)
             or all(best.device(d).is_accelerator for d in best.placement)):
         return best
+    if generation is None or not generation.cache:
+        return replace(best, choices=best.choices + (NO_GENERATION,))
     apart = experts_plan(profile, devices, strategy, reserve, refine)
     if apart is None:
         return best
