@@ -39,8 +39,8 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import grouped, sub_chain
-from automap.planning.layouts import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout, LayoutContext,
-                                      LayoutKind, Option, register_layout)
+from automap.planning.layouts import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
+                                      LayoutContext, LayoutKind, Option, register_layout)
 from automap.planning.offloading import (MAX_OFFLOADED_HEAD, Offload, choose_offload, offload_seconds, store,
                                          store_staged)
 from automap.planning.packing import pack_out_of_order
