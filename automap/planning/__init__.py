@@ -18,7 +18,10 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
   the fastest kept;
 - :mod:`automap.planning.packing`: the out-of-order fallback before offloading;
 - :mod:`automap.planning.usermap`: user device maps, validated;
-- :mod:`automap.planning.decode`: a generation's predicted prefill and decode tokens/s.
+- :mod:`automap.planning.decode`: a generation's predicted prefill and decode tokens/s;
+- :mod:`automap.planning.experts`: routed experts apart from their layers, the one cost model
+  of how they run (on the CPU, or streamed) and the plan's per-layer record of it, with
+  :mod:`automap.planning.experts_choice`, the step of :func:`make_plan` that offers it.
 """
 from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict, unit_label
 from automap.planning.layout import build_plan

@@ -29,6 +29,7 @@ from typing import Iterable
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
 from automap.planning.cost import device_seconds, flop_seconds, read_seconds
+from automap.planning.experts import touched_bytes
 from automap.planning.model import Plan
 from automap.sizes import format_bytes, format_flops, format_rate
 
@@ -172,19 +173,22 @@ def predict_decode(plan: Plan) -> DecodePrediction | None:
 
 def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
     """The terms of one decode step, with FLOPs and cache reads ``scale`` times the planned
-    batch's (weights and streams stay: a batch shares them)."""
+    batch's (weights and streams stay: a batch shares them; of routed experts, a larger batch
+    touches more)."""
     flops: dict[str, float] = {}
     reads: dict[tuple[str, str], float] = {}
     streams: dict[str, dict[str, float]] = {}
+    tokens = plan.generation.batch * scale if plan.generation is not None else scale
     for unit, where in zip(plan.units, plan.placement):
         compute = plan.compute_device(where)
         flops[compute] = flops.get(compute, 0.0) + unit.decode_flops * scale
         reads[(compute, "cache")] = reads.get((compute, "cache"), 0.0) + unit.kv_read_bytes * scale
+        nbytes = touched_bytes(unit, tokens)  # routed experts: only those the step's tokens use
         if plan.is_offloaded(where):
             tier = streams.setdefault(compute, {})
-            tier[where] = tier.get(where, 0.0) + unit.weight_bytes
+            tier[where] = tier.get(where, 0.0) + nbytes
         else:
-            reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + unit.weight_bytes
+            reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + nbytes
     return tuple(_device_step(plan, plan.device(name), flops.get(name, 0.0),
                               {k: reads.get((name, k), 0.0) for k in ("weights", "cache")}, streams.get(name, {}))
                  for name in dict.fromkeys(plan.compute_device(d) for d in plan.placement))

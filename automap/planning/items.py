@@ -19,11 +19,14 @@ from automap.profiling.units import longest_prefix
 class Items:
     """The chain the partitioner sees: ``members[i]`` are the unit indices of item ``i``
     (its first member runs first; the others are tied to it); ``groups`` are runs of
-    consecutive item indices that compute on one device (one per item unless split)."""
+    consecutive item indices that compute on one device (one per item unless split);
+    ``routed[i]``: item ``i`` holds a layer's routed experts, which may compute apart from the
+    rest of their layer (:mod:`automap.planning.experts`), so they join no group."""
 
     members: tuple[tuple[int, ...], ...]
     chain: Chain
     groups: tuple[tuple[int, ...], ...] = ()
+    routed: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,14 @@ def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
     members = tuple(tuple(groups[r]) for r in sorted(groups))
     units = profile.units
     by_flops = profile.has_compute
+    routed = tuple(any(units[i].experts for i in m) for m in members)
     work = [float(sum(units[i].flops if by_flops else units[i].weight_bytes for i in m)) for m in members]
     return Items(members, Chain(
         work=work,
         weight=[sum(units[i].weight_bytes + units[i].kv_bytes for i in m) for m in members],
         activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
         cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
-    ), _split_groups([units[m[0]].split_from for m in members]))
+    ), _split_groups(["" if routed[k] else units[m[0]].split_from for k, m in enumerate(members)]), routed)
 
 
 def _split_groups(origins: Sequence[str]) -> tuple[tuple[int, ...], ...]:

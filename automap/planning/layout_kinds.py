@@ -26,21 +26,25 @@ With accelerators:
   fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
   accelerator that is the whole model on the CPU; else the whole model on the CPU is an option
   too, so that a lone small unit whose cuts cost more than the GPU saves is not chosen.
+- ``experts apart``: for a profile whose layers' routed experts are units of their own, every
+  other item on the accelerators and the experts beside their layer while room lasts, else in
+  CPU RAM, then on disk; offered only through :mod:`automap.planning.experts_choice`.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
-from automap.planning.items import sub_chain
-from automap.planning.layouts import (CPU_COMPUTES, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout, LayoutContext,
-                                      LayoutKind, Option, register_layout)
+from automap.planning.items import grouped, sub_chain
+from automap.planning.layouts import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
+                                      LayoutContext, LayoutKind, Option, register_layout)
 from automap.planning.offloading import (MAX_OFFLOADED_HEAD, Offload, choose_offload, offload_seconds, store,
                                          store_staged)
 from automap.planning.packing import pack_out_of_order
-from automap.planning.partition import Range, fill
+from automap.planning.partition import Chain, Range, fill
 from automap.planning.residency import Room, keep_resident
 
 
@@ -230,6 +234,66 @@ def cpu_computes_run(ctx: LayoutContext) -> Layout | None:
         return Layout(ctx.names([], start, where), dict(ctx.reserve))
     kept: list[Range | None] = ctx.stages(sub_chain(chain, start, end), ctx.rooms)
     return Layout(ctx.names(kept, start, where), dict(ctx.reserve), executor="cpu")
+
+
+@register_layout("experts apart")
+class ExpertsApart(LayoutKind):
+    """Every layer's non-expert part on the accelerators, split by the strategy, with room on
+    the first one to stream the largest experts unit; routed experts beside their layer while
+    room lasts, the rest in CPU RAM, then on disk. Two layouts of one placement: the CPU
+    computing the offloaded experts, and the first accelerator streaming them
+    (:mod:`automap.planning.experts_choice` keeps the one the cost model picks)."""
+
+    kind = EXPERTS
+
+    def fits(self, ctx: LayoutContext) -> bool:
+        return ctx.accelerated and any(ctx.items.routed) and ctx.total_fits and ctx.host_stores
+
+    def build(self, ctx: LayoutContext) -> list[Layout]:
+        chain, routed = ctx.items.chain, ctx.items.routed
+        stream = max(w for w, r in zip(chain.weight, routed) if r)
+        floor = max(a for a, r in zip(chain.activation, routed) if r)
+        rest = grouped(replace(ctx.items, chain=without(chain, routed))).chain
+        rooms = [r - stream if j == 0 else r for j, r in enumerate(ctx.rooms)]
+        if fill(rest, rooms, floors=[floor])[1] < len(rest):
+            return []
+        names = list(ctx.names(ctx.stages(rest, rooms, floor=floor)))
+        off = experts_beside(ctx, names, rooms, floor)
+        stored = store_staged(chain.weight, off, ctx.storage, ctx.reserve)
+        if stored is None:
+            return []
+        where, staging = stored
+        for i, tier in where.items():
+            names[i] = tier.name
+        executor = ctx.compute[0]
+        reserves = streamed_reserves(ctx, where, staging, executor)
+        return [Layout(tuple(names), reserves, executor="cpu"),
+                Layout(tuple(names), dict(reserves), executor=_executor_name(ctx, names, executor))]
+
+
+def without(chain: Chain, routed: Sequence[bool]) -> Chain:
+    """``chain`` with the routed experts' items weighing nothing (they are placed apart)."""
+    def keep(values: Sequence[Any]) -> list[Any]:
+        return [0 if r else v for v, r in zip(values, routed)]
+    return Chain(keep(chain.work), keep(chain.weight), keep(chain.activation), chain.cut)
+
+
+def experts_beside(ctx: LayoutContext, names: Sequence[str], rooms: Sequence[int], floor: int) -> list[int]:
+    """Routed experts items kept beside their layer (on the accelerator ``names`` gives them)
+    while its room lasts, in execution order; returns the others, to be stored."""
+    chain, routed = ctx.items.chain, ctx.items.routed
+    free = {}
+    for j, device in enumerate(ctx.compute):
+        mine = [i for i, n in enumerate(names) if n == device.name and not routed[i]]
+        peak = max([chain.activation[i] for i in mine] + ([floor] if j == 0 else []), default=0)
+        free[device.name] = rooms[j] - sum(chain.weight[i] for i in mine) - peak
+    off = []
+    for i, r in enumerate(routed):
+        if r and chain.weight[i] <= free.get(names[i], 0):
+            free[names[i]] -= chain.weight[i]
+        elif r:
+            off.append(i)
+    return off
 
 
 def layout_options(ctx: LayoutContext) -> list[Option]:

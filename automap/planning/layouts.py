@@ -27,6 +27,9 @@ from automap.planning.strategies import Strategy
 from automap.sizes import format_bytes
 
 RESIDENT, PACKED, STREAMED, CPU_COMPUTES = "resident", "packed", "streamed", "cpu computes"
+# Routed experts apart from their layers (automap.planning.experts): offered by its own step of
+# make_plan, which compares decode rates, never by the forward-time choice among the others.
+EXPERTS = "experts apart"
 
 
 @dataclass(frozen=True)

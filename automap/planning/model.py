@@ -14,6 +14,7 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import default_memory_bandwidth
 from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
+from automap.planning.experts import ExpertsPlan
 from automap.planning.placement import Placement, placements_of, resolve
 from automap.profiling import Unit
 from automap.profiling.result import Generation
@@ -122,6 +123,8 @@ class Plan:
         offload_dir: the folder the plan was sized for: the disk budget is the free space
             there (unless ``max_memory`` set it), and dispatch and load write the store of its
             disk units there when given no other folder; None when planned without one.
+        experts: where each layer's routed experts live apart from their layer and how they
+            run per phase (:mod:`automap.planning.experts`); None when layers stay whole.
     """
 
     units: tuple[Unit, ...]
@@ -138,6 +141,7 @@ class Plan:
     executor: str = ""
     choices: tuple[str, ...] = ()
     offload_dir: str | None = None
+    experts: ExpertsPlan | None = None
 
     def __repr__(self) -> str:
         """One line a person can read (the dataclass's own repr lists every unit: thousands of
@@ -369,6 +373,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         choices=tuple(data.get("choices", [])),
         # Absent (None) in JSON written before the plan recorded it.
         offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
+        experts=ExpertsPlan.from_dict(data.get("experts")),
     )
     executor = str(data.get("execution_device", ""))
     # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.

@@ -30,7 +30,8 @@ from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
 from automap.kinds import is_host_name
 from automap.planning.layout import Candidate, level_plans
-from automap.planning.layouts import CPU_COMPUTES, PACKED, RESIDENT, STREAMED, room
+from automap.planning.experts_choice import with_experts_apart
+from automap.planning.layouts import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
 from automap.planning.model import Plan
 from automap.planning.strategies import get_strategy
 from automap.planning.usermap import expressible, map_execution_device
@@ -97,7 +98,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
     splits: tuple[str, ...] = ()
     for _ in range(MAX_ROUNDS + 1):
         try:
-            candidates = tuple(level_plans(current, devices, chosen, reserve))
+            candidates = tuple(c for c in level_plans(current, devices, chosen, reserve) if c.kind != EXPERTS)
         except PlanError as exc:
             candidates, error = (), exc
         levels.append(_Level(current, candidates, splits))
@@ -115,7 +116,10 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         splits += _split_notes(refinement.pieces, wanted)
         current = refinement.profile
     best = _best(levels, refused, error)
-    if accept is None or accept(best):
+    if accept is None:  # a plan with experts apart is for automap's own runtime, never a map alone
+        whole = [c.plan for level in levels for c in level.candidates]
+        return _map_note(with_experts_apart(best, whole, profile, devices, chosen, reserve, refine))
+    if accept(best):
         return _map_note(best)
     return _best_accepted(levels, refused, error, accept, best)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from automap.errors import ProfileError
 from automap.progress import step
+from automap.profiling.experts import with_routed
 from automap.profiling.fallback import eval_mode, fill_untraced, flop_weights, untraced_reasons, untraced_units
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
@@ -197,6 +198,7 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
     if uncalled:
         log.warning("%d unit(s) of %s never ran in the traced forward: %s", len(uncalled), type(model).__name__,
                     ", ".join(uncalled[:5]))
+    units, routed = with_routed(model, units)
     repeated = [n for n, c in trace.calls.items() if c > 1]
     if repeated:
         log.info("unit(s) called more than once: %s", ", ".join(repeated[:5]))
@@ -210,6 +212,7 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         flows=tuple(trace.flows),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
         strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
+        routed=routed,
     )
 
 

@@ -17,6 +17,12 @@ only when that trace shows the pieces can run as units:
 The split module's own code (a residual add) still runs outside every unit, so its pieces are
 marked with ``Unit.split_from``: the planner keeps them on one computing device and the runtime
 sends the module's inputs there. Deterministic: the same model and names give the same pieces.
+
+A name asked for may also be a module *inside* a unit (a layer's routed experts): that unit is
+split along the path down to it, so the module becomes a unit of its own and its siblings on
+the way pieces beside it (``model.layers.3`` into its norms, ``self_attn``, ``mlp.gate`` and
+``mlp.experts``). The model's ``_no_split_modules`` do not stop this (they keep a layer whole
+across devices by default; here a piece is asked for by name), a ``no_split`` the user gave does.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from torch import nn
 from automap.errors import ProfileError
 from automap.profiling import ExampleInputs, Profile, profile
 from automap.profiling.kvcache import profile_generation
-from automap.profiling.units import no_split_classes, tensor_children
+from automap.profiling.units import longest_prefix, no_split_classes, tensor_children
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class Splitter:
                  no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None) -> None:
         self.model, self.example_inputs, self.dtype = model, example_inputs, dtype
         self.keep_whole = no_split_classes(model, no_split)
+        self.asked_whole = self.keep_whole if no_split is not None else set()
         self.modules = dict(model.named_modules())
 
     def __call__(self, base: Profile, names: Sequence[str]) -> Refinement:
@@ -78,8 +85,9 @@ class Splitter:
         untraced = {u.name: u.untraced for u in base.units if u.untraced}
         pieces: dict[str, tuple[str, ...]] = {}
         refused: dict[str, str] = {}
-        for name in names:
-            found, why = self.pieces_of(name)
+        units = {u.name for u in base.units}
+        for asked in names:
+            name, (found, why) = (asked, self.pieces_of(asked)) if asked in units else self.isolating(asked, units)
             if not why and not base.example:
                 why = "no traced forward to check a split against (profiled without example inputs)"
             if not why and name in untraced:
@@ -113,6 +121,31 @@ class Splitter:
                     or any(True for _ in module.buffers(recurse=False)):
                 return tuple(children), ""
             name, module = children[0], self.modules[children[0]]
+
+    def isolating(self, target: str, units: Iterable[str]) -> tuple[str, tuple[tuple[str, ...], str]]:
+        """The unit holding module ``target`` and the pieces it splits into so that ``target``
+        is one of them (or ``()`` and why it cannot)."""
+        unit = longest_prefix({u: u for u in units if u}, target)
+        if unit is None or target not in self.modules:
+            return target, ((), f"{target!r} is no module inside a unit")
+        return unit, self._path_pieces(unit, target)
+
+    def _path_pieces(self, name: str, target: str) -> tuple[tuple[str, ...], str]:
+        if name == target or not target.startswith(name + "."):
+            return (name,), ""
+        module = self.modules[name]
+        kind = type(module).__name__
+        if kind in self.asked_whole:
+            return (), f"its class {kind} is in no_split"
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            return (), f"{name!r} holds tensors of its own beside {target!r}"
+        pieces: list[str] = []
+        for child in tensor_children(name, module):
+            found, why = self._path_pieces(child, target)
+            if why:
+                return (), why
+            pieces += found
+        return tuple(pieces), ""
 
     def _retrace(self, base: Profile, pieces: Mapping[str, tuple[str, ...]]) -> tuple[Profile | None, dict[str, str]]:
         units = [n for u in base.units for n in pieces.get(u.name, (u.name,))]

@@ -63,6 +63,11 @@ class Unit:
             :mod:`automap.profiling.refine`. That module's own forward code (a residual add)
             runs outside every unit, so every unit split from it computes on one device, and
             the module's inputs are sent there.
+        experts, experts_per_token: for a unit that is a layer's routed experts (transformers'
+            fused ``experts`` module, or a ``ModuleList`` of experts beside a router), how many
+            experts it holds and how many each token is routed to; 0 for every other unit. A
+            batch of ``t`` tokens touches about ``experts * (1 - (1 - k/experts) ** t)`` of them
+            (:mod:`automap.planning.experts`).
     """
 
     name: str
@@ -85,6 +90,8 @@ class Unit:
     untraced: str = ""
     flops_estimated: bool = False
     split_from: str = ""
+    experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -178,6 +185,9 @@ class Profile:
             own code reading a child's weight, as ``nn.MultiheadAttention`` reads
             ``out_proj.weight``); such a tensor cannot be streamed in with its unit. Tensors
             held by a non-unit module (``Unit.loose``) are never strays.
+        routed: the model's routed-experts modules (``"model.layers.0.mlp.experts"``, ...), in
+            definition order, whether or not they are units; the planner may ask for them as
+            units of their own (:mod:`automap.planning.experts_layout`).
     """
 
     model_name: str
@@ -195,6 +205,7 @@ class Profile:
     def total_kv_bytes(self) -> int:
         return sum(u.kv_bytes for u in self.units)
     strays: tuple[str, ...] = ()
+    routed: tuple[str, ...] = ()
 
     @property
     def total_flops(self) -> int:

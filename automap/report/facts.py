@@ -111,7 +111,8 @@ def short_name(unit_name: str) -> str:
 
 
 def unit_ranges(names: Sequence[str]) -> str:
-    """Collapse consecutive numbered units into ranges.
+    """Collapse consecutive numbered units into ranges; a name may carry a note after a space
+    (``"model.layers.6 (mlp.experts)"``), which a run shares.
 
     Example:
         >>> unit_ranges(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2"])
@@ -120,19 +121,51 @@ def unit_ranges(names: Sequence[str]) -> str:
     parts: list[str] = []
     i = 0
     while i < len(names):
-        stem, _, last = names[i].rpartition(".")
+        name, note = _noted(names[i])
+        stem, _, last = name.rpartition(".")
         j = i
         if last.isdigit():
-            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem):
+            while j + 1 < len(names) and _next_in_run(names[j], names[j + 1], stem, note):
                 j += 1
-        parts.append(names[i] if j == i else f"{names[i]}-{names[j].rpartition('.')[2]}")
+        parts.append(names[i] if j == i else f"{name}-{_noted(names[j])[0].rpartition('.')[2]}{note}")
         i = j + 1
     return ", ".join(parts)
 
 
-def _next_in_run(current: str, candidate: str, stem: str) -> bool:
-    cand_stem, _, cand_last = candidate.rpartition(".")
-    return cand_stem == stem and cand_last.isdigit() and int(cand_last) == int(current.rpartition(".")[2]) + 1
+def _noted(label: str) -> tuple[str, str]:
+    """``("model.layers.6", " (mlp.experts)")`` from ``"model.layers.6 (mlp.experts)"``."""
+    name, space, note = label.partition(" ")
+    return name, space + note
+
+
+def _next_in_run(current: str, candidate: str, stem: str, note: str = "") -> bool:
+    (name, _), (cand, cand_note) = _noted(current), _noted(candidate)
+    cand_stem, _, cand_last = cand.rpartition(".")
+    return (cand_stem == stem and cand_note == note and cand_last.isdigit()
+            and int(cand_last) == int(name.rpartition(".")[2]) + 1)
+
+
+def layer_labels(plan: Plan, names: Sequence[str]) -> list[str]:
+    """``names`` (the units on one device) as a person reads them when routed experts live
+    apart from their layers: a layer whose pieces are all here by its name, its other pieces
+    as ``"model.layers.6 (all but mlp.experts)"``, its experts as ``"model.layers.6
+    (mlp.experts)"``; other units as they are."""
+    if plan.experts is None:
+        return list(names)
+    apart = {layer.layer: layer.unit for layer in plan.experts.layers}
+    origin = {u.name: u.split_from for u in plan.units}
+    here, shown = set(names), []
+    for name in names:
+        layer = origin.get(name, "")
+        if layer not in apart:
+            shown.append(name)
+            continue
+        part = apart[layer][len(layer) + 1:]
+        whole = apart[layer] in here and any(origin.get(n) == layer and n != apart[layer] for n in here)
+        label = layer if whole else f"{layer} ({part})" if name == apart[layer] else f"{layer} (all but {part})"
+        if not shown or shown[-1] != label:
+            shown.append(label)
+    return shown
 
 
 def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:

@@ -50,6 +50,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "totals": _totals_dict(plan, facts),
         "report_warnings": list(facts.warnings),
         "generation": _generation_dict(plan, facts),
+        "experts": plan.experts.as_dict() if plan.experts is not None else None,
     }
 
 

@@ -5,8 +5,9 @@ import textwrap
 from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.model import Origin
-from automap.report.facts import Facts, device_notes, facts_of, format_seconds, short_name, unit_ranges
-from automap.sizes import format_bytes
+from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels, short_name,
+                                  unit_ranges)
+from automap.sizes import format_bytes, format_rate
 
 if TYPE_CHECKING:
     from automap.planning import Plan
@@ -41,7 +42,7 @@ def render_text(plan: Plan) -> str:
     """
     facts = facts_of(plan)
     sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _generation(plan, facts),
-                _choices(plan),
+                _experts(plan), _choices(plan),
                 _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
@@ -82,7 +83,7 @@ def _devices(plan: Plan, facts: Facts) -> str:
                      f"{kv} {pct:>5} {headroom:>10} {flops:>6} {stage:>{_stage_width(with_kv)}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
-        span = unit_ranges([short_name(n) for n in s.units]) if s.units else "(nothing placed)"
+        span = unit_ranges(layer_labels(plan, [short_name(n) for n in s.units])) if s.units else "(nothing placed)"
         lines += _wrap(span, " " * 16, first=" " * 9 + "units: ")
     return "\n".join(lines)
 
@@ -128,6 +129,27 @@ def _generation(plan: Plan, facts: Facts) -> str:
     lines = _wrap(text, " " * 12, first="generation: ")
     if decode.hint:
         lines += _wrap(decode.hint + ".", " " * 12, first="      hint: ")
+    return "\n".join(lines)
+
+
+def _experts(plan: Plan) -> str:
+    """Per layer, where its routed experts live apart from it and how they run at the decode
+    step and at the prefill (``automap.planning.experts``), and the decode rate against the
+    best whole-layer plan's; nothing when layers stay whole."""
+    record = plan.experts
+    if record is None:
+        return ""
+    head = (f"routed experts apart from their layers: predicted decode "
+            f"{format_rate(record.tokens_per_second, 'tokens')} against "
+            f"{format_rate(record.whole_layer_tokens_per_second, 'tokens')} for the best whole-layer plan; "
+            f"modes at the decode step ({record.decode_tokens} token{'' if record.decode_tokens == 1 else 's'}) "
+            f"and the prefill ({record.prefill_tokens} tokens):")
+    lines = _wrap(head)
+    lines.append(f"  {'layer':<22} {'experts on':<10} {'decode':<13} {'prefill':<13} streamed from")
+    for layer in record.layers:
+        crossing = f"{layer.stream_from:,} token{'' if layer.stream_from == 1 else 's'}" if layer.stream_from else "-"
+        lines.append(f"  {short_name(layer.layer):<22} {layer.home:<10} {layer.decode.value:<13} "
+                     f"{layer.prefill.value:<13} {crossing}")
     return "\n".join(lines)
 
 
