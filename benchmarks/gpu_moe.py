@@ -5,7 +5,9 @@ A Mixtral-shaped and a Qwen2-MoE-shaped model (transformers, random weights, fp3
 ``cuda:0`` with, in turn, every decoder layer on disk, every decoder layer in CPU RAM, and only
 the routed experts in CPU RAM (the rest on the GPU). For each: logits against the model all on
 the GPU, ``generate`` tokens, the median one-token forward, and the bytes copied to the GPU per
-forward against the bytes of the offloaded weights (only the routed experts' rows cross).
+forward against the bytes of the offloaded weights (only the routed experts' rows cross). On a
+GPU, also automap's own plan for a decode with half the model's bytes of GPU room, which may
+keep the experts apart (``plan.experts``), computed by the CPU.
 In a dry run the CPU executes and the copies go through ``StagedTransfer(source, HostCopyOps())``.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ def device_maps(model: nn.Module, dry: bool) -> dict[str, dict[str, Any]]:
     layers = {f"model.layers.{i}": "disk" for i in range(count)}
     return {"layers-on-disk": {"": gpu, **layers},
             "layers-in-ram": {"": gpu, **{k: ram for k in layers}},
-            "experts-in-ram": {"": gpu, **{f"model.layers.{i}.mlp.experts": ram for i in range(count)}}}
+            "experts-in-ram": {"": gpu, **{name: ram for name, _ in model.named_modules() if name.endswith(".experts")}}}
 
 
 def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -67,12 +69,25 @@ def median_seconds(ctx: Context, model: nn.Module, ids: torch.Tensor, runs: int 
     return statistics.median(times)
 
 
-def check_mode(ctx: Context, base: nn.Module, device_map: dict[str, Any], name: str,
+PLANNED = {"planned": None, "planned-fast-cpu-memory": 200e9}  # the second: experts computed on the CPU
+
+
+def planned(model: nn.Module, cpu_bandwidth: float | None = None) -> Any:
+    """automap's own plan for a decode of the model with half of it fitting on the GPU: the
+    planner may keep the experts apart (in CPU RAM, computed by the CPU or streamed; a fast CPU
+    memory, ``cpu_bandwidth`` bytes/s, makes computing them there win)."""
+    total = sum(t.nbytes for t in model.state_dict().values())
+    return automap.plan(model, max_memory={0: total // 2, "cpu": 8 << 30}, batch=1, max_length=64,
+                        bandwidths={"cpu": cpu_bandwidth} if cpu_bandwidth else None)
+
+
+def check_mode(ctx: Context, base: nn.Module, device_map: Any, name: str,
                reference: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     model = copy.deepcopy(base)
     ids, gen = _inputs(ctx, model)
     ops = TimedOps(HostCopyOps() if ctx.dry else CudaOps(ctx.device))
-    plan = automap.plan(model, device_map)
+    plan = planned(model, PLANNED[device_map]) if device_map in PLANNED else automap.plan(model, device_map)
+    experts = plan.experts.as_dict() if getattr(plan, "experts", None) is not None else None
     dispatch_plan(model, plan, offload_dir=ctx.scratch / f"moe-{name}",
                   transfer=lambda source, _: StagedTransfer(source, ops))
     try:
@@ -89,7 +104,7 @@ def check_mode(ctx: Context, base: nn.Module, device_map: dict[str, Any], name: 
     return {"max_abs_diff": diff, "outputs_match": bool(torch.allclose(logits, reference[0], rtol=1e-4, atol=1e-5)),
             "generate_identical": bool(torch.equal(tokens, reference[1])), "copied_bytes_per_forward": copied,
             "offloaded_bytes": offloaded, "copied_vs_offloaded": copied / max(offloaded, 1),
-            "median_forward_seconds": seconds}
+            "median_forward_seconds": seconds, "execution_device": plan.execution_device, "experts": experts}
 
 
 def _inputs(ctx: Context, model: nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -108,7 +123,8 @@ def check_model(ctx: Context, kind: str) -> dict[str, Any]:
     reference = (forward(plain, ids), plain.generate(**gen).cpu())
     found: dict[str, Any] = {"all_on_device_seconds": median_seconds(ctx, plain, ids)}
     del plain
-    for name, device_map in device_maps(base, ctx.dry).items():
+    maps: dict[str, Any] = {**device_maps(base, ctx.dry), **({} if ctx.dry else {p: p for p in PLANNED})}
+    for name, device_map in maps.items():
         found[name] = check_mode(ctx, base, device_map, f"{kind}-{name}", reference)
     return found
 

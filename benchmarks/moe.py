@@ -62,7 +62,14 @@ def build(kind: str, layers: int) -> Any:
 
 
 def expert_modules(model: Any) -> list[Any]:
-    return [layer.mlp.experts for layer in model.model.layers]
+    """Each layer's experts (a module stacking them, or a ``ModuleList`` in older transformers)."""
+    return [m for layer in model.model.layers for n, m in layer.named_modules() if n.endswith("experts")]
+
+
+def per_expert_bytes(experts: Any) -> int:
+    if hasattr(experts, "__len__"):  # a ModuleList of experts
+        return sum(t.nbytes for t in experts[0].state_dict().values())
+    return sum(p.nbytes // p.shape[0] for p in experts.parameters(recurse=False))
 
 
 def need_bytes(model: Any, routed: list[set[int]]) -> int:
@@ -70,9 +77,8 @@ def need_bytes(model: Any, routed: list[set[int]]) -> int:
     total = 0
     for layer, experts, used in zip(model.model.layers, expert_modules(model), routed):
         layer_bytes = sum(t.nbytes for t in layer.state_dict().values())
-        stacked = [p for p in experts.parameters(recurse=False)]
-        per_expert = sum(p.nbytes // p.shape[0] for p in stacked)
-        total += layer_bytes - sum(p.nbytes for p in stacked) + per_expert * len(used)
+        all_experts = sum(t.nbytes for t in experts.state_dict().values())
+        total += layer_bytes - all_experts + per_expert_bytes(experts) * len(used)
     return total
 
 
@@ -83,6 +89,13 @@ def routing(model: Any, ids: Any) -> tuple[Any, list[set[int]]]:
     routed: list[set[int]] = [set() for _ in expert_modules(model)]
     handles = []
     for index, experts in enumerate(expert_modules(model)):
+        if hasattr(experts, "__len__"):  # listed: an expert is used when it is called
+            for number, expert in enumerate(experts):
+                def called(module: Any, args: tuple, index: int = index, number: int = number) -> None:
+                    routed[index].add(number)
+                handles.append(expert.register_forward_pre_hook(called))
+            continue
+
         def record(module: Any, args: tuple, index: int = index) -> None:
             routed[index].update(int(i) for i in args[1].flatten().tolist() if 0 <= int(i) < module.num_experts)
         handles.append(experts.register_forward_pre_hook(record))
