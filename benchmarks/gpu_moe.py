@@ -86,7 +86,7 @@ def check_mode(ctx: Context, base: nn.Module, device_map: Any, name: str,
     model = copy.deepcopy(base)
     ids, gen = _inputs(ctx, model)
     ops = TimedOps(HostCopyOps() if ctx.dry else CudaOps(ctx.device))
-    plan = planned(model, PLANNED[device_map]) if device_map in PLANNED else automap.plan(model, device_map)
+    plan = planned(model, PLANNED[device_map]) if isinstance(device_map, str) else automap.plan(model, device_map)
     experts = plan.experts.as_dict() if getattr(plan, "experts", None) is not None else None
     dispatch_plan(model, plan, offload_dir=ctx.scratch / f"moe-{name}",
                   transfer=lambda source, _: StagedTransfer(source, ops))
