@@ -132,8 +132,13 @@ class GuessedReads(Hook):
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="automap-experts")
 
     def submit(self, source: WeightSource, names: list[str], rows: list[int]) -> None:
-        if self._pool is not None:
-            self._pool.submit(read_rows, source, names, rows)
+        pool = self._pool
+        if pool is None:
+            return
+        try:
+            pool.submit(read_rows, source, names, rows)
+        except RuntimeError:  # undispatch stopped the worker meanwhile: a hint, dropped
+            log.debug("a guess of %d experts dropped: the model was undispatched", len(rows))
 
     def settle(self) -> None:
         """Wait for the reads submitted so far (one worker: they run in order)."""
