@@ -401,7 +401,7 @@ def test_a_full_dict_map_plans_without_a_trace(monkeypatch):
     def no_trace(*args, **kwargs):
         raise AssertionError("a dict map that places every tensor must not be traced")
 
-    monkeypatch.setattr("automap.profiling.run_trace", no_trace)
+    monkeypatch.setattr("automap.profiling.build.run_trace", no_trace)
     plan = automap.plan(model, {"linear1": "disk", "batchnorm": "disk", "linear2": "disk"})
     assert plan.example == "" and plan.placement == ("disk", "disk", "disk")
     assert [(u.name, u.tensors) for u in plan.units] == [
