@@ -286,12 +286,14 @@ PADDING = "__automap_padding_"
 
 def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
     """The header bytes for ``tensors`` and the order their data follows it in: largest
-    element size first (as safetensors orders them). Every tensor starts at a multiple of
+    first. In a unit's file that puts stacked experts (read by rows, without readahead) before
+    the dense tensors (read whole, with it), so the kernel's readahead past the dense part runs
+    into the end of the file, not into experts no token went to. Every tensor starts at a multiple of
     :data:`DATA_ALIGN` bytes in the file: the header is padded with spaces to end there, and
     the zero bytes after a tensor whose size is not a multiple are declared as a ``U8``
     padding entry (:data:`PADDING`), since the format allows no unindexed gaps: the file stays
     one that the safetensors library itself reads."""
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    order = sorted(tensors, key=lambda n: (-tensors[n].nbytes, n))
     if any(n.startswith(PADDING) for n in order):
         raise FormatError(f"tensor names starting with {PADDING!r} are reserved for padding in automap's files")
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}

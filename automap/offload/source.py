@@ -91,9 +91,11 @@ class RowSource(Protocol):
     first dimension (the routed experts of a tensor that stacks every expert). A source without
     it has whole tensors read instead."""
 
-    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
-        """Bring ``rows`` of each of ``names`` into memory and map them in; returns when they
-        are there (a hint: doing nothing is correct)."""
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int] | None) -> None:
+        """Bring ``rows`` of each of ``names`` (every row: None) into memory and map them in,
+        reading nothing around them (they are read once the routing is known, and what lies
+        beside them is experts no token went to); returns when they are there (a hint: doing
+        nothing is correct)."""
 
 
 class RamSource:
@@ -119,7 +121,7 @@ class RamSource:
     def check_unchanged(self, names: Iterable[str]) -> None:
         return None
 
-    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int] | None) -> None:
         return None  # already in RAM
 
     def stats(self) -> SourceStats:
@@ -166,12 +168,14 @@ class MappedSource:
         for path, keys in self._keys_by_file(names).items():
             self.files[path].advise(keys, populate, self.reader)
 
-    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
-        """Read ``rows`` of each of ``names`` with several requests in flight (the file ranges
-        of every tensor of one file merged into one read)."""
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int] | None) -> None:
+        """Read ``rows`` of each of ``names`` (whole tensors: None) with several requests in
+        flight and without the kernel's readahead (the file ranges of every tensor of one file
+        merged into one read)."""
         for path, keys in self._keys_by_file(names).items():
             mapped = self.files[path]
-            mapped.read_spans([span for key in keys for span in mapped.row_spans(key, rows)], self.row_reader)
+            spans = mapped.spans(keys) if rows is None else [s for key in keys for s in mapped.row_spans(key, rows)]
+            mapped.read_spans(spans, self.row_reader)
 
     def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         found: dict[Path, list[str]] = {}
@@ -270,7 +274,7 @@ class SourceSet:
         for source, part in self._split(names).values():
             source.prefetch(part, populate)
 
-    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int]) -> None:
+    def prefetch_rows(self, names: Sequence[str], rows: Sequence[int] | None) -> None:
         for source, part in self._split(names).values():
             if isinstance(source, RowSource):
                 source.prefetch_rows(part, rows)

@@ -189,8 +189,8 @@ class PageTransfer(Transfer):
 
 def read_rows(source: WeightSource, names: Sequence[str], rows: Sequence[int] | None) -> None:
     """Have ``source`` read ``rows`` of ``names`` (all of them: None) in now, several requests
-    in flight; a source that reads only whole tensors reads those."""
-    if rows is not None and isinstance(source, RowSource):
+    in flight and nothing around them; a source that reads only whole tensors reads those."""
+    if isinstance(source, RowSource):
         source.prefetch_rows(names, rows)
     else:
         source.prefetch(names)

@@ -80,13 +80,16 @@ class Group:
     """The offloaded tensors one unit needs (its own and tied ones owned elsewhere), and the
     group expected to run after it (prefetched while this one computes). ``experts``: the names
     of those its routed experts hold, which their own hooks read once the routing is known
-    (:mod:`automap.runtime.experts`); the rest is the unit's *dense* part, read ahead."""
+    (:mod:`automap.runtime.experts`); the rest is the unit's *dense* part, read ahead (with the
+    experts, whole, while ``whole``: when most experts are routed to, reading whole layers ahead
+    beats reading most of them on demand)."""
 
     key: str
     where: str
     items: list[Streamed]
     next: Group | None = None
     experts: frozenset[str] = frozenset()
+    whole: bool = False  # read the experts ahead too, whole (most of them are routed to: CPU execution)
 
     @property
     def names(self) -> list[str]:
@@ -96,6 +99,11 @@ class Group:
     def dense(self) -> list[Streamed]:
         """The items the unit's own hook brings in (all but the routed experts')."""
         return [i for i in self.items if i.name not in self.experts]
+
+    @property
+    def ahead(self) -> list[Streamed]:
+        """The items read ahead of the unit: its dense part, and its experts when ``whole``."""
+        return self.items if self.whole else self.dense
 
 
 class Gate:

@@ -93,7 +93,7 @@ class StreamWeights(Hook):
         """CPU execution: the weights are the views the parameters hold; check their files
         and read ahead."""
         if not self.state.undone:  # a forward racing undispatch runs on the weights in RAM
-            self.transfer.take(self.group.key, [i.name for i in self.group.dense])
+            self.transfer.take(self.group.key, [i.name for i in self.group.ahead])
             self._prefetch_next()
 
     @skip_when_compiling
@@ -207,12 +207,12 @@ class CheckFiles(Hook):
 def following(start: Group | None, stop: Group | None, count: int) -> list[tuple[str, list[str]]]:
     """Up to ``count`` groups from ``start`` on in run order, before coming back to ``stop``
     (or to a group already listed): ``(key, names)`` of each, the weights not already in use
-    (its dense part: routed experts are read when the routing is known)."""
+    (its dense part: routed experts are read when the routing is known, unless ``whole``)."""
     found: list[tuple[str, list[str]]] = []
     seen = {id(stop)} if stop is not None else set()
     while start is not None and id(start) not in seen and len(found) < count:
         seen.add(id(start))
-        found.append((start.key, [i.name for i in start.dense if i.users == 0]))
+        found.append((start.key, [i.name for i in start.ahead if i.users == 0]))
         start = start.next
     return found
 
