@@ -7,7 +7,9 @@ the routed experts in CPU RAM (the rest on the GPU). For each: logits against th
 the GPU, ``generate`` tokens, the median one-token forward, and the bytes copied to the GPU per
 forward against the bytes of the offloaded weights (only the routed experts' rows cross). On a
 GPU, also automap's own plan for a decode with half the model's bytes of GPU room, which may
-keep the experts apart (``plan.experts``), computed by the CPU.
+keep the experts apart (``plan.experts``), computed by the CPU at a decode step and streamed to the
+GPU from the plan's token count on (:class:`~automap.runtime.experts.ExpertsByCall`): a
+``LONG``-token prefill checks that choice per call against the plain model.
 In a dry run the CPU executes and the copies go through ``StagedTransfer(source, HostCopyOps())``.
 """
 from __future__ import annotations
@@ -22,8 +24,12 @@ from torch import nn
 
 import automap
 from automap.offload import CudaOps, HostCopyOps, StagedTransfer
-from automap.runtime import dispatch_plan
+from automap.runtime import dispatch_plan, state_of
+from automap.runtime.experts import ExpertsByCall
 from benchmarks.gpu_steps import CheckFailed, Context, TimedOps
+
+
+LONG = 1024  # tokens of the long prefill (planned device maps, on a GPU)
 
 
 def build(kind: str, dry: bool) -> nn.Module:
@@ -31,7 +37,8 @@ def build(kind: str, dry: bool) -> nn.Module:
 
     hidden, layers = (64, 2) if dry else (512, 6)
     common = dict(vocab_size=256 if dry else 4096, hidden_size=hidden, intermediate_size=3 * hidden,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128 if dry else LONG)
     if kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
         model_class = transformers.MixtralForCausalLM
@@ -97,6 +104,7 @@ def check_mode(ctx: Context, base: nn.Module, device_map: Any, name: str,
         forward(model, ids)
         copied = sum(sum(t.sizes) for t in ops.timings)
         seconds = median_seconds(ctx, model, ids)
+        long = _long_prefill(model, reference[2]) if len(reference) > 2 else None
         offloaded = sum(u.param_bytes + u.buffer_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
     finally:
         automap.undispatch(model)
@@ -104,7 +112,22 @@ def check_mode(ctx: Context, base: nn.Module, device_map: Any, name: str,
     return {"max_abs_diff": diff, "outputs_match": bool(torch.allclose(logits, reference[0], rtol=1e-4, atol=1e-5)),
             "generate_identical": bool(torch.equal(tokens, reference[1])), "copied_bytes_per_forward": copied,
             "offloaded_bytes": offloaded, "copied_vs_offloaded": copied / max(offloaded, 1),
-            "median_forward_seconds": seconds, "execution_device": plan.execution_device, "experts": experts}
+            "median_forward_seconds": seconds, "execution_device": plan.execution_device, "experts": experts,
+            **({"long_prefill": long} if long is not None else {})}
+
+
+def _long_prefill(model: nn.Module, reference: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """A ``LONG``-token forward of the dispatched model against the plain one's, and how many
+    calls of experts the CPU computes at a decode step ran on the GPU for it."""
+    ids, expected = reference
+    hooks = [h for h in state_of(model).hooks if isinstance(h, ExpertsByCall)]
+    before = sum(h.streamed_calls for h in hooks)
+    logits = forward(model, ids)
+    return {"tokens": ids.shape[-1], "experts_by_call": len(hooks),
+            "stream_from_tokens": sorted({h.stream_from for h in hooks}),
+            "streamed_calls": sum(h.streamed_calls for h in hooks) - before,
+            "max_abs_diff": (logits - expected).abs().max().item(),
+            "outputs_match": bool(torch.allclose(logits, expected, rtol=1e-4, atol=1e-5))}
 
 
 def _inputs(ctx: Context, model: nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -120,7 +143,10 @@ def check_model(ctx: Context, kind: str) -> dict[str, Any]:
     base = build(kind, ctx.dry)
     plain = copy.deepcopy(base).to(ctx.device)
     ids, gen = _inputs(ctx, plain)
-    reference = (forward(plain, ids), plain.generate(**gen).cpu())
+    reference: tuple[Any, ...] = (forward(plain, ids), plain.generate(**gen).cpu())
+    if not ctx.dry:
+        long = torch.randint(0, plain.config.vocab_size, (1, LONG), generator=torch.Generator().manual_seed(3)).to(ctx.device)
+        reference += ((long, forward(plain, long)),)
     found: dict[str, Any] = {"all_on_device_seconds": median_seconds(ctx, plain, ids)}
     del plain
     maps: dict[str, Any] = {**device_maps(base, ctx.dry), **({} if ctx.dry else {p: p for p in PLANNED})}
@@ -132,10 +158,14 @@ def check_model(ctx: Context, kind: str) -> dict[str, Any]:
 def moe(ctx: Context) -> dict[str, Any]:
     results = {kind: check_model(ctx, kind) for kind in ("mixtral", "qwen2_moe")}
     bad = [f"{k}/{m}: {r}" for k, modes in results.items() for m, r in modes.items()
-           if isinstance(r, dict) and not (r["outputs_match"] and r["generate_identical"])]
+           if isinstance(r, dict) and not (r["outputs_match"] and r["generate_identical"]
+                                           and r.get("long_prefill", {}).get("outputs_match", True))]
     if bad:
         raise CheckFailed("routed experts not transparent: " + "; ".join(bad))
     worst = max(r["copied_vs_offloaded"] for modes in results.values() for r in modes.values() if isinstance(r, dict))
+    streamed = sum(r.get("long_prefill", {}).get("streamed_calls", 0)
+                   for modes in results.values() for r in modes.values() if isinstance(r, dict))
     return {"models": results,
             "headline": f"mixtral, qwen2_moe: layers on disk / in RAM, experts in RAM: outputs match, generate identical;"
-                        f" copied at most {worst:.2f}x of the offloaded bytes per forward"}
+                        f" copied at most {worst:.2f}x of the offloaded bytes per forward;"
+                        f" {LONG}-token prefills of the planned maps: outputs match, {streamed} experts calls streamed"}

@@ -193,3 +193,20 @@ def test_a_plan_of_the_profile_with_experts_as_units_dispatches_on_the_cpu(kind)
         got = model(*ids).logits
     automap.undispatch(model)
     assert torch.equal(got, expected)
+
+
+def test_experts_the_cpu_computes_get_the_per_call_choice_at_the_planned_token_count(moe_plan):
+    from automap.runtime.experts import ExpertsByCall, hook_experts_by_call
+    from automap.runtime.state import DispatchState
+
+    model, plan = moe_plan
+    in_ram = {layer.unit: layer.stream_from for layer in plan.experts.layers if layer.home == "cpu"}
+    state = DispatchState(plan=plan)
+    hooked = hook_experts_by_call(plan, dict(model.named_modules()), state)
+    try:
+        assert hooked == set(in_ram) and hooked
+        assert {h.stream_from for h in state.hooks} == set(in_ram.values())
+        assert all(isinstance(h, ExpertsByCall) and h.accelerator == torch.device("cuda:0") for h in state.hooks)
+    finally:
+        for hook in state.hooks:
+            hook.detach()

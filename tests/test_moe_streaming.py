@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ import automap
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.offload.mapped import PAGE
 from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
-from automap.runtime.experts import ExpertReads
+from automap.runtime.experts import ExpertReads, ExpertsByCall
 from automap.runtime.place import dispatch_plan
-from automap.runtime.state import state_of
+from automap.runtime.state import DispatchState, state_of
 from conftest import tiny_gpt2, tiny_moe
 
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -272,3 +273,66 @@ def test_experts_mapped_apart_from_the_rest_of_the_model_are_brought_in_once(pat
     assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False), expected_tokens)
     assert torch.equal(_logits(model, ids), expected)
     assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
+
+
+# ------------------------------------------------------------------ CPU or streamed, per call
+
+
+def _by_call(model: nn.Module, stream_from: int) -> tuple[list[ExpertsByCall], DispatchState]:
+    """An :class:`ExpertsByCall` on each experts module of ``model``; the accelerator is the CPU
+    itself here (the hook copies the weights there for a streamed call all the same)."""
+    state = DispatchState(plan=None)
+    hooks = [ExpertsByCall(torch.device("cpu"), torch.device("cpu"), stream_from, state).attach(m)
+             for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    return hooks, state
+
+
+def test_experts_stream_from_the_planned_token_count_and_compute_in_place_below_it():
+    model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
+    short, long = _ids(1, length=1, vocab=128), _ids(2, length=8, vocab=128)
+    expected = {n: _logits(model, ids) for n, ids in (("short", short), ("long", long))}
+    homes = {n: p.data_ptr() for n, p in model.named_parameters() if ".experts." in n}
+    seen: list[bool] = []  # per experts call: whether its weights were copies while it ran
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_hook(
+                lambda m, a, o, name=name: seen.append(m.gate_up_proj.data_ptr() != homes[f"{name}.gate_up_proj"]))
+    hooks, state = _by_call(model, stream_from=16)
+    assert torch.equal(_logits(model, short), expected["short"])
+    assert seen == [False, False] and sum(h.streamed_calls for h in hooks) == 0
+    assert torch.equal(_logits(model, long), expected["long"])
+    assert seen[2:] == [True, True] and all(h.streamed_calls == 1 for h in hooks)
+    assert {n: p.data_ptr() for n, p in model.named_parameters() if ".experts." in n} == homes
+    free = []
+    worker = threading.Thread(target=lambda: free.append(state.lock.acquire(timeout=5)))
+    worker.start(), worker.join()
+    assert free == [True], "the lock is free again after the streamed calls"
+
+
+def test_a_call_with_gradients_computes_the_experts_where_their_weights_are():
+    model = tiny_moe("mixtral", layers=1, hidden=64, experts=8, shared=0)
+    ids = _ids(2, length=8, vocab=128)
+    hooks, _ = _by_call(model, stream_from=1)
+    model(ids).logits.sum().backward()
+    assert hooks[0].streamed_calls == 0
+    weight = model.model.layers[0].mlp.experts.gate_up_proj
+    assert weight.grad is not None and weight.grad.device == weight.device
+
+
+def test_a_streamed_call_that_raises_puts_the_weights_back_and_frees_the_lock():
+    model = tiny_moe("mixtral", layers=1, hidden=64, experts=8, shared=0)
+    experts = model.model.layers[0].mlp.experts
+    home = experts.gate_up_proj.data_ptr()
+    hooks, state = _by_call(model, stream_from=1)
+
+    def fail(module, args):
+        raise RuntimeError("in the experts' call")
+    handle = experts.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="in the experts' call"):
+        _logits(model, _ids(2, length=8, vocab=128))
+    handle.remove()
+    assert experts.gate_up_proj.data_ptr() == home
+    free = []
+    worker = threading.Thread(target=lambda: free.append(state.lock.acquire(timeout=5)))
+    worker.start(), worker.join()
+    assert free == [True]

@@ -28,6 +28,7 @@ swaps the homes back after, as the unit's hook does for its own weights, inside 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from automap.profiling.routed import Experts, find_experts, guess_rows, router_o
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
 from automap.runtime.state import DispatchState, Group, Streamed, follow
+from automap.runtime.values import send
 
 log = logging.getLogger(__name__)
 
@@ -211,3 +213,104 @@ def hook_experts(state: DispatchState, modules: dict[str, nn.Module]) -> None:
             log.debug("unit %s reads %d expert tensor(s) as routed", group.key, len(taken))
     state.hooks.extend(added)
     link_guesses(added, modules, state)
+
+
+# ------------------------------------------------------------------ per call: CPU or streamed
+
+
+def call_tokens(args: tuple, kwargs: dict) -> int:
+    """The tokens a call of an experts module carries: the rows of its routing (one per token),
+    else those of its first floating tensor (all dimensions but the last)."""
+    routing = routing_of(args, kwargs)
+    if routing is not None and routing.dim():
+        return int(routing.numel() // routing.shape[-1]) if routing.dim() > 1 else int(routing.shape[0])
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+            return int(value.numel() // value.shape[-1])
+    return 0
+
+
+class ExpertsByCall(Hook):
+    """Routed experts whose weights live in CPU RAM and which the CPU computes (activations
+    cross the link) at small calls, but which run on the accelerator, their weights copied
+    there for the call, from ``stream_from`` tokens per call: the cost model's choice per phase
+    (:class:`~automap.planning.experts.ExpertsLayer`), made at each call, so that a decode step
+    computes them where they are and a long prefill streams them.
+
+    It takes the place of the unit's input hook. A streamed call holds the dispatch's lock from
+    before to after (the module's tensors are swapped for the call), and happens only without
+    autograd (a backward through copies would leave gradients on the accelerator): a call with
+    gradients enabled computes on the CPU.
+    """
+
+    def __init__(self, home: torch.device, accelerator: torch.device, stream_from: int, state: DispatchState):
+        super().__init__()
+        self.home, self.accelerator, self.stream_from, self.state = home, accelerator, stream_from, state
+        self.streamed_calls = 0  # how many calls ran on the accelerator (tests, benchmarks)
+        self._inside = threading.local()  # per thread: the homes swapped out for this call
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        tokens = call_tokens(args, kwargs)
+        if tokens >= self.stream_from and not torch.is_grad_enabled() and not self.state.undone:
+            self._swap_in(module)
+            self.streamed_calls += 1
+            return send(args, self.accelerator), send(kwargs, self.accelerator)
+        moved_args, moved_kwargs = send(args, self.home), send(kwargs, self.home)
+        return None if moved_args is args and moved_kwargs is kwargs else (moved_args, moved_kwargs)
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        homes = getattr(self._inside, "homes", None)
+        if homes is None:
+            return None
+        self._inside.homes = None
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                for tensor, home in homes:
+                    tensor.data = home
+        finally:
+            self.state.lock.release()
+        return None
+
+    @skip_when_compiling
+    def _swap_in(self, module: nn.Module) -> None:
+        self.state.lock.acquire()
+        homes = []
+        try:
+            # Outside inference_mode: a Parameter cannot hold an inference tensor.
+            with torch.inference_mode(False), torch.no_grad():
+                for tensor in (*module.parameters(), *module.buffers()):
+                    homes.append((tensor, tensor.data))
+                    tensor.data = tensor.data.to(self.accelerator, non_blocking=tensor.data.is_pinned(), copy=True)
+        except BaseException:
+            with torch.inference_mode(False), torch.no_grad():
+                for tensor, home in homes:
+                    tensor.data = home
+            self.state.lock.release()
+            raise
+        self._inside.homes = homes
+
+
+def hook_experts_by_call(plan: Any, modules: dict[str, nn.Module], state: DispatchState) -> set[str]:
+    """An :class:`ExpertsByCall` hook on each unit of routed experts in CPU RAM that the CPU
+    computes and the plan streams from some token count on, to the accelerator the rest of
+    their layer computes on; returns their names (they take no other input hook)."""
+    if plan.experts is None:
+        return set()
+    placements = {u.name: p for u, p in zip(plan.units, plan.placements)}
+    around: dict[str, set[str]] = {}  # layer -> where its other pieces compute
+    for unit, placement in zip(plan.units, plan.placements):
+        if unit.split_from and not unit.experts:
+            around.setdefault(unit.split_from, set()).add(placement.compute)
+    hooked = set()
+    for layer in plan.experts.layers:
+        placement = placements.get(layer.unit)
+        if placement is None or placement.offloaded or layer.stream_from <= 0 or layer.unit not in modules:
+            continue
+        home = torch_device(placement.compute)
+        accelerators = {torch_device(d) for d in around.get(layer.layer, ())} - {home}
+        if home.type != "cpu" or len(accelerators) != 1:
+            continue
+        state.hooks.append(ExpertsByCall(home, accelerators.pop(), layer.stream_from, state)
+                           .attach(modules[layer.unit]))
+        hooked.add(layer.unit)
+    return hooked

@@ -20,7 +20,7 @@ from automap.profiling import Unit
 from automap.profiling.routed import stacked_count
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
-from automap.runtime.experts import hook_experts
+from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
 from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
@@ -203,7 +203,8 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     tensors = named_tensors(model)
     compute_devices = {p.compute for p in plan.placements}
     needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
-    place_units(plan, state, modules, tensors, needs_hooks)
+    by_call = hook_experts_by_call(plan, modules, state) if needs_hooks else set()
+    place_units(plan, state, modules, tensors, needs_hooks, by_call)
     name = type(model).__name__
     if state.groups:
         assert state.source is not None
@@ -227,9 +228,10 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
 
 
 def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
-                needs_hooks: bool) -> None:
+                needs_hooks: bool, own_inputs: set[str] = frozenset()) -> None:
     """Point offloaded tensors at their homes, move resident ones to their devices, and make a
-    streaming group per unit that has offloaded tensors (its own or tied ones)."""
+    streaming group per unit that has offloaded tensors (its own or tied ones). Units in
+    ``own_inputs`` have a hook that moves their inputs already (:class:`ExpertsByCall`)."""
     streamed = streamed_names(plan, tensors)
     owned = {u.name: [] for u, p in zip(plan.units, plan.placements) if p.offloaded}
     for name, (unit, _) in streamed.items():
@@ -245,7 +247,7 @@ def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module],
         items = own + aliases(modules[unit.name], unit.name, inner_units(plan, unit.name), state, own)
         if items:
             state.groups.append(Group(unit.name, placement.home, items))
-        if needs_hooks:
+        if needs_hooks and unit.name not in own_inputs:
             state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
 
 
