@@ -142,18 +142,24 @@ def test_plan_json_from_before_reads_without_experts():
     assert plan.experts is None
 
 
+def _same_logits_dispatched(model, ids, device_map) -> None:
+    """``model`` dispatched by ``device_map`` (or plan) gives the plain model's logits on ``ids``."""
+    with torch.no_grad():
+        expected = model(*ids).logits
+    automap.dispatch(model, device_map)
+    try:
+        with torch.no_grad():
+            got = model(*ids).logits
+    finally:
+        automap.undispatch(model)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_a_plan_with_the_experts_as_units_dispatches_on_the_cpu_with_the_plain_outputs(kind):
     model = tiny_moe(kind, layers=2, hidden=64, experts=8, shared=48)
     ids = (torch.randint(0, 128, (2, 16)),)
-    with torch.no_grad():
-        expected = model(*ids).logits
-    device_map = {"": "cpu", **{f"model.layers.{i}.mlp.experts": "cpu" for i in range(2)}}
-    automap.dispatch(model, device_map)
-    with torch.no_grad():
-        got = model(*ids).logits
-    automap.undispatch(model)
-    assert torch.equal(got, expected)
+    _same_logits_dispatched(model, ids, {"": "cpu", **{f"model.layers.{i}.mlp.experts": "cpu" for i in range(2)}})
 
 
 def test_the_cli_shows_the_experts_plan_against_the_whole_layer_plan(tmp_path, capsys):
@@ -180,19 +186,13 @@ def test_a_plan_of_the_profile_with_experts_as_units_dispatches_on_the_cpu(kind)
 
     model = tiny_moe(kind, layers=2, hidden=64, experts=8, shared=48)
     ids = (torch.randint(0, 128, (2, 16)),)
-    with torch.no_grad():
-        expected = model(*ids).logits
     prof = automap.profile(model, ids)
     finer = Splitter(model, example_inputs=ids)(prof, list(prof.routed)).profile
     experts = [u for u in finer.units if u.experts]
     assert [u.name for u in experts] == list(prof.routed) and all(u.split_from for u in experts)
     plan = automap.plan(finer, max_memory={"cpu": "1GiB"})
     assert plan.device_map["model.layers.1.mlp.experts"] == "cpu"
-    automap.dispatch(model, plan)
-    with torch.no_grad():
-        got = model(*ids).logits
-    automap.undispatch(model)
-    assert torch.equal(got, expected)
+    _same_logits_dispatched(model, ids, plan)
 
 
 def test_experts_the_cpu_computes_get_the_per_call_choice_at_the_planned_token_count(moe_plan):

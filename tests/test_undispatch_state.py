@@ -26,7 +26,7 @@ from torch import nn
 
 import automap
 from automap.errors import DispatchError, OffloadError
-from automap.offload import HostCopyOps, StagedTransfer
+from automap.offload import HostCopyOps, StagedTransfer, read_header
 from automap.runtime import dispatch_plan, state_of
 from conftest import file_backing
 
@@ -220,8 +220,9 @@ def test_2_only_a_truly_unreadable_tensor_is_an_error_and_it_names_the_tensor(tm
     model = dispatched(tmp_path)
     victim = file_backing(model[5].weight)
     good = victim.read_bytes()
-    os.truncate(victim, 1000)  # in place: 5.weight's bytes are gone (5.bias, first in the file, is intact)
-    with pytest.raises(OffloadError, match=r"truncated.*'5\.weight' are gone.*restore it"):
+    weight = read_header(victim).tensors["5.weight"]  # the larger one: first in the file
+    os.truncate(victim, weight.begin + weight.nbytes)  # in place: 5.bias's bytes are gone, 5.weight's intact
+    with pytest.raises(OffloadError, match=r"truncated.*tensor '5\.bias' are gone.*restore it"):
         automap.undispatch(model)
     assert state_of(model) is not None  # still dispatched, nothing changed
     victim.write_bytes(good)  # restored in place: readable again

@@ -131,6 +131,12 @@ class Transfer(abc.ABC):
         """
         return self.take(key, names)
 
+    def _read_rows(self, names: Sequence[str], rows: Sequence[int] | None) -> None:
+        """Check the files behind ``names``, then have the source read ``rows`` of each (all:
+        None) in now, without reading around them (:func:`read_rows`)."""
+        self.source.check_unchanged(names)
+        read_rows(self.source, names, rows)
+
     @property
     def pinned_bytes(self) -> int:
         """Page-locked host memory this transfer holds (its staging buffer)."""
@@ -182,8 +188,7 @@ class PageTransfer(Transfer):
         return {n: self.source.get(n) for n in names}
 
     def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
-        self.source.check_unchanged(names)
-        read_rows(self.source, names, rows)
+        self._read_rows(names, rows)
         return {n: self.source.get(n) for n in names}
 
 
@@ -303,8 +308,7 @@ class StagedTransfer(Transfer):
         return {n: got[n] for n in names}
 
     def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
-        self.source.check_unchanged(names)
-        read_rows(self.source, names, rows)
+        self._read_rows(names, rows)
         got, event = self._copy(tuple(names), rows)
         current = self.ops.current_stream()
         self.ops.wait(current, event)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from automap.kinds import torch_device
+from automap.kinds import kind_of, torch_device
 from automap.offload import WeightSource
 from automap.offload.transfer import read_rows
 from automap.profiling.routed import Experts, find_experts, guess_rows, router_of, routed_rows, routing_of
@@ -306,11 +306,11 @@ def hook_experts_by_call(plan: Any, modules: dict[str, nn.Module], state: Dispat
         placement = placements.get(layer.unit)
         if placement is None or placement.offloaded or layer.stream_from <= 0 or layer.unit not in modules:
             continue
-        home = torch_device(placement.compute)
-        accelerators = {torch_device(d) for d in around.get(layer.layer, ())} - {home}
-        if home.type != "cpu" or len(accelerators) != 1:
+        accelerators = {d for d in around.get(layer.layer, ()) if kind_of(d).is_accelerator}
+        if not kind_of(placement.compute).is_host or len(accelerators) != 1:
             continue
-        state.hooks.append(ExpertsByCall(home, accelerators.pop(), layer.stream_from, state)
+        home = torch_device(placement.compute)
+        state.hooks.append(ExpertsByCall(home, torch_device(accelerators.pop()), layer.stream_from, state)
                            .attach(modules[layer.unit]))
         hooked.add(layer.unit)
     return hooked
