@@ -336,3 +336,22 @@ def test_a_streamed_call_that_raises_puts_the_weights_back_and_frees_the_lock():
     worker = threading.Thread(target=lambda: free.append(state.lock.acquire(timeout=5)))
     worker.start(), worker.join()
     assert free == [True]
+
+
+def test_listed_experts_mapped_as_a_unit_of_their_own_each_take_their_inputs_and_give_back_outputs(tmp_path):
+    """A list of experts is never called itself: the block calls each expert. A unit of listed
+    experts that computes apart from its block moves the inputs and outputs of each expert."""
+    from automap.runtime.hooks import MoveInputs
+
+    torch.manual_seed(0)
+    model = ListedNet().eval()
+    ids = _ids(2, length=3)
+    expected = _logits(model, ids)
+    device_map = {"embed": "cpu", "head": "cpu", "blocks.0": "cpu", "blocks.0.experts": "cpu", "blocks.1": "disk"}
+    automap.dispatch(model, device_map=device_map, offload_dir=tmp_path)
+    for expert in model.blocks[0].experts:
+        hooks = [getattr(h, "__self__", None) for h in expert._forward_pre_hooks.values()]
+        assert any(isinstance(h, MoveInputs) for h in hooks), "each expert moves its own inputs"
+    assert torch.equal(_logits(model, ids), expected)
+    automap.undispatch(model)
+    assert all(not expert._forward_pre_hooks for expert in model.blocks[0].experts)

@@ -84,6 +84,20 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(all_named_tensors(model, remove_duplicate=False))
 
 
+def never_called(module: nn.Module) -> bool:
+    """A container is never called unless its class has a forward (torchvision's _DenseBlock)."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def called(module: nn.Module) -> list[nn.Module]:
+    """The modules that run when ``module``'s code runs: itself, or for a container that is never
+    called (a list of experts the block around it calls one by one) the modules it holds, found
+    the same way."""
+    if not never_called(module):
+        return [module]
+    return [m for child in module.children() for m in called(child)]
+
+
 def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
     modules = dict(model.named_modules())
     for unit, placement in zip(plan.units, plan.placements):
@@ -91,9 +105,7 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
             raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
                                 "was the plan made for another model?")
         module = modules[unit.name]
-        # A container is never called unless its class has a forward (torchvision's _DenseBlock).
-        never_called = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-        if placement.offloaded and never_called:
+        if placement.offloaded and never_called(module):
             children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
             raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
                                 f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
@@ -248,7 +260,7 @@ def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module],
         if items:
             state.groups.append(Group(unit.name, placement.home, items))
         if needs_hooks and unit.name not in own_inputs:
-            state.hooks.append(MoveInputs(device).attach(modules[unit.name]))
+            state.hooks.extend(MoveInputs(device).attach(m) for m in called(modules[unit.name]))
 
 
 def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> Streamed:
@@ -315,16 +327,17 @@ def split_devices(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, set[st
     experts left out (:func:`hook_split_units`)."""
     found: dict[str, set[str]] = {}
     for unit, placement in zip(plan.units, plan.placements):
-        if unit.split_from and not is_experts(modules.get(unit.name)):
+        if unit.split_from and not is_experts(unit, modules.get(unit.name)):
             found.setdefault(unit.split_from, set()).add(placement.compute)
     return found
 
 
-def is_experts(module: nn.Module | None) -> bool:
-    """Whether ``module`` holds a layer's routed experts, stacked (a piece that may compute
-    apart from the rest of its layer: the experts in CPU RAM computed by the CPU, the
-    attention on a GPU)."""
-    return module is not None and stacked_count(module) > 0
+def is_experts(unit: Unit, module: nn.Module | None) -> bool:
+    """Whether ``unit`` (``module``) holds a layer's routed experts, stacked or listed (the
+    profile marked it; a plan from before that, stacked ones only): a piece that may compute
+    apart from the rest of its layer (the experts in CPU RAM computed by the CPU, the attention
+    on a GPU)."""
+    return bool(unit.experts) or (module is not None and stacked_count(module) > 0)
 
 
 def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
@@ -343,11 +356,11 @@ def hook_expert_outputs(plan: Plan, modules: dict[str, nn.Module], state: Dispat
     parent's pieces (``parents``) or the unit that encloses it — sends its outputs back there."""
     computes = {u.name: torch_device(p.compute) for u, p in zip(plan.units, plan.placements)}
     for unit, placement in zip(plan.units, plan.placements):
-        if not is_experts(modules[unit.name]):
+        if not is_experts(unit, modules[unit.name]):
             continue
         around = parents.get(unit.split_from) if unit.split_from else enclosing(unit.name, computes)
         if around is not None and around != torch_device(placement.compute):
-            state.hooks.append(MoveOutputs(around).attach(modules[unit.name]))
+            state.hooks.extend(MoveOutputs(around).attach(m) for m in called(modules[unit.name]))
 
 
 def enclosing(name: str, computes: dict[str, torch.device]) -> torch.device | None:
