@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -126,8 +127,18 @@ def _row_pages(model: nn.Module, name: str) -> list[tuple[int, int]]:
 
 
 def _cold(model: nn.Module) -> None:
-    os.sync()
-    state_of(model).source.evict()
+    """Drop the store's pages from memory, and check they went: a page the kernel could not drop
+    at once (still being written back, held in a CPU's batch of new pages while other tests load
+    the machine) would count as read by the forward; the kernel gets a few tries."""
+    experts = [e for e in find_experts(model) if e.stacked]
+    for _ in range(10):
+        os.sync()
+        state_of(model).source.evict()
+        left = sum(r for e in experts for name in e.tensors for r, _ in _row_pages(model, name))
+        if not left:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{left} pages of the experts stay in memory after eviction: the test cannot start cold")
 
 
 # ------------------------------------------------------------------ finding experts

@@ -2,6 +2,9 @@
 weights in just before their unit runs (the next one prefetched while it computes).
 
 - :mod:`~automap.runtime.place`: :func:`dispatch_plan` and :func:`undispatch`;
+- :mod:`~automap.runtime.pieces`: hooks for units that compute in pieces (split units, loose
+  tensors, routed experts computing apart);
+- :mod:`~automap.runtime.experts`: reading routed experts' rows, and experts computed by call;
 - :mod:`~automap.runtime.hooks`: the hook lifecycle (attach / pre / post / detach), moving inputs
   and outputs;
 - :mod:`~automap.runtime.streaming`: the hook of an offloaded unit, and the model's check of

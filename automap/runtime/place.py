@@ -17,9 +17,9 @@ from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
 from automap.planning import Plan, unit_label
 from automap.planning.placement import Placement
 from automap.profiling import Unit
-from automap.profiling.routed import stacked_count
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
+from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, never_called, split_devices
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
@@ -82,20 +82,6 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(all_named_tensors(model, remove_duplicate=False))
-
-
-def never_called(module: nn.Module) -> bool:
-    """A container is never called unless its class has a forward (torchvision's _DenseBlock)."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
-
-
-def called(module: nn.Module) -> list[nn.Module]:
-    """The modules that run when ``module``'s code runs: itself, or for a container that is never
-    called (a list of experts the block around it calls one by one) the modules it holds, found
-    the same way."""
-    if not never_called(module):
-        return [module]
-    return [m for child in module.children() for m in called(child)]
 
 
 def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan: Plan) -> None:
@@ -308,68 +294,6 @@ def link(groups: list[Group]) -> None:
     or the next token of ``generate``)."""
     for i, group in enumerate(groups):
         group.next = groups[(i + 1) % len(groups)] if len(groups) > 1 else None
-
-
-def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
-                      state: DispatchState) -> None:
-    """A module that holds tensors itself (ViT's ``class_token``) computes with them in its own
-    forward, so its inputs go to where those tensors are."""
-    owners: dict[str, torch.device] = {}
-    for unit in plan.units:
-        for name in unit.loose:
-            owners.setdefault(name.rpartition(".")[0], tensors[name].device)
-    for owner, device in owners.items():
-        state.hooks.append(MoveInputs(device).attach(modules[owner]))
-
-
-def split_devices(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, set[str]]:
-    """For each unit the planner split (``Unit.split_from``), where its pieces compute; routed
-    experts left out (:func:`hook_split_units`)."""
-    found: dict[str, set[str]] = {}
-    for unit, placement in zip(plan.units, plan.placements):
-        if unit.split_from and not is_experts(unit, modules.get(unit.name)):
-            found.setdefault(unit.split_from, set()).add(placement.compute)
-    return found
-
-
-def is_experts(unit: Unit, module: nn.Module | None) -> bool:
-    """Whether ``unit`` (``module``) holds a layer's routed experts, stacked or listed (the
-    profile marked it; a plan from before that, stacked ones only): a piece that may compute
-    apart from the rest of its layer (the experts in CPU RAM computed by the CPU, the attention
-    on a GPU)."""
-    return bool(unit.experts) or (module is not None and stacked_count(module) > 0)
-
-
-def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
-    """A split unit's own forward code (a residual add) runs between its pieces, on what it
-    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`).
-    A piece of routed experts computing elsewhere sends its outputs back there."""
-    devices = {name: torch_device(next(iter(found))) for name, found in split_devices(plan, modules).items()}
-    for name, device in devices.items():
-        state.hooks.append(MoveInputs(device).attach(modules[name]))
-    hook_expert_outputs(plan, modules, state, devices)
-
-
-def hook_expert_outputs(plan: Plan, modules: dict[str, nn.Module], state: DispatchState,
-                        parents: dict[str, torch.device]) -> None:
-    """A unit of routed experts that computes apart from the code around it — its split
-    parent's pieces (``parents``) or the unit that encloses it — sends its outputs back there."""
-    computes = {u.name: torch_device(p.compute) for u, p in zip(plan.units, plan.placements)}
-    for unit, placement in zip(plan.units, plan.placements):
-        if not is_experts(unit, modules[unit.name]):
-            continue
-        around = parents.get(unit.split_from) if unit.split_from else enclosing(unit.name, computes)
-        if around is not None and around != torch_device(placement.compute):
-            state.hooks.extend(MoveOutputs(around).attach(m) for m in called(modules[unit.name]))
-
-
-def enclosing(name: str, computes: dict[str, torch.device]) -> torch.device | None:
-    """Where the nearest unit whose module contains module ``name`` computes (None: none does)."""
-    while name:
-        name = name.rpartition(".")[0]
-        if name in computes:
-            return computes[name]
-    return None
 
 
 # ------------------------------------------------------------------ undo
