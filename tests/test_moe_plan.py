@@ -105,6 +105,31 @@ def test_its_predicted_decode_rate_beats_the_best_whole_layer_plan(moe_plan):
     assert any(c.startswith("chosen instead: routed experts apart") for c in plan.choices)
 
 
+@pytest.mark.parametrize("cpu", ["64GiB", "30GiB"])
+def test_each_layers_modes_are_what_the_runtime_does_with_its_experts(cpu):
+    """With 64 GiB the CPU computes the experts off the GPU (those in RAM stream from the
+    crossing on, those on disk never); with 30 GiB the plan streams every one to the GPU. The
+    record says so per layer, whatever the cost model would have liked for each alone."""
+    plan = planned(mixtral(), budget={0: "24GiB", "cpu": cpu, "disk": "500GiB"})
+    placements = {u.name: p for u, p in zip(plan.units, plan.placements)}
+    seen = set()
+    for layer in plan.experts.layers:
+        placement = placements[layer.unit]
+        if layer.home == "cuda:0":
+            expected = (ExpertsMode.RESIDENT, ExpertsMode.RESIDENT, 0)
+        elif placement.compute == "cuda:0":
+            expected = (ExpertsMode.STREAMED, ExpertsMode.STREAMED, 1)
+        elif placement.offloaded:
+            expected = (ExpertsMode.CPU_COMPUTES, ExpertsMode.CPU_COMPUTES, 0)
+        else:
+            assert 1 < layer.stream_from <= 128, layer
+            expected = (ExpertsMode.CPU_COMPUTES, ExpertsMode.STREAMED, layer.stream_from)
+        assert (layer.decode, layer.prefill, layer.stream_from) == expected, layer
+        seen.add((layer.home, placement.compute))
+    assert ("cpu", "cuda:0" if cpu == "30GiB" else "cpu") in seen, seen
+    assert cpu == "30GiB" or ("disk", "cpu") in seen, seen
+
+
 def test_the_report_shows_each_layer_and_the_json_carries_it_back(moe_plan):
     _, plan = moe_plan
     text = plan.report()

@@ -118,8 +118,8 @@ class ExpertsLayer:
         unit: the experts' own unit (``"model.layers.3.mlp.experts"``).
         home: where their weights live (``"cuda:0"``, ``"cpu"``, ``"disk"``).
         decode, prefill: how they run at the planned decode step and at the prompt's prefill.
-        stream_from: from how many tokens per call streaming beats the CPU (0: never; resident
-            experts: 0).
+        stream_from: from how many tokens per call they are streamed to the accelerator (1:
+            at every call; 0: never, resident experts or the CPU computing them at every call).
     """
 
     layer: str

@@ -24,7 +24,7 @@ from automap.planning.layout import level_plans
 from automap.planning.layouts import EXPERTS
 from automap.planning.model import Plan
 from automap.planning.strategies import Strategy
-from automap.profiling import Profile, Unit
+from automap.profiling import Profile
 from automap.profiling.refine import Refinement
 from automap.sizes import format_rate
 
@@ -84,33 +84,64 @@ def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: St
     streaming = [p for p in plans if not is_host_name(p.execution_device)]
     if not on_cpu or not streaming:
         return plans[0]
-    votes = {mode: 0 for mode in ExpertsMode}
-    for layer, unit in zip(experts_record(streaming[0]).layers, _experts_units(streaming[0])):
-        votes[layer.decode] += unit.weight_bytes
+    votes = _decode_votes(streaming[0])
     return on_cpu[0] if votes[ExpertsMode.CPU_COMPUTES] >= votes[ExpertsMode.STREAMED] else streaming[0]
 
 
-def _experts_units(plan: Plan) -> list[Unit]:
-    return [u for u in plan.units if u.experts]
-
-
-def experts_record(plan: Plan) -> ExpertsPlan:
-    """Each layer's routed experts in ``plan``: where they live and, for those off the
-    accelerators, the mode the cost model picks at the decode step and at the prefill."""
+def _decode_votes(plan: Plan) -> dict[ExpertsMode, int]:
+    """The bytes of the experts off the accelerators in ``plan`` by the mode the cost model
+    picks for them at the decode step."""
     generation = plan.generation
     assert generation is not None
     decode, prefill = generation.batch, generation.batch * max(generation.prompt_length, 1)
     cpu = next(d for d in plan.devices if is_host_name(d.name))
     gpu = next(d for d in plan.devices if d.is_accelerator)
-    layers = []
+    votes = {mode: 0 for mode in ExpertsMode}
     for unit, home in zip(plan.units, plan.placement):
+        device = plan.device(home)
+        if unit.experts and not device.is_accelerator:
+            votes[best_mode(ExpertsCost.of(unit, prefill), decode, device, cpu, gpu)] += unit.weight_bytes
+    return votes
+
+
+def experts_record(plan: Plan) -> ExpertsPlan:
+    """Each layer's routed experts in ``plan``: where they live and how they run at the decode
+    step and at the prefill — what the runtime does with this plan, not only what the cost
+    model would like. Experts on an accelerator are resident; experts an accelerator computes
+    (streamed from RAM or disk) stream at every call; experts in CPU RAM that the CPU computes,
+    beside a layer computing on one accelerator, stream from the cost model's crossing on
+    (:func:`~automap.planning.experts.stream_from`; the runtime's per-call choice,
+    :class:`~automap.runtime.experts.ExpertsByCall`); experts the CPU computes from disk stay
+    there at every call."""
+    generation = plan.generation
+    assert generation is not None
+    decode, prefill = generation.batch, generation.batch * max(generation.prompt_length, 1)
+    cpu = next(d for d in plan.devices if is_host_name(d.name))
+    gpu = next(d for d in plan.devices if d.is_accelerator)
+    around = _layer_computes(plan)
+    layers = []
+    for unit, home, placement in zip(plan.units, plan.placement, plan.placements):
         if not unit.experts:
             continue
         device = plan.device(home)
         if device.is_accelerator:
             layers.append(ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.RESIDENT, ExpertsMode.RESIDENT))
             continue
-        cost = ExpertsCost.of(unit, prefill)
-        layers.append(ExpertsLayer(unit.split_from, unit.name, home, best_mode(cost, decode, device, cpu, gpu),
-                                   best_mode(cost, prefill, device, cpu, gpu), stream_from(cost, device, cpu, gpu)))
+        if not is_host_name(placement.compute):
+            layers.append(ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.STREAMED, ExpertsMode.STREAMED, 1))
+            continue
+        switches = not placement.offloaded and len(around.get(unit.split_from, set())) == 1
+        crossing = stream_from(ExpertsCost.of(unit, prefill), device, cpu, gpu) if switches else 0
+        modes = [ExpertsMode.STREAMED if crossing and tokens >= crossing else ExpertsMode.CPU_COMPUTES
+                 for tokens in (decode, prefill)]
+        layers.append(ExpertsLayer(unit.split_from, unit.name, home, *modes, crossing))
     return ExpertsPlan(tuple(layers), decode, prefill, 0.0, 0.0)
+
+
+def _layer_computes(plan: Plan) -> dict[str, set[str]]:
+    """For each split layer, the accelerators its pieces other than routed experts compute on."""
+    found: dict[str, set[str]] = {}
+    for unit, placement in zip(plan.units, plan.placements):
+        if unit.split_from and not unit.experts and plan.device(placement.compute).is_accelerator:
+            found.setdefault(unit.split_from, set()).add(placement.compute)
+    return found
