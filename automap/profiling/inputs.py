@@ -61,7 +61,9 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
     main = getattr(model, "main_input_name", None)
     inputs: dict[str, Any]
     if main == "input_ids":
-        seq_len = min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 0:  # XLNet's -1: no limit
+            seq_len = min(seq_len, limit)
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         inputs, how = {"input_ids": ids}, f"input_ids {batch}x{seq_len}"
         if getattr(config, "is_encoder_decoder", False):

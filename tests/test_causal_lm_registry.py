@@ -1,0 +1,61 @@
+"""Breadth for dense models nobody here wrote: every causal LM family in the installed
+transformers' registry (the mixture-of-experts ones are test_moe_families.py's), built from its
+default config with small sizes and random weights, dispatched by ``device_map="auto"`` with a
+CPU budget that sends part of it to disk. Each gives the plain model's logits exactly and the
+same greedy tokens through the KV cache, and the plain logits again after undispatch.
+
+A family whose own plain model cannot build or run from the small config (sizes that must
+agree with others the shrinking does not know, required inputs beyond ``input_ids``) is skipped
+with what it said: only automap's part can fail here."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import automap
+from test_moe_families import FAMILIES as MOE_FAMILIES
+from tiny_configs import tiny
+
+
+def _families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(MOE_FAMILIES))
+
+
+def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+    try:
+        model = tiny(family)
+    except pytest.skip.Exception:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the family's own config or model refused the small sizes
+        pytest.skip(f"{family} does not build from a small config: {type(exc).__name__}: {str(exc)[:200]}")
+    vocab = min(getattr(model.config, "vocab_size", 128) or 128, 128)
+    ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
+    generate = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model, ids, generate, model(input_ids=ids).logits, model.generate(ids, **generate)
+    except Exception as exc:  # noqa: BLE001 - the plain model itself does not run so
+        pytest.skip(f"{family}'s plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+@pytest.mark.parametrize("family", _families())
+def test_each_causal_lm_family_with_part_on_disk_gives_the_plain_outputs(family, tmp_path):
+    model, ids, generate, expected, tokens = _plain(family)
+    total = sum(t.nbytes for t in model.state_dict().values())
+    automap.dispatch(model, device_map="auto", max_memory={"cpu": int(total * 0.4)}, offload_dir=tmp_path)
+    try:
+        assert "disk" in automap.placement(model).device_map.values(), "part of it is on disk"
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, again = model(input_ids=ids).logits, model.generate(ids, **generate)
+    finally:
+        automap.undispatch(model)
+    assert torch.equal(got, expected)
+    assert torch.equal(again, tokens)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
