@@ -50,9 +50,10 @@ def shrink(config, depth: int = 0) -> None:
                 shrink(sub, depth + 1)
 
 
-def tiny(family: str) -> torch.nn.Module:
-    """``family``'s causal LM from its default config, shrunk (skipped where transformers
-    lacks the family, or where it stays large: sizes under names not shrunk here)."""
+def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
+    """``family``'s model (a causal LM, or transformers' ``auto`` class's) from its default
+    config, shrunk (skipped where transformers lacks the family, or where it stays large:
+    sizes under names not shrunk here)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -66,8 +67,8 @@ def tiny(family: str) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
-            size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+            size = sum(p.numel() for p in getattr(transformers, auto).from_config(config).parameters())
         if size > MAX_PARAMETERS:
             pytest.skip(f"{family} keeps {size / 1e6:.0f}M parameters with the small settings (sizes set elsewhere)")
         torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
+        return getattr(transformers, auto).from_config(config).eval()
