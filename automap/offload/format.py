@@ -284,6 +284,51 @@ DATA_ALIGN = 64
 PADDING = "__automap_padding_"
 
 
+# The ``__metadata__`` key under which automap's store files record, as JSON, the tensors kept
+# in their memory order (a channels-last convolution weight, a transposed parameter): name ->
+# the permutation of the stored (contiguous) dims that gives the tensor back with its strides.
+PERMUTATIONS = "automap.permutations"
+
+
+def memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """``tensor`` as the contiguous tensor its bytes form in memory, and the permutation that
+    gives ``tensor`` back from it (its strides, so its kernels and its layout after undispatch):
+    ``(tensor, None)`` when it is contiguous already, ``(tensor.contiguous(), None)`` when its
+    elements overlap or leave gaps (no permutation lays it out)."""
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return tensor.contiguous(), None
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    stored = tensor.permute(order)
+    if not stored.is_contiguous():
+        return tensor.contiguous(), None
+    back = [order.index(d) for d in range(tensor.dim())]
+    return stored, back
+
+
+def permutations_of(header: Header) -> dict[str, tuple[int, ...]]:
+    """The permutations a store file's metadata records (:data:`PERMUTATIONS`), each checked
+    against its tensor's dims.
+
+    Raises:
+        FormatError: the entry is not JSON naming tensors of the file with permutations of their dims.
+    """
+    text = header.metadata.get(PERMUTATIONS)
+    if text is None:
+        return {}
+    found = load_json(text, f"{header.path}: its {PERMUTATIONS!r} metadata is not valid JSON", _HINT)
+    if not isinstance(found, dict):
+        raise FormatError(f"{header.path}: its {PERMUTATIONS!r} metadata is not a JSON object; {_HINT}")
+    checked: dict[str, tuple[int, ...]] = {}
+    for name, order in found.items():
+        info = header.tensors.get(name)
+        if (info is None or not isinstance(order, list) or not all(type(d) is int for d in order)
+                or sorted(order) != list(range(len(info.shape)))):
+            raise FormatError(f"{header.path}: {PERMUTATIONS!r} metadata gives {name!r} the order {order!r}, "
+                              f"which is not one of its dims; {_HINT}")
+        checked[name] = tuple(order)
+    return checked
+
+
 def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
     """The header bytes for ``tensors`` and the order their data follows it in: largest
     first. In a unit's file that puts stacked experts (read by rows, without readahead) before

@@ -40,7 +40,7 @@ import torch
 
 from automap.errors import OffloadError
 from automap.kinds import on_host
-from automap.offload.format import Header, TensorInfo, read_header
+from automap.offload.format import Header, TensorInfo, permutations_of, read_header
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class MappedFile:
         size = self.signature[2]
         self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY) if size else None
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) if self._map is not None else 0
+        self.permutations = permutations_of(self.header)  # tensors stored in their memory order
         self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
 
@@ -163,7 +164,8 @@ class MappedFile:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is (private)
             flat = torch.frombuffer(self._map, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.begin)
-        return flat.view(info.shape)
+        order = self.permutations.get(info.key)
+        return flat.view(info.shape) if order is None else flat.view(info.shape).permute(order)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -209,6 +211,9 @@ class MappedFile:
         info = self.header.tensors[key]
         if self._map is None or not info.nbytes or not info.shape:
             return []
+        order = self.permutations.get(key)
+        if order is not None and order[0] != 0:  # stored in another order: its rows are not ranges
+            return self.spans([key])
         row = info.nbytes // info.shape[0]
         found = []
         for index in rows:

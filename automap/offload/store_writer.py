@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Callable, Mapping
 import torch
 
 from automap.errors import AutomapError, OffloadError
-from automap.offload.format import DTYPE_NAMES, write_tensors
+from automap.offload.format import DTYPE_NAMES, PERMUTATIONS, memory_order, write_tensors
 from automap.offload.manifest import MANIFEST, Record, checksum, read_manifest, write_manifest
 from automap.offload.mapped import MappedFile
 from automap.offload.store_files import StoreDir, is_temp_of
@@ -128,9 +129,12 @@ class StoreWriter:
 
     def _group(self, file: str, names: list[str], read: Callable[[str], torch.Tensor],
                planned: set[str]) -> dict[str, Record]:
-        tensors = {n: read(n).detach().to("cpu").contiguous() for n in names}
-        records = {n: Record(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), checksum(t))
-                   for n, t in tensors.items()}
+        values = {n: read(n).detach().to("cpu") for n in names}
+        laid = {n: memory_order(t) for n, t in values.items()}  # a channels-last weight keeps its strides
+        tensors = {n: stored for n, (stored, _) in laid.items()}
+        permuted = {n: order for n, (_, order) in laid.items() if order is not None}
+        records = {n: Record(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(),
+                             checksum(values[n])) for n, t in tensors.items()}
         if all(self.old.get(n) == r for n, r in records.items()) and intact(self.folder, file, records):
             return records  # the same bytes are on disk already
         if not self.marked:
@@ -139,7 +143,7 @@ class StoreWriter:
         temp, fd = self.folder.create_temp(file)
         self.created.append(temp)
         with open(fd, "wb", closefd=True) as f:
-            write_tensors(f, tensors)
+            write_tensors(f, tensors, {PERMUTATIONS: json.dumps(permuted)} if permuted else None)
         self.folder.replace(temp, file)
         self.created[-1] = file
         return records
