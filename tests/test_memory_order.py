@@ -86,3 +86,24 @@ def test_a_file_with_permutations_maps_each_tensor_with_its_strides(tmp_path):
     write_file(path, {"w": stored}, {PERMUTATIONS: json.dumps({"w": order})})
     mapped = MappedFile(path)
     assert torch.equal(mapped.tensor("w"), weight) and mapped.tensor("w").stride() == weight.stride()
+
+
+def test_the_staged_path_copies_each_weight_into_its_own_strides(tmp_path):
+    """As on a GPU (HostCopyOps stands in for the device): the copy a unit computes with has
+    the weight's strides, so a channels-last model runs its channels-last kernels."""
+    from automap.offload import HostCopyOps, StagedTransfer
+    from automap.runtime import dispatch_plan
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = plain(x)
+    model = copy.deepcopy(plain)
+    dispatch_plan(model, automap.plan(model, {"": "disk"}), offload_dir=tmp_path,
+                  transfer=lambda source, _: StagedTransfer(source, HostCopyOps()))
+    seen = {}
+    model.layer1[0].conv1.register_forward_pre_hook(lambda m, a: seen.update(stride=m.weight.stride()))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert seen["stride"] == plain.layer1[0].conv1.weight.stride()

@@ -33,6 +33,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from automap.kinds import kind_of, torch_device
+from automap.offload.format import memory_order
 from automap.offload.source import RowSource, WeightSource
 
 log = logging.getLogger(__name__)
@@ -326,7 +327,7 @@ class StagedTransfer(Transfer):
         with self._staging_lock, self.ops.on_stream(self._stream):
             offset = 0
             for name, src in sources.items():
-                out[name] = self.ops.empty(src.shape, src.dtype)
+                out[name] = self._like(src)
                 targets = [out[name]] if rows is None else [out[name][r] for r in rows]
                 for part, target in zip(parts[name], targets):
                     if not self.ops.is_pinned(part):
@@ -337,6 +338,13 @@ class StagedTransfer(Transfer):
             # thread waits, the compute stream does not.
             self.ops.synchronize(event)
         return out, event
+
+    def _like(self, src: torch.Tensor) -> torch.Tensor:
+        """A tensor of the device shaped as ``src``, with its strides where it lays out densely
+        in another order (a channels-last weight): the unit then runs the plain model's kernels."""
+        if src.is_contiguous() or memory_order(src)[1] is None:
+            return self.ops.empty(src.shape, src.dtype)
+        return self.ops.empty(torch.Size([src.numel()]), src.dtype).as_strided(src.shape, src.stride())
 
     def _stage(self, src: torch.Tensor, offset: int, total: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < total:
