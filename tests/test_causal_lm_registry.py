@@ -21,7 +21,7 @@ import torch
 
 import automap
 from test_moe_families import FAMILIES as MOE_FAMILIES
-from tiny_configs import tiny
+from tiny_configs import part_on_disk, run_dispatched, tiny
 
 
 def _families() -> list[str]:
@@ -51,15 +51,8 @@ def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tens
 @pytest.mark.parametrize("family", _families())
 def test_each_causal_lm_family_with_part_on_disk_gives_the_plain_outputs(family, tmp_path):
     model, ids, generate, expected, tokens = _plain(family)
-    total = sum(t.nbytes for t in model.state_dict().values())
-    automap.dispatch(model, device_map="auto", max_memory={"cpu": int(total * 0.4)}, offload_dir=tmp_path)
-    try:
-        assert "disk" in automap.placement(model).device_map.values(), "part of it is on disk"
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got, again = model(input_ids=ids).logits, model.generate(ids, **generate)
-    finally:
-        automap.undispatch(model)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path)
+    got, again = run_dispatched(model, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)
     with torch.no_grad():
@@ -81,14 +74,7 @@ def test_each_family_saved_by_transformers_loads_as_from_pretrained_does(family,
     except Exception as exc:  # noqa: BLE001 - transformers itself cannot save or reload this small config
         pytest.skip(f"transformers does not save and reload {family} from a small config: {type(exc).__name__}: "
                     f"{str(exc)[:200]}")
-    total = sum(t.nbytes for t in model.state_dict().values())
-    loaded = automap.load(folder, max_memory={"cpu": int(total * 0.4)}, offload_dir=tmp_path / "off", quiet=True)
-    try:
-        assert "disk" in automap.placement(loaded).device_map.values(), "part of it is on disk"
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got, again = loaded(input_ids=ids).logits, loaded.generate(ids, **generate)
-    finally:
-        automap.undispatch(loaded)
+    loaded = automap.load(folder, max_memory=part_on_disk(model), offload_dir=tmp_path / "off", quiet=True)
+    got, again = run_dispatched(loaded, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import automap
-from tiny_configs import tiny
+from tiny_configs import part_on_disk, run_dispatched, tiny
 
 
 def _families(mapping: str) -> list[str]:
@@ -38,16 +38,8 @@ def _same_on_disk(model: torch.nn.Module, call: Callable[[torch.nn.Module], torc
             expected = call(model)
     except Exception as exc:  # noqa: BLE001 - the plain model itself does not run so
         pytest.skip(f"the plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}")
-    total = sum(t.nbytes for t in model.state_dict().values())
-    automap.dispatch(model, device_map="auto", max_memory={"cpu": int(total * 0.4)}, offload_dir=tmp_path)
-    try:
-        assert "disk" in automap.placement(model).device_map.values(), "part of it is on disk"
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = call(model)
-    finally:
-        automap.undispatch(model)
-    assert torch.equal(got, expected)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path)
+    assert torch.equal(run_dispatched(model, call), expected)
 
 
 def _ids(length: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 
+import automap
+
 # Set where a config has the attribute: the names differ from family to family.
 SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=8,
@@ -72,3 +74,20 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
             pytest.skip(f"{family} keeps {size / 1e6:.0f}M parameters with the small settings (sizes set elsewhere)")
         torch.manual_seed(0)
         return getattr(transformers, auto).from_config(config).eval()
+
+
+def part_on_disk(model: torch.nn.Module) -> dict[str, int]:
+    """A CPU budget of 40 % of ``model``'s bytes: the rest goes to disk."""
+    return {"cpu": int(sum(t.nbytes for t in model.state_dict().values()) * 0.4)}
+
+
+def run_dispatched(model: torch.nn.Module, call):
+    """``call(model)`` without grad or warnings, ``model`` (dispatched with part of it on
+    disk) undispatched after, whatever happens."""
+    try:
+        assert "disk" in automap.placement(model).device_map.values(), "part of it is on disk"
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call(model)
+    finally:
+        automap.undispatch(model)
