@@ -369,3 +369,39 @@ def test_a_refused_conversion_is_the_runtime_error_accelerate_raises(tmp_path):
         model.to(torch.float64)
     assert model.lm_head.weight.dtype == torch.float32
     automap.undispatch(model)
+
+
+class _TiedBiasHead(torch.nn.Module):
+    """BERT's language-model head: its own ``bias`` is its decoder's (one tensor, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = torch.nn.Linear(32, 32)
+        self.decoder = torch.nn.Linear(32, 50)
+        self.bias = torch.nn.Parameter(torch.zeros(50))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.dense(x)))
+
+
+def test_a_tied_tensors_other_name_is_placed_with_it_in_every_map(tmp_path):
+    """A map that places one name of a tied tensor places it (accelerate's own check asks for
+    every name, and automap's maps give every name)."""
+    from accelerate.utils import check_device_map
+
+    from automap.accelerate_compat import dispatch_model, infer_auto_device_map
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), _TiedBiasHead()).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = model(x)
+    inferred = infer_auto_device_map(model, max_memory={"cpu": 3000})
+    check_device_map(model, inferred)
+    assert "disk" in inferred.values()
+    by_one_name = {"0": "cpu", "1.dense": "cpu", "1.decoder": "disk"}  # "1.bias" is "1.decoder.bias"
+    dispatch_model(model, by_one_name, offload_dir=str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert model[1].bias is model[1].decoder.bias

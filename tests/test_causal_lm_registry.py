@@ -5,7 +5,9 @@ CPU budget that sends part of it to disk. Each gives the plain model's logits ex
 same greedy tokens through the KV cache, and the plain logits again after undispatch. Saved by
 ``save_pretrained`` in small shards, each loads with ``automap.load(folder)`` (part on disk, read
 from the shards in place) to exactly what transformers' ``from_pretrained`` of the same folder
-computes: both read the shards' bytes where they are. (Against the model that was saved, a
+computes: both read the shards' bytes where they are; the same with accelerate's script
+(``init_empty_weights``, ``infer_auto_device_map``, ``load_checkpoint_and_dispatch``) run on
+automap's drop-ins, whose map passes accelerate's own ``check_device_map``. (Against the model that was saved, a
 weight read from a file offset less aligned than torch's allocator's may round differently in
 some kernels, ~1e-7; ``from_pretrained`` shows the same.)
 
@@ -48,19 +50,9 @@ def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tens
         pytest.skip(f"{family}'s plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}")
 
 
-@pytest.mark.parametrize("family", _families())
-def test_each_causal_lm_family_with_part_on_disk_gives_the_plain_outputs(family, tmp_path):
-    model, ids, generate, expected, tokens = _plain(family)
-    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path)
-    got, again = run_dispatched(model, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
-    assert torch.equal(got, expected)
-    assert torch.equal(again, tokens)
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, expected)
-
-
-@pytest.mark.parametrize("family", _families())
-def test_each_family_saved_by_transformers_loads_as_from_pretrained_does(family, tmp_path):
+def _saved(family: str, tmp_path):
+    """The small model saved by ``save_pretrained`` in small shards, and what transformers'
+    ``from_pretrained`` of that folder computes (logits, greedy tokens)."""
     import transformers
 
     model, ids, generate, _, _ = _plain(family)
@@ -74,7 +66,45 @@ def test_each_family_saved_by_transformers_loads_as_from_pretrained_does(family,
     except Exception as exc:  # noqa: BLE001 - transformers itself cannot save or reload this small config
         pytest.skip(f"transformers does not save and reload {family} from a small config: {type(exc).__name__}: "
                     f"{str(exc)[:200]}")
+    return model, ids, generate, folder, expected, tokens
+
+
+@pytest.mark.parametrize("family", _families())
+def test_each_causal_lm_family_with_part_on_disk_gives_the_plain_outputs(family, tmp_path):
+    model, ids, generate, expected, tokens = _plain(family)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path)
+    got, again = run_dispatched(model, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
+    assert torch.equal(got, expected)
+    assert torch.equal(again, tokens)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize("family", _families())
+def test_each_family_saved_by_transformers_loads_as_from_pretrained_does(family, tmp_path):
+    model, ids, generate, folder, expected, tokens = _saved(family, tmp_path)
     loaded = automap.load(folder, max_memory=part_on_disk(model), offload_dir=tmp_path / "off", quiet=True)
     got, again = run_dispatched(loaded, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
+    assert torch.equal(got, expected)
+    assert torch.equal(again, tokens)
+
+
+@pytest.mark.parametrize("family", _families())
+def test_each_family_loads_through_accelerates_script_on_the_drop_ins(family, tmp_path):
+    import transformers
+    from accelerate.utils import check_device_map
+
+    from automap.accelerate_compat import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+
+    model, ids, generate, folder, expected, tokens = _saved(family, tmp_path)
+    with init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    empty.tie_weights()
+    no_split = getattr(empty, "_no_split_modules", None)
+    device_map = infer_auto_device_map(empty, max_memory=part_on_disk(model), no_split_module_classes=no_split)
+    check_device_map(empty, device_map)  # accelerate's own reading: every name has a device
+    loaded = load_checkpoint_and_dispatch(empty, str(folder), device_map=device_map,
+                                          offload_folder=str(tmp_path / "off"), no_split_module_classes=no_split)
+    got, again = run_dispatched(loaded.eval(), lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)

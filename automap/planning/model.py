@@ -213,8 +213,9 @@ class Plan:
     def device_map(self) -> dict[str, int | str]:
         """The Hugging Face / accelerate form: ``{"model.layers.0": 0, ..., "lm_head": "cpu"}``.
 
-        Keys are unit names, plus the full names of tensors held by non-unit modules; together
-        they cover every parameter and buffer. Accepted as-is by ``from_pretrained(device_map=)``
+        Keys are unit names, plus the full names of tensors held by non-unit modules (and of a
+        tied tensor's names that no unit holds); together they cover every parameter and buffer
+        name, as accelerate's ``check_device_map`` asks. Accepted as-is by ``from_pretrained(device_map=)``
         and ``accelerate.dispatch_model``, which compute its "cpu"/"disk" units on the
         lowest-numbered GPU it names; a plan that streams them elsewhere says so in its
         warnings (``automap.plan(..., map_only=True)`` never returns one).
@@ -227,6 +228,13 @@ class Plan:
                 result[alias] = value
             for tensor in unit.loose:
                 result[tensor] = value
+        owner = {t: value for u, where in zip(self.units, self.placement) for t in u.tensors
+                 for value in (self.device(where).map_value,)}
+        for group in self.tie_groups:  # a tied tensor's other names held by no unit (BERT's lm_head.bias)
+            value = next((owner[n] for n in group if n in owner), None)
+            for name in group:
+                if value is not None and longest_prefix(result, name) is None:
+                    result[name] = value
         return result
 
     def bytes_on(self, device_name: str) -> int:
