@@ -475,3 +475,17 @@ def test_frozen_offloaded_units_train_the_resident_part_like_the_plain_model(tmp
     assert torch.equal(losses[0], losses[1])
     assert torch.equal(plain.linear1.weight.grad, placed.linear1.weight.grad)
     assert torch.equal(plain.linear1.bias.grad, placed.linear1.bias.grad)
+
+
+@pytest.mark.parametrize("max_memory", [{"disk": "1GB"}, {0: "1GB"}])
+def test_a_map_on_disk_with_no_cpu_budget_still_computes_on_the_cpu(max_memory, tmp_path):
+    """accelerate reads a missing "cpu" key as a CPU with no room: it still computes what
+    streams from disk (this raised a bare KeyError before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    automap.dispatch(model, device_map={"": "disk"}, max_memory=max_memory, offload_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)

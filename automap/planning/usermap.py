@@ -122,6 +122,8 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
         )
     known = {d.name: d for d in devices}
     extra = [make_device(n, 0) for n in sorted(set(normalised.values())) if n not in known]
+    if "cpu" not in known and "cpu" not in normalised.values():  # max_memory without "cpu": it still computes
+        extra.append(make_device("cpu", 0))
     all_devices = tuple(sorted(devices + tuple(extra), key=DeviceSpec.sort_key))
     default = all_devices[0].name
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
