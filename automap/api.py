@@ -103,6 +103,8 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     """
     if isinstance(device_map, Plan):
         return device_map
+    check_argument_types(model, offload_dir=offload_dir, no_split=no_split, example_inputs=example_inputs,
+                         speeds=speeds, links=links, bandwidths=bandwidths)
     device_map, dtype = one_device_map(device_map), as_dtype(dtype)
     if isinstance(model, nn.Module) and state_of(model) is not None:
         raise PlanError(
@@ -127,6 +129,31 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         made = plan_user_map(model, device_map, devices, example_inputs, dtype, batch, max_length)
         return replace(made, offload_dir=recorded_folder(offload_dir))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
+
+
+def check_argument_types(model: object, *, offload_dir: object, no_split: object, example_inputs: object,
+                         **mappings: object) -> None:
+    """Refuse arguments of the wrong kind before anything reads them, naming what each takes.
+
+    Raises:
+        PlanError: ``model`` is not a module (or Profile), ``offload_dir`` not a path,
+            ``no_split`` not names and classes, ``example_inputs`` not a tuple, dict or tensor,
+            or a speeds/links/bandwidths argument not a dict.
+    """
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list, Mapping, torch.Tensor)):
+        raise PlanError(f"example_inputs={example_inputs!r}: give the forward's arguments as a tuple, e.g. "
+                        "(torch.randn(1, 3, 224, 224),), or its keyword arguments as a dict")
+    if not isinstance(model, (nn.Module, Profile)):
+        raise PlanError(f"automap plans an nn.Module (or a Profile), not {type(model).__name__}; pass the model")
+    if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+        raise PlanError(f"offload_dir={offload_dir!r}: give a folder's path (a str or pathlib.Path), or None")
+    items = [no_split] if isinstance(no_split, (str, type)) else no_split
+    if items is not None and (not isinstance(items, Iterable)
+                              or not all(isinstance(n, (str, type)) for n in items)):  # type: ignore[union-attr]
+        raise PlanError(f"no_split={no_split!r}: give module class names or classes, e.g. no_split=['LlamaDecoderLayer']")
+    for name, value in mappings.items():
+        if value is not None and not isinstance(value, Mapping):
+            raise PlanError(f"{name}={value!r}: give a dict keyed by device kind, e.g. {name}={{'cpu': 20e9}}")
 
 
 DtypeLike = torch.dtype | str | None
@@ -376,6 +403,9 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
             raise CheckpointError(f"automap.load({type(model).__name__}) needs the checkpoint to read: "
                                   "automap.load(model, 'path/to/checkpoint'), or give only a Hugging Face folder: "
                                   "automap.load('path/to/folder')")
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            raise CheckpointError(f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
+                                  f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}")
         return model, checkpoint
     if not isinstance(model, (str, os.PathLike)):
         raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "

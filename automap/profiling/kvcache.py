@@ -201,16 +201,21 @@ def _prefill_and_step(model: nn.Module, state: Mapping[str, torch.Tensor], units
     return _Step(type(after[1]).__name__, held, read, dict(step.flops), unattributed)
 
 
+# Beyond this many sequences or tokens no tensor can be shaped (torch sizes are 64-bit).
+MAX_COUNT = 2**31
+
+
 def check_batch(batch: int) -> None:
     """Raise :class:`PlanError` unless ``batch`` is a whole number of sequences, 1 or more."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise PlanError(f"batch={batch!r}: plan for 1 or more sequences (or images), e.g. batch=1")
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_COUNT:
+        raise PlanError(f"batch={batch!r}: plan for 1 or more sequences (or images), at most {MAX_COUNT:,}, "
+                        "e.g. batch=1")
 
 
 def check_generation(prompt_length: int, batch: int, max_length: int, encoder: bool) -> None:
     """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
     check_batch(batch)
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= MAX_COUNT:
         raise PlanError(f"max_length={max_length!r}: a generation needs at least 2 tokens (max_length counts "
                         "the prompt and the new tokens, as generate(max_length=...) does)")
     if not encoder and max_length <= prompt_length:

@@ -38,12 +38,15 @@ def placement(model: nn.Module) -> Plan:
         ``automap.report.figure(placement(model), "actual.png")``.
 
     Raises:
-        ReportError: tensors on meta with no device map saying where their data lives.
+        ReportError: ``model`` is not a module, or tensors on meta with no device map saying
+            where their data lives.
 
     Example:
         >>> automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="off")
         >>> print(automap.placement(model).report())
     """
+    if not isinstance(model, nn.Module):
+        raise ReportError(f"automap.placement describes an nn.Module, not {type(model).__name__}; pass the model")
     state = state_of(model)
     if state is not None:
         streamed = state.streamed_ids()

@@ -208,8 +208,8 @@ _STATES: weakref.WeakKeyDictionary[nn.Module, DispatchState] = weakref.WeakKeyDi
 
 
 def state_of(model: nn.Module) -> DispatchState | None:
-    """The dispatch state of ``model``, or None when it is not dispatched."""
-    return _STATES.get(model)
+    """The dispatch state of ``model``, or None when it is not dispatched (or not a module)."""
+    return _STATES.get(model) if isinstance(model, nn.Module) else None
 
 
 def remember(model: nn.Module, state: DispatchState) -> None:
