@@ -6,6 +6,7 @@ from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
 from automap.errors import DeviceError, DeviceMapError
+from automap.kinds import is_host_name
 from automap.planning.model import Origin, Plan, over_capacity_notes, tie_split_notes
 from automap.planning.layout import build_plan
 from automap.profiling import Profile
@@ -122,7 +123,7 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
         )
     known = {d.name: d for d in devices}
     extra = [make_device(n, 0) for n in sorted(set(normalised.values())) if n not in known]
-    if "cpu" not in known and "cpu" not in normalised.values():  # max_memory without "cpu": it still computes
+    if not any(is_host_name(n) for n in (*known, *normalised.values())):  # max_memory without "cpu": it computes
         extra.append(make_device("cpu", 0))
     all_devices = tuple(sorted(devices + tuple(extra), key=DeviceSpec.sort_key))
     default = all_devices[0].name
