@@ -149,3 +149,19 @@ def store_dirs(root) -> list:
     from pathlib import Path
 
     return sorted(p for p in Path(root).glob("automap-store-*") if p.is_dir())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def nothing_written_into_the_checkout():
+    """No test leaves an offload store in the folder the suite runs from (a relative
+    offload_dir belongs in the test's own tmp_path)."""
+    import os
+    from pathlib import Path
+
+    root = Path(os.getcwd())
+    def stores() -> set[str]:  # in the folder and one level down (offload_dir="x")
+        return {str(p.relative_to(root)) for pattern in ("automap-store-*", "*/automap-store-*") for p in root.glob(pattern)}
+
+    before = stores()
+    yield
+    assert not stores() - before, f"tests left offload stores in {root}: {sorted(stores() - before)[:5]}"

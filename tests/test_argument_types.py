@@ -25,7 +25,8 @@ def _takes(function, argument: str) -> bool:
 @pytest.mark.parametrize("value", WRONG, ids=repr)
 @pytest.mark.parametrize("argument", ["no_split", "batch", "max_length", "example_inputs", "bandwidths",
                                       "speeds", "links", "offload_dir", "dtype"])
-def test_plan_and_dispatch_refuse_an_argument_of_the_wrong_kind_by_name(argument, value, tmp_path):
+def test_plan_and_dispatch_refuse_an_argument_of_the_wrong_kind_by_name(argument, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # offload_dir="x" is a relative folder: it goes here, not into the checkout
     calls = [lambda: automap.plan(_model(), **{argument: value})]
     if _takes(automap.dispatch, argument):
         folder = {} if argument == "offload_dir" else {"offload_dir": tmp_path}
@@ -39,7 +40,8 @@ def test_plan_and_dispatch_refuse_an_argument_of_the_wrong_kind_by_name(argument
 
 
 @pytest.mark.parametrize("value", WRONG + [None], ids=repr)
-def test_what_takes_a_model_refuses_anything_else_by_name(value, tmp_path):
+def test_what_takes_a_model_refuses_anything_else_by_name(value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(AutomapError, match="not dispatched|nn.Module"):
         automap.undispatch(value)
     with pytest.raises(AutomapError, match="nn.Module"):
