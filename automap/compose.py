@@ -200,8 +200,7 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
         DeviceMapError: the map names unknown modules or leaves tensors without a device.
     """
     modules = {name for name, _ in model.named_modules()}
-    named = list(all_named_tensors(model, remove_duplicate=False))
-    tensors = dict.fromkeys(n for n, _ in named)
+    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
     units = [k for k in device_map if k in modules and k in holders] or [""]
@@ -211,15 +210,7 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
     else:
         prof = traced_profile(model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype,
                               units=units)
-    return plan_from_device_map(prof, devices, device_map, tensors, modules, ties=tie_aliases(named))
-
-
-def tie_aliases(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, ...]]:
-    """For each name of a tensor with several (tied weights), its other names."""
-    by_tensor: dict[int, list[str]] = {}
-    for name, tensor in named:
-        by_tensor.setdefault(id(tensor), []).append(name)
-    return {n: tuple(o for o in names if o != n) for names in by_tensor.values() if len(names) > 1 for n in names}
+    return plan_from_device_map(prof, devices, device_map, tensors, modules)
 
 
 _MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"

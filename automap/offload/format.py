@@ -290,19 +290,27 @@ PADDING = "__automap_padding_"
 PERMUTATIONS = "automap.permutations"
 
 
-def memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
-    """``tensor`` as the contiguous tensor its bytes form in memory, and the permutation that
-    gives ``tensor`` back from it (its strides, so its kernels and its layout after undispatch):
-    ``(tensor, None)`` when it is contiguous already, ``(tensor.contiguous(), None)`` when its
-    elements overlap or leave gaps (no permutation lays it out)."""
-    if tensor.is_contiguous() or tensor.dim() < 2:
-        return tensor.contiguous(), None
+def dense_order(tensor: torch.Tensor) -> list[int] | None:
+    """The permutation that gives ``tensor`` back from the contiguous tensor its bytes form in
+    memory (a channels-last or transposed weight), or None when it is contiguous, or its
+    elements overlap or leave gaps (no permutation lays it out). Nothing is copied."""
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
     order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
-    stored = tensor.permute(order)
-    if not stored.is_contiguous():
+    if not tensor.permute(order).is_contiguous():
+        return None
+    return [order.index(d) for d in range(tensor.dim())]
+
+
+def memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """``tensor`` as contiguous bytes to store, and :func:`dense_order`'s permutation that gives
+    its strides back (so its kernels and its layout after undispatch): the bytes as they are
+    where a permutation lays them out, else a contiguous copy and None."""
+    back = dense_order(tensor)
+    if back is None:
         return tensor.contiguous(), None
-    back = [order.index(d) for d in range(tensor.dim())]
-    return stored, back
+    order = sorted(range(tensor.dim()), key=lambda d: back[d])  # the inverse of back
+    return tensor.permute(order), back
 
 
 def permutations_of(header: Header) -> dict[str, tuple[int, ...]]:

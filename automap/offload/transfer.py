@@ -33,7 +33,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from automap.kinds import kind_of, torch_device
-from automap.offload.format import memory_order
+from automap.offload.format import dense_order
 from automap.offload.source import RowSource, WeightSource
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ class StagedTransfer(Transfer):
     def _like(self, src: torch.Tensor) -> torch.Tensor:
         """A tensor of the device shaped as ``src``, with its strides where it lays out densely
         in another order (a channels-last weight): the unit then runs the plain model's kernels."""
-        if src.is_contiguous() or memory_order(src)[1] is None:
+        if dense_order(src) is None:
             return self.ops.empty(src.shape, src.dtype)
         return self.ops.empty(torch.Size([src.numel()]), src.dtype).as_strided(src.shape, src.stride())
 

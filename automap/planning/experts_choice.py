@@ -91,11 +91,7 @@ def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: St
 def _decode_votes(plan: Plan) -> dict[ExpertsMode, int]:
     """The bytes of the experts off the accelerators in ``plan`` by the mode the cost model
     picks for them at the decode step."""
-    generation = plan.generation
-    assert generation is not None
-    decode, prefill = generation.batch, generation.batch * max(generation.prompt_length, 1)
-    cpu = next(d for d in plan.devices if is_host_name(d.name))
-    gpu = next(d for d in plan.devices if d.is_accelerator)
+    decode, prefill, cpu, gpu = _phases(plan)
     votes = {mode: 0 for mode in ExpertsMode}
     for unit, home in zip(plan.units, plan.placement):
         device = plan.device(home)
@@ -113,11 +109,7 @@ def experts_record(plan: Plan) -> ExpertsPlan:
     (:func:`~automap.planning.experts.stream_from`; the runtime's per-call choice,
     :class:`~automap.runtime.experts.ExpertsByCall`); experts the CPU computes from disk stay
     there at every call."""
-    generation = plan.generation
-    assert generation is not None
-    decode, prefill = generation.batch, generation.batch * max(generation.prompt_length, 1)
-    cpu = next(d for d in plan.devices if is_host_name(d.name))
-    gpu = next(d for d in plan.devices if d.is_accelerator)
+    decode, prefill, cpu, gpu = _phases(plan)
     around = _layer_computes(plan)
     layers = []
     for unit, home, placement in zip(plan.units, plan.placement, plan.placements):
@@ -145,3 +137,13 @@ def _layer_computes(plan: Plan) -> dict[str, set[str]]:
         if unit.split_from and not unit.experts and plan.device(placement.compute).is_accelerator:
             found.setdefault(unit.split_from, set()).add(placement.compute)
     return found
+
+
+def _phases(plan: Plan) -> tuple[int, int, DeviceSpec, DeviceSpec]:
+    """Tokens per call at the decode step and at the prefill of ``plan``'s generation, and the
+    CPU and the accelerator the cost model weighs."""
+    generation = plan.generation
+    assert generation is not None
+    cpu = next(d for d in plan.devices if is_host_name(d.name))
+    gpu = next(d for d in plan.devices if d.is_accelerator)
+    return generation.batch, generation.batch * max(generation.prompt_length, 1), cpu, gpu

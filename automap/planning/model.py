@@ -228,13 +228,10 @@ class Plan:
                 result[alias] = value
             for tensor in unit.loose:
                 result[tensor] = value
-        owner = {t: value for u, where in zip(self.units, self.placement) for t in u.tensors
-                 for value in (self.device(where).map_value,)}
         for group in self.tie_groups:  # a tied tensor's other names held by no unit (BERT's lm_head.bias)
-            value = next((owner[n] for n in group if n in owner), None)
-            for name in group:
-                if value is not None and longest_prefix(result, name) is None:
-                    result[name] = value
+            placed = [longest_prefix(result, name) for name in group]
+            value = next((v for v in placed if v is not None), None)
+            result.update({name: value for name, v in zip(group, placed) if v is None and value is not None})
         return result
 
     def bytes_on(self, device_name: str) -> int:

@@ -97,16 +97,16 @@ def expressible(plan: Plan) -> bool:
 
 def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
                          device_map: Mapping[str, int | str], tensor_names: Iterable[str],
-                         module_names: set[str], ties: Mapping[str, Sequence[str]] | None = None) -> Plan:
+                         module_names: set[str]) -> Plan:
     """Turn a user device map (HF/accelerate form) into a :class:`Plan` after validating it.
 
     Args:
         profile: the model's profile, with the map's module keys as units.
         devices: the known devices; devices the map names beyond them are added with no budget.
         device_map: ``{"module.name": 0 | "cuda:0" | "cpu" | "disk"}``.
-        tensor_names, module_names: every tensor and module name of the model.
-        ties: for a tensor with several names (tied weights: BERT's ``lm_head.bias`` is
-            ``lm_head.decoder.bias``), its other names: the map places it when it places one.
+        tensor_names, module_names: every tensor and module name of the model. A tensor with
+            several names (``profile.tie_groups``: BERT's ``lm_head.bias`` is
+            ``lm_head.decoder.bias``) is placed when the map places one of them.
 
     Raises:
         DeviceMapError: a key names no module or tensor, a value names no device, a tensor
@@ -114,8 +114,8 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
     """
     tensors: Sequence[str] = list(tensor_names)
     normalised = normalise_device_map(device_map, set(tensors), module_names)
-    ties = ties or {}
-    missing = [t for t in tensors if all(longest_prefix(normalised, n) is None for n in (t, *ties.get(t, ())))]
+    ties = {name: group for group in profile.tie_groups for name in group}
+    missing = [t for t in tensors if all(longest_prefix(normalised, n) is None for n in ties.get(t, (t,)))]
     if missing:
         raise DeviceMapError(
             f"device_map leaves {len(missing)} tensor(s) without a device, first {missing[:5]}; "

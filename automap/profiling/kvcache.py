@@ -216,8 +216,8 @@ def check_generation(prompt_length: int, batch: int, max_length: int, encoder: b
     """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
     check_batch(batch)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= MAX_COUNT:
-        raise PlanError(f"max_length={max_length!r}: a generation needs at least 2 tokens (max_length counts "
-                        "the prompt and the new tokens, as generate(max_length=...) does)")
+        raise PlanError(f"max_length={max_length!r}: a generation needs at least 2 tokens, at most {MAX_COUNT:,} "
+                        "(max_length counts the prompt and the new tokens, as generate(max_length=...) does)")
     if not encoder and max_length <= prompt_length:
         raise PlanError(f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
                         f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "
