@@ -15,7 +15,8 @@ from torch import nn
 
 import automap
 from automap.offload import HostCopyOps, StagedTransfer
-from automap.offload.mapped import PAGE
+from automap.offload.mapped import MADV_POPULATE_READ, PAGE, madvise
+from automap.offload.readahead import Chunk, ReadAhead
 from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
 from automap.runtime.experts import ExpertReads, ExpertsByCall
 from automap.runtime.place import dispatch_plan
@@ -205,10 +206,53 @@ def test_generate_through_streamed_experts_gives_the_plain_tokens(tmp_path):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_cold_forward_reads_only_the_routed_experts_rows(batch, tmp_path):
+    _only_routed_rows_read(batch, tmp_path)
+
+
+class DroppingReader(ReadAhead):
+    """Reads as automap's routed reader does, then has the kernel drop what it read before
+    mapping it in: what memory pressure does to pages read but not yet mapped. Mapping them
+    then faults each page in from the disk."""
+
+    def read_chunk(self, chunk: Chunk) -> None:
+        os.sendfile(self.sink, chunk.fd, chunk.offset, chunk.length)
+        os.posix_fadvise(chunk.fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+        madvise(chunk.address, chunk.length, MADV_POPULATE_READ)
+
+
+def test_a_routed_row_reclaimed_before_it_is_mapped_is_read_again_without_its_neighbours(tmp_path):
+    """A page fault in a stacked experts tensor reads that page, not the kernel's read-around
+    (up to read_ahead_kb on each side: the rows of experts no token went to)."""
+    with open(os.devnull, "wb") as sink:
+        reader = DroppingReader(workers=4, chunk_bytes=1 << 20)
+        reader.sink = sink.fileno()
+        model = _only_routed_rows_read(1, tmp_path, reader)
+        assert reader.requests
+    # Between reads, faults read around again (what touches a whole cold tensor, undispatch
+    # or torch.save, reads it in large requests).
+    assert _random_read_mappings(tmp_path) == 0
+    automap.undispatch(model)
+
+
+def _random_read_mappings(folder) -> int:
+    """Mappings of files under ``folder`` in this process marked for random reads (``rr``)."""
+    count, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 6 and "-" in head[0] and not line.startswith("VmFlags"):
+            inside = head[-1].startswith(str(folder))
+        elif line.startswith("VmFlags") and inside and "rr" in head[1:]:
+            count += 1
+    return count
+
+
+def _only_routed_rows_read(batch: int, tmp_path, reader: ReadAhead | None = None) -> nn.Module:
     model = tiny_moe("mixtral", layers=2, hidden=64, experts=8, shared=0)
     ids = _ids(batch, vocab=128)
     expected, (routed, guessed) = _logits(model, ids), _routed(model, ids)
     automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
+    if reader is not None:
+        state_of(model).source.row_reader = reader
     _cold(model)
     assert torch.equal(_logits(model, ids), expected)
     for hook in state_of(model).hooks:  # the guessed reads run in the background: let them end
@@ -223,6 +267,7 @@ def test_a_cold_forward_reads_only_the_routed_experts_rows(batch, tmp_path):
                     assert resident == pages, f"{module}.{tensor} routed row {index}: {resident}/{pages} pages"
                 else:  # at most the pages its neighbours share with it
                     assert resident <= 2, f"{module}.{tensor} row {index} of no routed expert: {resident}/{pages} pages read"
+    return model
 
 
 def test_when_most_experts_are_routed_to_they_are_read_ahead_whole_and_back_by_rows_after(tmp_path):

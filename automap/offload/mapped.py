@@ -31,10 +31,12 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
 
@@ -156,6 +158,8 @@ class MappedFile:
         self.permutations = permutations_of(self.header)  # tensors stored in their memory order
         self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
+        self._exact: dict[str, int] = {}  # keys whose pages fault in without read-around: readers of each
+        self._exact_lock = threading.Lock()
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype
@@ -220,6 +224,35 @@ class MappedFile:
             start = self.address + info.begin + index * row
             found.append((start - start % PAGE, row + start % PAGE))
         return found
+
+    @contextmanager
+    def faulting_exactly(self, keys: Iterable[str]) -> Iterator[None]:
+        """While inside, a page fault in ``keys`` reads just its page, not the kernel's
+        read-around (up to ``read_ahead_kb`` on each side): ``MADV_RANDOM`` on their part of the
+        map, ``MADV_NORMAL`` again when the last reader of a key leaves. For tensors read part
+        by part (routed experts' rows): a page reclaimed under memory pressure between its read
+        and its mapping is read again alone, not with the rows of experts beside it. Outside,
+        faults keep the read-around, which is what reads a cold tensor fast when something
+        touches all of it (``undispatch``, ``torch.save``)."""
+        keys = list(dict.fromkeys(keys))
+        self._advise_exact(keys, +1)
+        try:
+            yield
+        finally:
+            self._advise_exact(keys, -1)
+
+    def _advise_exact(self, keys: list[str], step: int) -> None:
+        with self._exact_lock:
+            for key in keys:
+                before = self._exact.get(key, 0)
+                after = max(before + step, 0)
+                if after:
+                    self._exact[key] = after
+                else:
+                    self._exact.pop(key, None)
+                if bool(before) != bool(after):  # the first reader came, or the last one left
+                    for start, length in self.spans([key]):
+                        madvise(start, length, mmap.MADV_RANDOM if after else mmap.MADV_NORMAL)
 
     def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
         """Read ``spans`` (of :meth:`row_spans` or :meth:`spans`) in without the kernel's

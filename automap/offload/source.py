@@ -174,8 +174,11 @@ class MappedSource:
         merged into one read)."""
         for path, keys in self._keys_by_file(names).items():
             mapped = self.files[path]
-            spans = mapped.spans(keys) if rows is None else [s for key in keys for s in mapped.row_spans(key, rows)]
-            mapped.read_spans(spans, self.row_reader)
+            if rows is None:
+                mapped.read_spans(mapped.spans(keys), self.row_reader)
+                continue
+            with mapped.faulting_exactly(keys):
+                mapped.read_spans([s for key in keys for s in mapped.row_spans(key, rows)], self.row_reader)
 
     def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         found: dict[Path, list[str]] = {}
