@@ -34,7 +34,7 @@ from torch import nn
 from automap.devices import DeviceSpec
 from automap.errors import PlanError, ProfileError
 from automap.planning import Plan, make_plan, plan_from_device_map
-from automap.planning.usermap import loose_homes, normalise_device_map
+from automap.planning.usermap import first_names, loose_homes, normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.kvcache import prompt_inputs, profile_generation
 from automap.profiling.refine import Splitter
@@ -201,6 +201,7 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
     """
     modules = {name for name, _ in model.named_modules()}
     tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
+    device_map = first_names(device_map, model.named_modules(remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
     units = [k for k in device_map if k in modules and k in holders] or [""]

@@ -1,6 +1,7 @@
 """User device maps (the Hugging Face / accelerate dict form), validated and turned into a Plan."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
@@ -38,6 +39,46 @@ def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[
     return normalised
 
 
+def first_names(device_map: Mapping[str, int | str], module_names: Iterable[tuple[str, object]]) -> dict[str, int | str]:
+    """``device_map`` with every key that reaches a module through a second name (a module
+    registered twice: ``self.b = self.a``, ALBERT's shared layer) written with the module's
+    first name, as ``named_modules()`` lists it: ``b`` and ``b.weight`` become ``a`` and
+    ``a.weight``. ``module_names``: ``model.named_modules(remove_duplicate=False)``.
+
+    Raises:
+        DeviceMapError: the map puts one module on two devices under its two names.
+    """
+    first: dict[int, str] = {}
+    other: dict[str, str] = {}
+    for name, module in module_names:
+        if first.setdefault(id(module), name) != name:
+            other[name] = first[id(module)]
+    if not other:
+        return dict(device_map)
+    out: dict[str, int | str] = {}
+    for key, value in device_map.items():
+        named = key
+        if isinstance(key, str):
+            parts = key.split(".")
+            for cut in range(len(parts), 0, -1):
+                prefix = ".".join(parts[:cut])
+                if prefix in other:
+                    named = ".".join([other[prefix], *parts[cut:]])
+                    break
+        if named in out and _device_or_value(out[named]) != _device_or_value(value):
+            raise DeviceMapError(f"device_map puts {named!r} on {out[named]!r} and, under its other name {key!r}, "
+                                 f"on {value!r}: it is one module; map it to one device")
+        out[named] = value
+    return out
+
+
+def _device_or_value(value: int | str) -> object:
+    try:
+        return canonical_name(value)
+    except DeviceError:
+        return value  # refused by name later (normalise_device_map)
+
+
 def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str],
                 tensor_names: Iterable[str]) -> dict[str, str]:
     """For each tensor held outside every unit (ViT's ``class_token``), the first unit inside
@@ -68,12 +109,26 @@ def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], de
     spots = {longest_prefix(normalised, t) for t in unit.tensors} or {longest_prefix(normalised, unit.name + ".x")}
     spots.discard(None)
     if len(spots) > 1:
-        raise DeviceMapError(
-            f"device_map splits unit {unit.name!r} over {sorted(s for s in spots if s)}; automap keeps units "
-            f"whole. Map {unit.name!r} to one device, or pass no_split=[] to make its children units"
-        )
+        raise DeviceMapError(_split_message(unit.name, unit.tensors, normalised))
     found = spots.pop() if spots else None
     return found or default
+
+
+def _split_message(unit: str, tensors: Sequence[str], normalised: Mapping[str, str]) -> str:
+    """Why a map that puts the tensors of one unit on several devices is refused, naming one
+    tensor on each device, and the fix that applies: a unit that is a module with children can
+    be cut into them (``no_split=[]``); tensors a module holds itself stay with it."""
+    first: dict[str, str] = {}
+    for tensor in tensors:
+        first.setdefault(longest_prefix(normalised, tensor) or "?", tensor)
+    where = ", ".join(f"{t!r} on {d!r}" for d, t in sorted(first.items()))
+    holders = {t.rpartition(".")[0] for t in first.values()}
+    below = all(h != unit and (not unit or h.startswith(unit + ".")) for h in holders)
+    common = ".".join(os.path.commonprefix([h.split(".") for h in holders]))
+    fix = (f"map {unit!r} to one device, or pass no_split=[] to make its children units" if below else
+           f"map {common!r}, which holds them, to one device" if common else "map them to one device")
+    return (f"device_map puts {where}, which automap keeps in one unit {unit!r} (a module's own tensors run with it); "
+            f"{fix}")
 
 
 def map_execution_device(plan: Plan) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from automap.profiling.fallback import eval_mode
-from automap.profiling.units import all_named_tensors
+from automap.profiling.units import all_named_tensors, call_with
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.M
     state = {name: to_meta(t) for name, t in all_named_tensors(model)}
     try:
         with torch.no_grad(), eval_mode(model):
-            torch.func.functional_call(model, state, args, tie_weights=True, strict=False)
+            call_with(model, state, args)
     except _Reached as reached:
         return reached.module
     except Exception as exc:  # noqa: BLE001 - the probe only learns where a forward starts

@@ -19,6 +19,7 @@ from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
 from automap.profiling.trace import Tracer, TraceResult
+from automap.profiling.units import call_with
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
 def forward_of(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,
              guessed: bool) -> Any:
     try:
-        return torch.func.functional_call(model, dict(state), args, kwargs, tie_weights=True, strict=False)
+        return call_with(model, state, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
         result = tracer.result
         failed = result.failed

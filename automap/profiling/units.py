@@ -140,6 +140,21 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
+def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None) -> object:
+    """``model(*args, **kwargs)`` with ``state``'s tensors in place of its own (``functional_call``),
+    and every parameter and buffer of every module put back after, also when it raised.
+    ``functional_call`` alone puts back the tensors of a module reached under one name only: a
+    module registered under two (ALBERT's shared layer, ``nn.Sequential(layer, act, layer)``,
+    ``self.b = self.a``) kept the second name's stand-in (a meta tensor: the user's weights gone)."""
+    held = [(tensors, name, tensor) for module in model.modules()
+            for tensors in (module._parameters, module._buffers) for name, tensor in tensors.items()]
+    try:
+        return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
+    finally:
+        for tensors, name, tensor in held:
+            tensors[name] = tensor
+
+
 def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
     """Names grouped by the tensor object they refer to (tied weights share one group), in
     order of first appearance: the one rule for what "tied" means."""
