@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, overload
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, check_present, detect_devices, parse_reserve
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of
@@ -131,12 +132,19 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
 
+def _named_tensors(model: nn.Module | Profile) -> Iterable[tuple[str, torch.Tensor]]:
+    if not isinstance(model, nn.Module):
+        return ()
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
 def check_argument_types(model: object, *, offload_dir: object, no_split: object, example_inputs: object,
                          **mappings: object) -> None:
     """Refuse arguments of the wrong kind before anything reads them, naming what each takes.
 
     Raises:
-        PlanError: ``model`` is not a module (or Profile), ``offload_dir`` not a path,
+        PlanError: ``model`` is not a module (or Profile) or holds a lazy module's
+            uninitialized tensor, ``offload_dir`` not a path,
             ``no_split`` not names and classes, ``example_inputs`` not a tuple, dict or tensor,
             or a speeds/links/bandwidths argument not a dict.
     """
@@ -145,6 +153,10 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
                         "(torch.randn(1, 3, 224, 224),), or its keyword arguments as a dict")
     if not isinstance(model, (nn.Module, Profile)):
         raise PlanError(f"automap plans an nn.Module (or a Profile), not {type(model).__name__}; pass the model")
+    lazy = next((n for n, t in _named_tensors(model) if isinstance(t, UninitializedTensorMixin)), None)
+    if lazy is not None:
+        raise PlanError(f"{lazy!r} is a lazy module's uninitialized tensor (nn.LazyLinear and the like): its shape is "
+                        "not known until the model has run once; run one forward on an example input first")
     if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
         raise PlanError(f"offload_dir={offload_dir!r}: give a folder's path (a str or pathlib.Path), or None")
     items = [no_split] if isinstance(no_split, (str, type)) else no_split

@@ -53,3 +53,17 @@ def test_what_takes_a_model_refuses_anything_else_by_name(value, tmp_path, monke
     if not isinstance(value, str):  # a str is a path: one that holds no checkpoint says so
         with pytest.raises(AutomapError, match="path"):
             automap.load(_model(), value, offload_dir=tmp_path)
+
+
+@pytest.mark.parametrize("device_map", ["auto", {"0": "disk", "1": "cpu"}])
+def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(device_map, tmp_path):
+    import torch
+
+    model = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2))
+    with pytest.raises(automap.errors.PlanError, match="'0.weight' is a lazy module's uninitialized tensor.*run one forward"):
+        automap.dispatch(model, device_map=device_map, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
+    assert not (tmp_path / "off").exists()
+    x = torch.randn(3, 5)
+    expected = model(x)  # the fix: one forward gives the lazy module its shapes
+    automap.dispatch(model, device_map=device_map, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
+    assert torch.equal(model(x), expected)
