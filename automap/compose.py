@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -189,6 +189,28 @@ def plan_strategy(model: nn.Module | Profile, devices: tuple[DeviceSpec, ...], s
         return make_plan(prof, devices, strategy, reserve=reserve, refine=refine, accept=accept)
 
 
+def tensor_holders(model: nn.Module, device_map: Mapping[str, int | str], units: Sequence[str]) -> list[str]:
+    """Modules a map places tensor by tensor (``{"fc.weight": "disk", "fc.bias": "disk"}``, as
+    accelerate's maps may), each a unit of its own when the map names every tensor it holds
+    itself and no unit lies inside or around it: what the map keeps together stays together
+    (tensors of one such module put on two devices are refused by name)."""
+    found: list[str] = []
+    for key in device_map:
+        holder = key.rpartition(".")[0] if isinstance(key, str) else ""
+        if not holder or holder in found or any(u == holder or u.startswith(holder + ".") or holder.startswith(u + ".")
+                                                for u in units):
+            continue
+        try:
+            module = model.get_submodule(holder)
+        except AttributeError:
+            continue
+        own = [f"{holder}.{n}" for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+               if t is not None]
+        if own and all(n in device_map for n in own):
+            found.append(holder)
+    return found
+
+
 def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple[DeviceSpec, ...],
                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None, batch: int | None,
                   max_length: int | None) -> Plan:
@@ -204,7 +226,8 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
     device_map = first_names(device_map, model.named_modules(remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders] or [""]
+    units = [k for k in device_map if k in modules and k in holders]
+    units = (units + tensor_holders(model, device_map, units)) or [""]
     if example_inputs is None and max_length is None:
         prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
                                 loose_homes=loose_homes(device_map, units, tensors))

@@ -1,6 +1,7 @@
-"""A module registered under two names (``self.b = self.a``, ``nn.Sequential(layer, act, layer)``,
-ALBERT-style sharing): planning leaves the user's weights alone, dispatch gives the plain outputs,
-and a device map may name the module by either name."""
+"""The names a device map may give a module. A module registered under two names
+(``self.b = self.a``, ``nn.Sequential(layer, act, layer)``, ALBERT-style sharing): planning leaves
+the user's weights alone, dispatch gives the plain outputs, and a map may name it by either name.
+A module a map places tensor by tensor (``{"fc.weight": "disk", "fc.bias": "disk"}``) is a unit."""
 from __future__ import annotations
 
 import pytest
@@ -114,3 +115,24 @@ def test_a_map_splitting_a_modules_own_tensor_from_its_child_names_both_and_the_
     assert "'0.scale' on 'disk'" in message and "'0.lin.weight' on 'cpu'" in message
     assert "map '0', which holds them, to one device" in message and "no_split" not in message
     automap.dispatch(model, device_map={"0": "disk", "1": "cpu"}, offload_dir=tmp_path)  # the fix it names
+
+
+@pytest.mark.parametrize("device_map", [{"0.weight": "disk", "0.bias": "disk", "2": "cpu"},
+                                        {"0.weight": "cpu", "0.bias": "cpu", "2.weight": "disk", "2.bias": "disk"}])
+def test_a_module_placed_tensor_by_tensor_is_a_unit(device_map, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = model(x)
+    automap.dispatch(model, device_map=device_map, offload_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    placed = automap.placement(model).device_map
+    assert {k: placed[k] for k in ("0", "2")} == {m: device_map.get(m, device_map.get(f"{m}.weight")) for m in ("0", "2")}
+
+
+def test_a_module_whose_tensors_a_map_puts_on_two_devices_is_refused_by_name(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(DeviceMapError, match="'0.bias' on 'cpu', '0.weight' on 'disk'.*map '0', which holds them"):
+        automap.dispatch(model, device_map={"0.weight": "disk", "0.bias": "cpu", "2": "cpu"}, offload_dir=tmp_path)
