@@ -64,15 +64,20 @@ def test_a_module_with_two_names_dispatched_gives_the_plain_outputs(kind, budget
 @pytest.mark.parametrize("device_map", [{"b": "disk", "mid": "cpu"}, {"a": "disk", "b": "disk", "mid": "cpu"},
                                         {"b": "cpu", "mid": "disk"}])
 def test_a_map_may_name_a_module_by_its_second_name(device_map, tmp_path):
-    model = _built("attribute")
+    placed = _dispatched_exactly(_built("attribute"), device_map, tmp_path)
+    assert placed["a"] == device_map["b"] and placed["mid"] == device_map["mid"]
+
+
+def _dispatched_exactly(model: nn.Module, device_map: dict[str, str], folder) -> dict[str, str]:
+    """Dispatch ``model`` with ``device_map``, check it gives the plain outputs, and return
+    where automap placed it (``placement(model).device_map``)."""
     x = torch.randn(3, 16)
     with torch.no_grad():
         expected = model(x)
-    automap.dispatch(model, device_map=device_map, offload_dir=tmp_path)
+    automap.dispatch(model, device_map=device_map, offload_dir=folder)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
-    placed = automap.placement(model)
-    assert placed is not None
+    return dict(automap.placement(model).device_map)
 
 
 def test_a_plans_own_map_of_a_module_with_two_names_dispatches(tmp_path):
@@ -121,14 +126,7 @@ def test_a_map_splitting_a_modules_own_tensor_from_its_child_names_both_and_the_
                                         {"0.weight": "cpu", "0.bias": "cpu", "2.weight": "disk", "2.bias": "disk"}])
 def test_a_module_placed_tensor_by_tensor_is_a_unit(device_map, tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        expected = model(x)
-    automap.dispatch(model, device_map=device_map, offload_dir=tmp_path)
-    with torch.no_grad():
-        assert torch.equal(model(x), expected)
-    placed = automap.placement(model).device_map
+    placed = _dispatched_exactly(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), device_map, tmp_path)
     assert {k: placed[k] for k in ("0", "2")} == {m: device_map.get(m, device_map.get(f"{m}.weight")) for m in ("0", "2")}
 
 
