@@ -311,7 +311,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             is the same argument under transformers' former name.
         offload_folder: ``offload_dir`` under transformers' and accelerate's name.
         strict: True: checkpoint keys the model lacks, or model tensors the checkpoint lacks,
-            raise. False (accelerate's default in ``load_checkpoint_and_dispatch``): skip the
+            raise; a folder (``from_pretrained``'s form) skips keys the model lacks with a
+            warning, as ``from_pretrained`` does (buffers older versions saved). False (accelerate's default in ``load_checkpoint_and_dispatch``): skip the
             former, keep the model's own values of the latter (a tensor on meta still
             raises), and say which in a warning.
         quiet: no progress bar (it only appears for loads longer than a second).
@@ -341,7 +342,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     check_not_dispatched(model)
     start = time.perf_counter()
     with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
-        match = _matched(model, ckpt, strict)
+        match = _matched(model, ckpt, strict, folder_form)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
                             batch=batch, max_length=max_length), match)
@@ -380,27 +381,35 @@ def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
         return next((s.dtype for s in ckpt.tensors.values() if s.dtype.is_floating_point), None)
 
 
-def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool) -> Match:
+def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool = False) -> Match:
     """:func:`match_keys`; not ``strict``: keys only one side has are skipped with a warning,
-    as accelerate loads them (shapes that differ still raise)."""
+    as accelerate loads them (shapes that differ still raise). A folder (the ``from_pretrained``
+    form) skips checkpoint keys the model lacks with a warning, as ``from_pretrained`` does
+    (buffers older versions saved: Llama's ``rotary_emb.inv_freq``, GPT-2's ``attn.masked_bias``)."""
     try:
         return match_keys(model, ckpt)
     except CheckpointError as exc:
-        if strict:
+        if strict and not folder_form:
             raise
         first = exc
-    saved = {name: model.__dict__.get(name) for name in _IGNORE_ATTRIBUTES}
+    skipped = _IGNORE_ATTRIBUTES if not strict else ("_keys_to_ignore_on_load_unexpected",)
+    saved = {name: model.__dict__.get(name) for name in skipped}
     try:
-        for name in _IGNORE_ATTRIBUTES:  # what transformers' models declare for keys to skip
+        for name in skipped:  # what transformers' models declare for keys to skip
             setattr(model, name, [".*"])
         match = match_keys(model, ckpt)
+    except CheckpointError:
+        raise first from None
     finally:
         for name, value in saved.items():
             if value is None:
                 model.__dict__.pop(name, None)
             else:
                 setattr(model, name, value)
-    warnings.warn(f"strict=False: loading anyway, {first}", stacklevel=3)
+    if strict:
+        warnings.warn(f"loading anyway, skipping what the model lacks as from_pretrained does: {first}", stacklevel=3)
+    else:
+        warnings.warn(f"strict=False: loading anyway, {first}", stacklevel=3)
     return match
 
 

@@ -184,3 +184,28 @@ def test_plan_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     measured = measure_plan_rss(folder, "transformers.models.llama.modeling_llama")
     assert measured["read"] > 0.9 * size, f"the control must see the weights read: {measured}"
     assert measured["plan"] < size / 5, f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"
+
+
+def test_a_folder_with_keys_older_versions_saved_loads_as_from_pretrained_loads_it(tmp_path):
+    """Llama-2-era checkpoints hold each layer's rotary ``inv_freq``, which today's model lacks:
+    ``from_pretrained`` skips such keys with a warning, and so does the folder form; a
+    skeleton given with its checkpoint stays strict, as ``load_state_dict`` is."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    real = tiny_llama(layers=2)
+    folder = save(real, tmp_path / "old", "single")
+    state = load_file(folder / "model.safetensors")
+    for i in range(2):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = real.model.rotary_emb.inv_freq.clone()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    ids = _inputs("llama")
+    expected = LlamaForCausalLM.from_pretrained(folder).eval()(**ids).logits
+    with pytest.warns(UserWarning, match="rotary_emb.inv_freq"):
+        model = automap.load(folder, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    with torch.no_grad():
+        assert torch.equal(model(**ids).logits, expected)
+    with automap.empty_model():
+        skeleton = LlamaForCausalLM(real.config)
+    with pytest.raises(CheckpointError, match="2 key\\(s\\) in it are not in the model"):
+        automap.load(skeleton, folder / "model.safetensors", quiet=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import sys
 
 import pytest
@@ -419,3 +420,57 @@ def test_llama_on_gpu_with_host_and_disk_offload_matches(tmp_path):
     assert model.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
     assert model.model.rotary_emb.inv_freq.device.type == "cuda"
     assert torch.equal(logits_of(model, ids).to("cuda:0"), expected)
+
+
+# ------------------------------------------------------------------ what real saving leaves beside the weights
+
+
+def test_an_index_file_given_as_the_checkpoint_reads_the_shards_it_names(tmp_path):
+    real = tiny_llama(layers=2)
+    ids = _llama_ids()
+    expected = logits_of(real, ids)
+    real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    model = automap.load(_empty(real), index, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    assert torch.equal(logits_of(model, ids), expected)
+
+
+def test_what_training_saves_beside_the_weights_is_not_read_as_weights(tmp_path):
+    """transformers' Trainer writes training_args.bin (a pickle of its arguments, refused by a
+    safe load) beside pytorch_model.bin; accelerate's save_state writes optimizer.bin."""
+    real = tiny_gpt2(layers=2)
+    ids = _llama_ids()
+    expected = logits_of(real, ids)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save(real.state_dict(), folder / "pytorch_model.bin")
+    for name in ("training_args.bin", "optimizer.bin", "scheduler.pt", "rng_state.pth"):
+        with open(folder / name, "wb") as f:
+            pickle.dump(_Arguments(), f)  # code a safe load will not run: read, it would refuse the folder
+    model = automap.load(_empty(real), folder, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    assert torch.equal(logits_of(model, ids), expected)
+
+
+class _Arguments:
+    """Stands in for transformers' TrainingArguments in a pickle."""
+
+
+def test_a_batchnorm_checkpoint_without_num_batches_tracked_loads_as_torch_loads_it(tmp_path):
+    """Files saved before BatchNorm counted its batches (old model-zoo .pth files) lack the
+    count; torch's load_state_dict(strict=True) accepts them, and so does automap."""
+    import torchvision
+
+    torch.manual_seed(0)
+    real = torchvision.models.resnet18(num_classes=10).eval()
+    saved = {k: v for k, v in real.state_dict().items() if not k.endswith("num_batches_tracked")}
+    torch.save(saved, tmp_path / "old.pth")
+    plain = torchvision.models.resnet18(num_classes=10).eval()
+    plain.load_state_dict(torch.load(tmp_path / "old.pth"), strict=True)
+    with automap.empty_model():
+        skeleton = torchvision.models.resnet18(num_classes=10).eval()
+    model = automap.load(skeleton, tmp_path / "old.pth", max_memory={"cpu": 4_000_000}, offload_dir=tmp_path / "off",
+                         quiet=True)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    assert all(torch.equal(b, plain.get_buffer(n)) for n, b in model.named_buffers() if n.endswith("num_batches_tracked"))

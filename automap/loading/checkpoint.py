@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -121,6 +122,7 @@ class PickleReader(Reader):
 READERS: dict[str, type[Reader]] = {".safetensors": SafetensorsReader, ".bin": PickleReader,
                                     ".pt": PickleReader, ".pth": PickleReader}
 SAFETENSORS = ".safetensors"
+INDEX_SUFFIX = ".index.json"  # a Hugging Face shard index: model.safetensors.index.json, pytorch_model.bin.index.json
 
 
 class Checkpoint:
@@ -176,7 +178,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     root = Path(path)
     if not root.exists():
         raise CheckpointError(f"checkpoint {root} does not exist; pass a .safetensors/.bin file or a folder of shards")
-    files, expected = (_files_in(root) if root.is_dir() else ([root], None))
+    if root.is_dir():
+        files, expected = _files_in(root)
+    elif root.name.endswith(INDEX_SUFFIX):
+        files, expected = _indexed(root)  # the index names the shards beside it
+    else:
+        files, expected = [root], None
     tensors: dict[str, Stored] = {}
     readers: dict[Path, Reader] = {}
     for file in files:
@@ -207,28 +214,46 @@ def _reader_for(file: Path) -> Reader:
 
 
 def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
-    indexes = sorted(folder.glob("*.index.json"), key=lambda p: (not p.name.endswith(SAFETENSORS + ".index.json"), p.name))
+    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"), key=lambda p: (not p.name.endswith(SAFETENSORS + INDEX_SUFFIX), p.name))
     if indexes:
-        weight_map = _read_index(indexes[0])
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if not _plain_name(n)]
-        if outside:
-            raise CheckpointError(
-                f"index {indexes[0]} names {outside[0]!r}, which is not a file name inside {folder}; shard indexes "
-                "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder")
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"index {indexes[0]} names {len(missing)} file(s) that are not in {folder}, first "
-                f"{missing[:3]}; copy the missing shards there or fix the index"
-            )
-        return [folder / n for n in names], weight_map
-    skip = _legacy_store_files(folder)
+        return _indexed(indexes[0])
+    skip = _legacy_store_files(folder) | {p.name for p in folder.iterdir() if _not_weights(p.name)}
     for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in READERS if s != SAFETENSORS)):
         files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip)
         if files:
             return files, None
     raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth")
+
+
+def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shard files a Hugging Face index names (beside it), and its ``weight_map``."""
+    folder = index.parent
+    weight_map = _read_index(index)
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if not _plain_name(n)]
+    if outside:
+        raise CheckpointError(
+            f"index {index} names {outside[0]!r}, which is not a file name inside {folder}; shard indexes "
+            "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder")
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"index {index} names {len(missing)} file(s) that are not in {folder}, first "
+            f"{missing[:3]}; copy the missing shards there or fix the index"
+        )
+    return [folder / n for n in names], weight_map
+
+
+# What training writes beside the weights (transformers' Trainer, accelerate's save_state): pickles
+# of arguments, optimizer and scheduler states, random states. Never weights; their pickles hold
+# objects a safe load refuses.
+NOT_WEIGHTS = re.compile(r"(training_args|optimizer(_\d+)?|scheduler(_\d+)?|scaler|rng_state(_\d+)?|"
+                         r"random_states(_\d+)?)\.(bin|pt|pth|pkl)")
+
+
+def _not_weights(name: str) -> bool:
+    """Whether ``name`` is a file training writes beside a model's weights (:data:`NOT_WEIGHTS`)."""
+    return NOT_WEIGHTS.fullmatch(name) is not None
 
 
 def _plain_name(name: str) -> bool:

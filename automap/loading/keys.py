@@ -72,7 +72,8 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
             built.update(dict.fromkeys(names, (made[target], target)))
         else:
             missing.append(names[0])
-    missing = _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
+    missing = [n for n in _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
+               if not _filled_by_torch(model, n)]
     unexpected = _drop([k for n, k in renamed.items() if n not in known] + [t for t in made if t not in known],
                        getattr(model, "_keys_to_ignore_on_load_unexpected", None))
     shapes = _shape_mismatches(expected, sources, checkpoint) + _built_mismatches(expected, built)
@@ -80,6 +81,20 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
     return Match(sources, how, built, converted)
+
+
+def _filled_by_torch(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` is a BatchNorm's ``num_batches_tracked``, which torch's own
+    ``load_state_dict`` lets a checkpoint lack (files saved before it existed, as old model-zoo
+    ``.pth`` files are): the model keeps its own count (0 when built)."""
+    owner, _, leaf = name.rpartition(".")
+    if leaf != "num_batches_tracked":
+        return False
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return isinstance(module, nn.modules.batchnorm._NormBase)
 
 
 def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
