@@ -307,8 +307,11 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             tensor comes from a safetensors checkpoint already in the target dtype.
         dtype: convert floating-point weights and buffers to this dtype on the way, as
             ``model.to(dtype)`` would: a ``torch.dtype`` or its name (``"bfloat16"``), or
-            ``"auto"`` for the checkpoint's own (a folder: its config's dtype). ``torch_dtype``
-            is the same argument under transformers' former name.
+            ``"auto"`` for the checkpoint's own (a folder: its config's dtype). A folder's model
+            is built at it as ``from_pretrained`` builds it (buffers computed at init keep their
+            dtype; modules the model keeps in float32, T5's ``wo`` at float16, stay there), and
+            each tensor is read in its dtype. ``torch_dtype`` is the same argument under
+            transformers' former name.
         offload_folder: ``offload_dir`` under transformers' and accelerate's name.
         strict: True: checkpoint keys the model lacks, or model tensors the checkpoint lacks,
             raise; a folder (``from_pretrained``'s form) skips keys the model lacks with a
@@ -339,6 +342,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
     dtype = as_dtype(dtype)
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
+    if folder_form:
+        dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
     check_not_dispatched(model)
     start = time.perf_counter()
     with silenced(quiet), open_checkpoint(checkpoint) as ckpt:

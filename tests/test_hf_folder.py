@@ -209,3 +209,23 @@ def test_a_folder_with_keys_older_versions_saved_loads_as_from_pretrained_loads_
         skeleton = LlamaForCausalLM(real.config)
     with pytest.raises(CheckpointError, match="2 key\\(s\\) in it are not in the model"):
         automap.load(skeleton, folder / "model.safetensors", quiet=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_a_folder_at_a_half_dtype_is_what_from_pretrained_builds(name, dtype, tmp_path):
+    """At float16 or bfloat16 ``from_pretrained`` keeps what the model computes at init in its
+    own dtype (Llama's rotary ``inv_freq``: float32) and the modules the model keeps in float32
+    (T5's ``wo`` at float16); the folder form reads each tensor in that dtype too, with part on
+    disk, and gives the same logits."""
+    from transformers import AutoModelForCausalLM, T5ForConditionalGeneration
+
+    folder = save(BUILDERS[name](), tmp_path / name, "single")
+    cls = T5ForConditionalGeneration if name == "t5" else AutoModelForCausalLM
+    plain = cls.from_pretrained(folder, dtype=dtype).eval()
+    model = automap.load(folder, dtype=dtype, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    state = {n: t.dtype for n, t in model.state_dict().items()}
+    assert {n: t.dtype for n, t in plain.state_dict().items()} == state
+    assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in plain.named_buffers()}
+    with torch.no_grad():
+        assert torch.equal(model(**_inputs(name)).logits, plain(**_inputs(name)).logits)

@@ -15,6 +15,7 @@ transformers is imported here only, when a folder is built; without it the call 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -148,7 +149,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         ('GPT2LMHeadModel', device(type='meta'))
     """
     config = read_config(folder)
-    with empty_model(), default_dtype(dtype or config_dtype(config)):
+    dtype = dtype or config_dtype(config)
+    with empty_model(), default_dtype(dtype):
         model = instantiate(config)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
@@ -156,7 +158,28 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
             f"{Path(folder) / CONFIG_NAME} names {', '.join(map(str, names))}, which this transformers "
             f"({import_transformers().__version__}) does not have (a model with its own code?); build the model "
             "yourself under automap.empty_model() and call automap.load(model, folder)")
+    keep_in_fp32(model, dtype)
     return model.eval()
+
+
+def keep_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """Give the parameters ``from_pretrained`` keeps in float32 at ``dtype`` that dtype on
+    meta: those whose name holds a pattern of the model's ``_keep_in_fp32_modules`` (at
+    float16: T5's ``wo``) or ``_keep_in_fp32_modules_strict`` (at float16 and bfloat16), found
+    as transformers finds them (a regular-expression search, ``*`` any text). The load then
+    reads each tensor in its skeleton's dtype. Returns the number of tensors changed."""
+    patterns = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not patterns:
+        return 0
+    search = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(patterns))).search
+    changed = 0
+    for name, tensor in _meta_tensors(model):
+        if tensor.is_floating_point() and tensor.dtype != torch.float32 and search(name):
+            tensor.data = torch.empty(tensor.shape, dtype=torch.float32, device="meta")
+            changed += 1
+    return changed
 
 
 def take_stored_dtypes(model: nn.Module, checkpoint: Checkpoint, match: Match) -> int:
