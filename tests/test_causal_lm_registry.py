@@ -5,7 +5,7 @@ CPU budget that sends part of it to disk. Each gives the plain model's logits ex
 same greedy tokens through the KV cache, and the plain logits again after undispatch. Saved by
 ``save_pretrained`` in small shards, each loads with ``automap.load(folder)`` (part on disk, read
 from the shards in place) to exactly what transformers' ``from_pretrained`` of the same folder
-computes: both read the shards' bytes where they are; the same with accelerate's script
+computes: both read the shards' bytes where they are (and in bfloat16); the same with accelerate's script
 (``init_empty_weights``, ``infer_auto_device_map``, ``load_checkpoint_and_dispatch``) run on
 automap's drop-ins, whose map passes accelerate's own ``check_device_map``. (Against the model that was saved, a
 weight read from a file offset less aligned than torch's allocator's may round differently in
@@ -87,6 +87,22 @@ def test_each_family_saved_by_transformers_loads_as_from_pretrained_does(family,
     got, again = run_dispatched(loaded, lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)
+
+
+@pytest.mark.parametrize("family", _families())
+def test_each_family_loads_in_bfloat16_as_from_pretrained_builds_it(family, tmp_path):
+    """At ``dtype=bfloat16`` from_pretrained keeps what the model computes at init in the dtype
+    it gives it, recomputes the buffers the checkpoint lacks in float32, and gives the config
+    the dtype (Apertus' activation reads it): the folder form does the same."""
+    import transformers
+
+    model, ids, _, folder, _, _ = _saved(family, tmp_path)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()(input_ids=ids).logits
+    loaded = automap.load(folder, dtype=torch.bfloat16, max_memory=part_on_disk(model, torch.bfloat16),
+                          offload_dir=tmp_path / "off", quiet=True)
+    assert torch.equal(run_dispatched(loaded, lambda m: m(input_ids=ids).logits), expected)
 
 
 @pytest.mark.parametrize("family", _families())

@@ -76,9 +76,12 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
         return getattr(transformers, auto).from_config(config).eval()
 
 
-def part_on_disk(model: torch.nn.Module) -> dict[str, int]:
-    """A CPU budget of 40 % of ``model``'s bytes: the rest goes to disk."""
-    return {"cpu": int(sum(t.nbytes for t in model.state_dict().values()) * 0.4)}
+def part_on_disk(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """A CPU budget of 40 % of ``model``'s bytes (its floating-point tensors counted at ``dtype``
+    when given): the rest goes to disk."""
+    size = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in model.state_dict().values())
+    return {"cpu": int(size * 0.4)}
 
 
 def run_dispatched(model: torch.nn.Module, call):

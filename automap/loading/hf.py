@@ -150,6 +150,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
     """
     config = read_config(folder)
     dtype = dtype or config_dtype(config)
+    if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     with empty_model(), default_dtype(dtype):
         model = instantiate(config)
     if model is None:
@@ -159,7 +161,26 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
             f"({import_transformers().__version__}) does not have (a model with its own code?); build the model "
             "yourself under automap.empty_model() and call automap.load(model, folder)")
     keep_in_fp32(model, dtype)
+    initialise_buffers(model)
     return model.eval()
+
+
+def initialise_buffers(model: nn.Module) -> None:
+    """Compute the buffers the checkpoint does not hold again, outside the build's dtype, as
+    ``from_pretrained`` does once it has loaded (its ``initialize_weights`` with every loaded
+    tensor marked done): CodeGen's and GPT-J's sinusoidal tables are computed in float32 and
+    copied into their bfloat16 buffers, not computed in bfloat16. Parameters (on meta) and
+    saved buffers are marked, so transformers' initialisers skip them."""
+    initialise = getattr(model, "initialize_weights", None)
+    if initialise is None:
+        return
+    saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    marked = [t for t in [*model.parameters(), *model.buffers()] if id(t) in saved or isinstance(t, nn.Parameter)]
+    for tensor in marked:
+        tensor._is_hf_initialized = True
+    for module in model.modules():  # built: each marked done by its own post_init, inside the build's dtype
+        module.__dict__.pop("_is_hf_initialized", None)
+    initialise()
 
 
 def keep_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> int:
