@@ -32,6 +32,7 @@ from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
 from automap.profiling import ExampleInputs, Profile
 from automap.profiling.kvcache import check_batch
+from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
 
@@ -132,12 +133,6 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
 
-def _named_tensors(model: nn.Module | Profile) -> Iterable[tuple[str, torch.Tensor]]:
-    if not isinstance(model, nn.Module):
-        return ()
-    return [*model.named_parameters(), *model.named_buffers()]
-
-
 def check_argument_types(model: object, *, offload_dir: object, no_split: object, example_inputs: object,
                          **mappings: object) -> None:
     """Refuse arguments of the wrong kind before anything reads them, naming what each takes.
@@ -153,7 +148,8 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
                         "(torch.randn(1, 3, 224, 224),), or its keyword arguments as a dict")
     if not isinstance(model, (nn.Module, Profile)):
         raise PlanError(f"automap plans an nn.Module (or a Profile), not {type(model).__name__}; pass the model")
-    lazy = next((n for n, t in _named_tensors(model) if isinstance(t, UninitializedTensorMixin)), None)
+    named = all_named_tensors(model) if isinstance(model, nn.Module) else ()
+    lazy = next((n for n, t in named if isinstance(t, UninitializedTensorMixin)), None)
     if lazy is not None:
         raise PlanError(f"{lazy!r} is a lazy module's uninitialized tensor (nn.LazyLinear and the like): its shape is "
                         "not known until the model has run once; run one forward on an example input first")

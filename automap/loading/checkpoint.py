@@ -217,9 +217,9 @@ def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"), key=lambda p: (not p.name.endswith(SAFETENSORS + INDEX_SUFFIX), p.name))
     if indexes:
         return _indexed(indexes[0])
-    skip = _legacy_store_files(folder) | {p.name for p in folder.iterdir() if _not_weights(p.name)}
+    skip = _legacy_store_files(folder)
     for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in READERS if s != SAFETENSORS)):
-        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip)
+        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip and not _not_weights(p.name))
         if files:
             return files, None
     raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth")

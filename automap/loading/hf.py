@@ -198,7 +198,7 @@ def keep_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> int:
     changed = 0
     for name, tensor in _meta_tensors(model):
         if tensor.is_floating_point() and tensor.dtype != torch.float32 and search(name):
-            tensor.data = torch.empty(tensor.shape, dtype=torch.float32, device="meta")
+            _retype(tensor, torch.float32)
             changed += 1
     return changed
 
@@ -212,7 +212,7 @@ def take_stored_dtypes(model: nn.Module, checkpoint: Checkpoint, match: Match) -
     for name, tensor in _meta_tensors(model):
         stored = _stored_dtype(name, checkpoint, match)
         if stored is not None and stored != tensor.dtype and stored.is_floating_point and tensor.is_floating_point():
-            tensor.data = torch.empty(tensor.shape, dtype=stored, device="meta")
+            _retype(tensor, stored)
             changed += 1
     return changed
 
@@ -223,6 +223,11 @@ def _stored_dtype(name: str, checkpoint: Checkpoint, match: Match) -> torch.dtyp
         return recipe.targets[target][1]
     stored = checkpoint.tensors.get(match.sources.get(name, ""))
     return None if stored is None else stored.dtype
+
+
+def _retype(tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """A meta tensor of the model given ``dtype`` in place (the Parameter object and its ties stay)."""
+    tensor.data = torch.empty(tensor.shape, dtype=dtype, device="meta")
 
 
 def _meta_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -55,16 +55,11 @@ def first_names(device_map: Mapping[str, int | str], module_names: Iterable[tupl
             other[name] = first[id(module)]
     if not other:
         return dict(device_map)
+    aliases = {name: name for name in other}
     out: dict[str, int | str] = {}
     for key, value in device_map.items():
-        named = key
-        if isinstance(key, str):
-            parts = key.split(".")
-            for cut in range(len(parts), 0, -1):
-                prefix = ".".join(parts[:cut])
-                if prefix in other:
-                    named = ".".join([other[prefix], *parts[cut:]])
-                    break
+        alias = longest_prefix(aliases, key) if isinstance(key, str) else None
+        named = key if alias is None else other[alias] + key[len(alias):]
         if named in out and _device_or_value(out[named]) != _device_or_value(value):
             raise DeviceMapError(f"device_map puts {named!r} on {out[named]!r} and, under its other name {key!r}, "
                                  f"on {value!r}: it is one module; map it to one device")
