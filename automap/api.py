@@ -5,6 +5,7 @@ line shares; this module checks the arguments and chooses the library's tracing.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -21,8 +22,9 @@ from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
 from automap.loading.checkpoint import Checkpoint
-from automap.loading.keys import Match
-from automap.loading.materialise import store_bytes
+from automap.loading.keys import Match, untie
+from automap.loading.hf import compute_declared_missing
+from automap.loading.materialise import missing_value_message, store_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
@@ -343,7 +345,17 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     check_not_dispatched(model)
     start = time.perf_counter()
     with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
-        match = _matched(model, ckpt, strict, folder_form)
+        match, skipped = _matched(model, ckpt, strict, folder_form)
+        if match.untied:
+            untie(model, match.untied)
+            tied = ", ".join(" = ".join(g) for g in match.untied[:3])
+            warnings.warn(f"the checkpoint holds other values for {tied} than for the tensor the model ties them to: "
+                          "loaded untied, each from its own key, as from_pretrained does (a config saying "
+                          "tie_word_embeddings=False describes this checkpoint)", stacklevel=_outside_automap())
+        compute_declared_missing(model, match)
+        _check_valued(model, match)
+        if skipped:
+            warnings.warn(skipped, stacklevel=_outside_automap())
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
                             batch=batch, max_length=max_length), match)
@@ -382,13 +394,14 @@ def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
         return next((s.dtype for s in ckpt.tensors.values() if s.dtype.is_floating_point), None)
 
 
-def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool = False) -> Match:
-    """:func:`match_keys`; not ``strict``: keys only one side has are skipped with a warning,
-    as accelerate loads them (shapes that differ still raise). A folder (the ``from_pretrained``
-    form) skips checkpoint keys the model lacks with a warning, as ``from_pretrained`` does
-    (buffers older versions saved: Llama's ``rotary_emb.inv_freq``, GPT-2's ``attn.masked_bias``)."""
+def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool = False) -> tuple[Match, str]:
+    """:func:`match_keys`, and what was skipped to match (empty: nothing). Not ``strict``:
+    keys only one side has are skipped, as accelerate loads them (shapes that differ still
+    raise). A folder (the ``from_pretrained`` form) skips checkpoint keys the model lacks, as
+    ``from_pretrained`` does (buffers older versions saved: Llama's ``rotary_emb.inv_freq``,
+    GPT-2's ``attn.masked_bias``). The caller warns of what was skipped once the load can go on."""
     try:
-        return match_keys(model, ckpt)
+        return match_keys(model, ckpt), ""
     except CheckpointError as exc:
         if strict and not folder_form:
             raise
@@ -408,10 +421,28 @@ def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool
             else:
                 setattr(model, name, value)
     if strict:
-        warnings.warn(f"loading anyway, skipping what the model lacks as from_pretrained does: {first}", stacklevel=3)
-    else:
-        warnings.warn(f"strict=False: loading anyway, {first}", stacklevel=3)
-    return match
+        return match, f"loading anyway, skipping what the model lacks as from_pretrained does: {first}"
+    return match, f"strict=False: loading anyway, {first}"
+
+
+def _check_valued(model: nn.Module, match: Match) -> None:
+    """Refuse, before anything is read, model tensors on meta that the checkpoint does not
+    hold: nothing could give them a value."""
+    lacking = [(n, t) for n, t in all_named_tensors(model) if t.is_meta and n not in match.sources and n not in match.built]
+    if lacking:
+        parameter = any(isinstance(t, nn.Parameter) for _, t in lacking)
+        names = [n for n, t in lacking if isinstance(t, nn.Parameter) == parameter]
+        raise CheckpointError(missing_value_message(names, parameter))
+
+
+def _outside_automap() -> int:
+    """The ``stacklevel`` of the first caller outside automap (a warning points at the user's
+    line, also when a drop-in called :func:`load`)."""
+    frame, level = sys._getframe(1), 1
+    root = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _IGNORE_ATTRIBUTES = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")

@@ -405,3 +405,18 @@ def test_a_tied_tensors_other_name_is_placed_with_it_in_every_map(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     assert model[1].bias is model[1].decoder.bias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_load_checkpoint_and_dispatch_at_a_half_dtype_converts_what_accelerate_converts(dtype, tmp_path):
+    """The weights take ``dtype``; buffers the model computes (Llama's rotary ``inv_freq``)
+    keep float32 in both: the logits are accelerate's to the bit."""
+    real, folder = _saved(tmp_path, tiny_llama)
+    got = {}
+    for name in ("accelerate", "automap"):
+        lib = importlib.import_module(name)
+        model = lib.load_checkpoint_and_dispatch(_skeleton(lib, folder), folder, device_map={"": "cpu"}, dtype=dtype)
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32, name
+        assert model.lm_head.weight.dtype == dtype, name
+        got[name] = logits_of(model, _ids())
+    assert torch.equal(got["automap"], got["accelerate"])

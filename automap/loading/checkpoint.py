@@ -9,9 +9,13 @@ One reader per format, chosen by the file's suffix (:data:`READERS`):
 - :class:`PickleReader` opens ``.bin``/``.pt``/``.pth`` with ``torch.load(weights_only=True,
   mmap=True)``, whose tensors stay on disk until touched, and refuses pickles that run code.
 
-A folder is read through its shard index when it has one (whose entries must be plain file
-names inside the folder), else as every checkpoint file in it — never automap's own offload
-stores, and never two files holding the same key.
+A folder is read as ``from_pretrained`` reads it (``model.safetensors``, its index, then
+``pytorch_model.bin`` and its index), else through another shard index (whose entries must be
+plain file names inside the folder), else as every checkpoint file in it — never automap's own
+offload stores, training states or adapters, and never two files holding the same key.
+
+A pickle holding a training checkpoint (``{"model": state_dict, "optimizer": ..., "epoch": 3}``,
+Lightning's ``{"state_dict": ...}``) is read through the one state dict it wraps.
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ class PickleReader(Reader):
 
 
 READERS: dict[str, type[Reader]] = {".safetensors": SafetensorsReader, ".bin": PickleReader,
-                                    ".pt": PickleReader, ".pth": PickleReader}
+                                    ".pt": PickleReader, ".pth": PickleReader, ".ckpt": PickleReader}
 SAFETENSORS = ".safetensors"
 INDEX_SUFFIX = ".index.json"  # a Hugging Face shard index: model.safetensors.index.json, pytorch_model.bin.index.json
 
@@ -146,6 +150,21 @@ class Checkpoint:
         """The tensor ``key`` on CPU in ``dtype`` (default: as stored), in memory of its own."""
         stored = self.tensors[key]
         return self.readers[stored.file].read(stored).to(dtype or stored.dtype)
+
+    def same_values(self, a: str, b: str, chunk: int = 16 << 20) -> bool:
+        """Whether keys ``a`` and ``b`` hold the same dtype, shape and bytes: raw tensors are
+        compared ``chunk`` bytes at a time, never held whole."""
+        first, second = self.tensors[a], self.tensors[b]
+        if (first.dtype, first.shape) != (second.dtype, second.shape):
+            return False
+        if not (self.in_place(a) and self.in_place(b)):
+            return torch.equal(self.read(a), self.read(b))
+        with open(first.file, "rb") as one, open(second.file, "rb") as other:
+            for start in range(0, first.nbytes, chunk):
+                length = min(chunk, first.nbytes - start)
+                if os.pread(one.fileno(), length, first.offset + start) != os.pread(other.fileno(), length, second.offset + start):
+                    return False
+        return True
 
     def in_place(self, key: str) -> bool:
         """Whether tensor ``key`` can be read where it is in its file (safetensors)."""
@@ -213,13 +232,29 @@ def _reader_for(file: Path) -> Reader:
     return reader(file)
 
 
+# What transformers' from_pretrained reads in a model folder, in its order: the first present wins
+# (hub repos often keep older .bin shards, variants or a consolidated copy beside the safetensors).
+CANONICAL = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Weights that are not the model's: a PEFT adapter saved beside it.
+NOT_MODEL = re.compile(r"adapter_model\.(safetensors|bin)")
+
+
 def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The checkpoint files of ``folder``: transformers' own file names first (:data:`CANONICAL`),
+    else a shard index, else every checkpoint file of the first format present (safetensors,
+    then pickles), never training states (:data:`NOT_WEIGHTS`), adapters or old automap stores."""
+    for name in CANONICAL:
+        found = folder / name
+        if found.is_file():
+            log.debug("%s: reading %s, as from_pretrained does", folder, name)
+            return _indexed(found) if name.endswith(INDEX_SUFFIX) else ([found], None)
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"), key=lambda p: (not p.name.endswith(SAFETENSORS + INDEX_SUFFIX), p.name))
     if indexes:
         return _indexed(indexes[0])
     skip = _legacy_store_files(folder)
     for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in READERS if s != SAFETENSORS)):
-        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip and not _not_weights(p.name))
+        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip and not _not_weights(p.name)
+                       and not NOT_MODEL.fullmatch(p.name))
         if files:
             return files, None
     raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth")
@@ -331,14 +366,39 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # noqa: BLE001 - any failure to parse the file means the same to the user
         raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); save or copy it again") from exc
-    if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
-        data = data["state_dict"]  # Lightning and many training scripts wrap the weights
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} holds a {type(data).__name__}, not a state dict of name -> tensor")
+    data = _unwrapped(file, data)
     skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor)]
     if skipped:
         log.info("%s: ignoring %d non-tensor entries (%s)", file, len(skipped), skipped[:3])
     return {str(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}
+
+
+def _unwrapped(file: Path, data: Any) -> dict:
+    """The state dict in ``data``: itself when it holds tensors at its top level, else the dict
+    of tensors it wraps: under ``state_dict`` (Lightning), else the only one (``model``,
+    ``model_state_dict``, DeepSpeed's ``module``: whatever a training loop named it).
+
+    Raises:
+        CheckpointError: ``data`` is no dict, wraps none, or wraps several (which is meant is
+            the user's choice).
+    """
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds a {type(data).__name__}, not a state dict of name -> tensor")
+    if any(isinstance(v, torch.Tensor) for v in data.values()):
+        return data
+    inner = {k: v for k, v in data.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())}
+    if "state_dict" in inner or len(inner) == 1:
+        key = "state_dict" if "state_dict" in inner else next(iter(inner))
+        log.info("%s: reading the state dict under %r (beside %s)", file, key, sorted(map(str, set(data) - {key}))[:5])
+        return inner[key]
+    listed = ", ".join(repr(k) for k in list(data)[:8])
+    if not inner:
+        raise CheckpointError(f"{file} holds no tensors: its top-level entries are {listed}; pass a checkpoint of the "
+                              "model's weights (a state dict of name -> tensor)")
+    raise CheckpointError(
+        f"{file} wraps several state dicts ({', '.join(repr(k) for k in inner)}) and it is not clear which holds the "
+        f"model's weights; save the one you mean on its own, e.g. safetensors.torch.save_file(torch.load(path)"
+        f"[{next(iter(inner))!r}], 'model.safetensors'), and load that")
 
 
 def _torch_load(file: Path) -> Any:

@@ -14,6 +14,7 @@ transformers is imported here only, when a folder is built; without it the call 
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -27,6 +28,9 @@ from automap.errors import CheckpointError, DependencyError
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.empty import empty_model
 from automap.loading.keys import Match
+from automap.runtime.swap import install
+
+log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 # Heads to try when a config names no architecture, most useful first: a family is built as
@@ -181,6 +185,58 @@ def initialise_buffers(model: nn.Module) -> None:
     for module in model.modules():  # built: each marked done by its own post_init, inside the build's dtype
         module.__dict__.pop("_is_hf_initialized", None)
     initialise()
+
+
+def compute_declared_missing(model: nn.Module, match: Match) -> list[str]:
+    """Compute the tensors a transformers model declares a checkpoint may lack
+    (``_keys_to_ignore_on_load_missing``: Marian's sinusoidal position tables, which it never
+    saves) where they are on meta and the checkpoint lacks them, with the model's own
+    initialiser, as ``from_pretrained`` does. Only their modules' initialisers run, and they
+    skip every other tensor (marked done). A tensor the initialiser does not fill (still NaN)
+    goes back on meta, for the load to refuse. Returns the names computed."""
+    initialise = getattr(model, "initialize_weights", None)
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    if initialise is None or not patterns:
+        return []
+    lacking: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in _meta_tensors(model):
+        if (name not in match.sources and name not in match.built and tensor.is_floating_point()
+                and any(re.search(p, name) for p in patterns)):
+            lacking[id(tensor)] = (name, tensor)
+    if not lacking:
+        return []
+    undo = install(model, {i: torch.full(t.shape, float("nan"), dtype=t.dtype) for i, (_, t) in lacking.items()})
+    owners = {id(m) for m in model.modules()
+              if any(id(t) in undo for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)}
+    flags = {m: m.__dict__.get("_is_hf_initialized") for m in model.modules()}
+    done = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in undo]
+    marks = {id(t): t.__dict__.get("_is_hf_initialized") for t in done}
+    try:
+        for module in flags:
+            module._is_hf_initialized = id(module) not in owners
+        for tensor in done:
+            tensor._is_hf_initialized = True
+        initialise()
+    finally:
+        for module, flag in flags.items():
+            _restore(module, flag)
+        for tensor in done:
+            _restore(tensor, marks[id(tensor)])
+    now = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) in undo}
+    unfilled = {id(undo[i]) for i, t in now.items() if torch.isnan(t).any()}
+    install(model, {i: undo[i] for i, t in now.items() if id(undo[i]) in unfilled})
+    computed = [name for i, (name, _) in lacking.items() if i not in unfilled]
+    if computed:
+        log.info("computed %d tensor(s) the checkpoint does not hold, as the model declares (%s)", len(computed),
+                 ", ".join(computed[:3]))
+    return computed
+
+
+def _restore(owner: Any, flag: Any) -> None:
+    if flag is None:
+        owner.__dict__.pop("_is_hf_initialized", None)
+    else:
+        owner._is_hf_initialized = flag
 
 
 def keep_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> int:

@@ -36,12 +36,16 @@ class Match:
         built: model tensor names (tied aliases included) that a transformers conversion
             builds from several checkpoint tensors -> the recipe and the name it builds them as.
         converted: what transformers' conversion did, in one line for reports (None: nothing).
+        untied: names the model ties to others (one tensor) for which the checkpoint holds
+            other values under their own keys: each list gets a tensor of its own, as
+            ``from_pretrained`` unties them (:func:`untie`).
     """
 
     sources: dict[str, str]
     how: str
     built: dict[str, tuple[Recipe, str]] = field(default_factory=dict)
     converted: str | None = None
+    untied: list[list[str]] = field(default_factory=list)
 
 
 def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
@@ -63,10 +67,16 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     sources: dict[str, str] = {}
     built: dict[str, tuple[Recipe, str]] = {}
     missing = []
+    untied = []
     for names in names_by_identity(expected.items()):
         key = next((renamed[n] for n in names if n in renamed), None)
         target = next((n for n in names if n in made), None)
-        if key is not None:
+        apart = _apart(names, renamed, checkpoint) if key is not None else []
+        if len(apart) > 1:
+            untied.extend(apart[1:])
+            for group in apart:
+                sources.update(dict.fromkeys(group, renamed[next(n for n in group if n in renamed)]))
+        elif key is not None:
             sources.update(dict.fromkeys(names, key))
         elif target is not None:
             built.update(dict.fromkeys(names, (made[target], target)))
@@ -80,7 +90,7 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     converted = conversion.summary() if conversion is not None else None
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
-    return Match(sources, how, built, converted)
+    return Match(sources, how, built, converted, untied)
 
 
 def _filled_by_torch(model: nn.Module, name: str) -> bool:
@@ -163,3 +173,38 @@ def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missin
     return (f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
             + "; ".join(parts) + ". Build the model from the config the checkpoint was saved with, "
             "or load a checkpoint of this architecture")
+
+
+def _apart(names: Sequence[str], renamed: Mapping[str, str], checkpoint: Checkpoint) -> list[list[str]]:
+    """Tied ``names`` grouped by the values the checkpoint holds for them (a head trained apart
+    from the embedding while the config still ties them): one group per distinct value, the
+    names without a key of their own in the first."""
+    groups: list[tuple[str, list[str]]] = []  # a key with its value, and the names holding it
+    for name in names:
+        key = renamed.get(name)
+        if key is None:
+            continue
+        group = next((g for k, g in groups if k == key or checkpoint.same_values(k, key)), None)
+        if group is None:
+            groups.append((key, [name]))
+        else:
+            group.append(name)
+    if len(groups) > 1:
+        groups[0][1].extend(n for n in names if n not in renamed)
+    return [g for _, g in groups]
+
+
+def untie(model: nn.Module, groups: Sequence[Sequence[str]]) -> None:
+    """Give each group of names a tensor of its own (on meta, as a skeleton's), which they
+    share, so that it is filled from its own key."""
+    for names in groups:
+        fresh: torch.Tensor | None = None
+        for name in names:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            table = owner._parameters if owner._parameters.get(leaf) is not None else owner._buffers
+            old = table[leaf]
+            if fresh is None:
+                fresh = torch.empty_like(old, device="meta")
+                fresh = nn.Parameter(fresh, old.requires_grad) if isinstance(old, nn.Parameter) else fresh
+            table[leaf] = fresh

@@ -78,13 +78,17 @@ class Loaded:
 
 
 def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | None) -> list[Task]:
-    """Every tensor of the model once, in execution order, with where it goes."""
+    """Every tensor of the model once, in execution order, with where it goes. ``dtype`` is
+    the one of the weights (parameters and what the checkpoint holds); buffers the model
+    computes keep their own, as accelerate's and transformers' loads keep them (Llama's rotary
+    ``inv_freq`` stays float32 in a bfloat16 model)."""
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     tasks = []
     for unit, placement in zip(plan.units, plan.placements):
         for name in unit.tensors:
             tensor = tensors[name]
-            target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            weight = isinstance(tensor, nn.Parameter) or name in match.sources or name in match.built
+            target = dtype if dtype is not None and tensor.is_floating_point() and weight else tensor.dtype
             tasks.append(Task(name, tensor, match.sources.get(name), target,
                               _destination(placement, name in unit.loose), unit.name, match.built.get(name)))
     return tasks
@@ -161,10 +165,7 @@ class _Reader:
 
 def _computed(task: Task) -> torch.Tensor:
     if task.tensor.device.type == "meta":
-        raise CheckpointError(
-            f"buffer {task.name!r} is not in the checkpoint and has no value (it is on meta); build the model "
-            "inside automap.empty_model(), which keeps the buffers computed at init"
-        )
+        raise CheckpointError(missing_value_message([task.name], isinstance(task.tensor, nn.Parameter)))
     return task.tensor.detach().to(task.dtype)
 
 
@@ -239,3 +240,14 @@ def noted(plan: Plan, match: Match) -> Plan:
     if match.converted is None or match.converted in plan.choices:
         return plan
     return dataclasses.replace(plan, choices=plan.choices + (match.converted,))
+
+
+def missing_value_message(names: list[str], parameter: bool) -> str:
+    """What to say of model tensors on meta that the checkpoint does not hold."""
+    listed = f"{names[0]!r}" if len(names) == 1 else f"{len(names)} tensors, first {names[:3]}"
+    if parameter:
+        return (f"parameter {listed} is not in the checkpoint and the model holds no value for it (it is on meta); load "
+                "a checkpoint saved from this model class (one with that module), or build the model with real "
+                "weights for that module and the rest inside automap.empty_model()")
+    return (f"buffer {listed} is not in the checkpoint and has no value (it is on meta); build the model inside "
+            "automap.empty_model(), which keeps the buffers computed at init, or load a checkpoint that holds it")

@@ -31,7 +31,8 @@ def default_example_inputs(model: nn.Module, seq_len: int = 128, batch: int = 1)
 
     transformers text models get ``input_ids`` of ``seq_len`` tokens (plus
     ``decoder_input_ids`` for encoder-decoders); transformers vision
-    models ``pixel_values`` at the config's image size; other models a ``batch x C x H x W``
+    models ``pixel_values`` at the config's image size (else 224), speech models a second of
+    ``input_values`` or Whisper's ``input_features`` of its encoder's window; other models a ``batch x C x H x W``
     image from their first conv (H = the model's ``image_size`` or 224), or a vector for their
     first linear layer (the first such layer the forward calls, found by running it on meta
     until it calls one, else the first one defined), with ``None`` for any further required
@@ -61,7 +62,8 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
     main = getattr(model, "main_input_name", None)
     inputs: dict[str, Any]
     if main == "input_ids":
-        limit = getattr(config, "max_position_embeddings", None)
+        text = getattr(config, "text_config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None)
         if isinstance(limit, int) and limit > 0:  # XLNet's -1: no limit
             seq_len = min(seq_len, limit)
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
@@ -69,17 +71,40 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = ids
             how += " (+ decoder_input_ids)"
-    elif main == "pixel_values" and hasattr(config, "image_size"):
-        size, channels = _pair(config.image_size), getattr(config, "num_channels", 3)
+        vision = getattr(config, "vision_config", None)
+        if hasattr(vision, "image_size") and not _image_tokens(config):  # CLIP-like: text and image side by side
+            size, channels = _pair(vision.image_size), getattr(vision, "num_channels", 3)
+            inputs["pixel_values"] = torch.zeros(batch, channels, *size, device="meta")
+            how += f" (+ pixel_values {batch}x{channels}x{size[0]}x{size[1]})"
+    elif main == "pixel_values":  # ResNet's and ConvNeXt's configs name no image size: ImageNet's
+        size, channels = _pair(getattr(config, "image_size", 224)), getattr(config, "num_channels", 3)
         inputs = {"pixel_values": torch.zeros(batch, channels, *size, device="meta")}
         how = f"pixel_values {batch}x{channels}x{size[0]}x{size[1]}"
+    elif main == "input_values":  # wav2vec2-like speech models: raw audio, one second at 16 kHz
+        inputs, how = {"input_values": torch.zeros(batch, 16000, device="meta")}, f"input_values {batch}x16000 (audio)"
+    elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
+        frames = 2 * config.max_source_positions  # Whisper's encoder takes its full window (two frames a position)
+        inputs = {"input_features": torch.zeros(batch, config.num_mel_bins, frames, device="meta")}
+        how = f"input_features {batch}x{config.num_mel_bins}x{frames}"
+        if getattr(config, "is_encoder_decoder", False):
+            length = min(seq_len, getattr(config, "max_target_positions", seq_len))
+            inputs["decoder_input_ids"] = torch.zeros(batch, length, dtype=torch.long, device="meta")
+            how += f" (+ decoder_input_ids {batch}x{length})"
     else:
         try:
             dummies = dict(getattr(model, "dummy_inputs"))
         except Exception:  # noqa: BLE001 - a model without usable dummies falls through
             return None, ""
+        if main not in dummies:  # transformers 5 gives every model input_ids: not this model's input
+            return None, ""
         return {k: to_meta(v) for k, v in dummies.items()}, "transformers dummy_inputs"
     return inputs, how
+
+
+def _image_tokens(config: Any) -> bool:
+    """Whether images enter the model as tokens of its text (LLaVA-like: the ids must hold one
+    per image patch, so a text-only example is the one that runs)."""
+    return any(hasattr(config, name) for name in ("image_token_id", "image_token_index", "image_token_ids"))
 
 
 def _generic_inputs(model: nn.Module, batch: int) -> tuple[ExampleInputs | None, str]:
