@@ -213,3 +213,13 @@ def test_vision_speech_and_two_tower_models_are_traced_at_inputs_of_their_kind(k
     with caplog.at_level(logging.WARNING, logger="automap"):
         automap.plan(model, max_memory={"cpu": "1GB"})
     assert not [r for r in caplog.records if "without a trace" in r.getMessage()]
+
+
+def test_one_shard_given_for_the_checkpoint_is_named_as_one_shard(tmp_path):
+    real = tiny_llama(layers=2)
+    real.save_pretrained(tmp_path, max_shard_size="100KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    with automap.empty_model():
+        skeleton = type(real)(real.config)
+    with pytest.raises(CheckpointError, match=r"is one shard of a sharded checkpoint: pass its folder"):
+        automap.load(skeleton, shard, device_map="cpu", quiet=True)

@@ -170,9 +170,18 @@ def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missin
     if shapes:
         parts.append(f"{len(shapes)} tensor(s) have another shape, first {'; '.join(shapes[:3])}")
     how = f"{how}; {converted}" if converted else how
+    if missing and SHARD.search(checkpoint.path.name):
+        fix = (f"{checkpoint.path.name} is one shard of a sharded checkpoint: pass its folder "
+               f"({checkpoint.path.parent}) or its *.index.json")
+    elif missing or shapes:
+        fix = "Build the model from the config the checkpoint was saved with, or load a checkpoint of this architecture"
+    else:
+        fix = "strict=False skips keys the model lacks (as accelerate does)"
     return (f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
-            + "; ".join(parts) + ". Build the model from the config the checkpoint was saved with, "
-            "or load a checkpoint of this architecture")
+            + "; ".join(parts) + f". {fix}")
+
+
+SHARD = re.compile(r"-\d{5}-of-\d{5}\.")  # model-00001-of-00004.safetensors: one of several
 
 
 def _apart(names: Sequence[str], renamed: Mapping[str, str], checkpoint: Checkpoint) -> list[list[str]]:

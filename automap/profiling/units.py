@@ -6,6 +6,8 @@ the unit whose code first uses it. Tied tensors are owned once and reported as a
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
@@ -142,17 +144,37 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
 
 def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None) -> object:
     """``model(*args, **kwargs)`` with ``state``'s tensors in place of its own (``functional_call``),
-    and every parameter and buffer of every module put back after, also when it raised.
-    ``functional_call`` alone puts back the tensors of a module reached under one name only: a
-    module registered under two (ALBERT's shared layer, ``nn.Sequential(layer, act, layer)``,
-    ``self.b = self.a``) kept the second name's stand-in (a meta tensor: the user's weights gone)."""
-    held = [(tensors, name, tensor) for module in model.modules()
-            for tensors in (module._parameters, module._buffers) for name, tensor in tensors.items()]
+    and the model as it was after, also when it raised: every module's parameters and buffers
+    (``functional_call`` alone puts back those of a module reached under one name only: a module
+    registered under two, ALBERT's shared layer or ``self.b = self.a``, kept a meta stand-in),
+    its other attributes (a rotary cache regrown for the probe's length, a counter, a tensor
+    cached as a plain attribute, a buffer registered in forward: each would outlive the probe
+    as a meta tensor or a stale size) and the CPU's random state (a forward drawing noise)."""
+    kept = [_python_state(module) for module in model.modules()]
     try:
-        return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
+        with torch.random.fork_rng(devices=[]):
+            return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
     finally:
-        for tensors, name, tensor in held:
-            tensors[name] = tensor
+        for module, saved in kept:
+            _put_back(module, saved)
+
+
+_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _python_state(module: nn.Module) -> tuple[nn.Module, tuple[dict, list]]:
+    """``module``'s attributes and the contents of its tables of tensors and children."""
+    return module, (dict(module.__dict__), [copy.copy(module.__dict__[t]) for t in _TABLES if t in module.__dict__])
+
+
+def _put_back(module: nn.Module, saved: tuple[dict, list]) -> None:
+    attributes, tables = saved
+    module.__dict__.clear()
+    module.__dict__.update(attributes)
+    for name, contents in zip((t for t in _TABLES if t in attributes), tables):
+        table = attributes[name]  # the same object, its contents as they were
+        table.clear()
+        table.update(contents)
 
 
 def names_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
