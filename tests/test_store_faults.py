@@ -151,6 +151,10 @@ def test_1_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
     save_file(small().state_dict(), tmp_path / "model.safetensors")
     (tmp_path / name).write_text(index)
     with pytest.raises(CheckpointError, match=rf"index .*{name}.*(fix or remove the index)"):
+        automap.load(small(), tmp_path / name, {str(i): "cpu" for i in range(6)}, quiet=True)
+    (tmp_path / "model.safetensors").unlink()  # the folder: read through its index once no model.safetensors wins
+    (tmp_path / "pytorch_model.bin").rename(tmp_path / "pytorch_model-00001-of-00001.bin")
+    with pytest.raises(CheckpointError, match=rf"index .*{name}.*(fix or remove the index)"):
         automap.load(small(), tmp_path, {str(i): "cpu" for i in range(6)}, quiet=True)
 
 

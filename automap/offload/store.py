@@ -50,6 +50,7 @@ from automap.offload.format import write_file
 from automap.offload.manifest import FORMAT, MANIFEST, VERSION, Record, checksum, read_manifest, write_manifest
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
+from automap.interrupts import deferred
 from automap.offload.store_files import StoreDir, check_offload_dir, is_temp_of, make_root, remove_folders
 from automap.offload.store_lock import LOCK, StoreLock, holder_of
 from automap.offload.store_writer import StoreWriter, TensorSpec, as_offload_error, intact
@@ -237,15 +238,25 @@ def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
     """
     for n in range(MAX_STORES):
         directory = root / f"{STORE_PREFIX}{fingerprint}-{n}"
+        made = False
         try:
-            os.mkdir(directory)
-        except FileExistsError:
-            taken = adopt(directory)
-            if taken is not None:
-                return taken
-            continue
-        folder = StoreDir.open(directory)
-        lock = StoreLock.take(folder) if folder is not None else None
+            with deferred():  # made and known to be ours together: an interrupt comes after
+                try:
+                    os.mkdir(directory)
+                    made = True
+                except FileExistsError:
+                    pass
+            if not made:
+                taken = adopt(directory)
+                if taken is not None:
+                    return taken
+                continue
+            folder = StoreDir.open(directory)
+            lock = StoreLock.take(folder) if folder is not None else None
+        except BaseException:  # an interrupt before the store could start: the empty folder goes
+            if made:
+                remove_folders([directory])
+            raise
         if folder is not None and lock is not None:
             return start_store(folder, lock)
         if folder is not None:

@@ -107,27 +107,32 @@ class StoreDir:
         """A regular file's bytes, never through a link. Raises OSError."""
         return read_regular(name, limit, follow=False, dir_fd=self.fd)
 
-    def create_temp(self, name: str) -> tuple[str, int]:
-        """``(temporary name, write descriptor)`` of a new file to be renamed to ``name``."""
+    def create_temp(self, name: str, created: list[str]) -> tuple[str, int]:
+        """``(temporary name, write descriptor)`` of a new file to be renamed to ``name``. The
+        name is in ``created`` before the file exists (an interrupt between the two leaves
+        nothing unrecorded for the caller's cleanup) and taken out if another file has it."""
         for k in range(100):
             temp = temp_name(name, k)
+            created.append(temp)
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                              dir_fd=self.fd)
             except FileExistsError:
+                created.pop()
                 continue
-            return temp, fd
+            return temp, fd  # an interrupt at os.open may come after the file was made: the name stays
         raise OSError(errno.EEXIST, "100 temporary names are taken", str(self / temp_name(name)))
 
     def write_new(self, name: str, data: bytes) -> None:
         """Write ``data`` as ``name``: to a new temporary file, then renamed over ``name``."""
-        temp, fd = self.create_temp(name)
+        created: list[str] = []
         try:
+            temp, fd = self.create_temp(name, created)
             with open(fd, "wb", closefd=True) as f:
                 f.write(data)
             self.replace(temp, name)
         except BaseException:
-            self.remove([temp])
+            self.remove(created)
             raise
 
     def replace(self, source: str, target: str) -> None:

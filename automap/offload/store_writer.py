@@ -140,12 +140,11 @@ class StoreWriter:
         if not self.marked:
             write_manifest(self.folder, self.old, complete=False, files=self.owned | planned)
             self.marked = True
-        temp, fd = self.folder.create_temp(file)
-        self.created.append(temp)
+        temp, fd = self.folder.create_temp(file, self.created)
         with open(fd, "wb", closefd=True) as f:
             write_tensors(f, tensors, {PERMUTATIONS: json.dumps(permuted)} if permuted else None)
+        self.created.append(file)  # before the rename: undo removes whichever of the two exists
         self.folder.replace(temp, file)
-        self.created[-1] = file
         return records
 
     def undo(self) -> None:

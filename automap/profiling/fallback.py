@@ -180,7 +180,7 @@ def stand_ins(modules: Mapping[str, nn.Module], units: Sequence[str], failed: di
     finally:
         for module, before in reversed(saved):
             if before is _ABSENT:
-                del module.forward
+                module.__dict__.pop("forward", None)  # an interrupt may have come before it was set
             else:
                 module.forward = before
 

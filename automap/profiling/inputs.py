@@ -170,9 +170,12 @@ def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.M
     def stop(module: nn.Module, _args: Any) -> None:
         raise _Reached(module)
 
-    handles = [m.register_forward_pre_hook(stop) for m in model.modules() if m is not model and wanted(m)]
     state = {name: to_meta(t) for name, t in all_named_tensors(model)}
+    handles = []
     try:
+        for module in model.modules():  # inside the try: an interrupt leaves no hook behind
+            if module is not model and wanted(module):
+                handles.append(module.register_forward_pre_hook(stop))
         with torch.no_grad(), eval_mode(model):
             call_with(model, state, args)
     except _Reached as reached:

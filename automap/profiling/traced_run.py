@@ -10,9 +10,10 @@ from contextlib import ExitStack
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch import nn
+from torch import nn, overrides
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils import _python_dispatch
 
 from automap.errors import ProfileError
 from automap.profiling.experts import traceable_experts
@@ -74,7 +75,9 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
     modules = dict(model.named_modules(remove_duplicate=False))
+    attention = FusedAttention(tracer)
     with ExitStack() as stack:
+        stack.callback(_leave_modes, tracer, attention)
         if gc.isenabled():
             # Tens of thousands of meta tensors and autograd nodes make each cyclic collection
             # slow; reference counting alone frees them (and tells the live bytes).
@@ -90,7 +93,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(traceable_experts(model))  # eager experts cannot run on meta (experts.py)
         stack.enter_context(stand_ins(modules, units, tracer.result.failed))
         stack.enter_context(tracer)
-        stack.enter_context(FusedAttention(tracer))
+        stack.enter_context(attention)
         tracer.begin(None)
         output = forward_of(model, state, args, kwargs, tracer, guessed)
         tracer.add_outputs(output)
@@ -101,6 +104,16 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     if keep_output:
         result.output, result.producers = output, tracer.producers()
     return result
+
+
+def _leave_modes(tracer: Tracer, attention: FusedAttention) -> None:
+    """Take the trace's modes off torch's global stacks if they are still there: a mode's own
+    ``__exit__`` interrupted (Ctrl-C) before it popped itself would leave every later torch
+    call of the process traced."""
+    while _python_dispatch._get_current_dispatch_mode_stack()[-1:] == [tracer]:
+        _python_dispatch._pop_mode()
+    while overrides._get_current_function_mode_stack()[-1:] == [attention]:
+        overrides._pop_mode()
 
 
 def forward_of(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,

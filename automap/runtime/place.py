@@ -11,6 +11,7 @@ from torch import nn
 from automap.devices import check_present
 from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DispatchError
+from automap.interrupts import deferred
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
@@ -67,14 +68,17 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     check_meta(tensors, plan, source)
     state = DispatchState(plan=plan)
     try:
-        state.source = build_source(state, tensors, plan, source, offload_dir)
-        apply(model, plan, state, output_device, always_hook, transfer)
+        state.source = build_source(state, tensors, plan, source, offload_dir)  # reads and writes: interruptible
+        with deferred():  # hooks attached and listed, tensors swapped and recorded: all or nothing
+            apply(model, plan, state, output_device, always_hook, transfer)
+            remember(model, state)
     except BaseException as exc:
-        restore(model, state, rollback=True)
+        with deferred():
+            forget(model)
+            restore(model, state, rollback=True)
         if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
             raise
         raise DispatchError(f"dispatching {type(model).__name__} failed ({exc}); the model was left as it was") from exc
-    remember(model, state)
     log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
@@ -299,16 +303,25 @@ def link(groups: list[Group]) -> None:
 # ------------------------------------------------------------------ undo
 
 
-def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False) -> None:
+def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
+            done: Callable[[], None] | None = None) -> None:
     """Undo :func:`apply`, keeping the model as it is now: every tensor that still views the
     weight source (the offloaded ones, and any other the model got from them since) is read
     into memory of its own — first, so that a tensor whose bytes cannot be read raises, naming
     it, before anything changes — while what torch's API put into the model since dispatch
     (new data, new parameters, converted dtypes) is kept as it is. On ``rollback`` (a failed
-    dispatch) the sources this dispatch created are removed again."""
+    dispatch) the sources this dispatch created are removed again. ``done`` runs when all is
+    undone, before an interrupt that came meanwhile is delivered."""
     if rollback:
         install(model, state.replaced)
-    back = read_views(model, state)
+    back = read_views(model, state)  # may take long; changes nothing: interruptible
+    with deferred():
+        _undo(model, state, back, rollback)
+        if done is not None:
+            done()
+
+
+def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool) -> None:
     if state.guard is not None:
         state.guard.remove()
     for hook in state.hooks:
@@ -378,10 +391,9 @@ def undispatch(model: nn.Module) -> nn.Module:
         state.gate.close()
         try:
             with state.lock:
-                restore(model, state)
-                state.undone = True
+                restore(model, state, done=lambda: (setattr(state, "undone", True), forget(model)))
         except BaseException:
-            state.gate.reopen()
+            if not state.undone:
+                state.gate.reopen()
             raise
-        forget(model)
     return model

@@ -1,0 +1,102 @@
+"""Ctrl-C during ``dispatch``: a real signal (SIGALRM raising KeyboardInterrupt, as SIGINT does)
+delivered at moments spread over the whole call — planning, the traced forward, the store's
+writing, the hooks — in a fresh process. Wherever it lands, the interrupt reaches the caller,
+the model gives its plain outputs with no hook of automap's left on it, torch's global mode
+stacks are empty, no store the call began is left in ``offload_dir`` (the user's file there
+is kept), and the next dispatch into the same folder works."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent('''
+    import json, os, shutil, signal, sys, time
+    import torch
+    from torch import nn
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    import automap
+    from automap.runtime import state_of
+
+    root, count = sys.argv[1], int(sys.argv[2])
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)]).eval()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("alarm")
+
+    signal.signal(signal.SIGALRM, interrupt)
+    x = torch.randn(2, 256)
+    expected = build()(x)
+    budget = {"cpu": "1MB"}  # most layers on disk: a store is written
+    times = []
+    for k in range(4):  # the first call pays for imports: the median of the rest
+        warm = build()
+        start = time.perf_counter()
+        automap.dispatch(warm, max_memory=budget, offload_dir=os.path.join(root, f"warm{k}"))
+        times.append(time.perf_counter() - start)
+        automap.undispatch(warm)
+    took = sorted(times[1:])[1]
+    problems, landed = [], 0
+    for i in range(count):
+        folder = os.path.join(root, str(i))
+        os.makedirs(folder)
+        with open(os.path.join(folder, "mine.txt"), "w") as f:
+            f.write("the user's")
+        model = build()
+        interrupted = False
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, max(took * 1.1 * i / count, 1e-5))
+                automap.dispatch(model, max_memory=budget, offload_dir=folder)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except KeyboardInterrupt:  # in dispatch, or just after it returned: either way all or nothing
+            interrupted = True
+        dispatched = state_of(model) is not None
+        landed += interrupted and not dispatched
+        where = f"#{i} ({'interrupted' if interrupted else 'completed'}, {'dispatched' if dispatched else 'not dispatched'})"
+        if _get_current_dispatch_mode_stack() or _get_current_function_mode_stack():
+            problems.append(f"{where}: a torch mode stays on the global stack")
+        try:
+            if not torch.equal(model(x), expected):
+                problems.append(f"{where}: other outputs")
+        except BaseException as exc:
+            problems.append(f"{where}: forward raised {type(exc).__name__}: {exc}")
+        if not dispatched:
+            hooks = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__]
+            if hooks:
+                problems.append(f"{where}: hooks left: {hooks[:3]}")
+            left = [e for e in os.listdir(folder) if e != "mine.txt"]
+            if left:
+                problems.append(f"{where}: left in offload_dir: {left}")
+        else:
+            automap.undispatch(model)
+        if open(os.path.join(folder, "mine.txt")).read() != "the user's":
+            problems.append(f"{where}: the user's file changed")
+        try:
+            automap.dispatch(model, max_memory=budget, offload_dir=folder)
+            if not torch.equal(model(x), expected):
+                problems.append(f"{where}: the next dispatch gives other outputs")
+            automap.undispatch(model)
+        except BaseException as exc:
+            problems.append(f"{where}: the next dispatch raised {type(exc).__name__}: {exc}")
+        shutil.rmtree(folder)
+    print(json.dumps({"problems": problems, "interrupted": landed, "count": count}))
+''')
+
+
+def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch_as_they_were(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "40"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["interrupted"] >= result["count"] // 2, f"the alarms fell after the calls: {result}"
+    assert result["problems"] == [], result["problems"]
