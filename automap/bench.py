@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from automap.report.output import replace_whole
 from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -164,5 +165,6 @@ def format_table(rows: Sequence[BenchRow]) -> str:
 def write_rows(rows: Sequence[BenchRow], path: str | Path) -> Path:
     """Write the rows as a JSON list of objects (keys as in :class:`BenchRow`)."""
     target = Path(path)
-    target.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    text = (json.dumps([asdict(r) for r in rows], indent=2) + "\n").encode()
+    replace_whole(target, lambda file: file.write(text))
     return target

@@ -333,3 +333,50 @@ def test_the_fastest_choice_needs_no_excuse():
     model = tiny_llama(layers=2)
     plan = automap.plan(model, max_memory={0: "1GB", 1: "1GB"}, example_inputs=(torch.randint(0, 256, (1, 16)),))
     assert not any("chosen over" in c for c in plan.choices)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real 64 KiB file system (tmpfs) holding the user's previous plan and figure, then
+    filled to the last block; unmounted after."""
+    import subprocess
+
+    point = tmp_path / "disk"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(point)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
+    try:
+        (point / "plan.json").write_text('{"the user\'s": "previous plan"}\n')
+        (point / "plan.svg").write_text("<svg>the user's figure</svg>\n")
+        with open(point / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 4096)
+            except OSError:
+                pass
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+def test_a_report_that_cannot_be_written_leaves_the_users_file_as_it_was(spread_plan, full_disk):
+    before = {p.name: p.read_bytes() for p in full_disk.iterdir() if p.name != "filler"}
+    with pytest.raises(ReportError, match="No space left on device"):
+        write_json(spread_plan, full_disk / "plan.json")
+    with pytest.raises(ReportError, match="No space left on device"):
+        figure(spread_plan, full_disk / "plan.svg")
+    assert {p.name: p.read_bytes() for p in full_disk.iterdir() if p.name != "filler"} == before, \
+        "the old files are whole and no temporary is left"
+
+
+def test_a_report_written_over_a_file_keeps_its_permissions_and_writes_through_a_link(spread_plan, tmp_path):
+    old = tmp_path / "plan.json"
+    old.write_text("{}")
+    old.chmod(0o640)
+    link = tmp_path / "latest.json"
+    link.symlink_to(old)
+    write_json(spread_plan, link)
+    assert link.is_symlink() and json.loads(old.read_text())["device_map"]
+    assert old.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "plan.json"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from automap.planning.model import Origin
 from automap.errors import ReportError
 from automap.report.facts import Facts, facts_of, format_seconds, short_name
+from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.sizes import format_bytes
 
@@ -56,7 +57,7 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
     fig = draw(plan, title=title)
     try:
         with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, small
-            fig.savefig(target, format=fmt, dpi=120, bbox_inches="tight")
+            replace_whole(target, lambda file: fig.savefig(file, format=fmt, dpi=120, bbox_inches="tight"))
     except OSError as exc:
         raise ReportError(f"cannot write the figure to {str(target)!r}: {exc.strerror or exc}; "
                           "choose a writable path") from exc
@@ -341,7 +342,7 @@ def bar_chart(means: Sequence[float], stds: Sequence[float], labels: Sequence[st
     if title:
         ax.set_title(title, fontsize=10)
     try:
-        fig.savefig(target, format=target.suffix.lower().lstrip("."), dpi=120)
+        replace_whole(target, lambda file: fig.savefig(file, format=target.suffix.lower().lstrip("."), dpi=120))
     except OSError as exc:
         raise ReportError(f"cannot write the chart to {str(target)!r}: {exc.strerror or exc}") from exc
     return target

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from automap.planning import JSON_VERSION, Plan
 from automap.errors import ReportError
 from automap.report.facts import Facts, facts_of, short_name
+from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 
 if TYPE_CHECKING:
@@ -144,14 +145,16 @@ def check_json_path(path: str | Path) -> Path:
 
 
 def write_json(plan: Plan, path: str | Path) -> Path:
-    """Write :func:`to_json` to ``path`` and return it.
+    """Write :func:`to_json` to ``path`` and return it: whole or not at all (a file that was
+    there stays as it was when the write fails).
 
     Raises:
         ReportError: the file cannot be written.
     """
     target = check_json_path(path)
     try:
-        target.write_text(to_json(plan) + "\n")
+        text = (to_json(plan) + "\n").encode()
+        replace_whole(target, lambda file: file.write(text))
     except OSError as exc:
         raise ReportError(f"cannot write the plan JSON to {str(target)!r}: {exc.strerror or exc}; "
                           "choose a writable path") from exc
