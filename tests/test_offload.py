@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import automap
 from automap.errors import OffloadError
 from automap.offload import (LOCK, MANIFEST, CheckpointSource, HostCopyOps, MappedFile, OffloadStore, PageTransfer,
                              StagedTransfer, TensorSpec)
@@ -328,3 +329,35 @@ def test_shared_anonymous_memory_is_not_a_backing_file():
     assert backing_file(tensor) is None
     del tensor
     shared.close()
+
+
+class _WithExtra(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        values = torch.randn(8, dtype=dtype) if dtype.is_complex else torch.arange(8).to(dtype)
+        self.b.register_buffer("extra", values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = self.b.extra
+        return self.b(self.a(x)) + (extra.real if extra.is_complex() else extra.to(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz])
+def test_every_dtype_safetensors_holds_is_offloaded_to_disk(dtype, tmp_path):
+    torch.manual_seed(0)
+    model = _WithExtra(dtype).eval()
+    x = torch.randn(2, 8)
+    expected, extra = model(x), model.b.extra.clone()
+    automap.dispatch(model, device_map={"a": "cpu", "b": "disk"}, offload_dir=tmp_path)
+    assert torch.equal(model(x), expected)
+    assert model.b.extra.dtype == dtype and torch.equal(model.b.extra.view(torch.uint8), extra.view(torch.uint8))
+    automap.undispatch(model)
+
+
+def test_a_dtype_safetensors_lacks_is_refused_before_anything_is_written(tmp_path):
+    model = _WithExtra(torch.complex128).eval()
+    with pytest.raises(OffloadError, match=r"'b.extra' \(complex128\); keep its module in memory"):
+        automap.dispatch(model, device_map={"a": "cpu", "b": "disk"}, offload_dir=tmp_path / "off")
+    assert not (tmp_path / "off").exists()
+    assert automap.runtime.state_of(model) is None and model(torch.randn(1, 8)).shape == (1, 8)

@@ -40,7 +40,11 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # MX block scales (torch 2.7 and later)
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Larger headers exist only in broken or hostile files (a 70B checkpoint's is well under 1 MB).
 MAX_HEADER_BYTES = 100_000_000

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from automap.errors import OffloadError
-from automap.offload.format import write_file
+from automap.offload.format import DTYPE_NAMES, write_file
 from automap.offload.manifest import FORMAT, MANIFEST, VERSION, Record, checksum, read_manifest, write_manifest
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
@@ -129,6 +129,13 @@ class OffloadStore(MappedSource):
             OffloadError: ``offload_dir`` cannot be created or written, the disk is full, or a
                 write failed; nothing this call wrote is left behind.
         """
+        unstorable = [(n, s.dtype) for n, s in specs.items() if s.dtype not in DTYPE_NAMES]
+        if unstorable:
+            name, dtype = unstorable[0]
+            raise OffloadError(
+                f"{len(unstorable)} offloaded tensor(s) have a dtype the offload store (safetensors) cannot hold, first "
+                f"{name!r} ({str(dtype).replace('torch.', '')}); keep its module in memory (map it to 'cpu' or a GPU), "
+                "or convert it to a dtype safetensors has")
         root = Path(offload_dir)
         made = make_root(root)
         fingerprint = fingerprint_of(specs)
