@@ -35,7 +35,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.api import DeviceMap, as_dtype, load, plan
+from automap.api import DeviceMap, as_dtype, check_argument_types, load, plan
 from automap.devices import MaxMemory, canonical_name, detect_devices, make_device
 from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanError
 from automap.kinds import kind_of
@@ -109,6 +109,8 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         raise PlanError("special_dtypes is not supported: automap counts each tensor at its own dtype; set those "
                         "tensors' dtype on the model (e.g. model.get_submodule(name).to(torch.float32)) and pass "
                         "dtype=None")
+    check_argument_types(model, offload_dir=None, no_split=no_split_module_classes, example_inputs=None,
+                         max_memory=max_memory)
     chosen = _map_only_plan(model, max_memory, _class_names(model, no_split_module_classes), as_dtype(dtype))
     if verbose:
         log.info("%s", chosen.report())
@@ -298,10 +300,13 @@ def _refuse(function: Any, **given: Any) -> None:
 
 def _check_main_device(main_device: str | torch.device | None, chosen: Plan) -> None:
     """``main_device`` (accelerate's: where offloaded units compute) agrees with the plan's."""
-    streamed_to = next((p.compute for p in chosen.placements if p.offloaded), None)
-    if main_device is None or streamed_to is None:
+    if main_device is None:
         return
-    wanted, used = torch.device(main_device), torch.device(streamed_to)
+    wanted = torch.device(canonical_name(main_device))  # a name no device has: DeviceError
+    streamed_to = next((p.compute for p in chosen.placements if p.offloaded), None)
+    if streamed_to is None:
+        return
+    used = torch.device(streamed_to)
     if (wanted.type, wanted.index or 0) != (used.type, used.index or 0):
         raise DispatchError(f"main_device={str(main_device)!r}: automap runs offloaded units on the plan's first "
                             f"accelerator, {chosen.execution_device}; drop main_device, or map the model so that "

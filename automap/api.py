@@ -140,8 +140,9 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
     """Refuse arguments of the wrong kind before anything reads them, naming what each takes.
 
     Raises:
-        PlanError: ``model`` is not a module (or Profile) or holds a lazy module's
-            uninitialized tensor, ``offload_dir`` not a path,
+        PlanError: ``model`` is not a module (or Profile), holds a lazy module's
+            uninitialized tensor or a TorchScript module, ``offload_dir`` not a path (or an
+            empty one, or one with a NUL),
             ``no_split`` not names and classes, ``example_inputs`` not a tuple, dict or tensor,
             or a speeds/links/bandwidths argument not a dict.
     """
@@ -155,8 +156,17 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
     if lazy is not None:
         raise PlanError(f"{lazy!r} is a lazy module's uninitialized tensor (nn.LazyLinear and the like): its shape is "
                         "not known until the model has run once; run one forward on an example input first")
+    scripted = next((n or "the model" for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)),
+                    None) if isinstance(model, nn.Module) else None
+    if scripted is not None:
+        raise PlanError(f"{scripted!r} is a TorchScript module (torch.jit.script or trace), which takes no hooks: "
+                        "automap can neither measure nor move it; dispatch the eager model, and script it after "
+                        "if you need to")
     if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
         raise PlanError(f"offload_dir={offload_dir!r}: give a folder's path (a str or pathlib.Path), or None")
+    if offload_dir is not None and (not os.fspath(offload_dir) or "\0" in os.fspath(offload_dir)):
+        raise PlanError(f"offload_dir={offload_dir!r} is no folder's path ({'empty' if not os.fspath(offload_dir) else 'it holds a NUL character'}); "
+                        "give one, e.g. offload_dir='offload', or None")
     items = [no_split] if isinstance(no_split, (str, type)) else no_split
     if items is not None and (not isinstance(items, Iterable)
                               or not all(isinstance(n, (str, type)) for n in items)):  # type: ignore[union-attr]

@@ -325,7 +325,8 @@ def load_example_inputs(ref: str) -> Any:
     inputs it builds: a tuple of positional arguments, a dict of keyword arguments, or a tensor.
 
     Raises:
-        SpecError: the reference is malformed, cannot be imported, or the call fails.
+        SpecError: the reference is malformed, cannot be imported, the call fails, or it
+            returns something else than inputs.
     """
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
@@ -340,6 +341,10 @@ def load_example_inputs(ref: str) -> Any:
                         _did_you_mean(attr, [n for n in dir(module) if not n.startswith("_")]))
     try:
         with torch.device("meta"):
-            return function()
+            inputs = function()
     except Exception as exc:  # noqa: BLE001 - user code: report it in one line, with its type
         raise SpecError(f"--example-inputs {ref} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(inputs, (tuple, list, dict, torch.Tensor)):
+        raise SpecError(f"--example-inputs {ref} returned a {type(inputs).__name__}; it must return the forward's "
+                        "inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor")
+    return inputs

@@ -8,9 +8,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from automap.devices import check_present
+from automap.devices import canonical_name, check_present
 from automap.kinds import kind_of, on_host, torch_device
-from automap.errors import AutomapError, DispatchError
+from automap.errors import AutomapError, DeviceError, DispatchError
 from automap.interrupts import deferred
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
@@ -65,6 +65,8 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     check_plan_matches(model, tensors, plan)
     for name in plan.used_devices:
         check_present(name)
+    if output_device is not None:
+        output_device = _output_device(output_device)
     check_meta(tensors, plan, source)
     state = DispatchState(plan=plan)
     try:
@@ -82,6 +84,22 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
+
+
+def _output_device(asked: str | int | torch.device) -> torch.device:
+    """``output_device`` as a device of this machine.
+
+    Raises:
+        DeviceError: it names no kind of device, or one this machine does not have.
+    """
+    name = canonical_name(asked)
+    if name == "disk":
+        raise DeviceError("output_device='disk': outputs go to a device that computes; give 'cpu' or a GPU")
+    try:
+        check_present(name)
+    except DeviceError as exc:
+        raise DeviceError(f"output_device={asked!r}: {name} is not on this machine; give 'cpu' or a GPU it has") from exc
+    return torch.device(name)
 
 
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -66,7 +66,7 @@ def follow(item: Streamed, streamed: dict[int, Streamed]) -> bool:
     """
     if item.slot is not None:
         table, key = item.slot
-        live = table.get(key)
+        live = table[key] if key in table else None  # a TorchScript module's tables have no get()
         if live is None or (live is not item.tensor and id(live) in streamed):
             return False
         item.tensor = live
