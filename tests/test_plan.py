@@ -518,3 +518,10 @@ def test_no_gpu_holds_a_lone_small_unit_that_only_adds_cuts():
     assert plan.device_of("model.norm") == "cpu"
     assert plan.cuts() == ()
     assert not [d for d in plan.placement if d == "cuda:0"]
+
+
+def test_room_enough_in_total_but_not_where_a_unit_runs_is_said_so():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    with pytest.raises(PlanError, match=r"is enough, but its largest piece \(259.00 KiB .* a device that computes to "
+                                        r"run, and the most one has is 195.31 KiB"):
+        automap.plan(model, max_memory={"cpu": "200KB", "disk": "700KB"})

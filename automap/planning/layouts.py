@@ -150,11 +150,18 @@ class LayoutContext:
         available = sum(room(d, reserve) for d in every)
         short = weights + peak + extra - available
         has_disk = any(kind_of(d).stores_only for d in self.storage)
+        if short > 0:
+            verdict = f"total {format_bytes(available)}, about {format_bytes(short)} short"
+        else:  # room enough in all, but not where it is needed
+            largest = max(range(len(chain)), key=lambda i: chain.weight[i] + chain.activation[i], default=0)
+            need = chain.weight[largest] + chain.activation[largest] if len(chain) else 0
+            verdict = (f"total {format_bytes(available)} is enough, but its largest piece ({format_bytes(need)} of "
+                       "weights and activations) must be in the memory of a device that computes to run, and the "
+                       f"most one has is {format_bytes(max((room(d, reserve) for d in self.compute), default=0))}")
         return PlanError(
             f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs "
             f"{format_bytes(weights)} of weights + {format_bytes(peak)} of activations + {format_bytes(extra)} to "
-            f"stream offloaded units, but the devices hold {listed} (total {format_bytes(available)}, about "
-            f"{format_bytes(max(short, 0))} short); raise max_memory"
+            f"stream offloaded units, but the devices hold {listed} ({verdict}); raise max_memory"
             + (", free space where offload_dir points" if has_disk else ", allow 'disk' in max_memory")
             + ", or load the weights in a smaller dtype (dtype=torch.float16 halves float32 weights)"
         )
