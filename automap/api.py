@@ -313,8 +313,10 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         offload_dir: where offloaded tensors that need writing go (converted dtype, a pickled
             source, buffers computed at init in a unit on disk). Not needed when every offloaded
             tensor comes from a safetensors checkpoint already in the target dtype.
-        dtype: convert floating-point weights and buffers to this dtype on the way, as
-            ``model.to(dtype)`` would: a ``torch.dtype`` or its name (``"bfloat16"``), or
+        dtype: convert floating-point weights (parameters and what the checkpoint holds) to
+            this dtype on the way, as accelerate's ``load_checkpoint_and_dispatch`` does; buffers
+            the model computes keep theirs (Llama's rotary ``inv_freq`` stays float32): a
+            ``torch.dtype`` or its name (``"bfloat16"``), or
             ``"auto"`` for the checkpoint's own (a folder: its config's dtype). A folder's model
             is built at it as ``from_pretrained`` builds it (buffers computed at init keep their
             dtype; modules the model keeps in float32, T5's ``wo`` at float16, stay there), and
