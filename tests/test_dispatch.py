@@ -460,6 +460,19 @@ def test_backward_through_a_trainable_offloaded_unit_names_the_parameter(tmp_pat
         loss.backward()
 
 
+def test_an_offloaded_parameter_unfrozen_after_dispatch_is_refused_as_one_trainable_at_dispatch(tmp_path):
+    torch.manual_seed(0)
+    model = _NormNet()
+    model.linear2.requires_grad_(False)
+    automap.dispatch(model, {"linear1": "cpu", "batchnorm": "cpu", "linear2": "disk"}, offload_dir=tmp_path)
+    model(torch.randn(6, 3)).sum().backward()  # frozen: the resident part trains
+    model.linear2.weight.requires_grad_(True)
+    loss = model(torch.randn(6, 3)).sum()
+    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter 'linear2\.weight'"):
+        loss.backward()
+    automap.undispatch(model)
+
+
 def test_frozen_offloaded_units_train_the_resident_part_like_the_plain_model(tmp_path):
     torch.manual_seed(0)
     plain = _NormNet()

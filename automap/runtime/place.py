@@ -24,7 +24,7 @@ from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, 
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
-from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_grad
+from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_gradients
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict
     table = modules[owner]._buffers if is_buffer else modules[owner]._parameters
     item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, slot=(table, key)))
     if tensor.requires_grad:
-        state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
+        refuse_gradients(state, tensor, name)
     return item
 
 

@@ -158,6 +158,8 @@ class DispatchState:
         plan: the plan the model was dispatched with.
         hooks: hook objects attached to the model's modules (detached by undispatch).
         tensor_hooks: handles of hooks on tensors (refusing gradients of offloaded weights).
+        refusing: which tensors have one (an offloaded weight unfrozen after dispatch gets
+            its own at its unit's next forward with gradients on).
         original: id of each tensor dispatch moved -> (the tensor, the device it was on).
         source: where offloaded tensors live between uses (None: nothing is offloaded).
         owned: the sources this dispatch created or was handed (closed by undispatch).
@@ -178,6 +180,7 @@ class DispatchState:
     plan: Plan
     hooks: list[Hook] = field(default_factory=list)
     tensor_hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    refusing: set[int] = field(default_factory=set)  # ids of the offloaded tensors with a refusing hook
     original: dict[int, tuple[torch.Tensor, torch.device]] = field(default_factory=dict)
     source: WeightSource | None = None
     owned: list[WeightSource] = field(default_factory=list)

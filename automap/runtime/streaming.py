@@ -77,6 +77,8 @@ class StreamWeights(Hook):
     # checked every file for this forward (CheckFiles), a compiled forward skips the body, and
     # compiles whole.
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._refuse_new_gradients()
         if self.transfer.swaps:
             self._enter()
         elif not (torch.compiler.is_compiling() and self.files is not None and self.files.checked):
@@ -87,6 +89,13 @@ class StreamWeights(Hook):
         if self.transfer.swaps:
             self._leave(module.training)
         return None
+
+    def _refuse_new_gradients(self) -> None:
+        """A weight frozen at dispatch and unfrozen since gets its refusing hook now, before
+        a gradient could reach it."""
+        for item in self.group.items:
+            if item.tensor.requires_grad and id(item.tensor) not in self.state.refusing:
+                refuse_gradients(self.state, item.tensor, item.name)
 
     @skip_when_compiling
     def _touch(self) -> None:
@@ -244,6 +253,13 @@ def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
             source = item.home.to(hook.device)
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
     return pack, unpack
+
+
+def refuse_gradients(state: DispatchState, tensor: torch.Tensor, name: str) -> None:
+    """Hook offloaded ``tensor`` so that a gradient reaching it stops backward (once)."""
+    if id(tensor) not in state.refusing:
+        state.refusing.add(id(tensor))
+        state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
 
 
 def refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
