@@ -5,9 +5,7 @@ line shares; this module checks the arguments and chooses the library's tracing.
 from __future__ import annotations
 
 import os
-import sys
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, overload
@@ -21,14 +19,12 @@ from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
-from automap.loading.checkpoint import Checkpoint
-from automap.loading.keys import Match, untie
-from automap.loading.hf import compute_declared_missing
-from automap.loading.materialise import missing_value_message, store_bytes
+from automap.loading.matching import matched
+from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
-from automap.loading import (build_from_folder, log_summary, match_keys, materialise, noted, offloaded_names,
-                             open_checkpoint, plan_tasks, verify_loaded)
+from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
+                             plan_tasks, verify_loaded)
 from automap.compose import library_tracing, plan_strategy, plan_user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
@@ -357,17 +353,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     check_not_dispatched(model)
     start = time.perf_counter()
     with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
-        match, skipped = _matched(model, ckpt, strict, folder_form)
-        if match.untied:
-            untie(model, match.untied)
-            tied = ", ".join(" = ".join(g) for g in match.untied[:3])
-            warnings.warn(f"the checkpoint holds other values for {tied} than for the tensor the model ties them to: "
-                          "loaded untied, each from its own key, as from_pretrained does (a config saying "
-                          "tie_word_embeddings=False describes this checkpoint)", stacklevel=_outside_automap())
-        compute_declared_missing(model, match)
-        _check_valued(model, match)
-        if skipped:
-            warnings.warn(skipped, stacklevel=_outside_automap())
+        match = matched(model, ckpt, strict, folder_form)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
                             batch=batch, max_length=max_length), match)
@@ -404,60 +390,6 @@ def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
         return None  # _model_and_checkpoint says what is missing
     with open_checkpoint(checkpoint) as ckpt:
         return next((s.dtype for s in ckpt.tensors.values() if s.dtype.is_floating_point), None)
-
-
-def _matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool = False) -> tuple[Match, str]:
-    """:func:`match_keys`, and what was skipped to match (empty: nothing). Not ``strict``:
-    keys only one side has are skipped, as accelerate loads them (shapes that differ still
-    raise). A folder (the ``from_pretrained`` form) skips checkpoint keys the model lacks, as
-    ``from_pretrained`` does (buffers older versions saved: Llama's ``rotary_emb.inv_freq``,
-    GPT-2's ``attn.masked_bias``). The caller warns of what was skipped once the load can go on."""
-    try:
-        return match_keys(model, ckpt), ""
-    except CheckpointError as exc:
-        if strict and not folder_form:
-            raise
-        first = exc
-    skipped = _IGNORE_ATTRIBUTES if not strict else ("_keys_to_ignore_on_load_unexpected",)
-    saved = {name: model.__dict__.get(name) for name in skipped}
-    try:
-        for name in skipped:  # what transformers' models declare for keys to skip
-            setattr(model, name, [".*"])
-        match = match_keys(model, ckpt)
-    except CheckpointError:
-        raise first from None
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                model.__dict__.pop(name, None)
-            else:
-                setattr(model, name, value)
-    if strict:
-        return match, f"loading anyway, skipping what the model lacks as from_pretrained does: {first}"
-    return match, f"strict=False: loading anyway, {first}"
-
-
-def _check_valued(model: nn.Module, match: Match) -> None:
-    """Refuse, before anything is read, model tensors on meta that the checkpoint does not
-    hold: nothing could give them a value."""
-    lacking = [(n, t) for n, t in all_named_tensors(model) if t.is_meta and n not in match.sources and n not in match.built]
-    if lacking:
-        parameter = any(isinstance(t, nn.Parameter) for _, t in lacking)
-        names = [n for n, t in lacking if isinstance(t, nn.Parameter) == parameter]
-        raise CheckpointError(missing_value_message(names, parameter))
-
-
-def _outside_automap() -> int:
-    """The ``stacklevel`` of the first caller outside automap (a warning points at the user's
-    line, also when a drop-in called :func:`load`)."""
-    frame, level = sys._getframe(1), 1
-    root = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_IGNORE_ATTRIBUTES = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
 
 
 def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,

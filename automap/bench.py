@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from automap.errors import ReportError
 from automap.report.output import replace_whole
 from automap.sizes import format_bytes
 
@@ -166,5 +167,9 @@ def write_rows(rows: Sequence[BenchRow], path: str | Path) -> Path:
     """Write the rows as a JSON list of objects (keys as in :class:`BenchRow`)."""
     target = Path(path)
     text = (json.dumps([asdict(r) for r in rows], indent=2) + "\n").encode()
-    replace_whole(target, lambda file: file.write(text))
+    try:
+        replace_whole(target, lambda file: file.write(text))
+    except OSError as exc:
+        raise ReportError(f"cannot write the bench rows to {str(target)!r}: {exc.strerror or exc}; "
+                          "choose a writable path") from exc
     return target

@@ -173,6 +173,12 @@ def _check_output(path: str, what: str, suffixes: Sequence[str] = ()) -> None:
     if not target.parent.is_dir():
         raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} does "
                           "not exist; create it or choose another path")
+    if target.is_dir():
+        raise ReportError(f"cannot write the {what} to {str(target)!r}: it is a folder; name a file in it, "
+                          f"e.g. {str(target / ('plan.' + (suffixes[0] if suffixes else 'json')))!r}")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} is not "
+                          "writable; choose another path")
 
 
 def check_plan_args(args: argparse.Namespace) -> None:
@@ -252,6 +258,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.json:
+        _check_output(args.json, "bench rows")
     from automap.bench import format_table, run_bench, runnable_cases, write_rows
 
     cases, skipped = runnable_cases()

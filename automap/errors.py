@@ -1,8 +1,12 @@
 """The exceptions automap raises. Every one subclasses :class:`AutomapError`.
 
-Messages name the thing that failed, the numbers involved, and what to do about it.
+Messages name the thing that failed, the numbers involved, and what to do about it; warnings
+point at the user's line (:func:`user_stacklevel`).
 """
 from __future__ import annotations
+
+import os
+import sys
 
 
 class AutomapError(Exception):
@@ -85,3 +89,14 @@ class DependencyError(AutomapError, ImportError):
 
 class ReportError(AutomapError):
     """A report could not be written (unknown picture format, missing folder, unwritable path)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, called by the function that warns, of the
+    first caller outside automap: a warning points at the user's line, also when a drop-in
+    or another of automap's functions stands between."""
+    frame, level = sys._getframe(1), 1
+    root = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

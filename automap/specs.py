@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -282,27 +283,49 @@ def _hf_model(config: Any, guess: bool = True) -> nn.Module:
     return model
 
 
-def _import_user_module(module_name: str) -> Any:
+def _import_user_module(module_name: str, hint: str) -> Any:
     """Import ``module_name`` as ``python -m`` would find it, the working directory searched
     *last* and only for this import: `automap plan mymodels:build` finds ./mymodels.py, but a
-    stray ./matplotlib.py never shadows the real one."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
+    stray ./matplotlib.py never shadows the real one. A path (``./models/net.py``, with or
+    without ``.py``) is imported from that file.
+
+    Raises:
+        SpecError: the module cannot be found, or importing it raised (any error: a syntax
+            error, an exception at import), with ``hint`` on what to give.
+    """
     try:
-        return importlib.import_module(module_name)
-    finally:
-        if added and sys.path and sys.path[-1] == cwd:
-            sys.path.pop()
+        if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+            return _import_file(Path(module_name if module_name.endswith(".py") else module_name + ".py"))
+        cwd = os.getcwd()
+        added = cwd not in sys.path
+        if added:
+            sys.path.append(cwd)
+        try:
+            return importlib.import_module(module_name)
+        finally:
+            if added and sys.path and sys.path[-1] == cwd:
+                sys.path.pop()
+    except SpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: any failure to import it is one line
+        reason = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+        raise SpecError(f"cannot import {module_name!r} ({reason}); {hint}") from None
+
+
+def _import_file(file: Path) -> Any:
+    if not file.is_file():
+        raise SpecError(f"no file {str(file)!r}; give module.path:function or path/to/file.py:function")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"cannot import {str(file)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
-    try:
-        module = _import_user_module(module_name)
-    except ImportError as exc:
-        raise SpecError(f"cannot import {module_name!r} ({exc}); SPEC kinds are torchvision:NAME, hf:FAMILY, "
-                        "hf:/path/config.json or module.path:factory") from None
+    module = _import_user_module(module_name, "SPEC kinds are torchvision:NAME, hf:FAMILY, hf:/path/config.json or "
+                                              "module.path:factory")
     factory = getattr(module, attr, None)
     if not callable(factory):
         names = [n for n in dir(module) if not n.startswith("_")]
@@ -331,10 +354,7 @@ def load_example_inputs(ref: str) -> Any:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise SpecError(f"--example-inputs expects module.path:function, got {ref!r}")
-    try:
-        module = _import_user_module(module_name)
-    except ImportError as exc:
-        raise SpecError(f"--example-inputs: cannot import {module_name!r} ({exc})") from None
+    module = _import_user_module(module_name, "--example-inputs takes module.path:function")
     function = getattr(module, attr, None)
     if not callable(function):
         raise SpecError(f"module {module_name!r} has no callable {attr!r}" +

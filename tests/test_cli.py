@@ -287,3 +287,31 @@ def test_without_transformers_hf_specs_and_the_demo_name_the_extra():
 def test_help_mentions_the_input_options(capsys):
     code, out, _ = _run(capsys, "plan", "--help")
     assert code == 0 and "--input-shape" in out and "--example-inputs" in out and "r3d_18" in out
+
+
+def test_a_factory_module_that_fails_to_import_is_one_line_and_a_file_path_works(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "small.py").write_text("import torch\n\ndef build():\n"
+                                                "    return torch.nn.Sequential(torch.nn.Linear(8, 8))\n")
+    (tmp_path / "broken.py").write_text("def build(:\n")
+    (tmp_path / "raising.py").write_text("raise RuntimeError('boom at import')\n")
+    for spec in ("./nets/small.py:build", "nets/small:build"):
+        assert main(["plan", spec, "--max-memory", "cpu=1GB", "--quiet"]) == 0, spec
+    capsys.readouterr()
+    for spec, needle in [("broken:build", "SyntaxError"), ("raising:build", "RuntimeError: boom at import"),
+                         ("./absent.py:build", "no file 'absent.py'")]:
+        assert main(["plan", spec]) == 2, spec
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert main(["plan", "./nets/small.py:build", "--example-inputs", "raising:x"]) == 2
+    assert "cannot import 'raising' (RuntimeError: boom at import)" in capsys.readouterr().err
+
+
+def test_output_paths_that_cannot_be_files_are_refused_before_any_work(capsys, tmp_path):
+    assert main(["plan", "torchvision:resnet18", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr()
+    assert "it is a folder; name a file in it" in err.err and err.out == ""  # nothing planned, no report
+    assert main(["bench", "--json", str(tmp_path / "absent" / "rows.json")]) == 2
+    err = capsys.readouterr()
+    assert "folder" in err.err and "does not exist" in err.err and err.out == ""

@@ -83,13 +83,7 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
     elif main == "input_values":  # wav2vec2-like speech models: raw audio, one second at 16 kHz
         inputs, how = {"input_values": torch.zeros(batch, 16000, device="meta")}, f"input_values {batch}x16000 (audio)"
     elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
-        frames = 2 * config.max_source_positions  # Whisper's encoder takes its full window (two frames a position)
-        inputs = {"input_features": torch.zeros(batch, config.num_mel_bins, frames, device="meta")}
-        how = f"input_features {batch}x{config.num_mel_bins}x{frames}"
-        if getattr(config, "is_encoder_decoder", False):
-            length = min(seq_len, getattr(config, "max_target_positions", seq_len))
-            inputs["decoder_input_ids"] = torch.zeros(batch, length, dtype=torch.long, device="meta")
-            how += f" (+ decoder_input_ids {batch}x{length})"
+        inputs, how = _features(config, seq_len, batch)
     else:
         try:
             dummies = dict(getattr(model, "dummy_inputs"))
@@ -98,6 +92,19 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
         if main not in dummies:  # transformers 5 gives every model input_ids: not this model's input
             return None, ""
         return {k: to_meta(v) for k, v in dummies.items()}, "transformers dummy_inputs"
+    return inputs, how
+
+
+def _features(config: Any, seq_len: int, batch: int) -> tuple[dict[str, Any], str]:
+    """Whisper-like speech models: log-mel features of the encoder's whole window (two frames
+    a position), and decoder ids."""
+    frames = 2 * config.max_source_positions
+    inputs = {"input_features": torch.zeros(batch, config.num_mel_bins, frames, device="meta")}
+    how = f"input_features {batch}x{config.num_mel_bins}x{frames}"
+    if getattr(config, "is_encoder_decoder", False):
+        length = min(seq_len, getattr(config, "max_target_positions", seq_len))
+        inputs["decoder_input_ids"] = torch.zeros(batch, length, dtype=torch.long, device="meta")
+        how += f" (+ decoder_input_ids {batch}x{length})"
     return inputs, how
 
 

@@ -93,7 +93,7 @@ def _output_device(asked: str | int | torch.device) -> torch.device:
         DeviceError: it names no kind of device, or one this machine does not have.
     """
     name = canonical_name(asked)
-    if name == "disk":
+    if kind_of(name).stores_only:
         raise DeviceError("output_device='disk': outputs go to a device that computes; give 'cpu' or a GPU")
     try:
         check_present(name)

@@ -208,7 +208,7 @@ class CheckFiles(Hook):
             self.transfer.prefetch_after(following(self.first, None, self.transfer.lookahead))
         self.checked = True
 
-    @torch.compiler.disable
+    @skip_when_compiling
     def _leave(self) -> None:
         self.gate.leave()
 
