@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from automap.interrupts import deferred
 from automap.profiling.fallback import eval_mode
 from automap.profiling.units import all_named_tensors, call_with
 
@@ -180,9 +181,10 @@ def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.M
     state = {name: to_meta(t) for name, t in all_named_tensors(model)}
     handles = []
     try:
-        for module in model.modules():  # inside the try: an interrupt leaves no hook behind
-            if module is not model and wanted(module):
-                handles.append(module.register_forward_pre_hook(stop))
+        with deferred():  # each hook registered and listed for removal together
+            for module in model.modules():
+                if module is not model and wanted(module):
+                    handles.append(module.register_forward_pre_hook(stop))
         with torch.no_grad(), eval_mode(model):
             call_with(model, state, args)
     except _Reached as reached:

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _python_dispatch
 
 from automap.errors import ProfileError
+from automap.interrupts import deferred
 from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
@@ -83,9 +84,10 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
             # slow; reference counting alone frees them (and tells the live bytes).
             gc.disable()
             stack.callback(gc.enable)
-        for name in units:
-            stack.callback(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True).remove)
-            stack.callback(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True).remove)
+        with deferred():  # each hook registered and its removal queued together
+            for name in units:
+                stack.callback(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True).remove)
+                stack.callback(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True).remove)
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
