@@ -73,6 +73,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from automap.interrupts import completed
 from automap.profiling.metaops import tensors_in
 from automap.profiling.result import Unit
 
@@ -178,11 +179,15 @@ def stand_ins(modules: Mapping[str, nn.Module], units: Sequence[str], failed: di
             module.forward = _guarded(module.forward, name, failed)
         yield
     finally:
-        for module, before in reversed(saved):
-            if before is _ABSENT:
-                module.__dict__.pop("forward", None)  # an interrupt may have come before it was set
-            else:
-                module.forward = before
+        completed(lambda: _put_back(saved))  # every forward, whatever comes meanwhile
+
+
+def _put_back(saved: list[tuple[nn.Module, Any]]) -> None:
+    for module, before in reversed(saved):
+        if before is _ABSENT:
+            module.__dict__.pop("forward", None)  # an interrupt may have come before it was set
+        else:
+            module.forward = before
 
 
 _ABSENT = object()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from automap.interrupts import deferred
+from automap.interrupts import completed, deferred
 from automap.profiling.fallback import eval_mode
 from automap.profiling.units import all_named_tensors, call_with
 
@@ -192,8 +192,7 @@ def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.M
     except Exception as exc:  # noqa: BLE001 - the probe only learns where a forward starts
         log.debug("probing where the forward of %s starts failed: %s", type(model).__name__, exc)
     finally:
-        for handle in handles:
-            handle.remove()
+        completed(lambda: [handle.remove() for handle in handles])  # all of them, whatever comes
     return None
 
 

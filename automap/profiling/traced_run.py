@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _python_dispatch
 
 from automap.errors import ProfileError
-from automap.interrupts import deferred
+from automap.interrupts import completed, deferred
 from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
@@ -84,10 +84,12 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
             # slow; reference counting alone frees them (and tells the live bytes).
             gc.disable()
             stack.callback(gc.enable)
-        with deferred():  # each hook registered and its removal queued together
+        handles: list[Any] = []
+        stack.callback(_remove, handles)
+        with deferred():  # each hook registered and listed for removal together
             for name in units:
-                stack.callback(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True).remove)
-                stack.callback(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True).remove)
+                handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
+                handles.append(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True))
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
@@ -106,6 +108,10 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     if keep_output:
         result.output, result.producers = output, tracer.producers()
     return result
+
+
+def _remove(handles: list[Any]) -> None:
+    completed(lambda: [handle.remove() for handle in handles])  # all of them, whatever comes
 
 
 def _leave_modes(tracer: Tracer, attention: FusedAttention) -> None:

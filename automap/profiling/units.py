@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
 import torch
 from torch import nn
 
+from automap.interrupts import completed
 from automap.errors import ProfileError
 
 _V = TypeVar("_V")
@@ -155,8 +156,7 @@ def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         with torch.random.fork_rng(devices=[]):
             return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
     finally:
-        for module, saved in kept:
-            _put_back(module, saved)
+        completed(lambda: [_put_back(module, saved) for module, saved in kept])  # none left half put back
 
 
 _TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
