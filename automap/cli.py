@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -198,6 +199,29 @@ def check_plan_args(args: argparse.Namespace) -> None:
 
 _USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
 
+# The library's errors name the fix in its own arguments; on the command line the fix is a flag.
+# (pattern, replacement), applied in order to the message of an error the command prints.
+_AS_FLAGS = (
+    (r"dtype=torch\.(\w+)", r"--dtype \1"),
+    (r"max_memory=\{'(\w+)': '([^']+)'(, \.\.\.)?\}", lambda m: f"--max-memory {m[1]}={m[2]}" + (",..." if m[3] else "")),
+    (r"raise max_memory, free space where offload_dir points", "raise the budgets in --max-memory (disk= too)"),
+    (r"free space where offload_dir points", "raise disk= in --max-memory"),
+    (r"a smaller batch\b", "a smaller --batch"),
+    (r"a shorter prompt in example_inputs", "a shorter prompt (--seq-len)"),
+    (r"(?<![\w.-])max_memory(?!\w)", "--max-memory"),
+    (r"(?<![\w.-])max_length(?!\w)", "--max-length"),
+    (r"(?<![\w.-])example_inputs(?!\w)", "--example-inputs"),
+)
+
+
+def as_flags(message: str) -> str:
+    """``message`` (a library error's) on one line, its fixes spelled as this command's flags:
+    ``raise max_memory ... (dtype=torch.float16 ...)`` -> ``raise --max-memory ... (--dtype float16 ...)``."""
+    text = " ".join(message.split())
+    for pattern, replacement in _AS_FLAGS:
+        text = re.sub(pattern, replacement, text)
+    return text
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``automap`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
@@ -216,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_plan_args(args)
         return _COMMANDS[args.command](args)
     except AutomapError as exc:
-        print(f"automap: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"automap: error: {as_flags(str(exc))}", file=sys.stderr)
         return 2 if isinstance(exc, _USAGE_ERRORS) else 1
     except KeyboardInterrupt:
         print("automap: interrupted", file=sys.stderr)

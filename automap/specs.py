@@ -267,7 +267,9 @@ def resolve_config_keys(config: Any, overrides: Mapping[str, Any], name: str) ->
 
 def _config_field(config: Any, key: str, name: str) -> str:
     field = (getattr(config, "attribute_map", None) or {}).get(key, key)
-    known = set(config.to_dict()) | {k for k in dir(config) if not k.startswith("_")}
+    # Fields and properties (num_labels); a method (to_dict) is no field, whatever dir() says.
+    known = set(config.to_dict()) | {k for k in dir(config)
+                                     if not k.startswith("_") and not callable(getattr(type(config), k, None))}
     if field not in known:
         aliases = list(getattr(config, "attribute_map", None) or {})
         raise SpecError(f"--set names {key!r}, which the {name} config does not have" +

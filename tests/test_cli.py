@@ -95,6 +95,7 @@ def test_config_file_and_factory_specs(capsys, tmp_path, monkeypatch):
     (["plan", "torchvision:resnet5"], "resnet50"),
     (["plan", "hf:llama", "--set", "num_hidden_layer=2"], "num_hidden_layers"),
     (["plan", "hf:llama", "--set", "num_hidden_layers"], "key=value"),
+    (["plan", "hf:llama", "--set", "to_dict=1"], "does not have"),  # a method of the config, no field
     (["plan", "torchvision:resnet18", "--max-memory", "0=20XB"], "unknown size unit 'XB'"),
     (["plan", "torchvision:resnet18", "--max-memory", "gpu=20GiB"], "unknown device 'gpu'"),
     (["plan", "torchvision:resnet18", "--dtype", "bf15"], "invalid choice: 'bf15'"),
@@ -179,7 +180,7 @@ def test_max_length_shorter_than_the_prompt_exits_1_with_one_line(capsys):
     code, out, err = _run(capsys, "plan", "hf:gpt2", "--set", "n_layer=2", "--max-memory", "cpu=2GiB",
                           "--seq-len", "64", "--max-length", "32")
     assert code == 1 and err.count("\n") == 1
-    assert "max_length=32 is not longer than the prompt (64 tokens)" in err
+    assert "--max-length=32 is not longer than the prompt (64 tokens)" in err and "(--seq-len)" in err
 
 
 def test_set_resolves_config_aliases_and_nested_keys():
@@ -315,3 +316,20 @@ def test_output_paths_that_cannot_be_files_are_refused_before_any_work(capsys, t
     assert main(["bench", "--json", str(tmp_path / "absent" / "rows.json")]) == 2
     err = capsys.readouterr()
     assert "folder" in err.err and "does not exist" in err.err and err.out == ""
+
+
+def test_errors_name_the_fix_as_flags(capsys):
+    """The library's errors say ``raise max_memory`` and ``dtype=torch.float16``; printed by the
+    command, the fix is spelled as its flags."""
+    code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
+                          "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "--max-memory (disk= too)" in err and "--dtype float16" in err and "--max-length" in err, err
+    assert "max_memory" not in err and "dtype=torch" not in err and "offload_dir" not in err, err
+
+
+def test_flag_spelling_leaves_names_that_only_contain_the_words():
+    from automap.cli import as_flags
+
+    assert as_flags("unit 'model.max_memory' and my_max_length, max_memory={'cpu': '16GiB', ...}") == \
+        "unit 'model.max_memory' and my_max_length, --max-memory cpu=16GiB,..."
