@@ -11,13 +11,15 @@ answer at once); only then does a command import the library. The names offered 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
 from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
@@ -260,7 +262,7 @@ def _plan(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.overrides)
     inputs = (input_tensors(args.shapes) if args.shapes else
               load_example_inputs(args.example_inputs) if args.example_inputs else None)
-    with silenced(args.quiet), step(f"automap: planning {args.spec}"):  # on a terminal, after a second
+    with silenced(args.quiet), libraries_quiet(not getattr(args, "verbose", False)), step(f"automap: planning {args.spec}"):
         result = plan_spec(
             args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
             seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None,
@@ -273,6 +275,37 @@ def _plan(args: argparse.Namespace) -> int:
     if args.figure:
         print(f"wrote {figure(result.plan, args.figure)}")
     return 0
+
+
+# Libraries the command calls to build and trace a spec's model: what they warn about is how
+# that model will run later (a fallback kernel, a head used alone, a future default), not the plan.
+_LIBRARIES = ("torch", "torchvision", "transformers", "accelerate", "huggingface_hub")
+
+
+@contextlib.contextmanager
+def libraries_quiet(quiet: bool = True) -> Iterator[None]:
+    """While inside (and ``quiet``), the warnings and log warnings of :data:`_LIBRARIES` are not
+    shown; automap's own, and a factory module's, are. ``-v`` shows them all."""
+    if not quiet:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _LIBRARIES]
+    levels = [logger.level for logger in loggers]
+    verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=rf"({'|'.join(_LIBRARIES)})(\.|$)")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # transformers sets its level as it is first imported
+        try:
+            yield
+        finally:
+            if verbosity is None:
+                os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+            else:
+                os.environ["TRANSFORMERS_VERBOSITY"] = verbosity
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 def _demo(args: argparse.Namespace) -> int:

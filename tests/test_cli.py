@@ -333,3 +333,16 @@ def test_flag_spelling_leaves_names_that_only_contain_the_words():
 
     assert as_flags("unit 'model.max_memory' and my_max_length, max_memory={'cpu': '16GiB', ...}") == \
         "unit 'model.max_memory' and my_max_length, --max-memory cpu=16GiB,..."
+
+
+@pytest.mark.parametrize("spec", [
+    ["hf:mamba", "--set", "num_hidden_layers=1,hidden_size=32,vocab_size=128"],  # transformers' log: a fallback kernel
+    ["torchvision:inception_v3"],  # torchvision's FutureWarning about its default initialisation
+])
+def test_the_libraries_warnings_about_the_model_show_only_with_verbose(spec):
+    # fresh processes: both warn once per process
+    argv = [sys.executable, "-m", "automap", "plan", *spec, "--max-memory", "cpu=2GB", "--quiet"]
+    quiet = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "[transformers]" not in quiet.stderr and "Warning" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run([*argv, "-v"], capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 0 and ("falling back" in loud.stderr or "FutureWarning" in loud.stderr), loud.stderr
