@@ -130,6 +130,42 @@ def test_tensors_a_model_declares_it_computes_are_computed_as_from_pretrained_co
     assert torch.equal(run(model), run(real))
 
 
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_a_model_built_on_plain_meta_gets_the_buffers_no_checkpoint_holds_computed(tmp_path, family):
+    """Built under ``torch.device("meta")`` (as transformers 5 builds), a model holds its
+    non-persistent buffers on meta too: Llama's rotary inv_freq (float), BERT's position_ids
+    (int64). No checkpoint holds them; the model's initialiser computes them, as from_pretrained
+    does, and the outputs are the saved model's."""
+    if family == "llama":
+        real, ids = tiny_llama(layers=2), _ids()
+    else:
+        config = transformers.BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=64)
+        torch.manual_seed(0)
+        real, ids = transformers.BertModel(config).eval(), _ids()
+    real.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        skeleton = type(real)(real.config).eval()
+    assert any(b.is_meta for b in skeleton.buffers())
+    model = automap.load(skeleton, tmp_path, max_memory={"cpu": "100KB", "disk": "1GB"}, offload_dir=tmp_path / "off",
+                         quiet=True)
+    with torch.no_grad():
+        got, want = model(ids), real(ids)
+    key = "logits" if family == "llama" else "last_hidden_state"
+    assert torch.equal(got[key], want[key])
+    assert all(torch.equal(b, dict(real.named_buffers())[n]) for n, b in model.named_buffers())
+
+
+def test_a_state_dict_saved_through_nested_wrappers_loads(tmp_path):
+    """``torch.save(ddp_model.state_dict())`` of a compiled model: every key starts 'module._orig_mod.'."""
+    real = tiny_llama(layers=1)
+    torch.save({f"module._orig_mod.{k}": v for k, v in _state(real).items()}, tmp_path / "wrapped.pt")
+    with automap.empty_model():
+        skeleton = transformers.LlamaForCausalLM(real.config).eval()
+    model = automap.load(skeleton, tmp_path / "wrapped.pt", device_map="cpu", quiet=True)
+    assert torch.equal(logits_of(model, _ids()), logits_of(real, _ids()))
+
+
 def test_a_parameter_without_a_value_is_refused_before_anything_loads_and_named(tmp_path):
     """A base model's checkpoint loaded into a model with a head, strict=False: the head's
     weight is on meta and in no file. One error naming it (not a warning first), saying it is

@@ -188,28 +188,45 @@ def initialise_buffers(model: nn.Module) -> None:
 
 
 def compute_declared_missing(model: nn.Module, match: Match) -> list[str]:
-    """Compute the tensors a transformers model declares a checkpoint may lack
-    (``_keys_to_ignore_on_load_missing``: Marian's sinusoidal position tables, which it never
-    saves) where they are on meta and the checkpoint lacks them, with the model's own
-    initialiser, as ``from_pretrained`` does. Only their modules' initialisers run, and they
-    skip every other tensor (marked done). A tensor the initialiser does not fill (still NaN)
-    goes back on meta, for the load to refuse. Returns the names computed."""
+    """Compute, with the model's own initialiser as ``from_pretrained`` does, the tensors of a
+    transformers model that are on meta, that the checkpoint lacks, and that no checkpoint is
+    expected to hold: those the model declares it may lack (``_keys_to_ignore_on_load_missing``:
+    Marian's sinusoidal position tables, which it never saves) and its non-persistent buffers
+    (rotary ``inv_freq``, BERT's ``position_ids``), which a model built on meta holds on meta.
+    Only their modules' initialisers run, and they skip every other tensor (marked done). A
+    tensor the initialiser does not fill (still holding its sentinel) goes back on meta, for the
+    load to refuse. Returns the names computed."""
     initialise = getattr(model, "initialize_weights", None)
-    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None)
-    if initialise is None or not patterns:
+    if initialise is None:
         return []
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    transient = _non_persistent(model)
     lacking: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in _meta_tensors(model):
-        if (name not in match.sources and name not in match.built and tensor.is_floating_point()
-                and any(re.search(p, name) for p in patterns)):
+        if (name not in match.sources and name not in match.built and _sentinel(tensor.dtype) is not None
+                and (name in transient or any(re.search(p, name) for p in patterns))):
             lacking[id(tensor)] = (name, tensor)
     if not lacking:
         return []
-    undo = install(model, {i: torch.full(t.shape, float("nan"), dtype=t.dtype) for i, (_, t) in lacking.items()})
+    undo = install(model, {i: torch.full(t.shape, _sentinel(t.dtype), dtype=t.dtype) for i, (_, t) in lacking.items()})
+    _initialise_only(model, set(undo), initialise)
+    now = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) in undo}
+    unfilled = {id(undo[i]) for i, t in now.items() if _unfilled(t)}
+    install(model, {i: undo[i] for i, t in now.items() if id(undo[i]) in unfilled})
+    computed = [name for i, (name, _) in lacking.items() if i not in unfilled]
+    if computed:
+        log.info("computed %d tensor(s) the checkpoint does not hold, as the model declares (%s)", len(computed),
+                 ", ".join(computed[:3]))
+    return computed
+
+
+def _initialise_only(model: nn.Module, tensors: set[int], initialise: Any) -> None:
+    """Run the model's initialiser on the modules holding ``tensors`` (ids) alone: every other
+    module and tensor is marked initialised while it runs, and the marks are put back after."""
     owners = {id(m) for m in model.modules()
-              if any(id(t) in undo for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)}
+              if any(id(t) in tensors for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)}
     flags = {m: m.__dict__.get("_is_hf_initialized") for m in model.modules()}
-    done = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in undo]
+    done = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in tensors]
     marks = {id(t): t.__dict__.get("_is_hf_initialized") for t in done}
     try:
         for module in flags:
@@ -222,14 +239,27 @@ def compute_declared_missing(model: nn.Module, match: Match) -> list[str]:
             _restore(module, flag)
         for tensor in done:
             _restore(tensor, marks[id(tensor)])
-    now = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) in undo}
-    unfilled = {id(undo[i]) for i, t in now.items() if torch.isnan(t).any()}
-    install(model, {i: undo[i] for i, t in now.items() if id(undo[i]) in unfilled})
-    computed = [name for i, (name, _) in lacking.items() if i not in unfilled]
-    if computed:
-        log.info("computed %d tensor(s) the checkpoint does not hold, as the model declares (%s)", len(computed),
-                 ", ".join(computed[:3]))
-    return computed
+
+
+def _non_persistent(model: nn.Module) -> set[str]:
+    """The names of the model's buffers that ``state_dict()`` leaves out."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None}
+
+
+def _sentinel(dtype: torch.dtype) -> float | int | None:
+    """A value an initialiser never leaves in a tensor of ``dtype``: NaN, or the integers' least
+    (positions, counts and ids are not); None for dtypes without one (bool)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype != torch.bool and not dtype.is_complex:
+        return torch.iinfo(dtype).min
+    return None
+
+
+def _unfilled(tensor: torch.Tensor) -> bool:
+    sentinel = _sentinel(tensor.dtype)
+    return bool(torch.isnan(tensor).any()) if tensor.is_floating_point() else bool((tensor == sentinel).any())
 
 
 def _restore(owner: Any, flag: Any) -> None:

@@ -109,7 +109,10 @@ def _filled_by_torch(model: nn.Module, name: str) -> bool:
 
 def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
     def first(names: Iterable[str]) -> set[str]:
-        return {n.split(".", 1)[0] for n in names if "." in n}
+        found = {n.split(".", 1)[0] for n in names if "." in n}
+        # Wrappers nest (DDP around torch.compile: 'module._orig_mod.'): two names every key shares.
+        shared = {".".join(n.split(".", 2)[:2]) if n.count(".") >= 2 else n for n in names}
+        return found | shared if len(shared) == 1 and len(found) == 1 else found
 
     def strip(p: str) -> Callable[[str], str]:
         return lambda k: k[len(p) + 1:] if k.startswith(p + ".") else k
