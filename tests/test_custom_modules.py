@@ -1,0 +1,68 @@
+"""Ordinary PyTorch modules and scripts, as a user writes them without automap in mind, give the
+outputs (and side effects) they give plainly: hooks the user registered, reparametrized weights,
+modules used the way torch's own API allows."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import prune, weight_norm
+
+import automap
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4)).eval()
+
+
+def _observed(model: nn.Module, seen: dict[str, list]) -> None:
+    """Hooks as feature extraction and gradient logging register them: each call appends."""
+    layer = model[2]
+    layer.register_forward_pre_hook(lambda m, args: seen["pre"].append(args[0].detach()))
+    layer.register_forward_hook(lambda m, args, out: seen["forward"].append(out.detach()))
+    layer.register_full_backward_pre_hook(lambda m, grad_out: seen["backward_pre"].append(grad_out[0]))
+    layer.register_full_backward_hook(lambda m, grad_in, grad_out: seen["backward"].append(grad_out[0]))
+
+
+def _run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.clone().requires_grad_(True)
+    model(x).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def test_planning_and_dispatch_call_no_hook_the_user_registered(tmp_path):
+    plain, placed = _mlp().requires_grad_(False), _mlp().requires_grad_(False)
+    seen_plain: dict[str, list] = {k: [] for k in ("pre", "forward", "backward_pre", "backward")}
+    seen: dict[str, list] = {k: [] for k in seen_plain}
+    _observed(plain, seen_plain)
+    _observed(placed, seen)
+    automap.plan(placed, max_memory={"cpu": 0}, example_inputs=(torch.randn(2, 16),))
+    automap.profile(placed, measure=True, device="cpu", repeats=1)
+    automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
+    assert all(not calls for calls in seen.values()), {k: len(v) for k, v in seen.items()}
+    x = torch.randn(3, 16)
+    assert torch.equal(_run(placed, x), _run(plain, x))
+    for kind, calls in seen_plain.items():  # one call each, the same tensors as the plain model's
+        assert len(seen[kind]) == len(calls) == 1, kind
+        assert seen[kind][0].device.type == "cpu" and torch.equal(seen[kind][0], calls[0]), kind
+    automap.undispatch(placed)
+
+
+def _reparametrized() -> nn.Sequential:
+    """torch's own hook-based reparametrizations: the weight is rebuilt by a pre-hook."""
+    model = _mlp()
+    weight_norm(model[0])
+    prune.l1_unstructured(model[2], "weight", amount=0.5)
+    return model
+
+
+def test_torchs_own_hooks_still_run_in_the_trace_and_the_forward(tmp_path):
+    prof = automap.profile(_reparametrized(), example_inputs=(torch.randn(2, 16),))
+    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [(u.name, u.untraced) for u in prof.units]
+    plain, placed = _reparametrized(), _reparametrized()
+    automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(placed(x), plain(x))
+    automap.undispatch(placed)
