@@ -66,3 +66,21 @@ def test_torchs_own_hooks_still_run_in_the_trace_and_the_forward(tmp_path):
     with torch.no_grad():
         assert torch.equal(placed(x), plain(x))
     automap.undispatch(placed)
+
+
+def _widened() -> nn.Sequential:
+    """A user's pre-hook that the forward needs: it doubles the width of layer 2's input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 4)).eval()
+    model[2].register_forward_pre_hook(lambda m, args: (torch.cat([args[0], args[0]], -1),))
+    return model
+
+
+def test_a_user_hook_the_forward_needs_is_traced_with_it(tmp_path):
+    x = torch.randn(3, 16)
+    prof = automap.profile(_widened(), example_inputs=(x,))
+    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [(u.name, u.untraced) for u in prof.units]
+    plain, placed = _widened(), _widened()
+    automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path, example_inputs=(x,))
+    with torch.no_grad():
+        assert torch.equal(placed(x), plain(x))

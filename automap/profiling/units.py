@@ -145,7 +145,8 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None) -> object:
+def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None,
+              user_hooks: bool = False) -> object:
     """``model(*args, **kwargs)`` with ``state``'s tensors in place of its own (``functional_call``),
     and the model as it was after, also when it raised: every module's parameters and buffers
     (``functional_call`` alone puts back those of a module reached under one name only: a module
@@ -153,10 +154,10 @@ def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     its other attributes (a rotary cache regrown for the probe's length, a counter, a tensor
     cached as a plain attribute, a buffer registered in forward: each would outlive the probe
     as a meta tensor or a stale size) and the CPU's random state (a forward drawing noise).
-    Hooks the user registered are not called (:func:`computes_the_model`)."""
+    Hooks the user registered are not called (:func:`computes_the_model`) unless ``user_hooks``."""
     kept = [_python_state(module) for module in model.modules()]
     try:
-        for module, _ in kept:
+        for module, _ in kept if not user_hooks else ():
             leave_out_observers(module)  # the saved tables come back with the rest
         with torch.random.fork_rng(devices=[]):
             return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
@@ -182,6 +183,12 @@ def computes_the_model(hook: Any) -> bool:
     plain = isinstance(hook, (types.FunctionType, types.BuiltinFunctionType))
     home = getattr(hook, "__module__", None) if plain else type(hook).__module__
     return (home or "").split(".")[0] in _OWN_CODE
+
+
+def has_user_hooks(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has a hook the user registered."""
+    return any(not computes_the_model(hook) for module in model.modules() for table in HOOK_TABLES
+               for hook in module.__dict__.get(table, {}).values())
 
 
 def leave_out_observers(module: nn.Module) -> None:
