@@ -3,11 +3,15 @@ outputs (and side effects) they give plainly: hooks the user registered, reparam
 modules used the way torch's own API allows."""
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune, weight_norm
 
 import automap
+from automap.errors import DispatchError
 
 
 def _mlp() -> nn.Sequential:
@@ -84,3 +88,38 @@ def test_a_user_hook_the_forward_needs_is_traced_with_it(tmp_path):
     automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path, example_inputs=(x,))
     with torch.no_grad():
         assert torch.equal(placed(x), plain(x))
+
+
+def _no_guard_left(model: nn.Module) -> bool:
+    return all(not (module.__dict__.keys() & {"_apply", "__getstate__", "__deepcopy__"})
+               and not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
+
+
+@pytest.mark.parametrize("first, second, says", [
+    (lambda m: m[2], lambda m: m, "submodule '2' (Linear) is dispatched already"),
+    (lambda m: m, lambda m: m[2], "Linear is a part of a Sequential that automap dispatched"),
+])
+def test_a_part_of_a_dispatched_model_and_a_model_with_a_dispatched_part_are_refused(first, second, says, tmp_path):
+    model = _mlp()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = model(x)
+    automap.dispatch(first(model), device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path / "a")
+    with pytest.raises(DispatchError, match=re.escape(says)):
+        automap.dispatch(second(model), device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path / "b")
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    automap.undispatch(first(model))
+    assert _no_guard_left(model)
+    automap.dispatch(model, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path / "c")
+    automap.undispatch(model)
+
+
+def test_a_module_two_models_share_is_dispatched_with_one_of_them_only(tmp_path):
+    shared = nn.Linear(16, 16)
+    one, two = nn.Sequential(nn.Linear(16, 16), shared), nn.Sequential(shared, nn.Linear(16, 4))
+    automap.dispatch(one, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
+    with pytest.raises(DispatchError, match=r"shares its module '0' with a Sequential that automap dispatched \(its '1'\)"):
+        automap.dispatch(two, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
+    automap.undispatch(one)
+    assert _no_guard_left(one) and _no_guard_left(two)
