@@ -8,10 +8,11 @@ import re
 import pytest
 import torch
 from torch import nn
+from safetensors.torch import save_file
 from torch.nn.utils import prune, weight_norm
 
 import automap
-from automap.errors import DispatchError
+from automap.errors import CheckpointError, DispatchError
 
 
 def _mlp() -> nn.Sequential:
@@ -123,3 +124,64 @@ def test_a_module_two_models_share_is_dispatched_with_one_of_them_only(tmp_path)
         automap.dispatch(two, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
     automap.undispatch(one)
     assert _no_guard_left(one) and _no_guard_left(two)
+
+
+class Scaled(nn.Module):
+    """A module with extra state (``get_extra_state``): a plain float saved in its state dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.scale = 2.0
+
+    def get_extra_state(self):
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.scale
+
+
+class TensorScaled(Scaled):
+    """Extra state as a tensor (as Transformer Engine saves its own), which safetensors holds."""
+
+    def get_extra_state(self):
+        return torch.tensor([self.scale])
+
+    def set_extra_state(self, state):
+        self.scale = float(state[0])
+
+
+@pytest.mark.parametrize("kind, suffix", [(Scaled, ".pt"), (TensorScaled, ".pt"), (TensorScaled, ".safetensors")])
+@pytest.mark.parametrize("budget", [0, "1GiB"])
+def test_a_modules_extra_state_is_loaded_as_load_state_dict_loads_it(kind, suffix, budget, tmp_path):
+    torch.manual_seed(0)
+    saved = kind().eval()
+    saved.scale = 3.0
+    path = tmp_path / f"model{suffix}"
+    if suffix == ".pt":
+        torch.save(saved.state_dict(), path)
+    else:
+        save_file(saved.state_dict(), path)
+    with automap.empty_model():
+        model = kind().eval()
+    automap.load(model, path, max_memory={"cpu": budget}, offload_dir=tmp_path / "off")
+    assert model.scale == 3.0
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), saved(x))
+
+
+def test_extra_state_a_checkpoint_lacks_is_missing_unless_not_strict(tmp_path):
+    saved = Scaled()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v for k, v in saved.state_dict().items() if isinstance(v, torch.Tensor)}, path)
+    with automap.empty_model():
+        model = Scaled()
+    with pytest.raises(CheckpointError, match="_extra_state"):
+        automap.load(model, path, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
+    with pytest.warns(UserWarning, match="_extra_state"):
+        automap.load(model, path, max_memory={"cpu": 0}, offload_dir=tmp_path / "off", strict=False)
+    assert model.scale == 2.0  # its own, as load_state_dict(strict=False) leaves it
