@@ -19,7 +19,7 @@ from automap.runtime import check_not_dispatched, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
-from automap.loading.matching import matched
+from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
@@ -366,6 +366,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         undo = install(model, loaded.fresh)
         try:
             verify_loaded(model, on_purpose)
+            set_extra_states(model, ckpt, match)
             dispatch_plan(model, chosen, source=loaded.source)
         except BaseException:
             install(model, undo)  # the skeleton as it was: nothing half-loaded either

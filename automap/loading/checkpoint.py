@@ -36,6 +36,8 @@ from automap.offload import load_json, read_header, read_regular
 
 log = logging.getLogger(__name__)
 
+# The key suffix under which state_dict() saves what a module's get_extra_state returns.
+EXTRA_STATE = "_extra_state"  # torch's nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 # A shard index lists each tensor in ~60 bytes: room for millions of tensors.
 MAX_INDEX_BYTES = 256 << 20
 
@@ -66,6 +68,7 @@ class Reader(abc.ABC):
     def __init__(self, path: Path):
         self.path = path
         self.tensors: dict[str, Stored] = {}
+        self.extras: dict[str, Any] = {}  # modules' extra state that is no tensor (pickles only)
 
     @abc.abstractmethod
     def read(self, stored: Stored) -> torch.Tensor:
@@ -112,7 +115,7 @@ class SafetensorsReader(Reader):
 class PickleReader(Reader):
     def __init__(self, path: Path):
         super().__init__(path)
-        self._data = _load_pickle(path)
+        self._data, self.extras = _load_pickle(path)
         self.tensors = {k: Stored(k, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
                         for k, t in self._data.items()}
 
@@ -141,6 +144,12 @@ class Checkpoint:
         self.path = path
         self.tensors = dict(tensors)
         self.readers = dict(readers)
+        self.extras = {k: v for reader in self.readers.values() for k, v in reader.extras.items()}
+
+    def extra_state(self, key: str) -> Any:
+        """The extra state saved under ``key`` (what a module's ``get_extra_state`` returned):
+        a tensor, or in a pickle any value ``torch.load(weights_only=True)`` reads."""
+        return self.extras[key] if key in self.extras else self.read(key)
 
     @property
     def total_bytes(self) -> int:
@@ -350,7 +359,8 @@ def _check_index(root: Path, weight_map: Mapping[str, str], tensors: Mapping[str
 # ------------------------------------------------------------------ pickles
 
 
-def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
+def _load_pickle(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of a pickled state dict, and the entries that are modules' extra state."""
     try:
         data = _torch_load(file)
     except pickle.UnpicklingError as exc:
@@ -367,10 +377,11 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); save or copy it again") from exc
     data = _unwrapped(file, data)
-    skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor)]
+    extras = {str(k): v for k, v in data.items() if not isinstance(v, torch.Tensor) and str(k).endswith(EXTRA_STATE)}
+    skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor) and k not in extras]
     if skipped:
         log.info("%s: ignoring %d non-tensor entries (%s)", file, len(skipped), skipped[:3])
-    return {str(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}
+    return {str(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}, extras
 
 
 def _unwrapped(file: Path, data: Any) -> dict:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from automap.errors import CheckpointError
-from automap.loading.checkpoint import Checkpoint, Stored
+from automap.loading.checkpoint import EXTRA_STATE, Checkpoint, Stored
 from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.profiling.units import all_named_tensors, names_by_identity
 
@@ -46,6 +46,14 @@ class Match:
     built: dict[str, tuple[Recipe, str]] = field(default_factory=dict)
     converted: str | None = None
     untied: list[list[str]] = field(default_factory=list)
+    extra: dict[str, str] = field(default_factory=dict)  # a module's extra state key -> its checkpoint key
+
+
+def extra_state_keys(model: nn.Module) -> dict[str, nn.Module]:
+    """The ``state_dict`` keys under which modules save their extra state (a module defining
+    ``get_extra_state``): no tensor to place, but a value to hand back to ``set_extra_state``."""
+    return {f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: module for name, module in model.named_modules()
+            if type(module).get_extra_state is not nn.Module.get_extra_state}
 
 
 def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
@@ -56,13 +64,15 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
         CheckpointError: tensors missing from the checkpoint, keys the model lacks, or
             shapes that differ (counts and the first names of each).
     """
-    expected = dict(model.state_dict(keep_vars=True))
+    extra = extra_state_keys(model)
+    expected = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in extra}
     known = {n for n, _ in all_named_tensors(model, remove_duplicate=False)}
     conversion = conversion_for(model, checkpoint.tensors)
     consumed = conversion.consumed if conversion is not None else set()
-    keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed}
+    keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed and not k.endswith(EXTRA_STATE)}
     how, rename = _best_rename(expected, keys, conversion)
     renamed = {rename(k): k for k in keys}
+    saved = {rename(k): k for k in [*checkpoint.extras, *checkpoint.tensors] if k.endswith(EXTRA_STATE)}
     made = {t: r for r in conversion.recipes for t in r.targets} if conversion is not None else {}
     sources: dict[str, str] = {}
     built: dict[str, tuple[Recipe, str]] = {}
@@ -82,15 +92,17 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
             built.update(dict.fromkeys(names, (made[target], target)))
         else:
             missing.append(names[0])
+    missing += [k for k in extra if k not in saved]
     missing = [n for n in _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
                if not _filled_by_torch(model, n)]
-    unexpected = _drop([k for n, k in renamed.items() if n not in known] + [t for t in made if t not in known],
+    unexpected = _drop([k for n, k in renamed.items() if n not in known] + [t for t in made if t not in known]
+                       + [k for n, k in saved.items() if n not in extra],
                        getattr(model, "_keys_to_ignore_on_load_unexpected", None))
     shapes = _shape_mismatches(expected, sources, checkpoint) + _built_mismatches(expected, built)
     converted = conversion.summary() if conversion is not None else None
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
-    return Match(sources, how, built, converted, untied)
+    return Match(sources, how, built, converted, untied, {k: saved[k] for k in extra if k in saved})
 
 
 def _filled_by_torch(model: nn.Module, name: str) -> bool:

@@ -11,7 +11,7 @@ from torch import nn
 from automap.errors import CheckpointError, user_stacklevel
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.hf import compute_declared_missing
-from automap.loading.keys import Match, match_keys, untie
+from automap.loading.keys import Match, extra_state_keys, match_keys, untie
 from automap.loading.materialise import missing_value_message
 from automap.profiling.units import all_named_tensors
 
@@ -81,3 +81,11 @@ def _check_valued(model: nn.Module, match: Match) -> None:
 
 
 _IGNORE_ATTRIBUTES = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
+
+
+def set_extra_states(model: nn.Module, ckpt: Checkpoint, match: Match) -> None:
+    """Hand each module the extra state the checkpoint saved for it (what its
+    ``get_extra_state`` returned), as ``load_state_dict`` does."""
+    modules = extra_state_keys(model)
+    for key, stored in match.extra.items():
+        modules[key].set_extra_state(ckpt.extra_state(stored))

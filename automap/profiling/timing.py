@@ -21,6 +21,7 @@ from automap.devices import DeviceSpec
 from automap.errors import ProfileError
 from automap.kinds import kind_of
 from automap.profiling.metaops import TensorSpec
+from automap.profiling.units import leave_out_observers
 
 if TYPE_CHECKING:
     from automap.profiling.result import Profile
@@ -91,6 +92,8 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype | N
                     t.zero_()
     else:
         unit = copy.deepcopy(module).to(device)
+    for part in unit.modules():  # the copy shares the user's hooks (functions are not copied)
+        leave_out_observers(part)
     return unit.to(dtype) if dtype is not None else unit
 
 

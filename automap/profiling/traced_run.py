@@ -21,7 +21,7 @@ from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
 from automap.profiling.trace import Tracer, TraceResult
-from automap.profiling.units import call_with
+from automap.profiling.units import call_with, has_user_hooks
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,31 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     ``failed``; a meta limit between units, or any error on ``guessed`` inputs, ends the forward
     early, said in ``stopped``.
 
+    Hooks the user registered on the model's modules are left out (``units.computes_the_model``:
+    a feature collector must not see meta tensors); a forward that stops or fails without them
+    runs again with them, as they are then part of its computation (a hook reshaping an input).
+
     Raises:
         ProfileError: the forward failed otherwise; the message says in which unit.
     """
+    options = dict(backward=backward, record_inputs=record_inputs, keep_output=keep_output, guessed=guessed)
+    try:
+        result = _run_once(model, state, args, kwargs, units, user_hooks=False, **options)
+    except ProfileError:
+        if not has_user_hooks(model):
+            raise
+        return _run_once(model, state, args, kwargs, units, user_hooks=True, **options)
+    if result.stopped and has_user_hooks(model):
+        again = _run_once(model, state, args, kwargs, units, user_hooks=True, **options)
+        if not again.stopped:
+            log.info("the forward of %s needs the hooks registered on it: traced with them", type(model).__name__)
+            return again
+    return result
+
+
+def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
+              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool, guessed: bool,
+              user_hooks: bool) -> TraceResult:
     tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -99,7 +121,7 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         stack.enter_context(tracer)
         stack.enter_context(attention)
         tracer.begin(None)
-        output = forward_of(model, state, args, kwargs, tracer, guessed)
+        output = forward_of(model, state, args, kwargs, tracer, guessed, user_hooks)
         tracer.add_outputs(output)
         forward_flops = tracer.total_flops
         if backward and not tracer.result.stopped:
@@ -125,9 +147,9 @@ def _leave_modes(tracer: Tracer, attention: FusedAttention) -> None:
 
 
 def forward_of(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,
-             guessed: bool) -> Any:
+             guessed: bool, user_hooks: bool = False) -> Any:
     try:
-        return call_with(model, state, args, kwargs)
+        return call_with(model, state, args, kwargs, user_hooks=user_hooks)
     except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
         result = tracer.result
         failed = result.failed

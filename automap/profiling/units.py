@@ -7,8 +7,10 @@ the unit whose code first uses it. Tied tensors are owned once and reported as a
 from __future__ import annotations
 
 import copy
-
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
+import functools
+import types
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -143,20 +145,59 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None) -> object:
+def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None,
+              user_hooks: bool = False) -> object:
     """``model(*args, **kwargs)`` with ``state``'s tensors in place of its own (``functional_call``),
     and the model as it was after, also when it raised: every module's parameters and buffers
     (``functional_call`` alone puts back those of a module reached under one name only: a module
     registered under two, ALBERT's shared layer or ``self.b = self.a``, kept a meta stand-in),
     its other attributes (a rotary cache regrown for the probe's length, a counter, a tensor
     cached as a plain attribute, a buffer registered in forward: each would outlive the probe
-    as a meta tensor or a stale size) and the CPU's random state (a forward drawing noise)."""
+    as a meta tensor or a stale size) and the CPU's random state (a forward drawing noise).
+    Hooks the user registered are not called (:func:`computes_the_model`) unless ``user_hooks``."""
     kept = [_python_state(module) for module in model.modules()]
     try:
+        for module, _ in kept if not user_hooks else ():
+            leave_out_observers(module)  # the saved tables come back with the rest
         with torch.random.fork_rng(devices=[]):
             return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
     finally:
         completed(lambda: [_put_back(module, saved) for module, saved in kept])  # none left half put back
+
+
+# The module tables of forward and backward hooks (by handle id).
+HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_OWN_CODE = ("torch", "automap")
+
+
+def computes_the_model(hook: Any) -> bool:
+    """Whether a hook is torch's or automap's own code, which computes the model (weight_norm,
+    spectral_norm and pruning rebuild a weight before each call; quantization observers; the
+    trace's and the runtime's hooks). The others are the user's: features or gradients collected
+    into a list, a counter, a log line. Planning's meta runs leave those out: they would be
+    handed meta tensors, and their side effects would outlive the plan (accelerate's planner
+    runs no forward, so its users never see such a call)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)  # a bound method: its function
+    plain = isinstance(hook, (types.FunctionType, types.BuiltinFunctionType))
+    home = getattr(hook, "__module__", None) if plain else type(hook).__module__
+    return (home or "").split(".")[0] in _OWN_CODE
+
+
+def has_user_hooks(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has a hook the user registered."""
+    return any(not computes_the_model(hook) for module in model.modules() for table in HOOK_TABLES
+               for hook in module.__dict__.get(table, {}).values())
+
+
+def leave_out_observers(module: nn.Module) -> None:
+    """Replace ``module``'s hook tables by copies without the user's hooks; the caller puts
+    the original tables back."""
+    for table in HOOK_TABLES:
+        hooks = module.__dict__.get(table)
+        if hooks and not all(computes_the_model(hook) for hook in hooks.values()):
+            module.__dict__[table] = OrderedDict((k, h) for k, h in hooks.items() if computes_the_model(h))
 
 
 _TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")

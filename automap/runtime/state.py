@@ -231,7 +231,35 @@ def check_not_dispatched(model: nn.Module) -> None:
     useful message)."""
     if model in _STATES:
         raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+    check_no_overlap(model)
     check_no_accelerate_hooks(model)
+
+
+def check_no_overlap(model: nn.Module) -> None:
+    """Raise :class:`DispatchError` when ``model`` shares a module with a model automap
+    dispatched: a submodule dispatched alone, ``model`` itself a part of a dispatched model, or
+    a module both hold. A second dispatch would hook and guard that module twice, and undoing
+    either one would leave the other's hooks and overrides behind."""
+    mine = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    what = type(model).__name__
+    for other in list(_STATES.keys()):
+        theirs = next((name for name, module in other.named_modules() if id(module) in mine), None)
+        if theirs is None:
+            continue
+        kind = type(other).__name__
+        if id(other) in mine:
+            raise DispatchError(
+                f"{what}'s submodule {mine[id(other)]!r} ({kind}) is dispatched already; call "
+                f"automap.undispatch on it first, then dispatch the whole {what} once")
+        if any(module is model for module in other.modules()):
+            raise DispatchError(
+                f"{what} is a part of a {kind} that automap dispatched; a model is dispatched as one: call "
+                f"automap.undispatch on that {kind} first, or leave this part placed as the whole model's plan put it")
+        raise DispatchError(
+            f"{what} shares its module {mine[id(other.get_submodule(theirs))]!r} with a {kind} that automap dispatched "
+            f"(its {theirs!r}); dispatching both would hook it twice: call automap.undispatch on that {kind} first, "
+            "or give each model its own copy (copy.deepcopy)")
+
 
 
 def check_no_accelerate_hooks(model: nn.Module) -> None:
