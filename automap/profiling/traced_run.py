@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from contextlib import ExitStack
-from typing import Any, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn, overrides
@@ -118,8 +118,8 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
         stack.enter_context(traceable_experts(model))  # eager experts cannot run on meta (experts.py)
         stack.enter_context(stand_ins(modules, units, tracer.result.failed))
-        stack.enter_context(tracer)
-        stack.enter_context(attention)
+        stack.enter_context(_entered(tracer, _python_dispatch._get_current_dispatch_mode_stack))
+        stack.enter_context(_entered(attention, overrides._get_current_function_mode_stack))
         tracer.begin(None)
         output = forward_of(model, state, args, kwargs, tracer, guessed, user_hooks)
         tracer.add_outputs(output)
@@ -134,6 +134,19 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
 
 def _remove(handles: list[Any]) -> None:
     completed(lambda: [handle.remove() for handle in handles])  # all of them, whatever comes
+
+
+@contextmanager
+def _entered(mode: Any, modes: Callable[[], list[Any]]) -> Iterator[None]:
+    """Inside ``mode``; on the way out it is popped only if still on top of its stack (``modes``):
+    an interrupt inside torch's own temporary pop of it (while it handles a call) leaves it off
+    already, and popping again would raise from an empty stack instead of the interrupt."""
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        if modes()[-1:] == [mode]:
+            mode.__exit__(None, None, None)
 
 
 def _leave_modes(tracer: Tracer, attention: FusedAttention) -> None:
