@@ -28,6 +28,7 @@ from automap.errors import CheckpointError, DependencyError
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.empty import empty_model
 from automap.loading.keys import Match
+from automap.loading.quantized import refuse_declared
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         The model in eval mode, ready for :func:`automap.load` to fill from ``folder``.
 
     Raises:
-        CheckpointError: no or unreadable config.json, or an architecture transformers lacks.
+        CheckpointError: no or unreadable config.json, an architecture transformers lacks,
+            or a quantized checkpoint (``quantization_config``).
         DependencyError: transformers is not installed.
 
     Example:
@@ -153,6 +155,7 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         ('GPT2LMHeadModel', device(type='meta'))
     """
     config = read_config(folder)
+    refuse_declared(folder, config)
     dtype = dtype or config_dtype(config)
     if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
