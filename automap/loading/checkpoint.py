@@ -266,7 +266,25 @@ def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
                        and not NOT_MODEL.fullmatch(p.name))
         if files:
             return files, None
-    raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth")
+    raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth"
+                          f"{_foreign_note(folder)}")
+
+
+# Weights of other frameworks that hub folders hold instead of PyTorch's, and how to get those.
+FOREIGN = {".h5": ("TensorFlow", "from_tf=True"), ".msgpack": ("Flax", "from_flax=True"),
+           ".gguf": ("GGUF", "gguf_file=...")}
+
+
+def _foreign_note(folder: Path) -> str:
+    """What a folder without PyTorch weights holds instead (``tf_model.h5``), and how to
+    convert it: empty when it holds none of :data:`FOREIGN`."""
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in FOREIGN and p.is_file())
+    if not found:
+        return ""
+    framework, flag = FOREIGN[Path(found[0]).suffix]
+    return (f"; it holds {framework} weights ({', '.join(found[:3])}), which automap does not read. Convert them once "
+            f"with transformers (AutoModel...from_pretrained(folder, {flag}).save_pretrained(folder); transformers 5 "
+            "reads only GGUF so, TensorFlow and Flax weights need transformers 4.x) and load the safetensors it writes")
 
 
 def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from automap.errors import CheckpointError, DependencyError
-from automap.loading.checkpoint import Checkpoint
+from automap.loading.checkpoint import Checkpoint, open_checkpoint
 from automap.loading.empty import empty_model
-from automap.loading.keys import Match
+from automap.loading.keys import Match, match_keys
+from automap.loading.quantized import refuse_declared
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,38 @@ def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
     return None
 
 
+def fitting_head(config: Any, folder: str | os.PathLike[str]) -> nn.Module | None:
+    """For a config that names no architecture: the first of its family's heads (the
+    :data:`AUTO_CLASSES` first, then every other head transformers maps the family to, the bare
+    model last) whose tensors the checkpoint in ``folder`` fills exactly, keys converted as for
+    the load. A sequence classifier's folder without ``architectures`` then builds the
+    classifier, not a causal LM that lacks its ``classifier`` and has a head it lacks. None of
+    them fitting, the first head there is (:func:`instantiate`), for the load to say what does
+    not match. Only headers are read."""
+    with open_checkpoint(folder) as ckpt:
+        for cls in _family_heads(config):
+            model = cls(config)
+            try:
+                match_keys(model, ckpt)
+            except CheckpointError:
+                continue
+            log.info("%s names no architecture: built %s, whose tensors its checkpoint holds", folder, cls.__name__)
+            return model
+    return instantiate(config)
+
+
+def _family_heads(config: Any) -> list[type]:
+    """The model classes transformers maps ``config``'s family to, :data:`AUTO_CLASSES`' first."""
+    transformers = import_transformers()
+    mappings = transformers.models.auto.modeling_auto
+    first = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+             "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")
+    others = sorted(n for n in dir(mappings) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
+    names = [getattr(mappings, n).get(getattr(config, "model_type", None)) for n in (*first, *others, "MODEL_MAPPING_NAMES")]
+    found = [getattr(transformers, n, None) for n in dict.fromkeys(n for n in names if isinstance(n, str))]
+    return [cls for cls in found if cls is not None and getattr(cls, "config_class", None) is type(config)]
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     """Build modules at ``dtype`` (as ``from_pretrained(dtype=...)`` does): their parameters
@@ -144,7 +177,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         The model in eval mode, ready for :func:`automap.load` to fill from ``folder``.
 
     Raises:
-        CheckpointError: no or unreadable config.json, or an architecture transformers lacks.
+        CheckpointError: no or unreadable config.json, an architecture transformers lacks,
+            or a quantized checkpoint (``quantization_config``).
         DependencyError: transformers is not installed.
 
     Example:
@@ -153,11 +187,12 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         ('GPT2LMHeadModel', device(type='meta'))
     """
     config = read_config(folder)
+    refuse_declared(folder, config)
     dtype = dtype or config_dtype(config)
     if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     with empty_model(), default_dtype(dtype):
-        model = instantiate(config)
+        model = instantiate(config) if getattr(config, "architectures", None) else fitting_head(config, folder)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise CheckpointError(

@@ -13,6 +13,7 @@ from automap.loading.checkpoint import Checkpoint
 from automap.loading.hf import compute_declared_missing
 from automap.loading.keys import Match, extra_state_keys, match_keys, untie
 from automap.loading.materialise import missing_value_message
+from automap.loading.quantized import check_no_dequantizing_cast, declared_note
 from automap.profiling.units import all_named_tensors
 
 
@@ -22,10 +23,18 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
     model declares it computes computed (:func:`compute_declared_missing`).
 
     Raises:
-        CheckpointError: keys that do not match (unless skipped), or a model tensor on meta
-            that no key fills (before anything is read).
+        CheckpointError: keys that do not match (unless skipped), a model tensor on meta
+            that no key fills, or a quantized tensor a parameter would be cast from (before
+            anything is read).
     """
-    match, skipped = _keys(model, ckpt, strict, folder_form)
+    try:
+        match, skipped = _keys(model, ckpt, strict, folder_form)
+    except CheckpointError as exc:
+        note = declared_note(ckpt.path)  # a quantized checkpoint's keys (qweight, absmax) say little by themselves
+        if not note:
+            raise
+        raise CheckpointError(f"{exc}{note}") from exc
+    check_no_dequantizing_cast(model, {n: ckpt.tensors[k].dtype for n, k in match.sources.items()}, ckpt.path)
     if match.untied:
         untie(model, match.untied)
         tied = ", ".join(" = ".join(g) for g in match.untied[:3])
