@@ -346,3 +346,21 @@ def test_the_libraries_warnings_about_the_model_show_only_with_verbose(spec):
     assert quiet.returncode == 0 and "[transformers]" not in quiet.stderr and "Warning" not in quiet.stderr, quiet.stderr
     loud = subprocess.run([*argv, "-v"], capture_output=True, text=True, timeout=300)
     assert loud.returncode == 0 and ("falling back" in loud.stderr or "FutureWarning" in loud.stderr), loud.stderr
+
+
+def test_a_folder_without_architectures_plans_its_head_and_a_quantized_one_is_refused(tmp_path, capsys):
+    """As automap.load builds them: the head whose tensors the checkpoint holds (a classifier,
+    not the family's causal LM); a declared quantization is one line naming it."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if k != "architectures"}))
+    code, out, err = _run(capsys, "plan", str(tmp_path), "--max-memory", "cpu=1GB")
+    assert code == 0 and out.startswith("BertForSequenceClassification"), err
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    code, out, err = _run(capsys, "plan", str(tmp_path), "--max-memory", "cpu=1GB")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "gptq" in err, err
