@@ -99,6 +99,35 @@ def test_1_a_dtype_conversion_of_offloaded_weights_is_refused_at_the_call_and_ch
     assert plain(model) and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
+class CastsItsHead(nn.Module):
+    """A forward that converts one of its own modules at each call, as Switch Transformers'
+    router does (`self.classifier = self.classifier.to(torch.float32)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.head = self.head.to(torch.float64)
+        return self.head(self.body(inputs).double())
+
+
+def test_1_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plain_model(tmp_path):
+    """Small offloaded tensors the forward itself converts are converted into RAM and kept
+    there, as the plain model keeps them; the same call from outside a forward is refused."""
+    plain = CastsItsHead().eval()
+    expected = out(plain)
+    model = automap.dispatch(CastsItsHead().eval(), {"body": "cpu", "head": "disk"}, offload_dir=tmp_path / "off")
+    with pytest.raises(DispatchError, match="offloaded tensor 'head.weight'"):
+        model.head.half()
+    assert torch.equal(out(model), expected) and torch.equal(out(model), expected)
+    assert model.head.weight.dtype == torch.float64
+    automap.undispatch(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
 @pytest.mark.parametrize("move", [lambda m: m.to("meta"), lambda m: m.to("cuda"), lambda m: m.cuda(),
                                   lambda m: m[4].to("meta"), lambda m: m[1].to_empty(device="meta")],
                          ids=["to-meta", "to-gpu", "gpu", "unit-to-meta", "resident-to-empty"])

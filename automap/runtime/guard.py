@@ -7,8 +7,9 @@ attributes of every module of the model, removed again by :func:`automap.undispa
 
 - **conversions** (``Module._apply``: ``.to``, ``.cuda``, ``.cpu``, ``.half``, ``.float``,
   ``.type``, ``to_empty``, on the model or any submodule): one that would move a tensor
-  automap placed to another device, or change the dtype of an offloaded one (which would
-  pull it off disk into RAM behind the plan's back), is refused with
+  automap placed to another device, or change the dtype of offloaded ones (which would
+  pull them off disk into RAM behind the plan's back; up to :data:`SMALL_CONVERSION_BYTES`
+  go through and stay in RAM, converted), is refused with
   :class:`~automap.errors.DispatchError` before any tensor changes; others (a resident unit's
   dtype, a no-op ``.to``) go through. The outermost call checks the whole subtree first, so a
   refusal leaves the model exactly as it was.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -49,7 +51,14 @@ log = logging.getLogger(__name__)
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_state_dict_pre_hooks")
 OVERRIDES = ("_apply", "__getstate__", "__deepcopy__")
-_CHECKED = "automap: memory checked"  # a key of deepcopy's memo (whose own keys are ints)
+_CHECKED = "automap: memory checked"
+# Offloaded bytes a dtype conversion made by the model's own forward may bring into RAM,
+# converted, as the model's own from then on: a router's classifier the forward casts to float32
+# at each call (Switch Transformers: `self.classifier = self.classifier.to(torch.float32)`), as
+# the plain model keeps it. Anything larger, or a conversion from outside a forward, would read
+# the plan's offloaded weights into RAM behind its back.
+SMALL_CONVERSION_BYTES = 16 << 20
+_CALLS = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # a module's __call__  # a key of deepcopy's memo (whose own keys are ints)
 
 
 class Guard:
@@ -159,10 +168,25 @@ class Guard:
             if id(tensor) in offloaded and dtype != tensor.dtype:
                 total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse)
                             if id(t) in offloaded)
+                if total <= SMALL_CONVERSION_BYTES and self.in_forward():
+                    log.info("%s: offloaded %r converted to %s, kept in RAM from now on (%s)", self.name,
+                             named[id(tensor)], dtype, format_bytes(total))
+                    continue
                 raise ConversionError(self.refusal(
                     f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
                     f"offloaded weights ({format_bytes(total)}) off disk into RAM behind the plan's back; to run it in "
                     f"{dtype}, load or dispatch it in that dtype (automap.load(..., dtype=...))"))
+
+    def in_forward(self) -> bool:
+        """Whether this thread is inside the forward of one of the model's modules (the call
+        comes from the model's own code, which the plain model runs too)."""
+        ours = {id(m) for m in self.model.modules()}
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code in _CALLS and id(frame.f_locals.get("self")) in ours:
+                return True
+            frame = frame.f_back
+        return False
 
     def refusal(self, what: str) -> str:
         return (f"this conversion of dispatched {self.name} {what}. Call automap.undispatch(model) first (the model "
