@@ -1,0 +1,95 @@
+"""An adversary against the offload store and in-place checkpoint reading, with real mechanisms
+(``fork``, links, small tmpfs mounts, ``RLIMIT_FSIZE``): what a user or another process does to
+automap's files, or to their own, never loses a byte of theirs, never hangs or crashes the
+process, and ends in the right weights or an ``AutomapError`` naming the fix. Every case that
+could hang or crash runs in a fresh interpreter with a timeout."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# A three-layer net with two layers offloaded to disk, shared by the subprocess cases.
+NET = """
+import copy, os, sys, torch, automap
+from torch import nn
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+DISK = {"a": "cpu", "b": "disk", "c": "disk"}
+plain = Net().eval()
+model = copy.deepcopy(plain)
+x = torch.randn(2, 64)
+"""
+
+
+def run_python(code: str, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    """Run ``NET`` then ``code`` in a fresh interpreter; a hang fails the test at ``timeout``,
+    and the interpreter and every process it forked are killed then."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    proc = subprocess.Popen([sys.executable, "-c", NET + textwrap.dedent(code), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nkilled after {timeout} s: it hung"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    detail = f"exit {result.returncode} (a negative code is the signal that killed it)\n{result.stderr[-3000:]}"
+    assert result.returncode == 0 and "OK" in result.stdout, detail
+    return result.stdout
+
+
+# ------------------------------------------------------------------ fork
+
+
+def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_parents_store(tmp_path):
+    # The parent's prefetch pool believes its idle threads still run in the child: a forward
+    # there queued its prefetch, which no thread ever ran, and waited for it for ever.
+    ok(run_python("""
+        off = sys.argv[1]
+        automap.dispatch(model, DISK, offload_dir=off)
+        with torch.no_grad():
+            want = plain(x)
+            for _ in range(3):  # prefetches done: the pool counts its threads idle
+                assert torch.equal(model(x), want)
+
+        class Forwards(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                with torch.no_grad():
+                    return model(x)
+
+        loader = torch.utils.data.DataLoader(Forwards(), batch_size=None, num_workers=2,
+                                             multiprocessing_context="fork")
+        assert all(torch.equal(out, want) for out in loader)
+        before = sorted(os.listdir(off))
+        pid = os.fork()
+        if pid == 0:  # a child that undispatches its copy and exits through atexit
+            automap.undispatch(model)
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert sorted(os.listdir(off)) == before
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        automap.undispatch(model)
+        assert torch.equal(model(x), plain(x))
+        print("OK")
+    """, str(tmp_path / "off"), timeout=30))
