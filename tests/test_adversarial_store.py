@@ -12,6 +12,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
+import automap
+from automap.offload import MANIFEST
+from conftest import store_dirs
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -93,3 +101,41 @@ def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_par
         assert torch.equal(model(x), plain(x))
         print("OK")
     """, str(tmp_path / "off"), timeout=30))
+
+
+# ------------------------------------------------------------------ what is put into a store
+
+
+def _net_and_copy():
+    import copy
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    return plain, copy.deepcopy(plain)
+
+
+_DISK = {"0": "cpu", "1": "cpu", "2": "disk", "3": "cpu", "4": "disk"}
+
+
+def _round_trip(off: Path) -> None:
+    """Dispatch a fresh copy into ``off``: same outputs, then undispatch."""
+    plain, model = _net_and_copy()
+    x = torch.randn(3, 16)
+    automap.dispatch(model, _DISK, offload_dir=off)
+    assert torch.equal(model(x), plain(x))
+    automap.undispatch(model)
+
+
+@pytest.mark.parametrize("name", ["2.safetensors", MANIFEST])
+def test_a_folder_put_in_place_of_a_store_file_is_left_alone_and_dispatch_still_works(tmp_path, name):
+    # A rename onto a folder fails: every later dispatch into this offload_dir failed with
+    # "writing the offload store failed (Is a directory) ... Free space there".
+    off = tmp_path / "off"
+    _round_trip(off)
+    (store,) = store_dirs(off)
+    (store / name).unlink()
+    (store / name).mkdir()
+    (store / name / "mine.txt").write_text("the user's")
+    for _ in range(2):
+        _round_trip(off)
+    assert (store / name / "mine.txt").read_text() == "the user's"

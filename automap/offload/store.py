@@ -207,14 +207,15 @@ def candidates(root: Path, fingerprint: str) -> list[Path]:
 
 def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     """The store at ``directory`` opened and locked, or None when it is passed over: not a real
-    directory of this user's, its lock file not a plain file of ours, unwritable, in use by a
-    live process, or its lock file cannot be rewritten (immutable)."""
+    directory of this user's, its lock file not a plain file of ours, a folder in place of its
+    manifest (which could never be written), unwritable, in use by a live process, or its lock
+    file cannot be rewritten (immutable)."""
     folder = StoreDir.open(directory)
     if folder is None:
         return None
-    if not folder.is_own_file(LOCK) or not folder.writable():
-        log.info("%s is not a store automap can use (its lock file is not a plain file of ours, or the folder is "
-                 "not writable); passing it over", directory)
+    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable():
+        log.info("%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
+                 "manifest's name, or the folder is not writable); passing it over", directory)
         folder.close()
         return None
     lock = StoreLock.take(folder)

@@ -81,7 +81,10 @@ class StoreWriter:
 
     def __init__(self, folder: StoreDir, fresh: bool):
         self.folder, self.fresh = folder, fresh
-        self.old, self.owned = ({}, set()) if fresh else read_manifest(folder)
+        self.old, owned = ({}, set()) if fresh else read_manifest(folder)
+        # A folder put in place of a store file is someone's, whatever the manifest says: its
+        # name is neither written over (a rename onto it fails) nor removed.
+        self.owned = {name for name in owned if not folder.is_dir(name)}
         self.created: list[str] = []  # names this call created (removed again on failure)
         self.marked = False  # the manifest on disk says "complete": false and lists the new files
 
