@@ -6,6 +6,7 @@ could hang or crash runs in a fresh interpreter with a timeout."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,3 +140,18 @@ def test_a_folder_put_in_place_of_a_store_file_is_left_alone_and_dispatch_still_
     for _ in range(2):
         _round_trip(off)
     assert (store / name / "mine.txt").read_text() == "the user's"
+
+
+def test_a_folder_named_like_a_store_holding_a_users_file_named_like_its_manifest_is_left_alone(tmp_path):
+    # A store folder without a lock file is taken over only when a crash left it: then its
+    # manifest is automap's JSON (written whole, then renamed). A user's file of that name in
+    # a folder of that name was deleted, and the folder used as a store.
+    off = tmp_path / "off"
+    _round_trip(off)
+    (store,) = store_dirs(off)
+    shutil.rmtree(store)
+    store.mkdir()
+    (store / MANIFEST).write_text("the user's notes")
+    _round_trip(off)
+    assert os.listdir(store) == [MANIFEST] and (store / MANIFEST).read_text() == "the user's notes"
+    assert len(store_dirs(off)) == 2, "the dispatch made a store of its own beside it"

@@ -47,7 +47,8 @@ import torch
 
 from automap.errors import OffloadError
 from automap.offload.format import DTYPE_NAMES, write_file
-from automap.offload.manifest import FORMAT, MANIFEST, VERSION, Record, checksum, read_manifest, write_manifest
+from automap.offload.manifest import (FORMAT, MANIFEST, VERSION, Record, checksum, is_manifest, read_manifest,
+                                      write_manifest)
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
 from automap.interrupts import deferred
@@ -275,8 +276,9 @@ def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
 
 def adopt(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     """``directory`` locked and started afresh if it is one of ours that a crash left before
-    its lock file existed: a folder of this user's holding nothing but automap's manifest and
-    temporary files, and no live writer. Else None: it is not touched."""
+    its lock file existed: a folder of this user's holding nothing but automap's manifest (a
+    file of that name that is not one is the user's) and temporary files, and no live writer.
+    Else None: it is not touched."""
     folder = StoreDir.open(directory)
     if folder is None:
         return None
@@ -286,7 +288,7 @@ def adopt(directory: Path) -> tuple[StoreDir, StoreLock] | None:
         return None
     entries = folder.names()
     ours = all((e == MANIFEST or is_temp_of(e, {MANIFEST, LOCK})) and folder.is_own_file(e) for e in entries)
-    if not ours:
+    if not ours or (MANIFEST in entries and not is_manifest(folder)):
         lock.release()
         folder.close()
         return None
