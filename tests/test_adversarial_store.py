@@ -5,6 +5,7 @@ process, and ends in the right weights or an ``AutomapError`` naming the fix. Ev
 could hang or crash runs in a fresh interpreter with a timeout."""
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import signal
@@ -14,10 +15,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
 import automap
+from automap.errors import OffloadError
 from automap.offload import MANIFEST
 from conftest import store_dirs
 
@@ -107,11 +110,13 @@ def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_par
 # ------------------------------------------------------------------ what is put into a store
 
 
-def _net_and_copy():
-    import copy
+def _net() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
 
+
+def _net_and_copy():
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    plain = _net()
     return plain, copy.deepcopy(plain)
 
 
@@ -155,3 +160,46 @@ def test_a_folder_named_like_a_store_holding_a_users_file_named_like_its_manifes
     _round_trip(off)
     assert os.listdir(store) == [MANIFEST] and (store / MANIFEST).read_text() == "the user's notes"
     assert len(store_dirs(off)) == 2, "the dispatch made a store of its own beside it"
+
+
+# ------------------------------------------------------------------ a checkpoint read in place, changed
+
+
+def _rewrite_in_place(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file into the same inode (what ``save_file`` does not: it makes a new one)."""
+    data = safetensors.torch.save(tensors)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+
+
+@pytest.mark.parametrize("mapped_layout", ["same", "other"])
+def test_a_checkpoint_rewritten_in_place_after_its_folder_moved_is_judged_by_its_own_header(tmp_path, mapped_layout):
+    # The layout check read the header of whatever the old name held: a same-layout file put
+    # there made a mapped file rewritten with another layout pass, and the model silently ran
+    # on shifted bytes; a file of another layout there refused a mapped file that was fine.
+    plain, other = _net_and_copy()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1)
+    weights = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    new = {k: v.contiguous() for k, v in other.state_dict().items()}
+    (tmp_path / "ck").mkdir()
+    safetensors.torch.save_file(weights, tmp_path / "ck" / "model.safetensors")
+    with automap.empty_model():
+        model = _net()
+    automap.load(model, tmp_path / "ck" / "model.safetensors", device_map=_DISK)
+    os.rename(tmp_path / "ck", tmp_path / "ck.old")
+    (tmp_path / "ck").mkdir()
+    shifted = {"first": torch.ones(100), **new}
+    at_name, mapped = (shifted, new) if mapped_layout == "same" else (weights, shifted)
+    safetensors.torch.save_file(at_name, tmp_path / "ck" / "model.safetensors")
+    _rewrite_in_place(mapped, tmp_path / "ck.old" / "model.safetensors")
+    x = torch.randn(3, 16)
+    if mapped_layout == "other":
+        with pytest.raises(OffloadError, match="rewritten with another layout"):
+            model(x)
+        return
+    for name in ("0", "1", "3"):  # the units in memory were read at load: the plain model's
+        setattr(other, name, getattr(plain, name))
+    assert torch.equal(model(x), other(x))
