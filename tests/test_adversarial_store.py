@@ -203,3 +203,21 @@ def test_a_checkpoint_rewritten_in_place_after_its_folder_moved_is_judged_by_its
     for name in ("0", "1", "3"):  # the units in memory were read at load: the plain model's
         setattr(other, name, getattr(plain, name))
     assert torch.equal(model(x), other(x))
+
+
+# ------------------------------------------------------------------ torch's API on offloaded weights
+
+
+def test_share_memory_of_offloaded_weights_is_refused_and_changes_nothing(tmp_path):
+    # It went through: the offloaded weights were copied into shared memory (RAM), while the
+    # report went on saying they were read from their files in place.
+    plain, model = _net_and_copy()
+    automap.dispatch(model, _DISK, offload_dir=tmp_path / "off")
+    with pytest.raises(automap.ConversionError, match=r"'2\.weight' into shared memory .*map them to 'cpu'"):
+        model.share_memory()
+    assert not any(t.is_shared() for t in model.state_dict().values())
+    assert "read from files in place" in automap.placement(model).report()
+    model[0].share_memory()  # a resident unit may be shared
+    x = torch.randn(3, 16)
+    assert torch.equal(model(x), plain(x))
+    automap.undispatch(model)
