@@ -221,3 +221,28 @@ def test_share_memory_of_offloaded_weights_is_refused_and_changes_nothing(tmp_pa
     x = torch.randn(3, 16)
     assert torch.equal(model(x), plain(x))
     automap.undispatch(model)
+
+
+# ------------------------------------------------------------------ limits
+
+
+def test_a_file_size_limit_while_loading_names_the_limit_and_leaves_nothing(tmp_path):
+    # RLIMIT_FSIZE (EFBIG) was told to "free space there", which does not help.
+    out = ok(run_python("""
+        import resource, signal
+        from safetensors.torch import save_model
+        save_model(plain, sys.argv[1])
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (600, 600))  # the manifest fits, a unit's file does not
+        with automap.empty_model():
+            skeleton = Net().eval()
+        before = {n: (t.device, t.dtype) for n, t in skeleton.state_dict().items()}
+        try:  # float16: the checkpoint's float32 weights cannot be read in place, they are written
+            automap.load(skeleton, sys.argv[1], device_map=DISK, offload_dir=sys.argv[2], dtype=torch.float16)
+        except automap.OffloadError as exc:
+            print("OK", exc)
+        assert automap.runtime.state_of(skeleton) is None
+        assert {n: (t.device, t.dtype) for n, t in skeleton.state_dict().items()} == before
+    """, str(tmp_path / "m.safetensors"), str(tmp_path / "off")))
+    assert "File too large" in out and "ulimit -f" in out, out
+    assert not (tmp_path / "off").exists()

@@ -189,6 +189,8 @@ def as_offload_error(exc: BaseException, folder: StoreDir | Path) -> BaseExcepti
 _FIXES = {
     errno.EMFILE: "The process may open no more files: raise its limit (ulimit -n) and try again",
     errno.ENFILE: "The system may open no more files: close some, or raise fs.file-max, and try again",
+    errno.EFBIG: ("A file may not grow that large here: raise the process's file size limit (ulimit -f), or pass "
+                  "an offload_dir on a file system that takes files that large"),
     errno.EROFS: "The file system is read-only: pass an offload_dir on a writable one",
     errno.EACCES: "Pass an offload_dir you may write to",
     errno.EPERM: "Pass an offload_dir you may write to",
