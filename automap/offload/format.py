@@ -185,9 +185,21 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     except OSError as exc:
         raise FormatError(f"{file} cannot be read ({exc.strerror or exc}); make it readable") from exc
     try:
-        length, size, text = _read_head(file, fd)
+        return header_of(fd, file)
     finally:
         os.close(fd)
+
+
+def header_of(fd: int, file: str | os.PathLike[str]) -> Header:
+    """The validated header of the safetensors file open as ``fd`` (named ``file`` in
+    messages): of the file itself, whatever its name holds now. Reads with ``pread``, so the
+    descriptor's offset is left as it is.
+
+    Raises:
+        FormatError: as :func:`read_header`.
+    """
+    file = Path(file)
+    length, size, text = _read_head(file, fd)
     data = load_json(text, f"{file} has a corrupted safetensors header", _HINT)
     return _validated(file, data, 8 + length, size)
 

@@ -61,6 +61,16 @@ def write_manifest(folder: StoreDir, records: Mapping[str, Record], complete: bo
     folder.write_new(MANIFEST, json.dumps(payload, indent=1).encode())
 
 
+def is_manifest(folder: StoreDir) -> bool:
+    """Whether ``folder`` holds a manifest of automap's format (any version, complete or not).
+    It is always whole JSON: written under a temporary name and renamed."""
+    try:
+        data = load_json(folder.read(MANIFEST, MAX_MANIFEST_BYTES), f"manifest {folder / MANIFEST} is damaged", "")
+    except (OSError, FormatError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
 def read_manifest(directory: Path | StoreDir) -> tuple[dict[str, Record], set[str]]:
     """``(records, owned files)`` of a store's manifest. Records only from a complete manifest
     of this format and version — anything else (missing, a link, not JSON, another schema or

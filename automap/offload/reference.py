@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from automap.errors import AutomapError, OffloadError
-from automap.offload.format import read_header
+from automap.offload.format import header_of
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
 
@@ -57,8 +57,8 @@ class CheckpointSource(MappedSource):
                 "automap.load); automap reads offloaded weights from the checkpoint in place")
 
     def accept_change(self, mapped: MappedFile, now: Signature) -> None:
-        try:
-            header = read_header(mapped.path)
+        try:  # the header of the file mapped, not of whatever its name names now (moved, replaced)
+            header = header_of(mapped.fd, mapped.path)
         except AutomapError as exc:
             raise OffloadError(f"{self.kind} {mapped.path} changed after automap mapped it and is no longer "
                                f"readable ({exc}); {self.fix}") from exc

@@ -47,7 +47,8 @@ import torch
 
 from automap.errors import OffloadError
 from automap.offload.format import DTYPE_NAMES, write_file
-from automap.offload.manifest import FORMAT, MANIFEST, VERSION, Record, checksum, read_manifest, write_manifest
+from automap.offload.manifest import (FORMAT, MANIFEST, VERSION, Record, checksum, is_manifest, read_manifest,
+                                      write_manifest)
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
 from automap.interrupts import deferred
@@ -207,14 +208,15 @@ def candidates(root: Path, fingerprint: str) -> list[Path]:
 
 def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     """The store at ``directory`` opened and locked, or None when it is passed over: not a real
-    directory of this user's, its lock file not a plain file of ours, unwritable, in use by a
-    live process, or its lock file cannot be rewritten (immutable)."""
+    directory of this user's, its lock file not a plain file of ours, a folder in place of its
+    manifest (which could never be written), unwritable, in use by a live process, or its lock
+    file cannot be rewritten (immutable)."""
     folder = StoreDir.open(directory)
     if folder is None:
         return None
-    if not folder.is_own_file(LOCK) or not folder.writable():
-        log.info("%s is not a store automap can use (its lock file is not a plain file of ours, or the folder is "
-                 "not writable); passing it over", directory)
+    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable():
+        log.info("%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
+                 "manifest's name, or the folder is not writable); passing it over", directory)
         folder.close()
         return None
     lock = StoreLock.take(folder)
@@ -274,8 +276,9 @@ def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
 
 def adopt(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     """``directory`` locked and started afresh if it is one of ours that a crash left before
-    its lock file existed: a folder of this user's holding nothing but automap's manifest and
-    temporary files, and no live writer. Else None: it is not touched."""
+    its lock file existed: a folder of this user's holding nothing but automap's manifest (a
+    file of that name that is not one is the user's) and temporary files, and no live writer.
+    Else None: it is not touched."""
     folder = StoreDir.open(directory)
     if folder is None:
         return None
@@ -285,7 +288,7 @@ def adopt(directory: Path) -> tuple[StoreDir, StoreLock] | None:
         return None
     entries = folder.names()
     ours = all((e == MANIFEST or is_temp_of(e, {MANIFEST, LOCK})) and folder.is_own_file(e) for e in entries)
-    if not ours:
+    if not ours or (MANIFEST in entries and not is_manifest(folder)):
         lock.release()
         folder.close()
         return None

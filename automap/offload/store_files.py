@@ -90,6 +90,12 @@ class StoreDir:
         """Whether anything — a file, a folder, a link, even a dangling one — has this name."""
         return self.lstat(name) is not None
 
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a real directory (a link to one is not): no file can be renamed
+        over it, and it is never automap's to write or remove."""
+        info = self.lstat(name)
+        return info is not None and stat.S_ISDIR(info.st_mode)
+
     def is_own_file(self, name: str) -> bool:
         """A regular file of this user's with no other name (no hard link to a user's file)."""
         info = self.lstat(name)

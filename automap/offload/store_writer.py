@@ -81,7 +81,10 @@ class StoreWriter:
 
     def __init__(self, folder: StoreDir, fresh: bool):
         self.folder, self.fresh = folder, fresh
-        self.old, self.owned = ({}, set()) if fresh else read_manifest(folder)
+        self.old, owned = ({}, set()) if fresh else read_manifest(folder)
+        # A folder put in place of a store file is someone's, whatever the manifest says: its
+        # name is neither written over (a rename onto it fails) nor removed.
+        self.owned = {name for name in owned if not folder.is_dir(name)}
         self.created: list[str] = []  # names this call created (removed again on failure)
         self.marked = False  # the manifest on disk says "complete": false and lists the new files
 
@@ -186,6 +189,8 @@ def as_offload_error(exc: BaseException, folder: StoreDir | Path) -> BaseExcepti
 _FIXES = {
     errno.EMFILE: "The process may open no more files: raise its limit (ulimit -n) and try again",
     errno.ENFILE: "The system may open no more files: close some, or raise fs.file-max, and try again",
+    errno.EFBIG: ("A file may not grow that large here: raise the process's file size limit (ulimit -f), or pass "
+                  "an offload_dir on a file system that takes files that large"),
     errno.EROFS: "The file system is read-only: pass an offload_dir on a writable one",
     errno.EACCES: "Pass an offload_dir you may write to",
     errno.EPERM: "Pass an offload_dir you may write to",

@@ -6,10 +6,11 @@ kinds of call would otherwise go wrong silently or crash, and each is handled wh
 attributes of every module of the model, removed again by :func:`automap.undispatch`):
 
 - **conversions** (``Module._apply``: ``.to``, ``.cuda``, ``.cpu``, ``.half``, ``.float``,
-  ``.type``, ``to_empty``, on the model or any submodule): one that would move a tensor
-  automap placed to another device, or change the dtype of offloaded ones (which would
-  pull them off disk into RAM behind the plan's back; up to :data:`SMALL_CONVERSION_BYTES`
-  go through and stay in RAM, converted), is refused with
+  ``.type``, ``to_empty``, ``share_memory``, on the model or any submodule): one that would
+  move a tensor automap placed to another device, or change the dtype of offloaded ones or
+  move them into shared memory (which would pull them off disk into RAM behind the plan's
+  back; up to :data:`SMALL_CONVERSION_BYTES` that the model's own forward converts go through),
+  is refused with
   :class:`~automap.errors.DispatchError` before any tensor changes; others (a resident unit's
   dtype, a no-op ``.to``) go through. The outermost call checks the whole subtree first, so a
   refusal leaves the model exactly as it was.
@@ -148,11 +149,12 @@ class Guard:
 
     def check_conversion(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> None:
         """Refuse ``fn`` (what ``Module._apply`` would apply) if it would move a tensor
-        automap placed to another device or change an offloaded tensor's dtype."""
+        automap placed to another device, change an offloaded tensor's dtype or move it into
+        shared memory."""
         offloaded = self.offloaded(module, recurse)
         named = {id(t): n for n, t in [*self.model.named_parameters(remove_duplicate=False),
                                        *self.model.named_buffers(remove_duplicate=False)]}
-        seen: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device]] = {}
+        seen: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device, bool]] = {}
         for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
             placed = id(tensor) in self.state.original
             if not (placed or id(tensor) in offloaded):
@@ -160,22 +162,32 @@ class Guard:
             key = (tensor.dtype, tensor.device)
             if key not in seen:
                 seen[key] = probe(fn, tensor, named[id(tensor)], self.refusal)
-            dtype, device = seen[key]
+            dtype, device, shared = seen[key]
             if device != tensor.device:
                 raise ConversionError(self.refusal(f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
                                                  f"{device}; automap placed every unit of the model, and moving it by "
                                                  "hand would break that placement"))
+            if id(tensor) in offloaded and shared:
+                raise ConversionError(self.refusal(
+                    f"would copy offloaded tensor {named[id(tensor)]!r} into shared memory (share_memory), reading "
+                    f"the offloaded weights ({format_bytes(self.offloaded_bytes(module, recurse))}) off disk into RAM "
+                    "behind the plan's back; to share the model between processes, keep its units in memory (map "
+                    "them to 'cpu')"))
             if id(tensor) in offloaded and dtype != tensor.dtype:
-                total = sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse)
-                            if id(t) in offloaded)
-                if total <= SMALL_CONVERSION_BYTES and self.in_forward():
+                total = self.offloaded_bytes(module, recurse)
+                if total <= SMALL_CONVERSION_BYTES and self.in_forward():  # the model's own code: as plain
                     log.info("%s: offloaded %r converted to %s, kept in RAM from now on (%s)", self.name,
                              named[id(tensor)], dtype, format_bytes(total))
                     continue
                 raise ConversionError(self.refusal(
                     f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
-                    f"offloaded weights ({format_bytes(total)}) off disk into RAM behind the plan's back; to run it in "
-                    f"{dtype}, load or dispatch it in that dtype (automap.load(..., dtype=...))"))
+                    f"offloaded weights ({format_bytes(self.offloaded_bytes(module, recurse))}) off disk into RAM "
+                    f"behind the plan's back; to run it in {dtype}, load or dispatch it in that dtype "
+                    "(automap.load(..., dtype=...))"))
+
+    def offloaded_bytes(self, module: nn.Module, recurse: bool) -> int:
+        offloaded = self.offloaded(module, recurse)
+        return sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse) if id(t) in offloaded)
 
     def in_forward(self) -> bool:
         """Whether this thread is inside the forward of one of the model's modules (the call
@@ -238,14 +250,17 @@ class Guard:
 
 
 def probe(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name: str,
-          refusal: Callable[[str], str]) -> tuple[torch.dtype, torch.device]:
-    """What ``fn`` makes of a tensor like ``tensor`` (dtype, device), tried on one element."""
+          refusal: Callable[[str], str]) -> tuple[torch.dtype, torch.device, bool]:
+    """What ``fn`` makes of a tensor like ``tensor`` (dtype, device, and whether it moved it
+    into shared memory, as ``share_memory`` does in place), tried on one element."""
+    sample = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
+    was_shared = sample.is_shared()
     try:
         with torch.no_grad():
-            out = fn(torch.empty(1, dtype=tensor.dtype, device=tensor.device))
+            out = fn(sample)
     except Exception as exc:  # noqa: BLE001 - the conversion's own failure, reported with the refusal
         raise ConversionError(refusal(f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
                                     "conversion that moves a placed tensor is refused")) from exc
     if not isinstance(out, torch.Tensor):
         raise ConversionError(refusal(f"does not give a tensor for {name!r}"))
-    return out.dtype, out.device
+    return out.dtype, out.device, out.is_shared() and not was_shared

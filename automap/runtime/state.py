@@ -3,6 +3,7 @@ and their weight source, found through :func:`state_of`; and the :class:`Gate` t
 :func:`automap.undispatch` wait for forwards in flight."""
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -223,6 +224,20 @@ def remember(model: nn.Module, state: DispatchState) -> None:
 def forget(model: nn.Module) -> None:
     """Drop ``model``'s dispatch state (after :func:`automap.undispatch` undid it)."""
     _STATES.pop(model, None)
+
+
+def _stop_prefetch_in_child() -> None:
+    """A forked child (a DataLoader worker) has none of its parent's threads, but inherits its
+    transfers, whose worker pool believes its idle threads still run: a prefetch queued there
+    is never done, and the forward that waits for it hangs for ever. Closing each transfer
+    drops what is queued and turns prefetching off in the child; its forwards read their
+    pages as they fault them in, with the same values."""
+    for state in list(_STATES.values()):
+        if state.transfer is not None:
+            state.transfer.close()
+
+
+os.register_at_fork(after_in_child=_stop_prefetch_in_child)
 
 
 def check_not_dispatched(model: nn.Module) -> None:
