@@ -107,6 +107,31 @@ def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_par
     """, str(tmp_path / "off"), timeout=30))
 
 
+def test_a_fork_while_a_prefetch_holds_the_transfers_lock_leaves_the_child_working(tmp_path):
+    # A thread of the parent inside Transfer.prefetch holds its lock at the fork; the child
+    # inherits the lock held by a thread it does not have. Held here by the parent itself.
+    ok(run_python("""
+        from automap.runtime import state_of
+        automap.dispatch(model, DISK, offload_dir=sys.argv[1])
+        with torch.no_grad():
+            want = plain(x)
+            assert torch.equal(model(x), want)
+        state_of(model).transfer._state.acquire()
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)  # as a DataLoader worker: torch's OpenMP pool is the parent's
+            with torch.no_grad():
+                same = torch.equal(model(x), want)
+            automap.undispatch(model)
+            os._exit(0 if same and torch.equal(model(x), want) else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+        state_of(model).transfer._state.release()
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        print("OK")
+    """, str(tmp_path / "off"), timeout=30))
+
+
 # ------------------------------------------------------------------ what is put into a store
 
 

@@ -143,6 +143,16 @@ class Transfer(abc.ABC):
         """Page-locked host memory this transfer holds (its staging buffer)."""
         return 0
 
+    def forget_threads(self) -> None:
+        """In a forked child: the parent's worker does not exist here, its pool believes it
+        does (a prefetch queued there would never run, and the forward waiting for it would
+        hang), and a lock may have been held by one of the parent's threads at the fork. Start
+        afresh without prefetching: :meth:`take` reads what it needs as it did without one."""
+        self._state = threading.Lock()
+        self._pending = {}
+        self._closed = True
+        self._pool = ThreadPoolExecutor(max_workers=self.lookahead, thread_name_prefix="automap-prefetch")
+
     def close(self) -> None:
         """Stop the worker, dropping any prefetch in flight; a later :meth:`prefetch` does
         nothing (:meth:`take` still works, without one)."""

@@ -168,6 +168,10 @@ class ExpertReads(Hook):
         if self._pool is not None:
             self._pool.submit(lambda: None).result()
 
+    def forget_threads(self) -> None:
+        """In a forked child: the parent's worker does not exist here; guess no more."""
+        self._pool = None
+
     def detach(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:

@@ -229,12 +229,17 @@ def forget(model: nn.Module) -> None:
 def _stop_prefetch_in_child() -> None:
     """A forked child (a DataLoader worker) has none of its parent's threads, but inherits its
     transfers, whose worker pool believes its idle threads still run: a prefetch queued there
-    is never done, and the forward that waits for it hangs for ever. Closing each transfer
-    drops what is queued and turns prefetching off in the child; its forwards read their
-    pages as they fault them in, with the same values."""
+    is never done, and the forward that waits for it hangs for ever. Each transfer (and each
+    reader of guessed experts) starts afresh without prefetching in the child, taking no lock a
+    parent's thread may have held at the fork; its forwards read their pages as they fault
+    them in, with the same values."""
     for state in list(_STATES.values()):
         if state.transfer is not None:
-            state.transfer.close()
+            state.transfer.forget_threads()
+        for hook in state.hooks:
+            forget = getattr(hook, "forget_threads", None)  # ExpertReads: its worker is the parent's
+            if forget is not None:
+                forget()
 
 
 os.register_at_fork(after_in_child=_stop_prefetch_in_child)
