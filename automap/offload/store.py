@@ -140,14 +140,16 @@ class OffloadStore(MappedSource):
         root = Path(offload_dir)
         made = make_root(root)
         fingerprint = fingerprint_of(specs)
+        started: list[Path] = []  # a store this call made, until _fill has it (or has removed it)
         try:
             for directory in candidates(root, fingerprint):
                 store = cls._reuse(directory, specs, read, made)
                 if store is not None:
                     return store
-            folder, lock = new_store_dir(root, fingerprint)
-            return cls._fill(folder, lock, specs, read, fresh=True, made=made)
+            folder, lock = new_store_dir(root, fingerprint, started)
+            return cls._fill(folder, lock, specs, read, fresh=True, made=made, started=started)
         except BaseException as exc:
+            discard_started(started)  # an interrupt between the two calls: the new store's first files go
             remove_folders(made)
             wrapped = as_offload_error(exc, root)
             if wrapped is exc:
@@ -171,14 +173,19 @@ class OffloadStore(MappedSource):
 
     @classmethod
     def _fill(cls, folder: StoreDir, lock: StoreLock, specs: Mapping[str, TensorSpec],
-              read: Callable[[str], torch.Tensor], *, fresh: bool, made: list[Path]) -> OffloadStore:
-        writer = StoreWriter(folder, fresh)
+              read: Callable[[str], torch.Tensor], *, fresh: bool, made: list[Path],
+              started: list[Path] | None = None) -> OffloadStore:
+        writer: StoreWriter | None = None
         try:
+            writer = StoreWriter(folder, fresh)
+            if started:
+                started.clear()  # its cleanup is this one's from here
             records = writer.write_all(specs, read)
             store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made)
         except BaseException as exc:
             wrapped = as_offload_error(exc, folder)
-            writer.undo()
+            if writer is not None:
+                writer.undo()
             if fresh:
                 folder.remove([MANIFEST, LOCK])
                 remove_folders([folder.path])
@@ -234,7 +241,7 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     return folder, lock
 
 
-def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
+def new_store_dir(root: Path, fingerprint: str, started: list[Path]) -> tuple[StoreDir, StoreLock]:
     """Create the next free ``automap-store-<fingerprint>-<n>`` (mkdir is atomic, so two
     processes never get the same one), lock it, then write its manifest and lock file: whoever
     sees the lock file finds the lock held. A directory of ours that a crash left before its
@@ -253,6 +260,7 @@ def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
                 try:
                     os.mkdir(directory)
                     made = True
+                    started.append(directory)
                 except FileExistsError:
                     pass
             if not made:
@@ -272,6 +280,17 @@ def new_store_dir(root: Path, fingerprint: str) -> tuple[StoreDir, StoreLock]:
             folder.close()  # another process took it over between our mkdir and our lock
     raise OffloadError(f"{root} already holds {MAX_STORES:,} offload stores of this model; delete the "
                        f"{STORE_PREFIX}{fingerprint}-* directories that no process uses")
+
+
+def discard_started(started: list[Path]) -> None:
+    """Remove the first files (manifest, lock file) of stores made by this call that nothing
+    holds yet, and their directories if nothing else is in them."""
+    for directory in started:
+        folder = StoreDir.open(directory)
+        if folder is not None:
+            folder.remove([MANIFEST, LOCK])
+            folder.close()
+        remove_folders([directory])
 
 
 def adopt(directory: Path) -> tuple[StoreDir, StoreLock] | None:
