@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from automap.errors import AutomapError, SpecError
-from automap.loading.hf import config_dtype, fitting_head, import_transformers, instantiate, is_model_folder, read_config
+from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,6 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
     its checkpoint stores it in (the shapes must match). Only headers are read."""
     from automap.loading import match_keys, open_checkpoint
     from automap.loading.hf import take_stored_dtypes
-    from automap.loading.quantized import refuse_declared
 
     if overrides:
         raise SpecError(f"--set changes the architecture, but {path}'s weights fix it; plan "
@@ -199,11 +198,8 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
         raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
                         "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
     config = read_config(path)
-    refuse_declared(path, config)  # its layers would be quantized ones, of other sizes
-    if getattr(config, "architectures", None):
-        model = _on_meta(path, lambda: _hf_model(config, guess=False))  # its weights need the real class
-    else:  # the head whose tensors the checkpoint holds, as automap.load builds it
-        model = _on_meta(path, lambda: fitting_head(config, path) or _hf_model(config, guess=False))
+    # What automap.load builds: its weights need the real class (a quantized one is refused).
+    model = _on_meta(path, lambda: folder_model(config, path) or _hf_model(config, guess=False))
     with open_checkpoint(path) as checkpoint:
         match = match_keys(model, checkpoint)
         take_stored_dtypes(model, checkpoint, match)

@@ -28,12 +28,11 @@ from automap.errors import CheckpointError, DependencyError
 from automap.loading.checkpoint import Checkpoint, open_checkpoint
 from automap.loading.empty import empty_model
 from automap.loading.keys import Match, match_keys
-from automap.loading.quantized import refuse_declared
+from automap.loading.quantized import CONFIG_NAME, refuse_declared
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
 # Heads to try when a config names no architecture, most useful first: a family is built as
 # what people run it as.
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
@@ -118,6 +117,18 @@ def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
     return None
 
 
+def folder_model(config: Any, folder: str | os.PathLike[str]) -> nn.Module | None:
+    """The model ``folder``'s config names (None: transformers lacks its class), or, when it
+    names none, the head its checkpoint fits (:func:`fitting_head`), built on the current
+    default device: what :func:`build_from_folder` loads and ``automap plan FOLDER`` plans.
+
+    Raises:
+        CheckpointError: the config declares a quantization (:func:`refuse_declared`).
+    """
+    refuse_declared(folder, config)
+    return instantiate(config) if getattr(config, "architectures", None) else fitting_head(config, folder)
+
+
 def fitting_head(config: Any, folder: str | os.PathLike[str]) -> nn.Module | None:
     """For a config that names no architecture: the first of its family's heads (the
     :data:`AUTO_CLASSES` first, then every other head transformers maps the family to, the bare
@@ -187,12 +198,11 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         ('GPT2LMHeadModel', device(type='meta'))
     """
     config = read_config(folder)
-    refuse_declared(folder, config)
     dtype = dtype or config_dtype(config)
     if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     with empty_model(), default_dtype(dtype):
-        model = instantiate(config) if getattr(config, "architectures", None) else fitting_head(config, folder)
+        model = folder_model(config, folder)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise CheckpointError(

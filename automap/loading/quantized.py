@@ -29,7 +29,7 @@ from torch import nn
 from automap.errors import CheckpointError, FormatError
 from automap.offload import load_json, read_regular
 
-CONFIG_NAME = "config.json"
+CONFIG_NAME = "config.json"  # the config of a Hugging Face model folder
 # A config.json is a few kB; a larger file is not one worth reading for this check.
 MAX_CONFIG_BYTES = 16 << 20
 # The fields that say most about a quantization, named in messages after its method.

@@ -52,14 +52,14 @@ log = logging.getLogger(__name__)
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_state_dict_pre_hooks")
 OVERRIDES = ("_apply", "__getstate__", "__deepcopy__")
-_CHECKED = "automap: memory checked"
+_CHECKED = "automap: memory checked"  # a key of deepcopy's memo (whose own keys are ints)
 # Offloaded bytes a dtype conversion made by the model's own forward may bring into RAM,
 # converted, as the model's own from then on: a router's classifier the forward casts to float32
 # at each call (Switch Transformers: `self.classifier = self.classifier.to(torch.float32)`), as
 # the plain model keeps it. Anything larger, or a conversion from outside a forward, would read
 # the plan's offloaded weights into RAM behind its back.
 SMALL_CONVERSION_BYTES = 16 << 20
-_CALLS = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # a module's __call__  # a key of deepcopy's memo (whose own keys are ints)
+_CALLS = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # a module's __call__
 
 
 class Guard:
@@ -181,7 +181,7 @@ class Guard:
                     continue
                 raise ConversionError(self.refusal(
                     f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
-                    f"offloaded weights ({format_bytes(self.offloaded_bytes(module, recurse))}) off disk into RAM "
+                    f"offloaded weights ({format_bytes(total)}) off disk into RAM "
                     f"behind the plan's back; to run it in {dtype}, load or dispatch it in that dtype "
                     "(automap.load(..., dtype=...))"))
 
