@@ -271,3 +271,34 @@ def test_a_file_size_limit_while_loading_names_the_limit_and_leaves_nothing(tmp_
     """, str(tmp_path / "m.safetensors"), str(tmp_path / "off")))
     assert "File too large" in out and "ulimit -f" in out, out
     assert not (tmp_path / "off").exists()
+
+
+def test_no_file_descriptors_left_fails_dispatch_naming_the_limit_and_leaves_nothing(tmp_path):
+    # RLIMIT_NOFILE a few descriptors above what is open: some step of writing or mapping the
+    # store cannot open its file, wherever that falls.
+    out = ok(run_python("""
+        import resource
+        off = sys.argv[1]
+        os.makedirs(off)
+        with open(os.path.join(off, "mine.txt"), "w") as f:
+            f.write("keep")
+        want = plain(x)
+        open_now = len(os.listdir("/proc/self/fd"))
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        for extra in (2, 4, 6, 8):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + extra, hard))
+            try:
+                automap.dispatch(model, DISK, offload_dir=off)
+            except automap.AutomapError as exc:
+                assert "ulimit -n" in str(exc), exc
+                assert sorted(os.listdir(off)) == ["mine.txt"], os.listdir(off)  # nothing half-written
+                print("refused", extra)
+            else:
+                automap.undispatch(model)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+            assert torch.equal(model(x), want)
+        assert open(os.path.join(off, "mine.txt")).read() == "keep"
+        print("OK")
+    """, str(tmp_path / "off")))
+    assert "refused" in out

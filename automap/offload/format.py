@@ -22,6 +22,7 @@ plain ``OSError`` that the store turns into an :class:`~automap.errors.OffloadEr
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -166,6 +167,13 @@ class Header:
         return max((t.end for t in self.tensors.values()), default=self.data_start)
 
 
+# When no file may be opened, the fix is the limit's, not the file's (reading or writing a store).
+OPEN_FILE_FIXES = {
+    errno.EMFILE: "The process may open no more files: raise its limit (ulimit -n) and try again",
+    errno.ENFILE: "The system may open no more files: close some, or raise fs.file-max, and try again",
+}
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at ``path``.
 
@@ -183,7 +191,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     except FileNotFoundError as exc:
         raise FormatError(f"{file} is missing") from exc
     except OSError as exc:
-        raise FormatError(f"{file} cannot be read ({exc.strerror or exc}); make it readable") from exc
+        fix = OPEN_FILE_FIXES.get(exc.errno, "Make it readable")
+        raise FormatError(f"{file} cannot be read ({exc.strerror or exc}). {fix}") from exc
     try:
         return header_of(fd, file)
     finally:

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 import torch
 
 from automap.errors import AutomapError, OffloadError
-from automap.offload.format import DTYPE_NAMES, PERMUTATIONS, memory_order, write_tensors
+from automap.offload.format import DTYPE_NAMES, OPEN_FILE_FIXES, PERMUTATIONS, memory_order, write_tensors
 from automap.offload.manifest import MANIFEST, Record, checksum, read_manifest, write_manifest
 from automap.offload.mapped import MappedFile
 from automap.offload.store_files import StoreDir, is_temp_of
@@ -187,8 +187,7 @@ def as_offload_error(exc: BaseException, folder: StoreDir | Path) -> BaseExcepti
 
 # What to do about a failed write, by its errno (the rest: the disk is full, or quota).
 _FIXES = {
-    errno.EMFILE: "The process may open no more files: raise its limit (ulimit -n) and try again",
-    errno.ENFILE: "The system may open no more files: close some, or raise fs.file-max, and try again",
+    **OPEN_FILE_FIXES,
     errno.EFBIG: ("A file may not grow that large here: raise the process's file size limit (ulimit -f), or pass "
                   "an offload_dir on a file system that takes files that large"),
     errno.EROFS: "The file system is read-only: pass an offload_dir on a writable one",
