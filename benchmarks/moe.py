@@ -17,6 +17,13 @@ than RAM, without a cache). Each (model, batch) runs in a fresh interpreter, whi
 With ``--baseline DIR`` the same runs are made with the automap package of another checkout
 (e.g. a ``git worktree`` of an earlier commit) and the speed-up is printed.
 
+With ``--floors`` this checkout's process also measures, on the same store files and cold, what
+the disk allows (:func:`floors`): each layer's routed experts read once its routing is known
+(by automap's routed reader and by ``O_DIRECT`` with every request in flight, the faster kept;
+their sum is the least a forward can spend on reads made after each router), everything the
+forward needs read at once (the floor with the routing of every layer known in advance), and
+the forward with every page in memory (its compute).
+
     python -m benchmarks.moe --runs 5 --baseline /tmp/automap-main
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.memwatch import run_fresh
@@ -120,7 +128,120 @@ def resident_bytes(files: list[Any]) -> int:
     return total
 
 
-def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | None) -> dict[str, Any]:
+# ------------------------------------------------------------------ what the disk allows
+
+
+DIRECT_REQUEST = 4 << 20  # O_DIRECT requests of 4 MiB, all in flight: this disk's best for ranges of a few MiB
+
+
+def tensor_range(source: Any, name: str) -> tuple[str, int, int]:
+    """(file, offset, bytes) of one stored tensor."""
+    path = source.file_of(name)
+    tensor = source.get(name)
+    return str(path), tensor.data_ptr() - source.files[path].address, tensor.nbytes
+
+
+def layer_ranges(model: Any, source: Any, routed: list[set[int]]) -> list[tuple[list, list]]:
+    """Per layer: the byte ranges of its dense part and of its routed experts' rows."""
+    from automap.profiling.routed import find_experts
+
+    layers = []
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}"
+        stacked = {n: e for e in find_experts(layer, prefix) if e.stacked for n in e.tensors}
+        dense, experts = [], []
+        for name in (f"{prefix}.{n}" for n in layer.state_dict()):
+            if name not in source.names():
+                continue
+            path, offset, nbytes = tensor_range(source, name)
+            if name not in stacked:
+                dense.append((path, offset, nbytes))
+                continue
+            row = nbytes // stacked[name].count
+            experts.extend((path, offset + r * row, row) for r in sorted(routed[index]))
+        layers.append((dense, experts))
+    return layers
+
+
+def read_direct(ranges: list[tuple[str, int, int]]) -> float:
+    """Seconds to read ``ranges`` with ``O_DIRECT`` (the page cache bypassed), cut into
+    :data:`DIRECT_REQUEST` requests, every one in flight at once (a thread each, at most 32)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    descriptors = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in {r[0] for r in ranges}}
+    requests = []
+    for path, offset, nbytes in ranges:
+        start, end = offset - offset % PAGE, -(-(offset + nbytes) // PAGE) * PAGE  # O_DIRECT wants aligned ranges
+        requests.extend((descriptors[path], at, min(DIRECT_REQUEST, end - at)) for at in range(start, end, DIRECT_REQUEST))
+    workers = min(32, len(requests))
+    buffers = [mmap.mmap(-1, DIRECT_REQUEST) for _ in range(workers)]
+
+    def read(worker: int) -> None:  # worker i reads requests i, i + workers, ... into its own buffer
+        for descriptor, at, nbytes in requests[worker::workers]:
+            os.preadv(descriptor, [memoryview(buffers[worker])[:nbytes]], at)
+
+    try:
+        began = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(read, range(workers)))
+        return time.perf_counter() - began
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)
+        for buffer in buffers:
+            buffer.close()
+
+
+def read_routed(source: Any, ranges: list[tuple[str, int, int]]) -> float:
+    """Seconds for automap's routed reader (the one the experts hooks use) to read ``ranges``."""
+    from automap.offload.readahead import ROUTED
+
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, nbytes in ranges:
+        by_file.setdefault(path, []).append((offset, nbytes))
+    began = time.perf_counter()
+    for path, spans in by_file.items():
+        mapped = source.files[Path(path)]
+        ROUTED.read([(mapped.address + o, n) for o, n in spans], mapped.rows_fd, mapped.address)
+    return time.perf_counter() - began
+
+
+def floors(model: Any, source: Any, routed: list[set[int]], runs: int, forward: Any) -> dict[str, Any]:
+    """What this disk allows the forward, measured cold on the store's own files (see the
+    module's docstring); seconds are medians over ``runs``."""
+    layers = layer_ranges(model, source, routed)
+
+    def cold(read: Any, ranges: list) -> float:
+        times = []
+        for _ in range(runs):
+            os.sync()
+            source.evict()
+            times.append(read(ranges))
+        return statistics.median(times)
+
+    per_layer = []
+    for _, experts in layers:
+        direct, ours = cold(read_direct, experts), cold(lambda r: read_routed(source, r), experts)
+        per_layer.append({"bytes": sum(n for *_, n in experts), "direct_seconds": direct, "automap_seconds": ours})
+    everything = [r for dense, experts in layers for r in (*dense, *experts)]
+    forward()  # every page the forward needs is in memory now
+    warm = []
+    for _ in range(runs):
+        began = time.perf_counter()
+        forward()
+        warm.append(time.perf_counter() - began)
+    return {"per_layer": per_layer,
+            "after_each_router_seconds": sum(min(p["direct_seconds"], p["automap_seconds"]) for p in per_layer),
+            "all_at_once_seconds": cold(read_direct, everything),
+            "all_at_once_bytes": sum(n for *_, n in everything),
+            "warm_seconds": statistics.median(warm)}
+
+
+# ------------------------------------------------------------------ one measured process
+
+
+def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | None,
+           with_floors: bool = False) -> dict[str, Any]:
     if automap_from:
         sys.path.insert(0, automap_from)
     import torch
@@ -151,18 +272,24 @@ def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | No
             seconds.append(time.perf_counter() - start)
             read.append(resident_bytes(files) - before)
             diff = max(diff, (logits - expected).abs().max().item())
+        floor = None
+        if with_floors:
+            def forward() -> None:
+                with torch.no_grad():
+                    model(ids, use_cache=False)
+            floor = floors(model, source, routed, runs, forward)
         automap.undispatch(model)
     return {"model": kind, "batch": batch, "cold_seconds": statistics.median(seconds), "all_seconds": seconds,
             "read_bytes": statistics.median(read), "need_bytes": needed,
             "routed_experts": [sorted(r) for r in routed], "max_abs_diff": diff,
-            "automap": automap_from or "this checkout"}
+            "automap": automap_from or "this checkout", "floors": floor}
 
 
 # ------------------------------------------------------------------ the comparison
 
 
 def measure(kind: str, batch: int, args: argparse.Namespace, automap_from: str | None) -> dict[str, Any]:
-    extra = ["--automap-from", automap_from] if automap_from else []
+    extra = ["--automap-from", automap_from] if automap_from else (["--floors"] if args.floors else [])
     return run_fresh("benchmarks.moe", "--worker", kind, "--batch", str(batch), "--runs", str(args.runs),
                      "--layers", str(args.layers), *extra)
 
@@ -181,6 +308,8 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["baseline_read_vs_need"] = base["read_bytes"] / base["need_bytes"]
             rows.append(row)
             print(line(row), flush=True)
+            if ours.get("floors"):
+                print(floor_line(row), flush=True)
     return rows
 
 
@@ -196,6 +325,18 @@ def line(row: dict[str, Any]) -> str:
     return text
 
 
+def floor_line(row: dict[str, Any]) -> str:
+    floor = row["automap"]["floors"]
+    layers = ", ".join(f"{min(p['direct_seconds'], p['automap_seconds']) * 1e3:.0f}" for p in floor["per_layer"])
+    text = (f"{'':>9} floors: reads after each router {floor['after_each_router_seconds'] * 1e3:.0f} ms "
+            f"(per layer {layers}), "
+            f"all {floor['all_at_once_bytes'] / 2**20:.0f} MiB at once {floor['all_at_once_seconds'] * 1e3:.0f} ms, "
+            f"warm forward {floor['warm_seconds'] * 1e3:.0f} ms")
+    if "baseline" in row:
+        text += f"; 2.5x the baseline would be {row['baseline']['cold_seconds'] / 2.5 * 1e3:.0f} ms"
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mixtral,qwen2_moe")
@@ -204,12 +345,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--baseline", help="a checkout whose automap package to compare against")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--floors", action="store_true", help="also measure what the disk allows (this checkout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--automap-from", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.batch, args.runs, args.layers, args.automap_from)))
+        print(json.dumps(worker(args.worker, args.batch, args.runs, args.layers, args.automap_from, args.floors)))
         return
     rows = compare(args)
     print(json.dumps(rows))
