@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, check_present, detect_devices, parse_reserve
-from automap.runtime import check_not_dispatched, dispatch_plan, state_of
+from automap.runtime import check_not_dispatched, claimed, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
@@ -350,9 +350,9 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
     if folder_form:
         dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
-    check_not_dispatched(model)
     start = time.perf_counter()
-    with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
+    # Claimed from here: the tensors installed below are this call's until its dispatch ends.
+    with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = matched(model, ckpt, strict, folder_form)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
