@@ -69,8 +69,7 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
     offload_dir = store_folder(plan, offload_dir, stored_bytes(plan) if source is None else 0)
     tensors = named_tensors(model)
     check_plan_matches(model, tensors, plan)
-    for name in plan.used_devices:
-        check_present(name)
+    check_devices_present(plan)
     if output_device is not None:
         output_device = _output_device(output_device)
     check_meta(tensors, plan, source)
@@ -90,6 +89,13 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
     log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
+
+
+def check_devices_present(plan: Plan) -> None:
+    """Raise :class:`DeviceError` unless this machine has every device ``plan`` places weights
+    on or computes on (a plan read from JSON may name a GPU it lacks as the execution device)."""
+    for name in sorted({*plan.used_devices, plan.execution_device}):
+        check_present(name)
 
 
 def _output_device(asked: str | int | torch.device) -> torch.device:
