@@ -231,6 +231,22 @@ def test_a_checkpoint_truncated_and_restored_while_forwards_read_it_never_crashe
     assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
 
 
+# ------------------------------------------------------------------ offload_dir through a loop of links
+
+
+@pytest.mark.parametrize("folder", ["a", "a/sub"])
+def test_an_offload_dir_through_a_loop_of_links_says_so(tmp_path, monkeypatch, folder):
+    monkeypatch.chdir(tmp_path)
+    os.symlink("b", "a")
+    os.symlink("a", "b")
+    model = _model()
+    for call in (lambda: automap.plan(model, offload_dir=folder),
+                 lambda: automap.dispatch(model, DISK_ODD, offload_dir=folder)):
+        with pytest.raises(automap.OffloadError, match=f"offload_dir {folder} leads through a loop of symbolic links"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"] and state_of(model) is None
+
+
 # ------------------------------------------------------------------ checkpoints that lie
 
 
