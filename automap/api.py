@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-from automap.devices import MaxMemory, Reserve, canonical_name, check_present, detect_devices, parse_reserve
-from automap.runtime import check_not_dispatched, dispatch_plan, state_of
+from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
+from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
@@ -350,15 +350,14 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
     if folder_form:
         dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
-    check_not_dispatched(model)
     start = time.perf_counter()
-    with silenced(quiet), open_checkpoint(checkpoint) as ckpt:
+    # Claimed from here: the tensors installed below are this call's until its dispatch ends.
+    with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = matched(model, ckpt, strict, folder_form)
         chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                             dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
                             batch=batch, max_length=max_length), match)
-        for device in chosen.used_devices:
-            check_present(device)  # before reading anything
+        check_devices_present(chosen)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
         loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
@@ -393,6 +392,13 @@ def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
         return next((s.dtype for s in ckpt.tensors.values() if s.dtype.is_floating_point), None)
 
 
+def _check_named(path: PathLike, call: str) -> None:
+    """Refuse an empty path: ``Path("")`` is the working directory, which the caller did not name."""
+    if not os.fspath(path):
+        raise CheckpointError(f"{call}: the path is empty, which would read the working directory; name the "
+                              "checkpoint file or folder, e.g. '.' for the working directory")
+
+
 def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
                           dtype: torch.dtype | None, quiet: bool = False) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
@@ -404,10 +410,12 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
         if not isinstance(checkpoint, (str, os.PathLike)):
             raise CheckpointError(f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
                                   f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}")
+        _check_named(checkpoint, f"automap.load({type(model).__name__}, {checkpoint!r})")
         return model, checkpoint
     if not isinstance(model, (str, os.PathLike)):
         raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
                               f"not a {type(model).__name__}")
+    _check_named(model, f"automap.load({model!r})")
     if checkpoint is not None:
         raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
                               "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "

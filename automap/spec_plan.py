@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import SpecError
+from automap.profiling.kvcache import MAX_COUNT
 from automap.sizes import format_bytes
 from automap.specs import BuiltModel, build_model
 
@@ -74,8 +75,9 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     from automap.compose import plan_strategy, spec_tracing
     from automap.devices import detect_devices, parse_max_memory
 
-    if batch < 1 or seq_len < 1:
-        raise SpecError(f"--batch and --seq-len must be >= 1, got batch={batch}, seq_len={seq_len}")
+    if not (1 <= batch <= MAX_COUNT and 1 <= seq_len <= MAX_COUNT):
+        raise SpecError(f"--batch and --seq-len must be between 1 and {MAX_COUNT:,}, got batch={batch}, "
+                        f"seq_len={seq_len}")
     if max_memory is not None:
         parse_max_memory(max_memory)  # a bad size fails now, before the model is built
     built = build_model(spec, overrides)

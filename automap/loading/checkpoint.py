@@ -297,12 +297,16 @@ def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:
         raise CheckpointError(
             f"index {index} names {outside[0]!r}, which is not a file name inside {folder}; shard indexes "
             "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder")
-    missing = [n for n in names if not (folder / n).is_file()]
+    missing = [n for n in names if not (folder / n).exists()]
     if missing:
         raise CheckpointError(
             f"index {index} names {len(missing)} file(s) that are not in {folder}, first "
             f"{missing[:3]}; copy the missing shards there or fix the index"
         )
+    odd = [n for n in names if not (folder / n).is_file()]
+    if odd:
+        raise CheckpointError(f"index {index} names {odd[0]!r}, which is in {folder} but is no regular file (a "
+                              "folder, pipe or device); put the shard file there under that name, or fix the index")
     return [folder / n for n in names], weight_map
 
 

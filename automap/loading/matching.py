@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from automap.errors import CheckpointError, user_stacklevel
@@ -24,8 +25,8 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
 
     Raises:
         CheckpointError: keys that do not match (unless skipped), a model tensor on meta
-            that no key fills, or a quantized tensor a parameter would be cast from (before
-            anything is read).
+            that no key fills, or a quantized or complex tensor a real parameter would be cast
+            from (before anything is read).
     """
     try:
         match, skipped = _keys(model, ckpt, strict, folder_form)
@@ -34,7 +35,9 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
         if not note:
             raise
         raise CheckpointError(f"{exc}{note}") from exc
-    check_no_dequantizing_cast(model, {n: ckpt.tensors[k].dtype for n, k in match.sources.items()}, ckpt.path)
+    stored = {n: ckpt.tensors[k].dtype for n, k in match.sources.items()}
+    check_no_dequantizing_cast(model, stored, ckpt.path)
+    _check_no_complex_to_real(model, stored, ckpt)
     if match.untied:
         untie(model, match.untied)
         tied = ", ".join(" = ".join(g) for g in match.untied[:3])
@@ -46,6 +49,21 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
     if skipped:
         warnings.warn(skipped, stacklevel=user_stacklevel())
     return match
+
+
+def _check_no_complex_to_real(model: nn.Module, stored: dict[str, torch.dtype], ckpt: Checkpoint) -> None:
+    """Refuse filling a real tensor of ``model`` from a complex one: the cast keeps the real
+    part and drops the rest of the values without a word."""
+    tensors = dict(all_named_tensors(model, remove_duplicate=False))
+    cast = [name for name, dtype in stored.items()
+            if dtype.is_complex and name in tensors and not tensors[name].dtype.is_complex]
+    if cast:
+        name = cast[0]
+        raise CheckpointError(
+            f"{ckpt.path} stores {len(cast)} of the model's real tensors as complex numbers (first {name!r}: "
+            f"{str(stored[name]).removeprefix('torch.')} in the checkpoint, {str(tensors[name].dtype).removeprefix('torch.')} "
+            "in the model); casting would drop their imaginary parts. Build the model the checkpoint was saved "
+            "from, or convert the checkpoint (tensor.real, or torch.view_as_real) and save it again")
 
 
 def _keys(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool) -> tuple[Match, str]:

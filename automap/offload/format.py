@@ -12,7 +12,8 @@ ranges lie inside the file and do not overlap. A file that breaks one is refused
 :func:`load_json` is the one JSON reader for every file automap reads — safetensors headers,
 its store manifests and lock files, shard indexes — and raises nothing but ``FormatError``:
 nesting too deep for Python's parser, numbers of more than :data:`MAX_DIGITS` digits, numbers
-too large for a float, ``NaN``/``Infinity``, bytes that are not UTF-8 or not JSON. Callers then
+too large for a float, ``NaN``/``Infinity``, an object naming a key twice, bytes that are not
+UTF-8 or not JSON. Callers then
 check the types and bounds of what they take from the result.
 
 The writer exists because ``safetensors.torch.save_file`` first copies every tensor of the file
@@ -78,6 +79,17 @@ def _constant(text: str) -> Any:
     raise _Refused(f"{text} is not a JSON number")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, unless it names a key twice: Python's parser keeps the last value and
+    other readers may keep the first, so which tensor (or shard) a repeated key means is a guess."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Refused(f"it names {key!r} twice; readers disagree on which one counts")
+        found[key] = value
+    return found
+
+
 def load_json(raw: bytes | str, what: str, hint: str) -> Any:
     """Parse ``raw`` as JSON, raising only :class:`FormatError` — never ``RecursionError``,
     ``OverflowError`` or the ``ValueError`` of a huge number. The message is ``what`` (the
@@ -89,7 +101,7 @@ def load_json(raw: bytes | str, what: str, hint: str) -> Any:
         {'a': [1, 2]}
     """
     try:
-        return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object)
     except _Refused as exc:
         reason = str(exc)
     except RecursionError:

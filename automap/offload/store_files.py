@@ -217,13 +217,19 @@ _PSEUDO = {"proc", "sysfs", "debugfs", "tracefs", "devpts", "cgroup", "cgroup2",
 
 def check_offload_dir(root: str | os.PathLike[str]) -> None:
     """Refuse, before anything is planned or created, an ``offload_dir`` that is a dangling
-    symbolic link or lies on a pseudo file system (``/proc``, ``/sys``), where "writing" it
+    symbolic link, leads through a loop of them, or lies on a pseudo file system (``/proc``, ``/sys``), where "writing" it
     would fail with a misleading reason (``File exists``, or no free space).
 
     Raises:
         OffloadError: naming the problem and the fix.
     """
     root = Path(root)
+    try:
+        os.stat(root)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # os.path.exists says False as for a dangling link
+            raise OffloadError(f"offload_dir {root} leads through a loop of symbolic links; fix the links, or pass "
+                               "a real directory") from None
     if os.path.islink(root) and not os.path.exists(root):
         raise OffloadError(f"offload_dir {root} is a symbolic link to {os.readlink(root)}, which does not exist; "
                            "create that directory, or pass another offload_dir")

@@ -4,6 +4,7 @@ Pure and deterministic: a :class:`Plan` is a function of a :class:`~automap.prof
 and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 
 - :mod:`automap.planning.model`: :class:`Plan`, its summaries, cuts, predictions and JSON;
+- :mod:`automap.planning.plan_json`: a plan read back from its JSON, every field checked;
 - :mod:`automap.planning.placement`: :class:`Placement`, each unit's resolved home, compute
   device and route;
 - :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
@@ -23,7 +24,8 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
   of how they run (on the CPU, or streamed) and the plan's per-layer record of it, with
   :mod:`automap.planning.experts_choice`, the step of :func:`make_plan` that offers it.
 """
-from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, plan_from_dict, unit_label
+from automap.planning.model import JSON_VERSION, Cut, DeviceSummary, Origin, Plan, unit_label
+from automap.planning.plan_json import plan_from_dict
 from automap.planning.layout import build_plan
 from automap.planning.placement import Placement, Route
 from automap.planning.splitting import make_plan

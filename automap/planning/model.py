@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import enum
 import importlib
-import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from automap.devices import DeviceSpec
 from automap.errors import PlanError
-from automap.kinds import default_memory_bandwidth
 from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
 from automap.planning.experts import ExpertsPlan
 from automap.planning.placement import Placement, placements_of, resolve
@@ -344,64 +342,14 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> Plan:
-        """Rebuild a plan written by :meth:`to_json`."""
-        return plan_from_dict(json.loads(text))
+        """Rebuild a plan written by :meth:`to_json`.
 
-
-def plan_from_dict(data: Mapping[str, Any]) -> Plan:
-    if data.get("version") != JSON_VERSION:
-        raise PlanError(f"plan JSON has version {data.get('version')!r}; this automap reads version {JSON_VERSION}")
-    devices = tuple(
-        DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
-                   float(d["link_bytes_per_second"]),
-                   float(d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))))
-        for d in data["devices"]
-    )
-    fields = set(Unit.__dataclass_fields__)
-    units = tuple(
-        Unit(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in u.items() if k in fields})
-        for u in data["units"]
-    )
-    origin, strategy = _origin_of(data)
-    plan = Plan(
-        units=units,
-        devices=devices,
-        placement=tuple(u["device"] for u in data["units"]),
-        strategy=strategy,
-        origin=origin,
-        tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
-        cut_bytes=tuple(int(c) for c in data.get("cut_bytes", [])),
-        example=data.get("example", ""),
-        warnings=tuple(data.get("warnings", [])),
-        reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
-        generation=_generation_of(data.get("generation")),
-        choices=tuple(data.get("choices", [])),
-        # Absent (None) in JSON written before the plan recorded it.
-        offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
-        experts=ExpertsPlan.from_dict(data.get("experts")),
-    )
-    executor = str(data.get("execution_device", ""))
-    # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.
-    return replace(plan, executor=executor) if executor and executor != plan.execution_device else plan
-
-
-def _generation_of(data: Mapping[str, Any] | None) -> Generation | None:
-    if not data:
-        return None
-    fields = set(Generation.__dataclass_fields__)
-    return Generation(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields})
-
-
-def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
-    """``(origin, strategy)`` from plan JSON; files from before ``"origin"`` existed wrote
-    ``"user"`` or ``"actual"`` as the strategy."""
-    strategy = str(data.get("strategy", ""))
-    try:
-        origin = Origin(data.get("origin") or (strategy if strategy in ("user", "actual") else "strategy"))
-    except ValueError:
-        raise PlanError(f"plan JSON has origin {data.get('origin')!r}; expected one of "
-                        f"{', '.join(o.value for o in Origin)}") from None
-    return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)
+        Raises:
+            PlanError: ``text`` is not JSON, or not a plan's (a field missing or of the wrong
+                kind), or of another version.
+        """
+        # automap.planning.plan_json reads it; it imports this module, so it is found at call time.
+        return importlib.import_module("automap.planning.plan_json").plan_from_text(text)
 
 
 # ------------------------------------------------------------------ notes on a plan (one home each)

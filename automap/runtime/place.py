@@ -23,7 +23,7 @@ from automap.runtime.hooks import MoveInputs, MoveOutputs
 from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, never_called, split_devices
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
-from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
+from automap.runtime.state import DispatchState, Group, Streamed, claimed, follow, forget, remember, state_of
 from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_gradients
 from automap.runtime.swap import install
 
@@ -58,13 +58,18 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
         DispatchError, DeviceError, OffloadError: the model is left exactly as it was, and
             nothing this call wrote is left on disk. :class:`~automap.errors.OffloadDirError`
             (a DispatchError) when disk units have no folder, or one without room for them.
+            DispatchError too when another thread is dispatching ``model`` meanwhile.
     """
-    check_not_dispatched(model)
+    with claimed(model):
+        return _dispatch(model, plan, offload_dir, output_device, source, always_hook, transfer)
+
+
+def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, output_device: str | torch.device | None,
+              source: WeightSource | None, always_hook: bool, transfer: TransferFactory) -> nn.Module:
     offload_dir = store_folder(plan, offload_dir, stored_bytes(plan) if source is None else 0)
     tensors = named_tensors(model)
     check_plan_matches(model, tensors, plan)
-    for name in plan.used_devices:
-        check_present(name)
+    check_devices_present(plan)
     if output_device is not None:
         output_device = _output_device(output_device)
     check_meta(tensors, plan, source)
@@ -84,6 +89,13 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
     log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
              len(plan.units), len(state.groups), plan.execution_device)
     return model
+
+
+def check_devices_present(plan: Plan) -> None:
+    """Raise :class:`DeviceError` unless this machine has every device ``plan`` places weights
+    on or computes on (a plan read from JSON may name a GPU it lacks as the execution device)."""
+    for name in sorted({*plan.used_devices, plan.execution_device}):
+        check_present(name)
 
 
 def _output_device(asked: str | int | torch.device) -> torch.device:

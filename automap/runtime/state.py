@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -245,6 +246,43 @@ def _stop_prefetch_in_child() -> None:
 os.register_at_fork(after_in_child=_stop_prefetch_in_child)
 
 
+# Models a dispatch or load is placing now, and the thread doing it: the check that a model is
+# not dispatched and the record that it is being dispatched are one step (under the lock), so
+# two threads dispatching one model cannot both pass the check and hook it twice.
+_CLAIMS_LOCK = threading.Lock()
+_CLAIMS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def claimed(model: nn.Module) -> Iterator[None]:
+    """Hold ``model`` for this thread's dispatch (or load) while inside: another thread's
+    dispatch of it, or of a model sharing a module with it, is refused meanwhile. Nested
+    claims by the same thread (load, then the dispatch it ends with) are one claim.
+
+    Raises:
+        DispatchError: ``model`` is dispatched, or another thread is dispatching it (or a
+            model sharing a module with it).
+    """
+    me = threading.get_ident()
+    nested = True  # until this call is known to take a claim of its own (an interrupt may come anywhere)
+    try:
+        with _CLAIMS_LOCK:
+            nested = _CLAIMS.get(model) == me
+            if not nested and model in _CLAIMS:
+                raise DispatchError(
+                    f"{type(model).__name__} is being dispatched (or loaded) by another thread right now; a model "
+                    "is dispatched once: wait for that call and use the model it returns, or give each thread its "
+                    "own model (copy.deepcopy)")
+            check_not_dispatched(model)
+            _CLAIMS[model] = me
+        yield
+    finally:
+        if not nested:
+            with _CLAIMS_LOCK:
+                if _CLAIMS.get(model) == me:
+                    del _CLAIMS[model]
+
+
 def check_not_dispatched(model: nn.Module) -> None:
     """Raise :class:`DispatchError` when ``model`` is dispatched already, by automap or by
     accelerate (before planning it again, which would fail on the hooked model with a less
@@ -257,12 +295,12 @@ def check_not_dispatched(model: nn.Module) -> None:
 
 def check_no_overlap(model: nn.Module) -> None:
     """Raise :class:`DispatchError` when ``model`` shares a module with a model automap
-    dispatched: a submodule dispatched alone, ``model`` itself a part of a dispatched model, or
+    dispatched, or another thread is dispatching (:func:`claimed`): a submodule dispatched alone, ``model`` itself a part of a dispatched model, or
     a module both hold. A second dispatch would hook and guard that module twice, and undoing
     either one would leave the other's hooks and overrides behind."""
     mine = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     what = type(model).__name__
-    for other in list(_STATES.keys()):
+    for other in list(_STATES.keys()) + [m for m in list(_CLAIMS.keys()) if m is not model]:
         theirs = next((name for name, module in other.named_modules() if id(module) in mine), None)
         if theirs is None:
             continue
