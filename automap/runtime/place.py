@@ -24,7 +24,8 @@ from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, 
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, follow, forget, remember, state_of
-from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_gradients
+from automap.runtime.gradients import RefuseGradientsEarly, refuse_gradients
+from automap.runtime.streaming import CheckFiles, StreamWeights
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
                                .attach(modules[group.key]))
         hook_experts(state, modules)
         state.hooks.append(files.attach(model))
+        state.hooks.append(RefuseGradientsEarly(state).attach(model))
     elif needs_hooks:
         state.hooks.append(CheckFiles(state.gate, name).attach(model))
     if needs_hooks:

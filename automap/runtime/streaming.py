@@ -20,8 +20,9 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
   before to after the unit, so threads take turns through streamed units.
 
 Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
-gradient reaching one raises :class:`~automap.errors.DispatchError` at backward time, naming the
-parameter and the fixes. Forwards in train mode, and training of resident units, are unaffected.
+backward that would reach one raises :class:`~automap.errors.DispatchError` at its start, naming
+the parameter and the fixes (:mod:`~automap.runtime.gradients`). Forwards in train mode, and
+training of resident units, are unaffected.
 
 Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
 streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
@@ -43,6 +44,7 @@ from automap.errors import DispatchError
 from automap.kinds import torch_device
 from automap.offload import Transfer
 from automap.runtime._compile import skip_when_compiling
+from automap.runtime.gradients import refuse_gradients
 from automap.runtime.hooks import Hook
 from automap.runtime.state import DispatchState, Gate, Group, follow
 
@@ -253,21 +255,3 @@ def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
             source = item.home.to(hook.device)
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
     return pack, unpack
-
-
-def refuse_gradients(state: DispatchState, tensor: torch.Tensor, name: str) -> None:
-    """Hook offloaded ``tensor`` so that a gradient reaching it stops backward (once)."""
-    if id(tensor) not in state.refusing:
-        state.refusing.add(id(tensor))
-        state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
-
-
-def refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
-    """A tensor hook that stops backward where a gradient reaches offloaded ``name``."""
-    def hook(grad: torch.Tensor) -> None:
-        raise DispatchError(
-            f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
-            f"weights. Freeze it (model.get_parameter({name!r}).requires_grad_(False), or requires_grad_(False) "
-            "on its unit), keep its unit resident (raise max_memory), or run under torch.no_grad()"
-        )
-    return hook
