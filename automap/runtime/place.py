@@ -284,7 +284,8 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict
         tensor.data = home
     owner, _, key = name.rpartition(".")
     table = modules[owner]._buffers if is_buffer else modules[owner]._parameters
-    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, slot=(table, key)))
+    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, version=tensor._version,
+                                                        slot=(table, key)))
     if tensor.requires_grad:
         refuse_gradients(state, tensor, name)
     return item

@@ -141,6 +141,11 @@ class StreamWeights(Hook):
         # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
         with torch.inference_mode(False):
             needed = [i for i in self.group.dense if i.users == 0 and follow(i, self.state.streamed)]
+            if any(i.streams and i.tensor._version != i.version for i in needed):
+                # Written in place since the unit last ran (load_state_dict, p.mul_() between
+                # forwards): a copy prefetched before the write (the last unit of the previous
+                # forward prefetches the first) holds the old values.
+                self.transfer.discard(self.group.key)
             got = self.transfer.take(self.group.key, [i.name for i in needed if i.streams])
             for item in needed:
                 # What torch's API put in the tensor since dispatch (adopted by follow) is
@@ -166,6 +171,7 @@ class StreamWeights(Hook):
                 if item.tensor._version != item.version or (item.is_buffer and training):
                     item.home.copy_(item.tensor.data)  # what the unit changed stays changed
                 item.tensor.data = item.home
+                item.version = item.tensor._version  # the home holds what the tensor holds
 
 
 class CheckFiles(Hook):
