@@ -30,6 +30,7 @@ from automap.runtime.values import tensors_in
 # torch's own register_multi_grad_hook asks this during a backward; absent, the early refusal
 # is skipped and the tensors' own hooks still refuse.
 _WILL_EXECUTE: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
+_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def refusal(name: str, early: bool = False) -> DispatchError:
@@ -69,6 +70,7 @@ class RefuseGradientsEarly(Hook):
     def __init__(self, state: DispatchState):
         super().__init__()
         self.state = state
+        self._passed: int | None = None  # the backward last found to reach no offloaded weight
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if _WILL_EXECUTE is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -86,10 +88,16 @@ class RefuseGradientsEarly(Hook):
                 tensor.register_hook(self._check)
 
     def _check(self, grad: torch.Tensor) -> None:
-        if self.handles:  # still attached: undispatch detaches this hook
-            name = next(self._reached(), None)
-            if name is not None:
-                raise refusal(name, early=True)
+        if not self.handles:  # detached by undispatch
+            return
+        # Each output of the forward (all hidden states, say) calls this; one look per backward.
+        task = _TASK_ID() if _TASK_ID is not None else None
+        if task is not None and task == self._passed:
+            return
+        name = next(self._reached(), None)
+        if name is not None:
+            raise refusal(name, early=True)
+        self._passed = task
 
     def _reached(self) -> Iterator[str]:
         """The offloaded weights the running backward will reach, nearest the outputs first (the
