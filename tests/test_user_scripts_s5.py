@@ -362,3 +362,20 @@ def test_text_generation_pipeline_with_a_local_tokenizer(tmp_path):
     runs = [pipeline("text-generation", model=m, tokenizer=tokenizer)(prompts, max_new_tokens=5, do_sample=False)
             for m in (plain, placed)]
     assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_torch_func_grad_of_a_functional_call_gives_the_plain_gradients(path, tmp_path):
+    """torch.func's transforms replace the parameters by stand-ins without storage of their own
+    and turn saved-tensor hooks off; the model's weights stay as they were."""
+    from torch.func import functional_call, grad
+
+    plain = tiny_llama()
+    placed = dispatched(tiny_llama, tmp_path, LLAMA_MAP) if path == "cpu" else staged(tiny_llama, tmp_path, LLAMA_MAP)
+    grads = []
+    for model in (plain, placed):
+        params = {n: p.detach() * 1.5 for n, p in model.named_parameters()}
+        grads.append(grad(lambda ps: functional_call(model, ps, (IDS,)).logits.sum())(params))
+    assert grads[1].keys() == grads[0].keys()
+    assert all(close(grads[1][n], grads[0][n], 1e-3) for n in grads[0])
+    assert close(logits(placed), logits(plain))

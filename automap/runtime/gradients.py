@@ -105,7 +105,12 @@ class RefuseGradientsEarly(Hook):
         assert _WILL_EXECUTE is not None
         for item in reversed(list(self.state.streamed.values())):
             if item.tensor.requires_grad and id(item.tensor) in self.state.refusing:
-                node = torch.autograd.graph.get_gradient_edge(item.tensor).node
+                try:
+                    node = torch.autograd.graph.get_gradient_edge(item.tensor).node
+                except (AttributeError, RuntimeError):
+                    # Inside torch.func's transforms (grad of a functional_call) the weight has
+                    # no node of its own here; its own hook still refuses a gradient reaching it.
+                    continue
                 try:
                     reached = _WILL_EXECUTE(node)
                 except RuntimeError:  # torch.autograd.grad asked for this very weight

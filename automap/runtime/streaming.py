@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,9 +46,13 @@ from automap.offload import Transfer
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.gradients import refuse_gradients
 from automap.runtime.hooks import Hook
-from automap.runtime.state import DispatchState, Gate, Group, follow
+from automap.runtime.state import DispatchState, Gate, Group, data_ptr, follow
 
 log = logging.getLogger(__name__)
+
+# Runs a block outside torch.func's transforms (grad, vmap): the copies made there are plain
+# tensors, as outside a transform. Absent from a torch, the block runs as it is.
+outside_transforms: Callable[[], AbstractContextManager[Any]] = getattr(torch._C, "_DisableFuncTorch", nullcontext)
 
 
 class StreamWeights(Hook):
@@ -138,8 +142,10 @@ class StreamWeights(Hook):
 
     def _swap_in(self) -> None:
         # Weights swapped in under inference_mode would become inference tensors, which a
-        # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
-        with torch.inference_mode(False):
+        # normal Parameter cannot hold; swapping outside it keeps the parameter usable. Copies
+        # made inside torch.func's transforms would be their wrappers, which must not outlive
+        # the transform (torch crashes): the copies are automap's, made outside them.
+        with torch.inference_mode(False), outside_transforms():
             needed = [i for i in self.group.dense if i.users == 0 and follow(i, self.state.streamed)]
             if any(i.streams and i.tensor._version != i.version for i in needed):
                 # Written in place since the unit last ran (load_state_dict, p.mul_() between
@@ -156,14 +162,20 @@ class StreamWeights(Hook):
             item.users += 1
         if torch.is_grad_enabled() and self._saving is None:
             self._saving = ExitStack()
-            self._saving.enter_context(torch.autograd.graph.saved_tensors_hooks(*save_by_name(self)))
+            try:
+                self._saving.enter_context(torch.autograd.graph.saved_tensors_hooks(*save_by_name(self)))
+            except RuntimeError:
+                # Saved-tensor hooks are off here (torch.func.grad, vjp, jacrev): autograd keeps
+                # the copies themselves, which give the same values, for as long as its graph lives.
+                log.debug("saved-tensor hooks are disabled; %s keeps its copies for backward", self.group.key)
+                self._saving = None
         self._prefetch_next()
 
     def _swap_out(self, training: bool) -> None:
         if self._saving is not None:
             self._saving.close()
             self._saving = None
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), outside_transforms():
             for item in self.group.dense:
                 item.users -= 1
                 if item.users:
@@ -245,10 +257,10 @@ class SavedWeight:
 
 
 def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i for i in hook.group.dense if i.tensor.numel()}
+    loaded = {ptr: i for i in hook.group.dense if (ptr := data_ptr(i.tensor))}
 
     def pack(tensor: torch.Tensor) -> Any:
-        item = loaded.get(tensor.data_ptr()) if tensor.numel() else None
+        item = loaded.get(data_ptr(tensor))
         return tensor if item is None else SavedWeight(item.name, tensor.shape, tensor.stride())
 
     def unpack(saved: Any) -> torch.Tensor:
