@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import automap
-from automap.errors import AutomapError, ConversionError, DispatchError
+from automap.errors import ConversionError, DispatchError
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.runtime import dispatch_plan, state_of
 from conftest import streamed_files, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
