@@ -104,6 +104,13 @@ class Transfer(abc.ABC):
             pending = list(self._pending.values())
         wait(pending)
 
+    def discard(self, key: str) -> None:
+        """Drop what was read ahead for unit ``key`` (its tensors were written since): the
+        next :meth:`take` of it reads them again."""
+        future = self._claim(key)
+        if future is not None:
+            future.cancel()
+
     def _claim(self, key: str) -> Future[Any] | None:
         with self._state:
             return self._pending.pop(key, None)

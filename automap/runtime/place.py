@@ -24,7 +24,8 @@ from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, 
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, claimed, follow, forget, remember, state_of
-from automap.runtime.streaming import CheckFiles, StreamWeights, refuse_gradients
+from automap.runtime.gradients import RefuseGradientsEarly, refuse_gradients
+from automap.runtime.streaming import CheckFiles, StreamWeights
 from automap.runtime.swap import install
 
 log = logging.getLogger(__name__)
@@ -249,6 +250,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
                                .attach(modules[group.key]))
         hook_experts(state, modules)
         state.hooks.append(files.attach(model))
+        state.hooks.append(RefuseGradientsEarly(state).attach(model))
     elif needs_hooks:
         state.hooks.append(CheckFiles(state.gate, name).attach(model))
     if needs_hooks:
@@ -294,7 +296,8 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict
         tensor.data = home
     owner, _, key = name.rpartition(".")
     table = modules[owner]._buffers if is_buffer else modules[owner]._parameters
-    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, slot=(table, key)))
+    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, version=tensor._version,
+                                                        slot=(table, key)))
     if tensor.requires_grad:
         refuse_gradients(state, tensor, name)
     return item

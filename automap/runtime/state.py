@@ -58,18 +58,31 @@ def holds(tensor: torch.Tensor, home: torch.Tensor) -> bool:
             and tensor.device == home.device and tensor.stride() == home.stride())
 
 
+def data_ptr(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s data starts; 0 when it has none: empty, or a wrapper of torch.func's
+    transforms (``functional_call`` inside ``torch.func.grad``), which has no storage of its own."""
+    if not tensor.numel():
+        return 0
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def follow(item: Streamed, streamed: dict[int, Streamed]) -> bool:
     """Catch up with what torch's API did to ``item``'s tensor since dispatch, between uses:
     a replaced object is followed in its module, rebound data becomes the home (adopted).
 
     Returns:
-        False when the tensor's slot now holds another offloaded tensor or nothing (nothing
-        left to bring in for this item), else True.
+        False when the tensor's slot now holds another offloaded tensor, a stand-in of
+        torch.func's transforms, or nothing (nothing left to bring in for this item), else True.
     """
     if item.slot is not None:
         table, key = item.slot
         live = table[key] if key in table else None  # a TorchScript module's tables have no get()
         if live is None or (live is not item.tensor and id(live) in streamed):
+            return False
+        if live.numel() and not data_ptr(live):  # torch.func's stand-in for this call: not ours to move
             return False
         item.tensor = live
     if not holds(item.tensor, item.home):

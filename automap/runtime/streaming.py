@@ -20,8 +20,9 @@ times, and an in-place write lands in the home (copy-on-write for a file, never 
   before to after the unit, so threads take turns through streamed units.
 
 Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
-gradient reaching one raises :class:`~automap.errors.DispatchError` at backward time, naming the
-parameter and the fixes. Forwards in train mode, and training of resident units, are unaffected.
+backward that would reach one raises :class:`~automap.errors.DispatchError` at its start, naming
+the parameter and the fixes (:mod:`~automap.runtime.gradients`). Forwards in train mode, and
+training of resident units, are unaffected.
 
 Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
 streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,10 +44,15 @@ from automap.errors import DispatchError
 from automap.kinds import torch_device
 from automap.offload import Transfer
 from automap.runtime._compile import skip_when_compiling
+from automap.runtime.gradients import refuse_gradients
 from automap.runtime.hooks import Hook
-from automap.runtime.state import DispatchState, Gate, Group, follow
+from automap.runtime.state import DispatchState, Gate, Group, data_ptr, follow
 
 log = logging.getLogger(__name__)
+
+# Runs a block outside torch.func's transforms (grad, vmap): the copies made there are plain
+# tensors, as outside a transform. Absent from a torch, the block runs as it is.
+outside_transforms: Callable[[], AbstractContextManager[Any]] = getattr(torch._C, "_DisableFuncTorch", nullcontext)
 
 
 class StreamWeights(Hook):
@@ -136,9 +142,16 @@ class StreamWeights(Hook):
 
     def _swap_in(self) -> None:
         # Weights swapped in under inference_mode would become inference tensors, which a
-        # normal Parameter cannot hold; swapping outside it keeps the parameter usable.
-        with torch.inference_mode(False):
+        # normal Parameter cannot hold; swapping outside it keeps the parameter usable. Copies
+        # made inside torch.func's transforms would be their wrappers, which must not outlive
+        # the transform (torch crashes): the copies are automap's, made outside them.
+        with torch.inference_mode(False), outside_transforms():
             needed = [i for i in self.group.dense if i.users == 0 and follow(i, self.state.streamed)]
+            if any(i.streams and i.tensor._version != i.version for i in needed):
+                # Written in place since the unit last ran (load_state_dict, p.mul_() between
+                # forwards): a copy prefetched before the write (the last unit of the previous
+                # forward prefetches the first) holds the old values.
+                self.transfer.discard(self.group.key)
             got = self.transfer.take(self.group.key, [i.name for i in needed if i.streams])
             for item in needed:
                 # What torch's API put in the tensor since dispatch (adopted by follow) is
@@ -149,14 +162,20 @@ class StreamWeights(Hook):
             item.users += 1
         if torch.is_grad_enabled() and self._saving is None:
             self._saving = ExitStack()
-            self._saving.enter_context(torch.autograd.graph.saved_tensors_hooks(*save_by_name(self)))
+            try:
+                self._saving.enter_context(torch.autograd.graph.saved_tensors_hooks(*save_by_name(self)))
+            except RuntimeError:
+                # Saved-tensor hooks are off here (torch.func.grad, vjp, jacrev): autograd keeps
+                # the copies themselves, which give the same values, for as long as its graph lives.
+                log.debug("saved-tensor hooks are disabled; %s keeps its copies for backward", self.group.key)
+                self._saving = None
         self._prefetch_next()
 
     def _swap_out(self, training: bool) -> None:
         if self._saving is not None:
             self._saving.close()
             self._saving = None
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), outside_transforms():
             for item in self.group.dense:
                 item.users -= 1
                 if item.users:
@@ -164,6 +183,7 @@ class StreamWeights(Hook):
                 if item.tensor._version != item.version or (item.is_buffer and training):
                     item.home.copy_(item.tensor.data)  # what the unit changed stays changed
                 item.tensor.data = item.home
+                item.version = item.tensor._version  # the home holds what the tensor holds
 
 
 class CheckFiles(Hook):
@@ -237,10 +257,10 @@ class SavedWeight:
 
 
 def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
-    loaded = {i.tensor.data_ptr(): i for i in hook.group.dense if i.tensor.numel()}
+    loaded = {ptr: i for i in hook.group.dense if (ptr := data_ptr(i.tensor))}
 
     def pack(tensor: torch.Tensor) -> Any:
-        item = loaded.get(tensor.data_ptr()) if tensor.numel() else None
+        item = loaded.get(data_ptr(tensor))
         return tensor if item is None else SavedWeight(item.name, tensor.shape, tensor.stride())
 
     def unpack(saved: Any) -> torch.Tensor:
@@ -253,21 +273,3 @@ def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
             source = item.home.to(hook.device)
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
     return pack, unpack
-
-
-def refuse_gradients(state: DispatchState, tensor: torch.Tensor, name: str) -> None:
-    """Hook offloaded ``tensor`` so that a gradient reaching it stops backward (once)."""
-    if id(tensor) not in state.refusing:
-        state.refusing.add(id(tensor))
-        state.tensor_hooks.append(tensor.register_hook(refuse_grad(name)))
-
-
-def refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
-    """A tensor hook that stops backward where a gradient reaches offloaded ``name``."""
-    def hook(grad: torch.Tensor) -> None:
-        raise DispatchError(
-            f"a gradient reached offloaded parameter {name!r}; automap does not keep gradients of offloaded "
-            f"weights. Freeze it (model.get_parameter({name!r}).requires_grad_(False), or requires_grad_(False) "
-            "on its unit), keep its unit resident (raise max_memory), or run under torch.no_grad()"
-        )
-    return hook

@@ -1,9 +1,10 @@
-"""Moving the values that flow between units (tensors nested in containers) to a device."""
+"""Moving the values that flow between units (tensors nested in containers) to a device, and
+finding the tensors in them."""
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -33,3 +34,19 @@ def send(value: Any, device: torch.device) -> Any:
             return value
         return dataclasses.replace(value, **changes)
     return value
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``value``, in the containers :func:`send` walks (other objects,
+    KV caches among them, are not looked into)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, f.name))
