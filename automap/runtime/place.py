@@ -425,8 +425,6 @@ def undispatch(model: nn.Module) -> nn.Module:
         try:
             with state.lock:
                 restore(model, state, done=lambda: (setattr(state, "undone", True), forget(model)))
-        except BaseException:
-            if not state.undone:
-                state.gate.reopen()
-            raise
+        finally:
+            state.gate.finish() if state.undone else state.gate.reopen()
     return model

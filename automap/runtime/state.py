@@ -124,19 +124,28 @@ class Group:
 class Gate:
     """Forwards in flight through a dispatched model, per thread, so that
     :func:`automap.undispatch` waits for them to finish (and refuses new ones meanwhile)
-    instead of pulling weights from under them. The model's own hook enters and leaves it."""
+    instead of pulling weights from under them. The model's own hook enters and leaves it.
+
+    A forward starting while an undispatch runs waits for its end, then is refused (or goes on,
+    if the undispatch failed and the model stays dispatched): refused at once, it would leave
+    torch's call of the model through its error path, which walks the model's live hook table
+    while the undispatch removes hooks from it ("OrderedDict mutated during iteration")."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._active: dict[int, int] = {}  # thread id -> forwards of the model it is inside
         self.closed = False
+        self.done = False  # the undispatch finished: the model is plain
 
     def enter(self, model: str) -> None:
         with self._cond:
-            if self.closed:
+            me = threading.get_ident()
+            if self.closed and me not in self._active:  # a thread inside a forward finishes it
+                while self.closed and not self.done:
+                    self._cond.wait()
+            if self.done:
                 raise DispatchError(f"{model} was undispatched by another thread (automap.undispatch) as this "
                                     "forward started; run it again on the undispatched model, or dispatch it again")
-            me = threading.get_ident()
             self._active[me] = self._active.get(me, 0) + 1
 
     def leave(self) -> None:
@@ -150,8 +159,8 @@ class Gate:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Refuse new forwards and wait until no *other* thread is inside one (the calling
-        thread's own are its business; a thread that died inside one no longer counts)."""
+        """Hold new forwards (:meth:`enter`) and wait until no *other* thread is inside one (the
+        calling thread's own are its business; a thread that died inside one no longer counts)."""
         with self._cond:
             self.closed = True
             while True:
@@ -161,8 +170,16 @@ class Gate:
                 self._cond.wait(0.05)
 
     def reopen(self) -> None:
+        """The undispatch failed: forwards go on (those waiting too)."""
         with self._cond:
             self.closed = False
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """The undispatch finished: forwards waiting for it are refused."""
+        with self._cond:
+            self.done = True
+            self._cond.notify_all()
 
 
 @dataclass
