@@ -54,3 +54,52 @@ def test_a_folder_generates_with_its_generation_settings(family, auto, edit, tmp
     loaded = automap.load(tmp_path / "m", max_memory=part_on_disk(model), offload_dir=tmp_path / "off", quiet=True)
     assert loaded.generation_config == reference.generation_config
     assert torch.equal(run_dispatched(loaded, lambda m: m.generate(IDS)), expected)
+
+
+def _hidden_states(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return model(IDS, output_hidden_states=True).hidden_states
+
+
+def test_planning_with_example_inputs_leaves_no_hooks_of_the_probe_behind():
+    """transformers installs its output-capturing hooks on a model's first call that records
+    outputs, and marks the model. The planner's probe put the mark back but kept the hooks, so
+    the next call installed them again and returned each hidden state twice (5 for 2 layers)."""
+    model, fresh = tiny("llama"), tiny("llama")
+    expected = _hidden_states(fresh)
+    automap.plan(model, max_memory={"cpu": "1GB"}, example_inputs={"input_ids": IDS, "output_hidden_states": True})
+    got = _hidden_states(model)
+    assert len(got) == len(expected) == model.config.num_hidden_layers + 1
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def _llava() -> torch.nn.Module:
+    from tiny_configs import shrink
+
+    config = transformers.AutoConfig.for_model("llava")
+    shrink(config)
+    vision = config.vision_config
+    vision.image_size, vision.patch_size, vision.hidden_size = 32, 8, 32
+    vision.intermediate_size, vision.num_hidden_layers, vision.num_attention_heads = 64, 2, 4
+    config.image_token_index = 5
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+def test_a_vision_language_model_dispatched_with_example_inputs_gives_the_plain_outputs(tmp_path):
+    """LLaVA reads its vision tower's hidden states through those hooks: dispatched with
+    example inputs, its forward failed ('NoneType' object is not subscriptable)."""
+    model, twin = _llava(), _llava()  # the twin runs plainly: a first call installs the hooks
+    ids = torch.cat([torch.full((1, 16), 5), IDS], 1)  # 16 image tokens: a 32-pixel image in 8-pixel patches
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)),
+                  attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        expected = twin(**inputs).logits
+        tokens = twin.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=inputs,
+                     offload_dir=tmp_path)
+    got, again = run_dispatched(model, lambda m: (m(**inputs).logits,
+                                                  m.generate(**inputs, max_new_tokens=3, do_sample=False,
+                                                             pad_token_id=0)))
+    assert torch.equal(got, expected)
+    assert torch.equal(again, tokens)
