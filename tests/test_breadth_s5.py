@@ -103,3 +103,26 @@ def test_a_vision_language_model_dispatched_with_example_inputs_gives_the_plain_
                                                              pad_token_id=0)))
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values to cache
+@pytest.mark.parametrize("family", ["gemma2", "jamba"])
+def test_planning_with_a_cache_in_the_example_inputs_leaves_the_users_cache_as_it_was(family, tmp_path):
+    """A cache from an earlier call, given as an example input, went to the planner's meta
+    probe as it was: Gemma 2's and Jamba's grew by a step there, so the user's next real step
+    failed (Gemma 2: 'The size of tensor a (7) must match ...') or computed other logits."""
+    import copy
+
+    model = tiny(family)
+    with torch.no_grad():
+        past = model(IDS, use_cache=True).past_key_values
+    untouched = copy.deepcopy(past)
+    step = {"input_ids": IDS[:, :1], "past_key_values": past, "use_cache": True}
+    automap.plan(model, max_memory=part_on_disk(model), example_inputs=step)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=step,
+                     offload_dir=tmp_path)
+    assert int(past.get_seq_length()) == int(untouched.get_seq_length()) == IDS.shape[1]
+    got = run_dispatched(model, lambda m: m(**step).logits)
+    with torch.no_grad():
+        expected = tiny(family)(**{**step, "past_key_values": untouched}).logits
+    assert torch.equal(got, expected)
