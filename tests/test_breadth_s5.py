@@ -126,3 +126,45 @@ def test_planning_with_a_cache_in_the_example_inputs_leaves_the_users_cache_as_i
     with torch.no_grad():
         expected = tiny(family)(**{**step, "past_key_values": untouched}).logits
     assert torch.equal(got, expected)
+
+
+def _ssdlite() -> tuple[torch.nn.Module, tuple]:
+    from torchvision.models import detection
+
+    model = detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=5)
+    return model, ([torch.rand(3, 128, 128, generator=torch.Generator().manual_seed(1))],)
+
+
+def _raft() -> tuple[torch.nn.Module, tuple]:
+    from torchvision.models import optical_flow
+
+    g = torch.Generator().manual_seed(1)
+    return optical_flow.raft_small(weights=None), (torch.rand(1, 3, 128, 128, generator=g),  # its smallest
+                                                   torch.rand(1, 3, 128, 128, generator=g))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for key in sorted(value) for t in _tensors(value[key])]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (list, tuple)) else []
+
+
+@pytest.mark.parametrize("build", [_ssdlite, _raft], ids=["ssdlite", "raft_small"])
+def test_a_forward_that_makes_a_grid_on_a_real_device_is_traced_up_to_it(build, tmp_path):
+    """SSD's anchors and RAFT's coordinate grid are made on a real device inside the forward;
+    meshgrid of them with the probe's meta tensors said only 'expects all tensors to have the
+    same device', which the probe took for a mistake in the example inputs (ProfileError)
+    instead of a limit of meta tensors."""
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.eval()
+    with torch.no_grad():
+        expected = _tensors(model(*inputs))
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=inputs,
+                     offload_dir=tmp_path)
+    got = _tensors(run_dispatched(model, lambda m: m(*inputs)))
+    assert len(got) == len(expected) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
