@@ -168,3 +168,48 @@ def test_a_forward_that_makes_a_grid_on_a_real_device_is_traced_up_to_it(build, 
     got = _tensors(run_dispatched(model, lambda m: m(*inputs)))
     assert len(got) == len(expected) > 0
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+# ------------------------------------------------------------------ representative passes
+
+
+def _bert2gpt2() -> tuple[torch.nn.Module, dict]:
+    """A composite EncoderDecoderModel (config model_type "encoder-decoder", two sub-configs)."""
+    encoder = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=96, vocab_size=128)
+    decoder = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, add_cross_attention=True,
+                                      is_decoder=True)
+    torch.manual_seed(0)
+    model = transformers.EncoderDecoderModel(
+        transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)).eval()
+    model.config.decoder_start_token_id = model.generation_config.decoder_start_token_id = 1
+    model.config.pad_token_id = 0
+    return model, {"input_ids": IDS}
+
+
+def _zamba2() -> tuple[torch.nn.Module, dict]:
+    """Zamba 2: two shared transformer blocks, each called at several depths between Mamba layers."""
+    config = transformers.Zamba2Config(
+        hidden_size=64, num_hidden_layers=6, layer_types=["mamba", "hybrid"] * 3, hybrid_layer_ids=[1, 3, 5],
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, vocab_size=128, mamba_d_state=16,
+        mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, max_position_embeddings=64, num_mem_blocks=2,
+        use_shared_attention_adapter=True, adapter_rank=8)
+    torch.manual_seed(0)
+    return transformers.Zamba2ForCausalLM(config).eval(), {"input_ids": IDS}
+
+
+@pytest.mark.parametrize("build", [_bert2gpt2, _zamba2], ids=["bert2gpt2", "zamba2-shared-blocks"])
+def test_composite_and_shared_block_models_dispatch_and_load_as_transformers_does(build, tmp_path):
+    model, inputs = build()
+    generate = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, **generate)
+    model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(type(model).from_pretrained(tmp_path / "m").eval().generate(**inputs, **generate), tokens)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path / "d")
+    assert torch.equal(run_dispatched(model, lambda m: m.generate(**inputs, **generate)), tokens)
+    loaded = automap.load(tmp_path / "m", max_memory=part_on_disk(model), offload_dir=tmp_path / "l", quiet=True)
+    assert type(loaded) is type(model)
+    assert torch.equal(run_dispatched(loaded, lambda m: m.generate(**inputs, **generate)), tokens)
