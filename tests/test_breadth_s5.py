@@ -213,3 +213,29 @@ def test_composite_and_shared_block_models_dispatch_and_load_as_transformers_doe
     loaded = automap.load(tmp_path / "m", max_memory=part_on_disk(model), offload_dir=tmp_path / "l", quiet=True)
     assert type(loaded) is type(model)
     assert torch.equal(run_dispatched(loaded, lambda m: m.generate(**inputs, **generate)), tokens)
+
+
+def _clip() -> tuple[torch.nn.Module, dict]:
+    from tiny_configs import shrink
+
+    config = transformers.AutoConfig.for_model("clip")
+    shrink(config)
+    config.vision_config.image_size, config.vision_config.patch_size = 32, 8
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return transformers.CLIPModel(config).eval(), {"input_ids": torch.randint(3, 60, (2, 6), generator=g),
+                                                   "pixel_values": torch.randn(2, 3, 32, 32, generator=g)}
+
+
+def test_a_model_that_does_not_generate_plans_no_cache_for_max_length(tmp_path):
+    """max_length (as a script planning every model for generation passes it) on CLIP: the
+    cache probe ran its forward on tokens alone, which fails without the images, and raised a
+    ProfileError blaming the example inputs; it now plans no cache, saying why."""
+    model, inputs = _clip()
+    with torch.no_grad():
+        expected = model(**inputs).logits_per_image
+    chosen = automap.plan(model, max_memory=part_on_disk(model), example_inputs=inputs, max_length=32)
+    assert "does not generate" in " ".join(chosen.generation.notes)
+    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=inputs,
+                     max_length=32, offload_dir=tmp_path)
+    assert torch.equal(run_dispatched(model, lambda m: m(**inputs).logits_per_image), expected)
