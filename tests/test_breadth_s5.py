@@ -239,3 +239,21 @@ def test_a_model_that_does_not_generate_plans_no_cache_for_max_length(tmp_path):
     automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=inputs,
                      max_length=32, offload_dir=tmp_path)
     assert torch.equal(run_dispatched(model, lambda m: m(**inputs).logits_per_image), expected)
+
+
+def test_an_encoder_decoder_that_generated_after_the_drop_in_dispatch_can_be_dispatched_again(tmp_path):
+    """accelerate's script: dispatch_model, generate, dispatch_model again (a new map). generate
+    adds an io-only accelerate hook to the encoder of any model with hf_device_map, which the
+    drop-ins set: the second dispatch refused the model as 'dispatched by accelerate'."""
+    from automap.accelerate_compat import dispatch_model, infer_auto_device_map
+
+    model, twin = tiny("bart", "AutoModelForSeq2SeqLM"), tiny("bart", "AutoModelForSeq2SeqLM")
+    generate = dict(max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        expected = twin.generate(IDS, **generate)
+    device_map = infer_auto_device_map(model, max_memory=part_on_disk(model))
+    for folder in ("first", "second"):
+        dispatch_model(model, device_map, offload_dir=tmp_path / folder)
+        with torch.no_grad():
+            assert torch.equal(model.generate(IDS, **generate), expected)
+    automap.undispatch(model)
