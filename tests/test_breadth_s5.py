@@ -257,3 +257,25 @@ def test_an_encoder_decoder_that_generated_after_the_drop_in_dispatch_can_be_dis
         with torch.no_grad():
             assert torch.equal(model.generate(IDS, **generate), expected)
     automap.undispatch(model)
+
+
+def test_a_map_from_accelerates_infer_auto_device_map_with_a_whole_layer_list_on_disk_dispatches(tmp_path):
+    """accelerate's infer_auto_device_map keeps a ModuleList together when it fits, e.g.
+    {'model.encoder.layers': 'disk'} for a small Whisper; automap's dispatch_model refused it
+    ('is a ModuleList, which is never called'): the blocks in it are now the units."""
+    import accelerate
+
+    from automap.accelerate_compat import dispatch_model
+
+    model, twin = tiny("whisper", "AutoModelForSpeechSeq2Seq"), tiny("whisper", "AutoModelForSpeechSeq2Seq")
+    features = torch.randn(1, model.config.num_mel_bins, 2 * model.config.max_source_positions,
+                           generator=torch.Generator().manual_seed(1))
+    inputs = {"input_features": features, "decoder_input_ids": torch.tensor([[1, 5, 6]])}
+    with torch.no_grad():
+        expected = twin(**inputs).logits
+    device_map = accelerate.infer_auto_device_map(model, max_memory=part_on_disk(model),
+                                                  no_split_module_classes=model._no_split_modules)
+    lists = [k for k, v in device_map.items() if v == "disk" and isinstance(model.get_submodule(k), torch.nn.ModuleList)]
+    assert lists, f"accelerate mapped no layer list whole to disk: {device_map}"
+    dispatch_model(model, device_map, offload_dir=tmp_path)
+    assert torch.equal(run_dispatched(model, lambda m: m(**inputs).logits), expected)
