@@ -31,8 +31,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.devices import DeviceSpec
+from automap.devices import DeviceSpec, canonical_name
 from automap.errors import PlanError, ProfileError
+from automap.kinds import kind_of
 from automap.planning import Plan, make_plan, plan_from_device_map
 from automap.planning.usermap import first_names, loose_homes, normalise_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
@@ -40,6 +41,7 @@ from automap.profiling.kvcache import prompt_inputs, profile_generation
 from automap.profiling.refine import Splitter
 from automap.profiling.units import all_named_tensors
 from automap.progress import step
+from automap.runtime.pieces import never_called
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +228,7 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
     device_map = first_names(device_map, model.named_modules(remove_duplicate=False))
     normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = [k for k in device_map if k in modules and k in holders]
+    units = called_units(model, [k for k in device_map if k in modules and k in holders], holders, device_map)
     units = (units + tensor_holders(model, device_map, units)) or [""]
     if example_inputs is None and max_length is None:
         prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
@@ -235,6 +237,26 @@ def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices
         prof = traced_profile(model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype,
                               units=units)
     return plan_from_device_map(prof, devices, device_map, tensors, modules)
+
+
+def called_units(model: nn.Module, units: Sequence[str], holders: set[str],
+                 device_map: Mapping[str, int | str]) -> list[str]:
+    """The map's units as modules that run: a container the map stores whole (on a kind of
+    device that only stores), which is never called and so could not be streamed in
+    (accelerate's ``infer_auto_device_map`` keeps a ``ModuleList`` together:
+    ``'model.encoder.layers': 'disk'``), gives way to its children that hold tensors, found the
+    same way, each streamed in when it runs; the map still places them by its prefix."""
+    found: list[str] = []
+    for name in units:
+        module = model.get_submodule(name)
+        stored = name in device_map and kind_of(canonical_name(device_map[name])).stores_only
+        if not (stored and never_called(module)):
+            found.append(name)
+            continue
+        children = [f"{name}.{child}" for child, _ in module.named_children()]
+        children = [c for c in children if c in holders and c not in units]  # a child the map names is a unit already
+        found += called_units(model, children, holders, {**device_map, **{c: device_map[name] for c in children}})
+    return found
 
 
 _MAP_PLACES_ALL = "the device map places every tensor; pass example_inputs to count FLOPs and cut bytes"

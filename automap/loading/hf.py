@@ -211,7 +211,25 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
             "yourself under automap.empty_model() and call automap.load(model, folder)")
     keep_in_fp32(model, dtype)
     initialise_buffers(model)
+    read_generation_config(model, folder)
     return model.eval()
+
+
+def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Give a model that generates the folder's ``generation_config.json`` (its stop tokens,
+    sampling defaults, Whisper's forced and suppressed tokens), as ``from_pretrained`` does;
+    without one (or with one transformers cannot read), the generation settings an older
+    ``config.json`` holds (BART's ``num_beams``, ``no_repeat_ngram_size``). The model's own,
+    derived from its config at init, would generate other tokens."""
+    can_generate = getattr(model, "can_generate", None)
+    if can_generate is None or not can_generate():
+        return
+    generation_config = import_transformers().GenerationConfig
+    try:
+        model.generation_config = generation_config.from_pretrained(str(folder), local_files_only=True)
+    except OSError:  # no (readable) generation_config.json: from_pretrained's own fallback
+        model.generation_config = generation_config.from_pretrained(
+            str(folder), config_file_name=CONFIG_NAME, _from_model_config=True, local_files_only=True)
 
 
 def initialise_buffers(model: nn.Module) -> None:

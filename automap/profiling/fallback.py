@@ -21,7 +21,7 @@ runs it anyway). Such a failure is a :class:`MetaLimit`; any other error (a
 shape mismatch from wrong example inputs) is the user's to fix and still raises
 :class:`~automap.errors.ProfileError`. A failure counts as a meta limit when it is one of the
 above: the tracer's own ``.item()`` refusal, a ``NotImplementedError`` or a message about meta
-tensors from an op, or an op that fails at float32 and runs when its floats are cast to
+tensors (or tensors on two devices) from an op, or an op that fails at float32 and runs when its floats are cast to
 bfloat16 or float16 (:func:`meta_limit`).
 
 A meta limit is handled per unit, in the one traced forward:
@@ -79,7 +79,10 @@ from automap.profiling.result import Unit
 
 # A message about meta tensors: "cannot be called on meta tensors", "the 'Meta' backend",
 # "Cannot copy out of meta tensor", "not on the expected device meta" ("metadata" is not one).
-_ABOUT_META = re.compile(r"\bmeta\b", re.IGNORECASE)
+# Or about tensors on two devices, which some ops say without naming them ("meshgrid expects all
+# tensors to have the same device"): in a trace every given tensor is on meta, so the other one
+# was made on a real device by the forward itself (an anchor grid, a coordinate table).
+_ABOUT_META = re.compile(r"\bmeta\b|same device|expected device", re.IGNORECASE)
 _REASON_CHARS = 200  # enough for the error's first line; the report wraps it
 
 

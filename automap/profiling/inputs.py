@@ -10,6 +10,7 @@ with more required positional arguments than the guess fills (``forward(self, x,
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from typing import Any, Callable, Mapping
@@ -202,14 +203,48 @@ def _pair(value: Any) -> tuple[int, int]:
     return int(value), int(value)
 
 
+# Values a forward cannot change in place: passed to a probe as they are.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
 def to_meta(value: Any, dtype: torch.dtype | None = None) -> Any:
-    """``value`` with every tensor replaced by an empty meta tensor (floats at ``dtype`` if given)."""
-    def convert(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
+    """``value`` with every tensor replaced by an empty meta tensor (floats at ``dtype`` if given).
+
+    Any other object in it (a transformers cache of keys and values from an earlier call) is
+    copied with its tensors replaced so: a probe's forward writes into its copy, never into the
+    user's object (a cache grown by a meta step would give the next real step other outputs)."""
+    def meta(x: torch.Tensor) -> torch.Tensor:
         target = dtype if dtype is not None and x.is_floating_point() else x.dtype
         return torch.empty_strided(x.shape, x.stride(), device="meta", dtype=target)
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return meta(x)
+        if isinstance(x, _IMMUTABLE) or callable(x):
+            return x
+        try:
+            return copy.deepcopy(x, {id(t): meta(t) for t in _tensors_in(x)})  # the tensors themselves not copied
+        except TypeError:  # holds what cannot be copied (a lock, a file): the probe gets it as it is
+            return x
     return tree_map(convert, value)
+
+
+def _tensors_in(value: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors reachable from ``value`` through containers and object attributes."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, _IMMUTABLE):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        children: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        children = value
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+        children += [getattr(value, slot) for slot in getattr(type(value), "__slots__", ()) if hasattr(value, slot)]
+    return [tensor for child in children for tensor in _tensors_in(child, seen)]
 
 
 def split_inputs(inputs: ExampleInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.errors import PlanError
+from automap.errors import PlanError, ProfileError
 from automap.profiling.fallback import eval_mode
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, to_meta
 from automap.profiling.result import Generation, Profile
@@ -268,13 +268,27 @@ def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleI
     units = [u.name for u in prof.units]
     state = {name: to_meta(t, dtype) for name, t in all_named_tensors(model)}
     with eval_mode(model), torch.no_grad():
-        first = _prefill_and_step(model, state, units, prompt, batch, start)
+        try:
+            first = _prefill_and_step(model, state, units, prompt, batch, start)
+        except ProfileError:
+            if _generates(model):
+                raise
+            note = (f"{type(model).__name__} does not generate (transformers' can_generate() is False) and its "
+                    "forward does not run on tokens alone (CLIP's needs its images), so no cache was planned")
+            return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
         last = _prefill_and_step(model, state, units, prompt, batch, max(max_length - 2, 1)) if first else None
     if first is None or last is None:
         note = (f"{type(model).__name__} returns no cache from its forward, so nothing is reserved for one; "
                 "each decode step recomputes the whole sequence")
         return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
     return _with_cache(prof, first, last, Generation(batch, max_length, start, encoder_length, last.cache))
+
+
+def _generates(model: nn.Module) -> bool:
+    """Whether ``model`` may generate: False only for a transformers model that says it does
+    not (``can_generate()``: CLIP, a classifier); any other model is taken at its forward."""
+    can_generate = getattr(model, "can_generate", None)
+    return not callable(can_generate) or bool(can_generate())
 
 
 def _with_cache(prof: Profile, first: _Step, last: _Step, generation: Generation) -> Profile:

@@ -200,7 +200,11 @@ def leave_out_observers(module: nn.Module) -> None:
             module.__dict__[table] = OrderedDict((k, h) for k, h in hooks.items() if computes_the_model(h))
 
 
-_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+# Every table torch keeps on a module: tensors, children and hooks. A probe's forward may add to
+# them in place (transformers installs its output-capturing hooks on a model's first call, marking
+# the model in an attribute): its additions go with the attributes it set, or a later call would
+# find hooks without their mark, install them twice and get no hidden states (LLaVA's vision tower).
+_TABLES = tuple(name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
 
 
 def _python_state(module: nn.Module) -> tuple[nn.Module, tuple[dict, list]]:

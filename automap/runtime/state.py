@@ -355,7 +355,8 @@ def check_no_accelerate_hooks(model: nn.Module) -> None:
     ``from_pretrained(device_map=...)``): its hooks replace the modules' forwards and move
     weights behind automap's back. automap does not remove them itself: only the caller knows
     whether the weights they would leave on meta matter."""
-    hooked = [name or "(the model)" for name, module in model.named_modules() if hasattr(module, "_hf_hook")]
+    hooked = [name or "(the model)" for name, module in model.named_modules()
+              if hasattr(module, "_hf_hook") and _moves_weights(module._hf_hook)]
     if hooked:
         raise DispatchError(
             f"{type(model).__name__} is dispatched by accelerate: {len(hooked)} module(s) carry its hooks (first "
@@ -363,3 +364,15 @@ def check_no_accelerate_hooks(model: nn.Module) -> None:
             "remove_hook_from_module; remove_hook_from_module(model, recurse=True) — weights accelerate offloaded "
             "come back only if the model had them before its dispatch; otherwise load it with automap.load, or "
             "from_pretrained without device_map")
+
+
+def _moves_weights(hook: object) -> bool:
+    """Whether an accelerate hook places or streams weights. transformers' ``generate`` adds to
+    the encoder of a model with ``hf_device_map`` (which automap's drop-ins set, as accelerate
+    does) an ``AlignDevicesHook(io_same_device=True)`` that only returns the encoder's outputs
+    on its input's device: no dispatch of accelerate's, and no reason to refuse the next one."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook  # installed: a module carries its hook
+
+    hooks = hook.hooks if isinstance(hook, SequentialHook) else (hook,)
+    return not all(isinstance(h, AlignDevicesHook) and h.execution_device is None and not h.offload
+                   and h.weights_map is None and not h.place_submodules for h in hooks)
