@@ -40,8 +40,10 @@ import json
 import logging
 import os
 import re
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -181,7 +183,9 @@ class OffloadStore(MappedSource):
             if started:
                 started.clear()  # its cleanup is this one's from here
             records = writer.write_all(specs, read)
-            store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made)
+            with deferred():  # built and known to the caller together (see collecting)
+                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made)
+                _collected(store)
         except BaseException as exc:
             wrapped = as_offload_error(exc, folder)
             if writer is not None:
@@ -239,6 +243,29 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
         folder.close()
         return None
     return folder, lock
+
+
+# The list a caller (a dispatch) keeps the stores it made in, per thread (see collecting).
+_collector = threading.local()
+
+
+@contextmanager
+def collecting(into: list) -> Iterator[None]:
+    """Inside, each store this thread builds is appended to ``into`` in the same step as it is
+    built: an interrupt between the store's making and its return to the caller (which only
+    then could record it) cannot leave a store on disk that the caller's rollback does not know."""
+    previous = getattr(_collector, "into", None)
+    _collector.into = into
+    try:
+        yield
+    finally:
+        _collector.into = previous
+
+
+def _collected(store: OffloadStore) -> None:
+    into = getattr(_collector, "into", None)
+    if into is not None:
+        into.append(store)
 
 
 def new_store_dir(root: Path, fingerprint: str, started: list[Path]) -> tuple[StoreDir, StoreLock]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from automap.interrupts import completed, deferred
+from automap.interrupts import deferred
 from automap.profiling.fallback import eval_mode
 from automap.profiling.units import all_named_tensors, call_with
 
@@ -180,20 +180,23 @@ def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.M
         raise _Reached(module)
 
     state = {name: to_meta(t) for name, t in all_named_tensors(model)}
-    handles = []
-    try:
-        with deferred():  # each hook registered and listed for removal together
+    # All of it under deferred (a forward on meta, stopped at the first call: short): an interrupt
+    # on the way into the cleanup (at the call of it) would skip it and leave the hooks.
+    with deferred():
+        handles = []
+        try:
             for module in model.modules():
                 if module is not model and wanted(module):
                     handles.append(module.register_forward_pre_hook(stop))
-        with torch.no_grad(), eval_mode(model):
-            call_with(model, state, args)
-    except _Reached as reached:
-        return reached.module
-    except Exception as exc:  # noqa: BLE001 - the probe only learns where a forward starts
-        log.debug("probing where the forward of %s starts failed: %s", type(model).__name__, exc)
-    finally:
-        completed(lambda: [handle.remove() for handle in handles])  # all of them, whatever comes
+            with torch.no_grad(), eval_mode(model):
+                call_with(model, state, args)
+        except _Reached as reached:
+            return reached.module
+        except Exception as exc:  # noqa: BLE001 - the probe only learns where a forward starts
+            log.debug("probing where the forward of %s starts failed: %s", type(model).__name__, exc)
+        finally:
+            for handle in handles:
+                handle.remove()
     return None
 
 

@@ -97,6 +97,31 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
               user_hooks: bool) -> TraceResult:
     tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
+    handles: list[Any] = []
+    try:
+        output, forward_flops = _traced(model, state, args, kwargs, units, tracer, handles, backward=backward,
+                                        guessed=guessed, user_hooks=user_hooks)
+    finally:
+        interrupt: BaseException | None = None
+        while handles:  # again when an interrupt came at the very call, before it held the handlers
+            try:
+                _remove(handles)
+            except Exception:
+                raise
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit from a handler: raised once they are gone
+                interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
+    result = tracer.finish(forward_flops)
+    if keep_output:
+        result.output, result.producers = output, tracer.producers()
+    return result
+
+
+def _traced(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, units: Sequence[str],
+            tracer: Tracer, handles: list[Any], *, backward: bool, guessed: bool, user_hooks: bool) -> tuple[Any, int]:
+    """The traced forward (and backward): the tracer's hooks on ``units``, listed in ``handles``
+    for the caller to remove, and torch's modes around it; its output and forward FLOPs."""
     modules = dict(model.named_modules(remove_duplicate=False))
     attention = FusedAttention(tracer)
     with ExitStack() as stack:
@@ -106,8 +131,6 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
             # slow; reference counting alone frees them (and tells the live bytes).
             gc.disable()
             stack.callback(gc.enable)
-        handles: list[Any] = []
-        stack.callback(_remove, handles)
         with deferred():  # each hook registered and listed for removal together
             for name in units:
                 handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
@@ -126,14 +149,13 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         forward_flops = tracer.total_flops
         if backward and not tracer.result.stopped:
             backward_of(output, tracer)
-    result = tracer.finish(forward_flops)
-    if keep_output:
-        result.output, result.producers = output, tracer.producers()
-    return result
+    return output, forward_flops
 
 
 def _remove(handles: list[Any]) -> None:
-    completed(lambda: [handle.remove() for handle in handles])  # all of them, whatever comes
+    """Remove the trace's hooks, all of them, whatever comes (then forget them)."""
+    completed(lambda: [handle.remove() for handle in handles])
+    handles.clear()
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from automap.interrupts import deferred
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
+from automap.offload.store import collecting
 from automap.planning import Plan, unit_label
 from automap.planning.placement import Placement
 from automap.profiling import Unit
@@ -189,7 +190,10 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
         if make is None:
             raise DispatchError(f"the plan streams units from {placement.home!r}, a kind of device that holds no "
                                 "offloaded weights; plan the model again with automap.plan")
-        state.owned.append(make(tensors, tiers[placement], offload_dir, placement.compute))
+        with collecting(state.owned):  # a store is in state.owned as soon as it exists (rollback removes it)
+            source = make(tensors, tiers[placement], offload_dir, placement.compute)
+        if not any(source is owned for owned in state.owned):
+            state.owned.append(source)
     if not state.owned:
         return None
     return state.owned[0] if len(state.owned) == 1 else SourceSet(state.owned)
