@@ -24,7 +24,7 @@ bench: $(STAMP)
 	$(PY) -m automap bench
 
 # Every GPU code path in one run (benchmarks/gpu_check.py): `make gpu-check` on a GPU machine,
-# `make gpu-check DRY=1` for the CPU equivalents (tests/test_gpu_check.py runs it in `make test`).
+# `make gpu-check DRY=1` for the CPU equivalents (tests/e2e/test_gpu_check.py runs it in `make test`).
 # Without a .venv (a GPU image with torch, transformers and accelerate installed) it runs the
 # system python3 on this checkout: nothing to install. GPU_CHECK_FLAGS: e.g. --only h2d,load.
 GPU_CHECK_OUT ?= benchmarks/out/gpu-check

@@ -6,7 +6,7 @@ failed); 2 bad arguments. Every failure is one line on stderr, never a traceback
 The arguments are parsed and checked before torch is imported (``--help`` and a bad argument
 answer at once); only then does a command import the library. The names offered here
 (strategies, dtypes, figure formats) are the library's registries', which
-``tests/test_cli.py`` checks they equal.
+``tests/api/test_cli.py`` checks they equal.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from automap.devices import parse_max_memory_text
 from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
-# without importing torch; tests/test_cli.py keeps them equal.
+# without importing torch; tests/api/test_cli.py keeps them equal.
 STRATEGY_NAMES = ("balanced", "auto", "balanced_low_0", "sequential")
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp8", "float8")
 FIGURE_FORMATS = ("png", "svg", "pdf")

@@ -21,7 +21,7 @@ BUDGET = {0: "24GiB", "cpu": "64GiB", "disk": "500GiB"}
 # A desktop with DDR5 (80 GB/s) beside a PCIe 4 GPU (25 GB/s, the default link): the CPU reads
 # the two experts of a token faster than the link could carry them.
 DDR5 = {"cpu": 80e9}
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def mixtral(layers: int = 32):

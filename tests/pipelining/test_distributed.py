@@ -20,7 +20,7 @@ from automap.distributed import build_stage, make_schedule, plan_for_ranks, rank
 from automap.errors import PipelineError
 from conftest import tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ, CHUNKS, LAYERS = 4, 12, 2, 2
 # Gradients of a 1F1B step are the mean of per-micro-batch gradients, summed in another order
 # than the whole batch's: float32 rounding only, far below this.

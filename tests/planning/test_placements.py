@@ -18,7 +18,7 @@ from automap.offload import backing_file
 from automap.planning.placement import Placement, Route
 from conftest import store_dirs
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 OLD_JSON = DATA / "plan_before_offload_dir.json"  # written by main at b0b0985, before "offload_dir"
 
 

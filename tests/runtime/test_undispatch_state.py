@@ -30,7 +30,7 @@ from automap.offload import HostCopyOps, StagedTransfer, read_header
 from automap.runtime import dispatch_plan, state_of
 from conftest import file_backing
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 DISK = {"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk", "4": "disk", "5": "disk"}
 
 
@@ -88,7 +88,7 @@ def plain(model: nn.Module) -> bool:
 @pytest.mark.parametrize("convert", [
     lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m[4].bfloat16(),
     lambda m: m.type(torch.float16)], ids=["half", "to-float64", "double", "unit-bfloat16", "type"])
-def test_1_a_dtype_conversion_of_offloaded_weights_is_refused_at_the_call_and_changes_nothing(tmp_path, convert):
+def test_a_dtype_conversion_of_offloaded_weights_is_refused_at_the_call_and_changes_nothing(tmp_path, convert):
     expected, before = out(six()), weights(six())
     model = dispatched(tmp_path)
     with pytest.raises(DispatchError, match=r"offloaded tensor '\d\.weight'.*automap.undispatch"):
@@ -114,7 +114,7 @@ class CastsItsHead(nn.Module):
         return self.head(self.body(inputs).double())
 
 
-def test_1_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plain_model(tmp_path):
+def test_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plain_model(tmp_path):
     """Small offloaded tensors the forward itself converts are converted into RAM and kept
     there, as the plain model keeps them; the same call from outside a forward is refused."""
     plain = CastsItsHead().eval()
@@ -131,7 +131,7 @@ def test_1_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plai
 @pytest.mark.parametrize("move", [lambda m: m.to("meta"), lambda m: m.to("cuda"), lambda m: m.cuda(),
                                   lambda m: m[4].to("meta"), lambda m: m[1].to_empty(device="meta")],
                          ids=["to-meta", "to-gpu", "gpu", "unit-to-meta", "resident-to-empty"])
-def test_1_moving_a_dispatched_model_by_hand_is_refused_at_the_call(tmp_path, move):
+def test_moving_a_dispatched_model_by_hand_is_refused_at_the_call(tmp_path, move):
     expected = out(six())
     model = dispatched(tmp_path)
     with pytest.raises(DispatchError, match="dispatched Sequential"):
@@ -140,7 +140,7 @@ def test_1_moving_a_dispatched_model_by_hand_is_refused_at_the_call(tmp_path, mo
     assert torch.equal(out(model), expected)
 
 
-def test_1_a_conversion_that_changes_nothing_goes_through(tmp_path):
+def test_a_conversion_that_changes_nothing_goes_through(tmp_path):
     model = dispatched(tmp_path)
     assert model.float() is model and model.to("cpu", torch.float32) is model
     assert torch.equal(out(model), out(six()))
@@ -172,7 +172,7 @@ def _assign_own_views(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("swap", [False, True], ids=["cpu", "swapped"])
 @pytest.mark.parametrize("change", [_rebind, _apply_init, _assign, _assign_own_views],
                          ids=["data=", "apply", "load_state_dict-assign", "assign-own-views"])
-def test_1_what_torchs_api_put_into_a_dispatched_model_is_used_and_kept_by_undispatch(tmp_path, swap, change):
+def test_what_torchs_api_put_into_a_dispatched_model_is_used_and_kept_by_undispatch(tmp_path, swap, change):
     new = weights(six(seed=5))
     model = dispatched(tmp_path, swap=swap)
     change(model, new)
@@ -191,7 +191,7 @@ def test_1_what_torchs_api_put_into_a_dispatched_model_is_used_and_kept_by_undis
 # ------------------------------------------------------------------ 2. undispatch reads from the maps automap holds
 
 
-def test_2_a_relative_offload_dir_then_chdir(tmp_path, monkeypatch):
+def test_a_relative_offload_dir_then_chdir(tmp_path, monkeypatch):
     expected, before = out(six()), weights(six())
     monkeypatch.chdir(tmp_path)
     model = automap.dispatch(six(), DISK, offload_dir="off")
@@ -218,7 +218,7 @@ def _delete_store_folder(model: nn.Module, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_delete_store_file, _move_store_folder, _delete_store_folder])
-def test_2_a_store_file_deleted_or_its_folder_moved_while_dispatched(tmp_path, damage):
+def test_a_store_file_deleted_or_its_folder_moved_while_dispatched(tmp_path, damage):
     expected, before = out(six()), weights(six())
     model = dispatched(tmp_path)
     damage(model, tmp_path)
@@ -236,7 +236,7 @@ def _replace_smaller(ck: Path) -> None:
 @pytest.mark.parametrize("damage", [lambda ck: os.remove(ck), _replace_smaller,
                                     lambda ck: os.rename(ck.parent, ck.parent.with_name("renamed"))],
                          ids=["deleted", "replaced-by-a-smaller-file", "folder-moved"])
-def test_2_the_checkpoint_deleted_replaced_or_moved_while_loaded(tmp_path, damage):
+def test_the_checkpoint_deleted_replaced_or_moved_while_loaded(tmp_path, damage):
     expected, before = out(six()), weights(six())
     model, ck = loaded(tmp_path)
     damage(ck)
@@ -245,7 +245,7 @@ def test_2_the_checkpoint_deleted_replaced_or_moved_while_loaded(tmp_path, damag
     assert plain(model) and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
-def test_2_only_a_truly_unreadable_tensor_is_an_error_and_it_names_the_tensor(tmp_path):
+def test_only_a_truly_unreadable_tensor_is_an_error_and_it_names_the_tensor(tmp_path):
     model = dispatched(tmp_path)
     victim = file_backing(model[5].weight)
     good = victim.read_bytes()
@@ -279,7 +279,7 @@ def _torch_save(model):
 
 @pytest.mark.parametrize("swap", [False, True], ids=["cpu", "swapped"])
 @pytest.mark.parametrize("copier", [_deepcopy, _pickle, _torch_save], ids=["deepcopy", "pickle", "torch.save"])
-def test_3_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_current_weights(tmp_path, copier, swap):
+def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_current_weights(tmp_path, copier, swap):
     model = dispatched(tmp_path, swap=swap)
     with torch.no_grad():
         model[4].bias.add_(1.0)  # a write into an offloaded weight (copy-on-write) is part of what is copied
@@ -309,7 +309,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("read", [
     "m.state_dict()", "torch.save(m.state_dict(), io.BytesIO())", "m[4].state_dict()", "pickle.dumps(m)",
     "copy.deepcopy(m)", "torch.save(m, io.BytesIO())", "m(torch.randn(2, 64))", "automap.undispatch(m)"])
-def test_4_a_checkpoint_truncated_in_place_is_an_error_naming_the_tensors_never_a_sigbus(tmp_path, read):
+def test_a_checkpoint_truncated_in_place_is_an_error_naming_the_tensors_never_a_sigbus(tmp_path, read):
     result = run_python(f"""
         import copy, io, os, pickle, sys
         from pathlib import Path
@@ -337,7 +337,7 @@ def test_4_a_checkpoint_truncated_in_place_is_an_error_naming_the_tensors_never_
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["cpu", "swapped"])
-def test_5_a_forward_racing_undispatch_in_another_thread_completes_or_raises_dispatch_error(tmp_path, swap):
+def test_a_forward_racing_undispatch_in_another_thread_completes_or_raises_dispatch_error(tmp_path, swap):
     expected = out(six())
     outcomes: dict[str, int] = {}
     for round_ in range(40):

@@ -21,7 +21,7 @@ from automap.report import plan_dict
 from automap.runtime import send
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 BATCH, PROMPT, MAX_LENGTH = 2, 6, 40
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "automap"
+ROOT = Path(__file__).resolve().parents[2] / "automap"
 
 # DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.

@@ -27,7 +27,7 @@ from automap.offload import MANIFEST
 from automap.runtime import state_of
 from conftest import file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 _LAYERS_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
                    "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu",
@@ -71,7 +71,7 @@ def _checkpoint_folder(tmp_path: Path, real) -> Path:
     return ck
 
 
-def test_1_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
+def test_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
     real = tiny_llama(layers=2)
     ck = _checkpoint_folder(tmp_path, real)
     (ck / "lm_head.safetensors").write_bytes(b"a user's file named like a unit")
@@ -92,7 +92,7 @@ def test_1_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path)
     assert {k: v for k, v in digest(ck).items() if not k.startswith("automap-store-")} == before
 
 
-def test_1_a_failed_write_deletes_nothing_of_the_users(tmp_path):
+def test_a_failed_write_deletes_nothing_of_the_users(tmp_path):
     ck = _checkpoint_folder(tmp_path, tiny_llama(layers=2))
     before = digest(ck)
     out = ok(run_python("""
@@ -116,7 +116,7 @@ def test_1_a_failed_write_deletes_nothing_of_the_users(tmp_path):
 # ------------------------------------------------------------------ 2. a second model never breaks the first
 
 
-def test_2_two_models_in_one_offload_dir_each_get_a_store(tmp_path):
+def test_two_models_in_one_offload_dir_each_get_a_store(tmp_path):
     draft, main = tiny_llama(layers=4), tiny_llama(layers=4)
     with torch.no_grad():
         for p in main.model.layers.parameters():
@@ -133,7 +133,7 @@ def test_2_two_models_in_one_offload_dir_each_get_a_store(tmp_path):
     assert torch.equal(logits_of(main, ids), expected["main"]), "the fine-tuned weights came back"
 
 
-def test_2_two_processes_on_one_offload_dir(tmp_path):
+def test_two_processes_on_one_offload_dir(tmp_path):
     first = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time, torch, automap
         from pathlib import Path
@@ -185,7 +185,7 @@ def test_2_two_processes_on_one_offload_dir(tmp_path):
 # ------------------------------------------------------------------ 3. writes never crash the process
 
 
-def test_3_writes_into_offloaded_weights_take_effect_and_never_crash():
+def test_writes_into_offloaded_weights_take_effect_and_never_crash():
     ok(run_python("""
         import copy, tempfile, torch, automap
         from torch import nn
@@ -239,7 +239,7 @@ def test_3_writes_into_offloaded_weights_take_effect_and_never_crash():
 # ------------------------------------------------------------------ 4. every reachable weight is real
 
 
-def test_4_state_dict_torch_save_and_save_pretrained_see_real_weights(tmp_path):
+def test_state_dict_torch_save_and_save_pretrained_see_real_weights(tmp_path):
     from transformers import LlamaForCausalLM
 
     model = tiny_llama(layers=4)
@@ -261,7 +261,7 @@ def test_4_state_dict_torch_save_and_save_pretrained_see_real_weights(tmp_path):
     assert torch.equal(logits_of(reloaded, ids), expected)
 
 
-def test_4_save_pretrained_over_the_models_own_folder(tmp_path):
+def test_save_pretrained_over_the_models_own_folder(tmp_path):
     from transformers import LlamaForCausalLM
 
     real = tiny_llama(layers=4)
@@ -279,7 +279,7 @@ def test_4_save_pretrained_over_the_models_own_folder(tmp_path):
 # ------------------------------------------------------------------ 5. stale copies never shadow the checkpoint
 
 
-def test_5_an_old_store_in_the_checkpoint_folder_is_never_read(tmp_path):
+def test_an_old_store_in_the_checkpoint_folder_is_never_read(tmp_path):
     real = tiny_llama(layers=2)
     ids = torch.randint(0, 256, (1, 8))
     expected = logits_of(real, ids)
@@ -300,7 +300,7 @@ def test_5_an_old_store_in_the_checkpoint_folder_is_never_read(tmp_path):
     assert torch.equal(logits_of(model, ids), expected)
 
 
-def test_5_two_files_holding_one_key_without_an_index_are_refused(tmp_path):
+def test_two_files_holding_one_key_without_an_index_are_refused(tmp_path):
     real = tiny_llama(layers=2)
     save_model(real, str(tmp_path / "weights.safetensors"))  # no file from_pretrained would pick over the others
     save_file({"lm_head.weight": real.lm_head.weight.detach().half()}, tmp_path / "old-copy.safetensors")
@@ -313,7 +313,7 @@ def test_5_two_files_holding_one_key_without_an_index_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_6_forwards_from_four_threads_on_one_dispatched_model(tmp_path, grad):
+def test_forwards_from_four_threads_on_one_dispatched_model(tmp_path, grad):
     model = tiny_llama(layers=4)
     inputs = [torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     expected = [logits_of(model, ids) for ids in inputs]
@@ -341,7 +341,7 @@ def test_6_forwards_from_four_threads_on_one_dispatched_model(tmp_path, grad):
 # ------------------------------------------------------------------ 7. faults while writing, damaged stores
 
 
-def test_7_a_full_disk_while_writing_the_store(tmp_path):
+def test_a_full_disk_while_writing_the_store(tmp_path):
     (tmp_path / "off").mkdir()
     (tmp_path / "off" / "keep.txt").write_text("the user's")
     out = ok(run_python("""
@@ -366,7 +366,7 @@ def test_7_a_full_disk_while_writing_the_store(tmp_path):
     assert sorted(os.listdir(tmp_path / "off")) == ["keep.txt"]
 
 
-def test_7_a_permission_error_on_the_offload_dir(tmp_path):
+def test_a_permission_error_on_the_offload_dir(tmp_path):
     """A real permission error even for root: the folder is made immutable (``chattr +i``)."""
     folder = tmp_path / "off"
     folder.mkdir()
@@ -396,7 +396,7 @@ def _big_model_code() -> str:
     """
 
 
-def test_7_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_path):
+def test_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_path):
     # The writer pauses (with its third file written, just before renaming it into place) only so
     # that the kill lands mid-write every time: a profile hook in the writer itself, on its calls
     # to os.replace, nothing of automap's replaced. The kill itself is a real SIGKILL.
@@ -442,7 +442,7 @@ def test_7_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_p
 
 
 @pytest.mark.parametrize("damage", ["manifest {}", "manifest list", "manifest version", "header list"])
-def test_7_a_damaged_store_is_rebuilt_never_a_raw_exception(tmp_path, damage):
+def test_a_damaged_store_is_rebuilt_never_a_raw_exception(tmp_path, damage):
     model = tiny_llama(layers=4)
     ids = torch.randint(0, 256, (1, 8))
     expected = logits_of(model, ids)
@@ -462,7 +462,7 @@ def test_7_a_damaged_store_is_rebuilt_never_a_raw_exception(tmp_path, damage):
     assert torch.equal(logits_of(model, ids), expected)
 
 
-def test_7_a_damaged_store_file_under_a_live_model_is_refused_with_the_file_and_the_fix(tmp_path):
+def test_a_damaged_store_file_under_a_live_model_is_refused_with_the_file_and_the_fix(tmp_path):
     model = tiny_llama(layers=4)
     ids = torch.randint(0, 256, (1, 8))
     automap.dispatch(model, _LAYERS_ON_DISK, offload_dir=tmp_path)
@@ -492,7 +492,7 @@ def _raw_safetensors(path: Path, header: object, data: bytes = b"\x00" * 64) -> 
     ({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}, "dtype 'Q4'.*cannot read"),
     ({"w": [1, 2]}, "its entry is a list"),
 ])
-def test_8_bad_headers_are_refused_by_the_one_parser(tmp_path, header, message):
+def test_bad_headers_are_refused_by_the_one_parser(tmp_path, header, message):
     path = tmp_path / "bad.safetensors"
     _raw_safetensors(path, header)
     with pytest.raises(CheckpointError, match=message) as info:
@@ -502,7 +502,7 @@ def test_8_bad_headers_are_refused_by_the_one_parser(tmp_path, header, message):
 
 
 @pytest.mark.parametrize("entry", ["../elsewhere/x.safetensors", "/etc/x.safetensors", "sub/x.safetensors"])
-def test_8_a_shard_index_naming_files_outside_its_folder_is_refused(tmp_path, entry):
+def test_a_shard_index_naming_files_outside_its_folder_is_refused(tmp_path, entry):
     real = tiny_gpt2(layers=2)
     (tmp_path / "elsewhere").mkdir()
     save_model(real, str(tmp_path / "elsewhere" / "x.safetensors"))
@@ -517,7 +517,7 @@ def test_8_a_shard_index_naming_files_outside_its_folder_is_refused(tmp_path, en
 # ------------------------------------------------------------------ 9. the CLI does not shadow packages
 
 
-def test_9_module_factory_spec_never_lets_the_working_directory_shadow_packages(tmp_path):
+def test_module_factory_spec_never_lets_the_working_directory_shadow_packages(tmp_path):
     (tmp_path / "matplotlib.py").write_text("import pathlib; pathlib.Path('SHADOWED').write_text('x')\n"
                                             "raise SystemExit('the stray matplotlib.py was imported')\n")
     (tmp_path / "mymodels.py").write_text("import torch\n\ndef build():\n    return torch.nn.Sequential("
@@ -531,6 +531,6 @@ def test_9_module_factory_spec_never_lets_the_working_directory_shadow_packages(
     assert (tmp_path / "p.png").exists() and "automap plan" in result.stdout
 
 
-def test_9_the_cli_docs_say_that_a_spec_runs_code():
+def test_the_cli_docs_say_that_a_spec_runs_code():
     text = (ROOT / "docs" / "cli.md").read_text()
     assert "A SPEC runs code" in text and "python -m" in text

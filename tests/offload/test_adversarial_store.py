@@ -24,7 +24,7 @@ from automap.errors import OffloadError
 from automap.offload import MANIFEST
 from conftest import store_dirs
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 # A three-layer net with two layers offloaded to disk, shared by the subprocess cases.

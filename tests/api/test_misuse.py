@@ -28,7 +28,7 @@ from automap.errors import CheckpointError, DeviceError, DispatchError, FormatEr
 from automap.runtime import state_of
 from conftest import store_dirs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DISK_ODD = {str(i): ("disk" if i % 2 else "cpu") for i in range(6)}
 
 

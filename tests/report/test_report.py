@@ -18,7 +18,7 @@ from automap.report import (ReportError, draw, figure, placement, plan_dict, rea
 from automap.sizes import format_flops, format_number, format_rate, format_seconds
 from conftest import tiny_llama, weight_bytes
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from automap.errors import CheckpointError, DependencyError
 from automap.spec_plan import plan_spec
 from conftest import store_dirs, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "t5": tiny_t5}
 
 

@@ -372,7 +372,7 @@ def test_devices_missing_here_fail_before_reading(tmp_path, monkeypatch):
 
 def test_progress_bar_on_stderr_unless_quiet(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(importlib.import_module("automap.progress"), "DELAY_SECONDS", 0)
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are for terminals (tests/test_progress.py)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are for terminals (tests/report/test_progress.py)
     real = tiny_llama(layers=2)
     save_model(real, str(tmp_path / "m.safetensors"))
     automap.load(_empty(real), tmp_path / "m.safetensors", quiet=True)

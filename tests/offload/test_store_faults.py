@@ -28,7 +28,7 @@ from automap.offload import LOCK, MANIFEST
 from automap.runtime import state_of
 from conftest import store_dirs
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 OTHER_UID = 65534  # "nobody"
 DISK = {"0": "cpu", "1": "disk", "2": "cpu", "3": "disk", "4": "cpu", "5": "disk"}
@@ -94,7 +94,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_1_hostile_checkpoint_headers_are_a_format_error(tmp_path, case):
+def test_hostile_checkpoint_headers_are_a_format_error(tmp_path, case):
     path = tmp_path / "bad.safetensors"
     header_file(path, HOSTILE[case])
     with pytest.raises(CheckpointError, match="bad.safetensors") as info:
@@ -103,7 +103,7 @@ def test_1_hostile_checkpoint_headers_are_a_format_error(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["deep nesting", "a list for a dtype", "a 5,000-digit number", "1e400"])
-def test_1_a_store_file_with_a_hostile_header_is_rebuilt(tmp_path, case):
+def test_a_store_file_with_a_hostile_header_is_rebuilt(tmp_path, case):
     store = dispatched_once(tmp_path)
     victim = sorted(store.glob("*.safetensors"))[0]
     header_file(victim, HOSTILE[case])
@@ -129,7 +129,7 @@ def test_1_a_store_file_with_a_hostile_header_is_rebuilt(tmp_path, case):
     '{"1.weight": {"file": "1.safetensors", "key": "1.weight", "dtype": "F32", "shape": [64, 64], '
     '"nbytes": 1' + "0" * 5000 + ', "crc32": 0}}}',
 ], ids=["1e400", "deep", "deep files", "5000 digits"])
-def test_1_a_hostile_manifest_means_rebuild(tmp_path, damage):
+def test_a_hostile_manifest_means_rebuild(tmp_path, damage):
     store = dispatched_once(tmp_path)
     (store / MANIFEST).write_text(damage)
     model, x = small(), torch.randn(3, 64)
@@ -146,7 +146,7 @@ def test_1_a_hostile_manifest_means_rebuild(tmp_path, damage):
     '{"weight_map": {"0.weight": 1' + "0" * 5000 + "}}",
 ], ids=["deep", "1e400", "list", "5000 digits"])
 @pytest.mark.parametrize("name", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
-def test_1_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
+def test_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
     torch.save(small().state_dict(), tmp_path / "pytorch_model.bin")
     save_file(small().state_dict(), tmp_path / "model.safetensors")
     (tmp_path / name).write_text(index)
@@ -161,7 +161,7 @@ def test_1_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
 # ------------------------------------------------------------------ 2. foreign and unwritable stores
 
 
-def test_2_another_users_store_is_passed_over(tmp_path):
+def test_another_users_store_is_passed_over(tmp_path):
     store = dispatched_once(tmp_path)
     for path in [store, *store.iterdir()]:
         os.chown(path, OTHER_UID, OTHER_UID)
@@ -187,7 +187,7 @@ def _reachable_by_others(path: Path) -> list[tuple[Path, int]]:
     return changed
 
 
-def test_2_a_process_of_another_user_makes_a_store_of_its_own(tmp_path):
+def test_a_process_of_another_user_makes_a_store_of_its_own(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     store = dispatched_once(shared)  # root's store, free
@@ -223,7 +223,7 @@ def _chattr(flag: str, path: Path) -> None:
         pytest.skip(f"chattr {flag} is not available on this file system")
 
 
-def test_2_a_store_with_an_immutable_lock_file_is_passed_over(tmp_path):
+def test_a_store_with_an_immutable_lock_file_is_passed_over(tmp_path):
     store = dispatched_once(tmp_path)
     _chattr("+i", store / LOCK)
     try:
@@ -237,7 +237,7 @@ def test_2_a_store_with_an_immutable_lock_file_is_passed_over(tmp_path):
         subprocess.run(["chattr", "-i", str(store / LOCK)], check=True)
 
 
-def test_2_an_immutable_store_folder_is_passed_over(tmp_path):
+def test_an_immutable_store_folder_is_passed_over(tmp_path):
     store = dispatched_once(tmp_path)
     victim = sorted(store.glob("*.safetensors"))[0]
     os.truncate(victim, 100)  # damaged: it must be rewritten, and cannot be here
@@ -272,7 +272,7 @@ def small_mount(tmp_path, request):
 
 @pytest.mark.parametrize("small_mount", ["nr_inodes=2", "nr_inodes=3", "nr_inodes=4", "nr_inodes=6", "size=4k",
                                          "size=20k"], indirect=True)
-def test_3_a_full_disk_or_inode_table_is_an_offload_error_leaving_nothing(small_mount):
+def test_a_full_disk_or_inode_table_is_an_offload_error_leaving_nothing(small_mount):
     model, x = small(), torch.randn(3, 64)
     expected = out(model, x)
     before = dict(model.state_dict(keep_vars=True))
@@ -284,7 +284,7 @@ def test_3_a_full_disk_or_inode_table_is_an_offload_error_leaving_nothing(small_
 
 
 @pytest.mark.parametrize("small_mount", ["nr_inodes=8"], indirect=True)
-def test_3_no_inodes_for_a_second_store_leaves_the_first_intact(small_mount):
+def test_no_inodes_for_a_second_store_leaves_the_first_intact(small_mount):
     first = small()
     automap.dispatch(first, DISK, offload_dir=small_mount)
     (store,) = store_dirs(small_mount)
@@ -302,7 +302,7 @@ def test_3_no_inodes_for_a_second_store_leaves_the_first_intact(small_mount):
 # ------------------------------------------------------------------ 4. no write follows a link
 
 
-def test_4_a_store_named_link_to_a_users_folder_is_never_written(tmp_path):
+def test_a_store_named_link_to_a_users_folder_is_never_written(tmp_path):
     store = dispatched_once(tmp_path / "off")
     users = tmp_path / "users"
     users.mkdir()
@@ -324,7 +324,7 @@ def test_4_a_store_named_link_to_a_users_folder_is_never_written(tmp_path):
 
 @pytest.mark.parametrize("link", ["symlink", "hard link"])
 @pytest.mark.parametrize("name", [LOCK, MANIFEST])
-def test_4_a_store_file_replaced_by_a_link_to_a_users_file_never_writes_it(tmp_path, link, name):
+def test_a_store_file_replaced_by_a_link_to_a_users_file_never_writes_it(tmp_path, link, name):
     store = dispatched_once(tmp_path / "off")
     precious = tmp_path / "precious.txt"
     precious.write_text("years of work")
@@ -344,7 +344,7 @@ def test_4_a_store_file_replaced_by_a_link_to_a_users_file_never_writes_it(tmp_p
     assert precious.read_text() == "years of work" and precious.stat().st_mtime_ns == mtime
 
 
-def test_4_a_link_named_like_a_unit_file_is_left_alone(tmp_path):
+def test_a_link_named_like_a_unit_file_is_left_alone(tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("years of work")
     (tmp_path / "off").mkdir()
@@ -416,7 +416,7 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> None:
     assert path.exists(), (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "timeout")
 
 
-def test_5_a_store_being_created_is_never_taken_by_a_second_process(tmp_path):
+def test_a_store_being_created_is_never_taken_by_a_second_process(tmp_path):
     folder = tmp_path / "off"
     first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_PAUSE_BEFORE_FLOCK), str(folder),
                               str(tmp_path / "paused"), str(tmp_path / "go")], stdout=subprocess.PIPE,
@@ -444,7 +444,7 @@ def test_5_a_store_being_created_is_never_taken_by_a_second_process(tmp_path):
 # ------------------------------------------------------------------ 6. what a crash leaves is cleaned
 
 
-def test_6_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
+def test_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
     folder = tmp_path / "off"
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import os, sys, time, torch, automap
@@ -477,7 +477,7 @@ def test_6_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
     assert torch.equal(out(model, x), expected)
 
 
-def test_6_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
+def test_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
     ok(run_python("""
         import os, sys, time, torch, automap
         from pathlib import Path
@@ -510,7 +510,7 @@ def test_6_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
 # ------------------------------------------------------------------ 7. clear messages
 
 
-def test_7_a_dangling_link_as_offload_dir_says_so(tmp_path):
+def test_a_dangling_link_as_offload_dir_says_so(tmp_path):
     (tmp_path / "off").symlink_to(tmp_path / "gone")
     model = small()
     with pytest.raises(OffloadError, match=r"off is a symbolic link to .*gone, which does not exist; create that"):
@@ -519,7 +519,7 @@ def test_7_a_dangling_link_as_offload_dir_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["map", "max_memory"])
-def test_7_an_offload_dir_under_proc_says_so(how):
+def test_an_offload_dir_under_proc_says_so(how):
     model = small()
     with pytest.raises(OffloadError, match=r"/proc/nope is on proc, a kernel interface that stores no files; pass a "
                                            r"directory on a disk"):
@@ -541,7 +541,7 @@ class LongNames(nn.Module):
         return getattr(self, "b" * 300)(getattr(self, "a" * 300)(x))
 
 
-def test_7_a_unit_name_of_300_characters_is_stored(tmp_path):
+def test_a_unit_name_of_300_characters_is_stored(tmp_path):
     model, x = LongNames().eval(), torch.randn(2, 8)
     expected = out(model, x)
     automap.dispatch(model, {"a" * 300: "disk", "b" * 300: "disk"}, offload_dir=tmp_path)

@@ -232,7 +232,7 @@ def test_genuine_errors_after_nothing_stood_in_still_raise():
 
 def test_layers_whose_meta_kernel_rejects_float32_stand_in_and_are_estimated():
     # transformers' MoE layers were the case (the grouped_mm meta kernel); they now trace
-    # (profiling/metarules.py, tests/test_moe_trace.py), so a custom op plays the part.
+    # (profiling/metarules.py, tests/profiling/test_moe_trace.py), so a custom op plays the part.
     prof = automap.profile(half_only_model(), (torch.randint(0, 128, (2, 32)),))
     layers = [u for u in prof.units if u.name.startswith("layers.")]
     assert len(layers) == 4 and prof.untraced == tuple(u.name for u in layers)
