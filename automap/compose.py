@@ -41,6 +41,7 @@ from automap.profiling.kvcache import prompt_inputs, profile_generation
 from automap.profiling.refine import Splitter
 from automap.profiling.units import all_named_tensors
 from automap.progress import step
+from automap import report  # noqa: F401  (registers how the plans made here are drawn and written)
 from automap.runtime.pieces import never_called
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,14 @@ transfer to it uses when it executes, and for a storage tier the weight source t
 the plan offloads there. Adding a kind is one :func:`register_kind` call plus its classes.
 
 The factories of the built-in kinds live in higher layers (``automap.offload``,
-``automap.runtime``), which import this module, so a built-in entry names them as
-``"module:attribute"`` -- an entry point, resolved on first use. That keeps this module at the
-bottom of the import order and free of torch (the ``automap`` command checks ``--max-memory``
-before it imports torch). A kind registered from elsewhere may pass the callables themselves.
+``automap.runtime``), which import this module; each attaches its own with :func:`attach` when
+it is imported, so this module names nothing above it, stays at the bottom of the import order
+and is free of torch (the ``automap`` command checks ``--max-memory`` before it imports torch).
+A kind registered from elsewhere may pass the callables, or ``"module:attribute"`` strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Union
@@ -129,6 +130,7 @@ class DeviceKind:
 
 
 _REGISTRY: dict[str, DeviceKind] = {}
+FACTORY_FIELDS = frozenset({"detect", "count", "synchronize", "torch_device", "ops", "source"})
 
 
 def register_kind(kind: DeviceKind, *, replace: bool = False) -> DeviceKind:
@@ -150,6 +152,24 @@ def register_kind(kind: DeviceKind, *, replace: bool = False) -> DeviceKind:
         raise DeviceError(f"device kind {kind.name!r} is registered already; pass replace=True to redefine it")
     _REGISTRY[kind.name] = kind
     return kind
+
+
+def attach(name: str, **factories: Factory) -> None:
+    """Give the registered kind ``name`` the factories a module above this one defines (its
+    ``ops``, a storage tier's ``source``): the module that defines them attaches them when it is
+    imported, so this registry never names a module above it (ggml's backends register into
+    their registry the same way).
+
+    Raises:
+        DeviceError: no kind is called ``name``, or a field is not one of its factories.
+    """
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise DeviceError(f"no device kind {name!r} to attach {sorted(factories)} to")
+    unknown = sorted(set(factories) - FACTORY_FIELDS)
+    if unknown:
+        raise DeviceError(f"{unknown} are not factories of a device kind; they are {sorted(FACTORY_FIELDS)}")
+    _REGISTRY[name] = dataclasses.replace(kind, **factories)
 
 
 def unregister_kind(name: str) -> None:
@@ -303,18 +323,15 @@ _ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False, ove
 register_kind(DeviceKind("cuda", 0, **_ACCELERATOR, async_copies=True, flops_per_second=100e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=2e12, indexed=True,
                          integer_keys=True, detect=_detect_cuda, count=_cuda_count, synchronize=_sync_cuda,
-                         torch_module="cuda", compute_streams=True, ops="automap.offload.transfer:CudaOps"))
+                         torch_module="cuda", compute_streams=True))
 register_kind(DeviceKind("xpu", 1, **_ACCELERATOR, async_copies=False, flops_per_second=50e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=1e12, indexed=True,
-                         detect=_detect_xpu, count=_xpu_count, synchronize=_sync_xpu, torch_module="xpu",
-                         ops="automap.offload.transfer:DeviceCopyOps"))
+                         detect=_detect_xpu, count=_xpu_count, synchronize=_sync_xpu, torch_module="xpu"))
 register_kind(DeviceKind("mps", 2, **_ACCELERATOR, async_copies=False, flops_per_second=10e12,
                          link_bytes_per_second=50e9, memory_bytes_per_second=2e11, index_alias=True,
-                         detect=_detect_mps, count=_mps_count, synchronize=_sync_mps, torch_module="mps",
-                         ops="automap.offload.transfer:DeviceCopyOps"))
+                         detect=_detect_mps, count=_mps_count, synchronize=_sync_mps, torch_module="mps"))
 register_kind(DeviceKind("cpu", 3, computes=True, is_storage=True, host_addressable=True, async_copies=False,
-                         flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10,
-                         source="automap.runtime.tiers:ram_source"))
+                         flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10))
 register_kind(DeviceKind("disk", 4, computes=False, is_storage=True, host_addressable=True, async_copies=False,
                          flops_per_second=0.0, link_bytes_per_second=2e9, memory_bytes_per_second=2e9,
-                         staged_via_host=True, source="automap.runtime.tiers:store_source"))
+                         staged_via_host=True))

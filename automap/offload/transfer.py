@@ -32,7 +32,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from automap.kinds import kind_of, torch_device
+from automap.kinds import attach, kind_of, torch_device
 from automap.offload.format import dense_order
 from automap.offload.source import RowSource, WeightSource
 
@@ -436,3 +436,10 @@ def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
     """
     ops = kind_of(device).factory("ops")
     return StagedTransfer(source, ops(torch_device(str(device)))) if ops is not None else PageTransfer(source)
+
+
+# The built-in accelerators' staged copies, attached to their kinds here (the registry in
+# automap.kinds names no module above it).
+attach("cuda", ops=CudaOps)
+attach("xpu", ops=DeviceCopyOps)
+attach("mps", ops=DeviceCopyOps)

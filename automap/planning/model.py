@@ -4,7 +4,6 @@ what it is predicted to cost. Built by :mod:`automap.planning.layout` or from a 
 from __future__ import annotations
 
 import enum
-import importlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
@@ -31,28 +30,26 @@ class Origin(str, enum.Enum):
     ACTUAL = "actual"  # automap.placement(model): where a model's tensors really are
 
 
-# How a plan is turned into text and JSON belongs to automap.report, which imports this module;
-# report registers its renderers here when it is imported, and the first Plan.report() or
-# Plan.to_json() imports it if nothing has (``import automap`` is lazy), so planning never
-# imports report at import time.
-Renderer = Callable[..., str]
+# How a plan is turned into text and JSON belongs to automap.report, and how JSON is read back to
+# automap.planning.plan_json; each registers its function here when it is imported (``import
+# automap`` imports both before it hands out a Plan), so this module names neither.
+Renderer = Callable[..., Any]
 RENDERERS: dict[str, Renderer] = {}
 
 
 def register_renderer(kind: str, renderer: Renderer) -> None:
-    """Make ``renderer`` the one :meth:`Plan.report` (``"text"``) or :meth:`Plan.to_json`
-    (``"json"``) uses."""
+    """Make ``renderer`` the one :meth:`Plan.report` (``"text"``), :meth:`Plan.to_json`
+    (``"json"``) or :meth:`Plan.from_json` (``"read_json"``) uses."""
     RENDERERS[kind] = renderer
 
 
-def _render(kind: str, plan: Plan, **options: Any) -> str:
-    if kind not in RENDERERS:
-        importlib.import_module("automap.report")  # registers "text" and "json"
+def _render(kind: str, *args: Any, **options: Any) -> Any:
     try:
         renderer = RENDERERS[kind]
     except KeyError:
-        raise PlanError(f"no {kind} renderer is registered (automap.report registers text and json)") from None
-    return renderer(plan, **options)
+        raise PlanError(f"no {kind} renderer is registered: import automap.report (``import automap`` does) "
+                        "before drawing a plan") from None
+    return renderer(*args, **options)
 
 
 @dataclass(frozen=True)
@@ -348,8 +345,7 @@ class Plan:
             PlanError: ``text`` is not JSON, or not a plan's (a field missing or of the wrong
                 kind), or of another version.
         """
-        # automap.planning.plan_json reads it; it imports this module, so it is found at call time.
-        return importlib.import_module("automap.planning.plan_json").plan_from_text(text)
+        return _render("read_json", text)  # automap.planning.plan_json registers its reader
 
 
 # ------------------------------------------------------------------ notes on a plan (one home each)

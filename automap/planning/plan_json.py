@@ -15,7 +15,7 @@ from automap.devices import DeviceSpec, canonical_name
 from automap.errors import AutomapError, PlanError
 from automap.kinds import default_memory_bandwidth, kind_of
 from automap.planning.experts import ExpertsPlan
-from automap.planning.model import JSON_VERSION, Origin, Plan
+from automap.planning.model import JSON_VERSION, Origin, Plan, register_renderer
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 
@@ -160,3 +160,4 @@ def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
     return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)
 
 
+register_renderer("read_json", plan_from_text)

@@ -19,6 +19,7 @@ from automap.runtime.hooks import Hook, MoveInputs, MoveOutputs
 from automap.runtime.place import check_devices_present, dispatch_plan, undispatch
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, claimed, state_of
 from automap.runtime.streaming import StreamWeights
+from automap.runtime import tiers  # noqa: F401  (attaches the storage tiers' weight sources to their kinds)
 from automap.runtime.values import send
 
 __all__ = ["DispatchState", "Group", "Hook", "MoveInputs", "MoveOutputs", "StreamWeights", "Streamed",

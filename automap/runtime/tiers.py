@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from automap.kinds import kind_of
+from automap.kinds import attach, kind_of
 from automap.offload import RamSource, WeightSource
 from automap.runtime.place import write_store
 
@@ -34,3 +34,9 @@ def store_source(tensors: Mapping[str, torch.Tensor], groups: Mapping[str, str],
         OffloadError: the store could not be written.
     """
     return write_store(dict(tensors), dict(groups), offload_dir)
+
+
+# The built-in storage tiers' weight sources, attached to their kinds here (the registry in
+# automap.kinds names no module above it).
+attach("cpu", source=ram_source)
+attach("disk", source=store_source)

@@ -1,9 +1,13 @@
 """The package's seams, checked from the source with ``ast``: imports point one way (DESIGN.md's
 layer order), the import graph has no cycle, and no module imports another's underscore names.
-Every import counts, including those inside functions and under ``TYPE_CHECKING``."""
+Every reference to a module counts: ``import`` and ``from ... import`` (inside functions and under
+``TYPE_CHECKING`` too), ``importlib.import_module`` and ``__import__`` by name, and strings that name
+a module of the package (``"automap.offload.transfer"`` or ``"automap.offload.transfer:CudaOps"``),
+since each is an import made later."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -40,12 +44,43 @@ def modules() -> dict[str, Path]:
 
 
 
+# A string that names a module of the package, with or without ``:attribute``.
+MODULE_STRING = re.compile(r"automap(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """``id``s of the string constants that are docstrings (prose, not references)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def named_module(text: str, known: dict[str, Path]) -> str | None:
+    """The module of the package a string names (``"automap.x.y"`` or ``"automap.x.y:attr"``),
+    else None: a logger's or a progress bar's name that is no module is not a reference."""
+    if not MODULE_STRING.fullmatch(text):
+        return None
+    module = text.partition(":")[0]
+    return module if module in known else None
+
+
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, str, int]]:
-    """``(target module, imported name or "", line)`` for every import in ``path``."""
+    """``(target module, imported name or "", line)`` for every reference to a module in ``path``:
+    import statements, import by name, and module strings."""
     found = []
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+    tree = ast.parse(path.read_text(), str(path))
+    prose = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            target = named_module(node.value, known)
+            if target is not None and target != name:
+                found.append((target, "", node.lineno))
+        elif isinstance(node, ast.Import):
             found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "automap"]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -115,6 +150,11 @@ def test_no_module_imports_another_modules_private_names():
     ("from automap.planning.model import _secret\n", "private"),
     ("from automap.report import render_text\n", "layer"),
     ("from .partition import Chain\n", "relative"),
+    ("importlib.import_module('automap.report')\n", "layer"),
+    ("__import__('automap.runtime.tiers')\n", "layer"),
+    ("OPS = 'automap.offload.transfer:CudaOps'\n", "layer"),
+    ("log = 'automap.planning.nothing_here'\n", "none"),
+    ("def f():\n    \"\"\"automap.report draws it.\"\"\"\n", "none"),
 ])
 def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
     """The checks above are only worth something if they can fail: feed them a fake module
@@ -127,6 +167,8 @@ def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
         assert any(i.startswith("_") for _, i, _ in found)
     elif expected == "layer":
         assert any(layer(t) > layer("automap.planning.probe") for t, _, _ in found if t in known)
+    elif expected == "none":
+        assert found == []
     else:
         assert [t for t, _, _ in found] == ["automap.planning.partition"]
 
