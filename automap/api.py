@@ -25,7 +25,7 @@ from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
                              plan_tasks, verify_loaded)
-from automap.compose import library_tracing, plan_strategy, plan_user_map
+from automap.compose import library_tracing, plan_strategy, plan_user_map, user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
 from automap.profiling import ExampleInputs, Profile
@@ -126,7 +126,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
-        made = plan_user_map(model, device_map, devices, example_inputs, dtype, batch, max_length)
+        made = plan_user_map(model, user_map(model, device_map), devices, example_inputs, dtype, batch, max_length)
         return replace(made, offload_dir=recorded_folder(offload_dir))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 

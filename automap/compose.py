@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from automap.devices import DeviceSpec, canonical_name
+from automap.devices import DeviceSpec
 from automap.errors import PlanError, ProfileError
 from automap.kinds import kind_of
 from automap.planning import Plan, make_plan, plan_from_device_map
-from automap.planning.usermap import first_names, loose_homes, normalise_device_map
+from automap.planning.usermap import UserMap, loose_homes, parse_device_map
 from automap.profiling import ExampleInputs, Profile, default_example_inputs, profile, untraced_profile
 from automap.profiling.kvcache import prompt_inputs, profile_generation
 from automap.profiling.refine import Splitter
@@ -192,14 +192,25 @@ def plan_strategy(model: nn.Module | Profile, devices: tuple[DeviceSpec, ...], s
         return make_plan(prof, devices, strategy, reserve=reserve, refine=refine, accept=accept)
 
 
-def tensor_holders(model: nn.Module, device_map: Mapping[str, int | str], units: Sequence[str]) -> list[str]:
+def user_map(model: nn.Module, device_map: Mapping[object, object]) -> UserMap:
+    """``device_map`` parsed against ``model`` (:func:`~automap.planning.usermap.parse_device_map`):
+    the one place a dict device map is read, called once by every public entry that takes one.
+
+    Raises:
+        DeviceMapError: a key or a value the map cannot mean.
+    """
+    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
+    return parse_device_map(device_map, model.named_modules(remove_duplicate=False), tensors)
+
+
+def tensor_holders(model: nn.Module, parsed: UserMap, units: Sequence[str]) -> list[str]:
     """Modules a map places tensor by tensor (``{"fc.weight": "disk", "fc.bias": "disk"}``, as
     accelerate's maps may), each a unit of its own when the map names every tensor it holds
     itself and no unit lies inside or around it: what the map keeps together stays together
     (tensors of one such module put on two devices are refused by name)."""
     found: list[str] = []
-    for key in device_map:
-        holder = key.rpartition(".")[0] if isinstance(key, str) else ""
+    for key in parsed.devices:
+        holder = key.rpartition(".")[0]
         if not holder or holder in found or any(u == holder or u.startswith(holder + ".") or holder.startswith(u + ".")
                                                 for u in units):
             continue
@@ -209,54 +220,52 @@ def tensor_holders(model: nn.Module, device_map: Mapping[str, int | str], units:
             continue
         own = [f"{holder}.{n}" for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
                if t is not None]
-        if own and all(n in device_map for n in own):
+        if own and all(n in parsed.devices for n in own):
             found.append(holder)
     return found
 
 
-def plan_user_map(model: nn.Module, device_map: Mapping[str, int | str], devices: tuple[DeviceSpec, ...],
+def plan_user_map(model: nn.Module, parsed: UserMap, devices: tuple[DeviceSpec, ...],
                   example_inputs: ExampleInputs | None, dtype: torch.dtype | None, batch: int | None,
                   max_length: int | None) -> Plan:
-    """A dict ``device_map`` as a plan: its module keys that hold tensors are the units (what
+    """A parsed dict device map as a plan: its module keys that hold tensors are the units (what
     it keeps together stays together). Traced only with ``example_inputs`` or for a generation
     (:func:`library_tracing`); otherwise the map alone says where everything goes.
 
     Raises:
-        DeviceMapError: the map names unknown modules or leaves tensors without a device.
+        DeviceMapError: the map leaves tensors without a device or splits a unit.
     """
-    modules = {name for name, _ in model.named_modules()}
-    tensors = dict.fromkeys(n for n, _ in all_named_tensors(model, remove_duplicate=False))
-    device_map = first_names(device_map, model.named_modules(remove_duplicate=False))
-    normalise_device_map(device_map, tensors, modules)  # bad names fail before any profiling
+    tensors = parsed.tensors
     holders = {""} | {t.rsplit(".", depth)[0] for t in tensors for depth in range(1, t.count(".") + 1)}
-    units = called_units(model, [k for k in device_map if k in modules and k in holders], holders, device_map)
-    units = (units + tensor_holders(model, device_map, units)) or [""]
+    named = [k for k in parsed.devices if k in parsed.modules and k in holders]
+    units = called_units(model, named, holders, parsed.devices)
+    units = (units + tensor_holders(model, parsed, units)) or [""]
     if example_inputs is None and max_length is None:
         prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
-                                loose_homes=loose_homes(device_map, units, tensors))
+                                loose_homes=loose_homes(parsed, units))
     else:
         prof = traced_profile(model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype,
                               units=units)
-    return plan_from_device_map(prof, devices, device_map, tensors, modules)
+    return plan_from_device_map(prof, devices, parsed)
 
 
-def called_units(model: nn.Module, units: Sequence[str], holders: set[str],
-                 device_map: Mapping[str, int | str]) -> list[str]:
+def called_units(model: nn.Module, units: Sequence[str], holders: set[str], where: Mapping[str, str]) -> list[str]:
     """The map's units as modules that run: a container the map stores whole (on a kind of
     device that only stores), which is never called and so could not be streamed in
     (accelerate's ``infer_auto_device_map`` keeps a ``ModuleList`` together:
     ``'model.encoder.layers': 'disk'``), gives way to its children that hold tensors, found the
-    same way, each streamed in when it runs; the map still places them by its prefix."""
+    same way, each streamed in when it runs; the map still places them by its prefix.
+    ``where``: the parsed map's canonical devices."""
     found: list[str] = []
     for name in units:
         module = model.get_submodule(name)
-        stored = name in device_map and kind_of(canonical_name(device_map[name])).stores_only
+        stored = name in where and kind_of(where[name]).stores_only
         if not (stored and never_called(module)):
             found.append(name)
             continue
         children = [f"{name}.{child}" for child, _ in module.named_children()]
         children = [c for c in children if c in holders and c not in units]  # a child the map names is a unit already
-        found += called_units(model, children, holders, {**device_map, **{c: device_map[name] for c in children}})
+        found += called_units(model, children, holders, {**where, **{c: where[name] for c in children}})
     return found
 
 

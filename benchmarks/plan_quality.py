@@ -34,7 +34,7 @@ from torch import nn
 import automap
 from automap.devices import DeviceSpec, make_device
 from automap.errors import AutomapError
-from automap.planning import Plan, make_plan, plan_from_device_map
+from automap.planning import Plan, make_plan, parse_device_map, plan_from_device_map
 from automap.planning.items import all_cut_bytes, make_items
 from automap.profiling import Profile, Unit
 from automap.profiling.kvcache import profile_generation
@@ -190,10 +190,9 @@ def generation_fit(batch: int = 16, max_length: int = 8192) -> dict[str, Any]:
                make_device("disk", 2**40))
     tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    modules = {n for n, _ in model.named_modules()}
     plans = {"automap": make_plan(prof, devices, "auto")}
     balanced = _accelerate_maps(model, devices, Case(case.name, case.build, case.no_split, dtype))["accelerate balanced"]
-    plans["accelerate balanced"] = plan_from_device_map(prof, devices, balanced(), tensors, modules)
+    plans["accelerate balanced"] = plan_from_device_map(prof, devices, parse_device_map(balanced(), model.named_modules(remove_duplicate=False), tensors))
     result: dict[str, Any] = {"batch": batch, "max_length": max_length, "kv_bytes": prof.total_kv_bytes}
     for label, plan in plans.items():
         streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
@@ -226,7 +225,6 @@ def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -
     splitter = Splitter(model)  # the model's own _no_split_modules, if any, stay whole
     tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    modules = {n for n, _ in model.named_modules()}
     rows = []
     for count in counts:
         for ratio in ratios:
@@ -239,7 +237,8 @@ def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -
             for label, fn in _accelerate_maps(model, devices, case).items():
                 try:
                     device_map, seconds = _median_seconds(fn, max(1, repeats // 3))
-                    judged = plan_from_device_map(prof, devices, device_map, tensors, modules)
+                    parsed = parse_device_map(device_map, model.named_modules(remove_duplicate=False), tensors)
+                    judged = plan_from_device_map(prof, devices, parsed)
                     row[label] = _judge(judged, best, seconds)
                 except (AutomapError, Exception) as exc:  # noqa: BLE001 - reported in the table
                     row[label] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
@@ -276,7 +275,7 @@ def tutorial_split() -> dict[str, Any]:
     first = {"conv1", "bn1", "relu", "maxpool", "layer1", "layer2"}
     hand = {u.name: ("cuda:0" if u.name.split(".")[0] in first else "cuda:1") for u in prof.units}
     tensors = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    hand_plan = plan_from_device_map(prof, devices, hand, tensors, {n for n, _ in model.named_modules()})
+    hand_plan = plan_from_device_map(prof, devices, parse_device_map(hand, model.named_modules(), tensors))
     auto_plan = make_plan(prof, devices, "auto")
     nvlink = tuple(make_device(d.name, d.capacity_bytes, link_bytes_per_second=300e9) for d in devices)
     nvlink_plan = make_plan(prof, nvlink, "auto")

@@ -30,7 +30,7 @@ from automap.planning.layout import build_plan
 from automap.planning.placement import Placement, Route
 from automap.planning.splitting import make_plan
 from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy
-from automap.planning.usermap import plan_from_device_map
+from automap.planning.usermap import parse_device_map, plan_from_device_map
 
-__all__ = ["JSON_VERSION", "STRATEGIES", "Strategy", "build_plan", "get_strategy", "register_strategy", "Cut", "DeviceSummary", "Plan", "make_plan", "plan_from_device_map",
+__all__ = ["JSON_VERSION", "STRATEGIES", "Strategy", "build_plan", "get_strategy", "register_strategy", "Cut", "DeviceSummary", "Plan", "make_plan", "parse_device_map", "plan_from_device_map",
            "Origin", "Placement", "Route", "plan_from_dict", "unit_label"]

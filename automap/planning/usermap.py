@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
 from automap.devices import DeviceSpec, canonical_name, make_device
@@ -14,80 +15,99 @@ from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
 
 
-def normalise_device_map(device_map: Mapping[str, int | str], tensor_names: set[str] | Mapping[str, object],
-                         module_names: set[str]) -> dict[str, str]:
-    """``device_map`` with canonical device names, after checking every key names a module or
-    tensor of the model and every value names a device.
+@dataclass(frozen=True)
+class UserMap:
+    """A user's dict device map, parsed once at the public door (:func:`parse_device_map`): every
+    key names a module or tensor of the model under its first name, every value is a canonical
+    device name, in the user's order. Only this value travels on; nothing re-reads the raw map.
+
+    Attributes:
+        devices: key -> canonical device name (``{"model.layers.0": "cuda:0", "lm_head": "disk"}``).
+        tensors: every tensor name of the model, second names of tied tensors included.
+        modules: every module name of the model (first names).
+    """
+
+    devices: Mapping[str, str]
+    tensors: tuple[str, ...]
+    modules: frozenset[str]
+
+    def device_of(self, name: str) -> str | None:
+        """The device the map gives ``name`` (a module, a tensor) by longest dotted prefix."""
+        return longest_prefix(self.devices, name)
+
+
+def parse_device_map(device_map: Mapping[object, object], named_modules: Iterable[tuple[str, object]],
+                     tensor_names: Iterable[str]) -> UserMap:
+    """Parse ``device_map`` (the Hugging Face / accelerate dict form) against a model: keys
+    reaching a module through a second name (a module registered twice: ``self.b = self.a``,
+    ALBERT's shared layer) are written with its first name, as ``named_modules()`` lists it (``b``
+    and ``b.weight`` become ``a`` and ``a.weight``), and values become canonical device names.
+
+    Args:
+        device_map: ``{"module.name": 0 | "cuda:0" | "cpu" | "disk"}``.
+        named_modules: ``model.named_modules(remove_duplicate=False)``.
+        tensor_names: every tensor name of the model, second names included.
 
     Raises:
-        DeviceMapError: an unknown key or an unknown device.
+        DeviceMapError: a key that is not a string or names no module or tensor of the model, a
+            value that names no device, or one module put on two devices under its two names.
     """
-    normalised: dict[str, str] = {}
-    for key, value in device_map.items():
+    for key in device_map:
         if not isinstance(key, str):
             raise DeviceMapError(f"device_map key {key!r} is not a module name string")
-        if key not in module_names and key not in tensor_names:
-            close = sorted(n for n in module_names if n and (n.startswith(key) or key.startswith(n)))[:3]
+    first, other = _first_names(named_modules)
+    aliases = {name: name for name in other}
+    tensors = tuple(tensor_names)
+    known = set(tensors)
+    devices: dict[str, str] = {}
+    for key, value in device_map.items():
+        assert isinstance(key, str)
+        alias = longest_prefix(aliases, key)
+        named = key if alias is None else other[alias] + key[len(alias):]
+        if named not in first and named not in known:
+            close = sorted(n for n in first if n and (n.startswith(named) or named.startswith(n)))[:3]
             raise DeviceMapError(
                 f"device_map names {key!r}, which is not a module or tensor of the model"
                 + (f"; did you mean {close}?" if close else "; list names with model.named_modules()")
             )
         try:
-            normalised[key] = canonical_name(value)
+            device = canonical_name(value)
         except DeviceError as exc:
             raise DeviceMapError(f"device_map[{key!r}] = {value!r} is not a device: {exc}") from exc
-    return normalised
-
-
-def first_names(device_map: Mapping[str, int | str], module_names: Iterable[tuple[str, object]]) -> dict[str, int | str]:
-    """``device_map`` with every key that reaches a module through a second name (a module
-    registered twice: ``self.b = self.a``, ALBERT's shared layer) written with the module's
-    first name, as ``named_modules()`` lists it: ``b`` and ``b.weight`` become ``a`` and
-    ``a.weight``. ``module_names``: ``model.named_modules(remove_duplicate=False)``.
-
-    Raises:
-        DeviceMapError: the map puts one module on two devices under its two names.
-    """
-    first: dict[int, str] = {}
-    other: dict[str, str] = {}
-    for name, module in module_names:
-        if first.setdefault(id(module), name) != name:
-            other[name] = first[id(module)]
-    if not other:
-        return dict(device_map)
-    aliases = {name: name for name in other}
-    out: dict[str, int | str] = {}
-    for key, value in device_map.items():
-        alias = longest_prefix(aliases, key) if isinstance(key, str) else None
-        named = key if alias is None else other[alias] + key[len(alias):]
-        if named in out and _device_or_value(out[named]) != _device_or_value(value):
-            raise DeviceMapError(f"device_map puts {named!r} on {out[named]!r} and, under its other name {key!r}, "
+        if named in devices and devices[named] != device:
+            raise DeviceMapError(f"device_map puts {named!r} on {devices[named]!r} and, under its other name {key!r}, "
                                  f"on {value!r}: it is one module; map it to one device")
-        out[named] = value
-    return out
+        devices[named] = device
+    return UserMap(MappingProxyType(devices), tensors, frozenset(first))
 
 
-def _device_or_value(value: int | str) -> object:
-    try:
-        return canonical_name(value)
-    except DeviceError:
-        return value  # refused by name later (normalise_device_map)
+def _first_names(named_modules: Iterable[tuple[str, object]]) -> tuple[dict[str, None], dict[str, str]]:
+    """Every module's first name (in order), and each second name -> the first."""
+    seen: dict[int, str] = {}
+    first: dict[str, None] = {}
+    other: dict[str, str] = {}
+    for name, module in named_modules:
+        if seen.setdefault(id(module), name) != name:
+            other[name] = seen[id(module)]
+        else:
+            first[name] = None
+    return first, other
 
 
-def loose_homes(device_map: Mapping[str, int | str], units: Sequence[str],
-                tensor_names: Iterable[str]) -> dict[str, str]:
+def loose_homes(user_map: UserMap, units: Sequence[str]) -> dict[str, str]:
     """For each tensor held outside every unit (ViT's ``class_token``), the first unit inside
     its holder that ``device_map`` puts on the tensor's device: where a profile without a trace
     attaches it, so that the map's units stay whole.
 
     Example:
-        >>> loose_homes({"conv_proj": 0, "class_token": 1, "encoder": 1}, ["conv_proj", "encoder"], names)
+        >>> loose_homes(parse_device_map({"conv_proj": 0, "class_token": 1, "encoder": 1}, ...),
+        ...             ["conv_proj", "encoder"])
         {'class_token': 'encoder'}
     """
-    where = {key: canonical_name(value) for key, value in device_map.items()}
+    where = user_map.devices
     unit_of = {u: u for u in units}
     homes = {}
-    for name in tensor_names:
+    for name in user_map.tensors:
         holder = name.rpartition(".")[0]
         if longest_prefix(unit_of, holder) is not None:
             continue  # held by a unit
@@ -145,25 +165,22 @@ def expressible(plan: Plan) -> bool:
                if not plan.device(where).is_accelerator)
 
 
-def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...],
-                         device_map: Mapping[str, int | str], tensor_names: Iterable[str],
-                         module_names: set[str]) -> Plan:
-    """Turn a user device map (HF/accelerate form) into a :class:`Plan` after validating it.
+def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...], user_map: UserMap) -> Plan:
+    """Turn a parsed user device map into a :class:`Plan`.
 
     Args:
         profile: the model's profile, with the map's module keys as units.
         devices: the known devices; devices the map names beyond them are added with no budget.
-        device_map: ``{"module.name": 0 | "cuda:0" | "cpu" | "disk"}``.
-        tensor_names, module_names: every tensor and module name of the model. A tensor with
-            several names (``profile.tie_groups``: BERT's ``lm_head.bias`` is
-            ``lm_head.decoder.bias``) is placed when the map places one of them.
+        user_map: the map, parsed by :func:`parse_device_map`. A tensor with several names
+            (``profile.tie_groups``: BERT's ``lm_head.bias`` is ``lm_head.decoder.bias``) is
+            placed when the map places one of them.
 
     Raises:
-        DeviceMapError: a key names no module or tensor, a value names no device, a tensor
-            is left without a device, or one unit is split over several devices.
+        DeviceMapError: a tensor is left without a device, or one unit is split over several
+            devices.
     """
-    tensors: Sequence[str] = list(tensor_names)
-    normalised = normalise_device_map(device_map, set(tensors), module_names)
+    tensors = user_map.tensors
+    normalised = user_map.devices
     ties = {name: group for group in profile.tie_groups for name in group}
     missing = [t for t in tensors if all(longest_prefix(normalised, n) is None for n in ties.get(t, (t,)))]
     if missing:

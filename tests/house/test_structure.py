@@ -270,3 +270,28 @@ def test_the_kind_check_catches_what_it_looks_for(tmp_path, source, hits):
     probe = tmp_path / "probe.py"
     probe.write_text(source)
     assert len(kind_comparisons(probe)) == hits
+
+
+# ------------------------------------------------------------------ a device map parsed once
+
+def callers(function: str) -> set[str]:
+    """``module:function`` of every function in the package that calls ``function`` by name."""
+    found = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call):
+                    callee = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+                    if callee == function:
+                        found.add(f"{name}:{node.name}")
+    return found
+
+
+def test_a_dict_device_map_is_parsed_in_one_place():
+    """Every public entry that takes a dict device map (plan, dispatch, load, the accelerate
+    drop-ins, the CLI) reaches it through automap.plan, which parses it once into a UserMap;
+    only that value travels on."""
+    assert callers("parse_device_map") == {"automap.compose:user_map"}
+    assert callers("user_map") == {"automap.api:plan"}
