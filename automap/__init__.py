@@ -1,17 +1,8 @@
 """automap: place a PyTorch model across GPUs, CPU RAM and disk, and run it there.
 
-    >>> import automap
-    >>> model = automap.dispatch(model, device_map="auto")
-    >>> print(automap.placement(model).report())
-
-accelerate's big-model functions have drop-ins here (``infer_auto_device_map``,
-``dispatch_model``, ``load_checkpoint_and_dispatch``, ``init_empty_weights``): see
+The public names are imported on first use (PEP 562), so ``import automap`` and ``automap --help``
+answer before torch is imported; accelerate's big-model functions have drop-ins in
 :mod:`automap.accelerate_compat`.
-
-The public names are imported when first used (PEP 562), so ``import automap`` and the
-``automap`` command's ``--help`` answer before torch is imported; ``automap.plan`` and its
-siblings then import what they need (never ``torch._dynamo``, matplotlib or transformers, which
-wait for the call that uses them).
 """
 from __future__ import annotations
 

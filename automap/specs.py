@@ -1,18 +1,6 @@
-"""Models named on the command line, built on the meta device so any size plans in seconds.
-
-A SPEC is one of:
-
-- ``torchvision:resnet50`` — a torchvision model by name (``--set`` gives its keyword arguments);
-- ``hf:llama`` — a transformers model family built from its default config with ``--set``
-  overrides, e.g. ``hf:llama --set num_hidden_layers=80,hidden_size=8192``;
-- ``hf:/path/config.json`` (or a directory holding one) — a local transformers config;
-- ``path/to/folder`` — a Hugging Face model folder (``config.json`` and its weights): the model
-  its config names, with the sizes and dtypes of the checkpoint's tensors read from their
-  safetensors headers (no weight is read);
-- ``module.path:factory`` — any function returning an ``nn.Module`` (``--set`` gives its
-  keyword arguments); the working directory is importable.
-
-Nothing is downloaded and no weights are allocated.
+"""Models named on the command line (``torchvision:NAME``, ``hf:FAMILY``, ``hf:config.json``, a
+model folder, ``module:factory``), built on the meta device: nothing downloaded, no weights
+allocated.
 """
 from __future__ import annotations
 

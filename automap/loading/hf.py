@@ -1,16 +1,6 @@
-"""Hugging Face model folders: the model a folder's ``config.json`` names, built without weights.
-
-A folder written by ``save_pretrained`` holds ``config.json`` (the architecture and its sizes)
-beside the weights (``model.safetensors``, shards with an index, or ``pytorch_model*.bin``).
-:func:`build_from_folder` reads the config with transformers' ``AutoConfig`` (local files only:
-nothing is downloaded) and builds the class its ``architectures`` entry names — the class
-``from_pretrained`` would build — else the first Auto head the family has (causal LM, then
-seq2seq, image classification, the bare model), inside :func:`~automap.loading.empty_model`, so
-its parameters are on meta and its buffers computed. :func:`automap.load` then reads the weights
-from the same folder like any checkpoint.
-
-transformers is imported here only, when a folder is built; without it the call fails with a
-:class:`~automap.errors.DependencyError` saying what to install.
+"""Hugging Face model folders: the model a folder's ``config.json`` names, built on meta with
+transformers' own classes (local files only: nothing is downloaded). transformers is imported
+here only, when a folder is built.
 """
 from __future__ import annotations
 

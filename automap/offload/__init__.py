@@ -1,17 +1,5 @@
-"""Offloaded weights: where they live between uses, and how they reach the execution device.
-
-- :mod:`~automap.offload.format`: the safetensors format — the one validating parser, and a
-  streaming writer;
-- :mod:`~automap.offload.mapped`: a safetensors file mapped copy-on-write, a tensor per entry;
-- :mod:`~automap.offload.source`: the :class:`WeightSource` protocol, RAM and composite sources;
-- :mod:`~automap.offload.store`: the store directory automap creates, owns and locks, with
-  :mod:`~automap.offload.store_files` (every write, through a directory handle, never through a
-  link), :mod:`~automap.offload.store_lock`, :mod:`~automap.offload.manifest` and
-  :mod:`~automap.offload.store_writer`;
-- :mod:`~automap.offload.reference`: a user's checkpoint read in place;
-- :mod:`~automap.offload.readahead`: reading a unit's file ranges with several large requests in flight;
-- :mod:`~automap.offload.transfer`: bringing weights to the execution device, one unit ahead (two on CPU
-  execution).
+"""Offloaded weights: where they live between uses (weight sources: the owned store, checkpoints
+read in place, RAM) and how they reach the execution device (transfers).
 """
 from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, load_json, read_header, read_regular,
                                     write_file)

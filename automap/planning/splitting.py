@@ -1,25 +1,7 @@
-"""The planner's front door: lay the model out, split what does not fit, keep the fastest plan.
+"""The planner's front door (:func:`make_plan`): lay the model out, split the units that do not fit
+where they must go, round after round, and keep the plan with the smallest predicted forward.
 
-:func:`make_plan` asks :mod:`automap.planning.layout` for every option at the profile's units
-(all on the accelerators, packed out of order, streamed to an accelerator, the CPU computing
-what the accelerators cannot hold). Unless everything fits on the accelerators as it is, it
-then asks ``refine`` (:class:`automap.profiling.refine.Splitter`, which traces the model again)
-to split the units that do not fit where they must go, and lays the finer profile out again,
-round after round, down to leaf modules, until everything fits on the accelerators:
-
-- a unit larger than every accelerator's room (it can neither live on one nor be streamed to
-  one whole);
-- a streamed unit that would take more than a quarter of the execution device's room as
-  staging (the room kept free for streamed weights; the rest holds resident units).
-
-Splitting is not free in the cost model: more units mean more hooks
-(:attr:`Plan.hook_seconds`) and possibly more cuts. Of every option at every level, the plan
-with the smallest predicted forward time (:attr:`Plan.forward_seconds`) is kept, except that
-when some option keeps everything on the accelerators only those count (the promise: if the
-model fits on the accelerators, nothing goes to CPU or disk). ``Plan.choices`` says which units
-were split and why, which stayed whole, and which alternative won by how much.
-
-Pure and deterministic given ``refine``: planning does no I/O; the splitter traces on meta.
+Invariant: if some option keeps everything on the accelerators, only those count.
 """
 from __future__ import annotations
 

@@ -295,3 +295,29 @@ def test_a_dict_device_map_is_parsed_in_one_place():
     only that value travels on."""
     assert callers("parse_device_map") == {"automap.compose:user_map"}
     assert callers("user_map") == {"automap.api:plan"}
+
+
+# ------------------------------------------------------------------ module docstrings
+
+MAX_MODULE_DOCSTRING_LINES = 12
+
+
+def module_docstring_lines(path: Path) -> int:
+    """Lines of the module's docstring; 0 when it has none."""
+    tree = ast.parse(path.read_text(), str(path))
+    first = tree.body[0] if tree.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_every_module_says_what_it_is_for_in_a_few_lines():
+    """A module docstring says what the module is for and its one or two invariants; the long
+    reasoning lives in docs/design-notes.md."""
+    lines = {str(p.relative_to(ROOT.parent)): module_docstring_lines(p) for p in modules().values()
+             if p.name != "__main__.py"}
+    missing = sorted(name for name, n in lines.items() if n == 0)
+    long = {name: n for name, n in lines.items() if n > MAX_MODULE_DOCSTRING_LINES}
+    assert not missing, f"give these modules a docstring: {missing}"
+    assert not long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the reasoning to "
+                      f"docs/design-notes.md): {long}")
