@@ -20,17 +20,6 @@ import importlib.util as _importlib_util
 import typing as _typing
 
 
-def _installed_version() -> str:
-    """The installed distribution's version; this checkout's pyproject version when automap
-    runs from a source tree that was never installed."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("automap")
-    except metadata.PackageNotFoundError:
-        return "0.1.0"
-
-
 # public name -> the module that defines it
 _HOMES = {
     "dispatch_model": "automap.accelerate_compat", "infer_auto_device_map": "automap.accelerate_compat",
@@ -55,7 +44,9 @@ _LIGHT = {"automap.errors", "automap.sizes"}  # torch-free: imported alone
 
 def __getattr__(name: str) -> _typing.Any:
     if name == "__version__":  # read from the installed metadata on first use, not at import
-        globals()[name] = _installed_version()
+        from automap.version import installed_version
+
+        globals()[name] = installed_version()
         return globals()[name]
     home = _HOMES.get(name)
     if home is None:

@@ -70,9 +70,9 @@ class _Version(argparse.Action):
                          help="print automap's version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
-        import automap
+        from automap.version import installed_version
 
-        print(f"automap {automap.__version__}")
+        print(f"automap {installed_version()}")
         parser.exit(0)
 
 
@@ -178,6 +178,10 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
                       choices=DTYPE_NAMES,
                       help="dtype the model runs in: fp32, fp16, bf16, fp8 (default: a folder's checkpoint "
                            "dtypes, else the config's, else fp32)")
+    _add_outputs(plan)
+
+
+def _add_outputs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
     plan.add_argument("--quiet", action="store_true", help="print nothing: no report, no progress, no 'wrote' "
@@ -282,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "NAME; --set changes a field)", *preset_lines()]))
         return 0
     if args.command == "plan" and args.spec is None:
-        parser.exit(2, "automap plan: error: the following arguments are required: SPEC (see 'automap plan "
-                       "--help'; presets: automap plan --list-presets)\n")
+        print("automap plan: error: the following arguments are required: SPEC (see 'automap plan --help'; "
+              "presets: automap plan --list-presets)", file=sys.stderr)
+        return 2
     try:
         if args.command == "plan":
             check_plan_args(args)
