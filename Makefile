@@ -8,13 +8,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.automap-installed
 LOG := $(VENV)/install.log
 PIP := $(PY) -m pip install --disable-pip-version-check
+EXTRAS := .[hf,test]
+TORCH := torch==2.14.1 torchvision==0.29.1
 
 .PHONY: install demo test bench gpu-check clean
 
 # $(call step,WHAT,COMMAND): run COMMAND with its output in $(LOG); print WHAT and the seconds it
 # took, or FAILED, the log's last 25 lines and the log's name (and stop).
 define step
-	@printf '  %-56s' '$(1)'; start=$$(date +%s); \
+	@printf '  %-60s' '$(1)'; start=$$(date +%s); \
 	if $(2) >>$(LOG) 2>&1; then echo "$$(( $$(date +%s) - start )) s"; \
 	else echo "FAILED"; echo "---- the last 25 lines of $(LOG):"; tail -n 25 $(LOG); \
 	     echo "---- the whole output is in $(LOG)"; exit 1; fi
@@ -25,8 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "automap: installing into $(VENV) (a few minutes the first time; pip's output: $(LOG))"
 	$(call step,Python virtual environment ($(VENV)),sh -c 'test -x $(PY) || $(PYTHON) -m venv $(VENV)')
 	$(call step,pip (upgrade),$(PIP) --upgrade pip)
-	$(call step,torch 2.14.1 + torchvision 0.29.1 (about 5 GB with CUDA),$(PIP) torch==2.14.1 torchvision==0.29.1)
-	$(call step,automap (editable) with its hf and test extras,$(PIP) -e '.[hf,test]')
+	$(call step,torch 2.14.1 + torchvision 0.29.1 (about 5 GB with CUDA),$(PIP) $(TORCH))
+	$(call step,automap (editable) with its hf and test extras,$(PIP) -e '$(EXTRAS)')
 	@touch $(STAMP)
 	@echo "automap: installed in $$(( $$(date +%s) - $$(cat $(VENV)/.install-start) )) s; $(VENV) takes\
 	 $$(du -sh $(VENV) | cut -f1); $$($(PY) -m automap --version)"

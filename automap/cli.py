@@ -105,9 +105,9 @@ def _parser() -> _Parser:
     _add_plan(commands, verbose)
     clean = commands.add_parser(
         "clean", parents=[verbose], help="remove automap's offload stores from a folder (and nothing else)",
-        description="Remove the offload stores (automap-store-* folders) that automap wrote under DIR and that no "
-                    "live process uses, and nothing else: files of yours beside or inside them, links and stores "
-                    "in use are left and named. Prints what it removed and the bytes freed.")
+        description="Remove the offload stores (automap-store-* folders) that automap wrote under DIR and "
+                    "that no live process uses, and nothing else: files of yours beside or inside them, "
+                    "links and stores in use are left and named. Prints what it removed and the bytes freed.")
     clean.add_argument("dir", metavar="DIR", nargs="?", default="offload",
                        help="the offload_dir a model was dispatched with, or one automap-store-* folder "
                             "(default: offload)")
@@ -184,8 +184,9 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
 def _add_outputs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
-    plan.add_argument("--quiet", action="store_true", help="print nothing: no report, no progress, no 'wrote' "
-                                                           "lines (still writes --json/--figure); errors still show")
+    plan.add_argument("--quiet", action="store_true",
+                      help="print nothing: no report, no progress, no 'wrote' lines (still writes --json/--figure); "
+                           "errors still show")
 
 
 def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -282,8 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "plan" and args.list_presets:
-        print("\n".join(["presets: the shapes of popular models, random weights, planned offline (automap plan "
-                         "NAME; --set changes a field)", *preset_lines()]))
+        print("\n".join(["presets: the shapes of popular models, random weights, planned offline "
+                         "(automap plan NAME; --set changes a field)", *preset_lines()]))
         return 0
     if args.command == "plan" and args.spec is None:
         print("automap plan: error: the following arguments are required: SPEC (see 'automap plan --help'; "
@@ -379,8 +380,8 @@ def _clean(args: argparse.Namespace) -> int:
         raise _CleanPathError(f"{args.dir} does not exist; give the offload_dir a model was dispatched with, "
                               "e.g. automap clean offload")
     if not os.path.isdir(args.dir):
-        raise _CleanPathError(f"{args.dir} is a file, not a folder; give the offload_dir a model was dispatched "
-                              "with, e.g. automap clean offload")
+        raise _CleanPathError(f"{args.dir} is a file, not a folder; give the offload_dir a model was "
+                              "dispatched with, e.g. automap clean offload")
     from automap.offload import clean
 
     result = clean(args.dir)

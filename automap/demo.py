@@ -45,7 +45,8 @@ def _llama() -> tuple[nn.Module, tuple[Any, ...]]:
 # shapes of the families the docs use; gptj is sharded like the big checkpoints it stands for.
 EXAMPLES: dict[str, tuple[dict[str, Any], str | None]] = {
     "llama": (dict(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, vocab_size=8000, max_position_embeddings=512), None),
+                   num_attention_heads=8, num_key_value_heads=4, vocab_size=8000,
+                   max_position_embeddings=512), None),
     "gptj": (dict(model_type="gptj", n_embd=256, n_layer=4, n_head=8, rotary_dim=16, vocab_size=8000,
                   n_positions=512, bos_token_id=0, eos_token_id=0), "4MB"),
 }

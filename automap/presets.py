@@ -44,8 +44,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, dtype="bfloat16"),
     "gpt2": dict(
-        source="openai-community/gpt2", model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
-        n_positions=1024, dtype="float32"),
+        source="openai-community/gpt2", model_type="gpt2", n_embd=768, n_layer=12, n_head=12,
+        vocab_size=50257, n_positions=1024, dtype="float32"),
 }
 
 
@@ -56,8 +56,8 @@ def preset_lines() -> list[str]:
         layers = fields.get("num_hidden_layers", fields.get("n_layer"))
         width = fields.get("hidden_size", fields.get("n_embd"))
         experts = fields.get("num_local_experts", fields.get("num_experts"))
-        shape = f"{layers} layers, hidden {width}" + (f", {experts} experts (top {fields['num_experts_per_tok']})"
-                                                       if experts else "")
+        routed = f", {experts} experts (top {fields['num_experts_per_tok']})" if experts else ""
+        shape = f"{layers} layers, hidden {width}{routed}"
         lines.append(f"{name:<15} {fields['model_type']:<10} {shape:<44} {fields['dtype']:<9} "
                      f"shape of {fields['source']}")
     return lines
@@ -77,8 +77,9 @@ def check_not_hub_id(spec: str) -> None:
         folder = "./" + spec.rsplit("/", 1)[1]
         preset = next((n for n, f in PRESETS.items() if f["source"].lower() == spec.lower()), None)
         raise SpecError(
-            f"{spec!r} looks like a Hugging Face hub id, and no folder of that name exists here; automap never "
-            f"downloads. Download it with the hub's own client: hf download {spec} --local-dir {folder} (or "
-            f"huggingface-cli download {spec} --local-dir {folder}), then pass the folder: automap plan {folder}"
+            f"{spec!r} looks like a Hugging Face hub id, and no folder of that name exists here; automap "
+            f"never downloads. Download it with the hub's own client: hf download {spec} --local-dir {folder} "
+            f"(or huggingface-cli download {spec} --local-dir {folder}), then pass the folder: "
+            f"automap plan {folder}"
             + (f"; or plan its shape offline: automap plan {preset}" if preset else
                "; to plan a shape offline, see automap plan --list-presets"))

@@ -139,15 +139,15 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
     if spec in PRESETS:
         model, dtype = _transformers(spec, settings, preset=PRESETS[spec])
         count = sum(p.numel() for p in model.parameters())
-        return BuiltModel(model, f"{type(model).__name__} (preset {spec}: the shape of {PRESETS[spec]['source']}, "
-                                 "random weights)", count, dtype)
+        label = f"{type(model).__name__} (preset {spec}: the shape of {PRESETS[spec]['source']}, random weights)"
+        return BuiltModel(model, label, count, dtype)
     check_not_hub_id(spec)
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
         _check_path(spec)
         raise SpecError(f"SPEC {spec!r} has no 'kind:name' form and is not a folder; use torchvision:resnet50, "
-                        "hf:llama, hf:/path/config.json, path/to/model-folder, module.path:factory or a preset "
-                        "(automap plan --list-presets)" + _did_you_mean(spec, PRESETS))
+                        "hf:llama, hf:/path/config.json, path/to/model-folder, module.path:factory or a "
+                        "preset (automap plan --list-presets)" + _did_you_mean(spec, PRESETS))
     if kind == "torchvision":
         model, dtype = _torchvision(name, settings), None
     elif kind == "hf":

@@ -28,6 +28,6 @@ from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCop
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
            "CudaOps", "DeviceCopyOps", "DeviceOps",
            "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
-           "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
-           "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json", "make_transfer",
+           "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
+           "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json", "make_transfer",
            "read_header", "read_manifest", "read_regular", "store_size", "write_file"]

@@ -100,7 +100,8 @@ def clean(path: str | os.PathLike[str] = "offload") -> CleanResult:
         raise OffloadError(f"{root} does not exist; give the offload_dir a model was dispatched with "
                               "(e.g. automap clean offload)")
     if not root.is_dir():
-        raise OffloadError(f"{root} is a file, not a folder; give the offload_dir a model was dispatched with")
+        raise OffloadError(f"{root} is a file, not a folder; give the offload_dir a model was dispatched "
+                           "with")
     result = CleanResult()
     for directory in stores_in(root):
         why = _remove_store(directory, result)
@@ -129,7 +130,8 @@ def _remove_store(directory: Path, result: CleanResult) -> str:
         foreign = [n for n in names if not ((n in owned or is_temp_of(n, owned)) and folder.is_own_file(n))]
         if foreign:
             more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-            return f"holds what is not automap's ({', '.join(sorted(foreign)[:3])}{more}); nothing in it removed"
+            listed = ", ".join(sorted(foreign)[:3])
+            return f"holds what is not automap's ({listed}{more}); nothing in it removed"
         size = sum(info.st_size for n in names if (info := folder.lstat(n)) is not None)
         folder.remove(sorted(set(names) - {LOCK}) + [LOCK])  # the lock file, which marks a store, last
         remove_folders([directory])  # while the lock is held: nobody adopts it meanwhile

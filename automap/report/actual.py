@@ -51,8 +51,8 @@ def placement(model: nn.Module) -> Plan:
     if state is not None:
         streamed = state.streamed_ids()
         found = _dispatched(model, state.plan, streamed)
-        notes = tuple(n for n in (memory_note(state.stats()), unreadable_note(state, streamed), store_note(state))
-                      if n)
+        found_notes = (memory_note(state.stats()), unreadable_note(state, streamed), store_note(state))
+        notes = tuple(n for n in found_notes if n)
         return dataclasses.replace(found, warnings=found.warnings + notes)
     return _undispatched(model)
 

@@ -23,7 +23,8 @@ LAYERS = {
     "loading": 6,
     "report": 7, "pipelining": 7, "distributed": 7, "compose": 7,
     "api": 8,
-    "cli": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9, "accelerate_compat": 8,
+    "cli": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9,
+    "accelerate_compat": 8,
 }
 
 

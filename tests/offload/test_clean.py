@@ -20,7 +20,8 @@ from automap.offload import LOCK, MANIFEST, OffloadStore, TensorSpec, clean, sto
 
 
 def _store(root: Path, rows: int = 64) -> Path:
-    specs = {"fc.weight": TensorSpec("fc", torch.float32, (rows, 16)), "fc.bias": TensorSpec("fc", torch.float32, (16,))}
+    specs = {"fc.weight": TensorSpec("fc", torch.float32, (rows, 16)),
+             "fc.bias": TensorSpec("fc", torch.float32, (16,))}
     store = OffloadStore.write(root, specs, lambda name: torch.ones(specs[name].shape))
     store.close()
     return store.directory
