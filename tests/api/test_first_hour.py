@@ -141,3 +141,18 @@ def test_quiet_prints_nothing_and_still_writes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
     assert json.loads((tmp_path / "p.json").read_text())["device_map"] and (tmp_path / "p.svg").stat().st_size
+
+
+def test_demo_save_writes_loadable_folders_offline_and_keeps_existing_ones(capsys, tmp_path):
+    (tmp_path / "gptj").mkdir()
+    (tmp_path / "gptj" / "mine.txt").write_text("mine")
+    assert main(["demo", "--save", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'llama'}" in out and f"kept {tmp_path / 'gptj'}" in out
+    assert sorted(p.name for p in (tmp_path / "gptj").iterdir()) == ["mine.txt"]
+    assert main(["plan", str(tmp_path / "llama"), "--max-memory", "cpu=1GB", "--quiet"]) == 0
+    model = automap.load(str(tmp_path / "llama"), max_memory={"cpu": "4MB"}, offload_dir=tmp_path / "offload",
+                         quiet=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    automap.undispatch(model)
+    assert not (tmp_path / "offload").exists()  # its safetensors are read in place: no store written
