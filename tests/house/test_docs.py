@@ -9,8 +9,9 @@ document, with ``automap`` on PATH. A block may be preceded by one marker commen
 - ``skip REASON``: not run, and the reason is required (a GPU, several processes, an install);
 - ``slow``: run only with ``-m slow`` (planning a 70B shape takes a while on a laptop CPU);
 - ``folder FAMILY PATH`` / ``config FAMILY PATH``: before the block, a small random-weight
-  Hugging Face folder (or just its config.json) of that family is written at PATH, so a snippet
-  that names a downloaded model finds one. Nothing is downloaded.
+  Hugging Face folder (or just its config.json) of that family is written at PATH. README.md and
+  docs/ use none (checked below): a reader cannot see them, so the folders their snippets load come
+  from a block the reader runs too, ``automap demo --save models``. Nothing is downloaded.
 
 A block runs when it exits 0 without a traceback; what it prints is the docs' business.
 """
