@@ -62,10 +62,16 @@ def read_config(folder: str | os.PathLike[str]) -> Any:
         DependencyError: transformers is not installed.
     """
     root = Path(folder)
+    if not os.path.lexists(root):
+        hub = "" if os.path.isabs(str(folder)) or str(folder).count("/") != 1 else (
+            f"; if {str(folder)!r} is a hub id: automap never downloads; download it with "
+            f"hf download {folder} --local-dir ./{root.name} and pass ./{root.name}")
+        raise CheckpointError(f"{root} does not exist; automap.load(path) takes a Hugging Face model folder "
+                              f"(config.json and its weights){hub}")
     if not root.is_dir():
-        raise CheckpointError(f"{root} is not a folder; automap.load(path) takes a Hugging Face model folder "
-                              "(config.json and its weights). For a single checkpoint file, build the model and "
-                              "call automap.load(model, path)")
+        raise CheckpointError(f"{root} is a file, not a folder; automap.load(path) takes a Hugging Face model "
+                              "folder (config.json and its weights). For a single checkpoint file, build the "
+                              "model and call automap.load(model, path)")
     if not is_model_folder(root):
         raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
                               "yourself under automap.empty_model() and call automap.load(model, folder)")

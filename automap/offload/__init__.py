@@ -3,6 +3,7 @@ read in place, RAM) and how they reach the execution device (transfers).
 """
 from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, load_json, read_header, read_regular,
                                     write_file)
+from automap.offload.cleanup import CleanResult, clean, store_size
 from automap.offload.mapped import MappedFile, backing_file
 from automap.offload.reference import CheckpointSource
 from automap.offload.source import MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
@@ -11,9 +12,9 @@ from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, R
 from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
                                       Transfer, make_transfer)
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceCopyOps",
-           "DeviceOps",
+__all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
+           "CudaOps", "DeviceCopyOps", "DeviceOps",
            "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
-           "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
-           "WeightSource", "backing_file", "check_offload_dir", "checksum", "load_json", "make_transfer", "read_header",
-           "read_manifest", "read_regular", "write_file"]
+           "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
+           "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json", "make_transfer",
+           "read_header", "read_manifest", "read_regular", "store_size", "write_file"]

@@ -195,7 +195,10 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
                      f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
     _, faster_index, faster = min(pool, key=lambda p: (p[2].plan.forward_seconds, p[1]))
     if faster.plan.forward_seconds < best.plan.forward_seconds:
-        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}) "
+        quick = faster.plan.forward_seconds
+        ratio = best.plan.forward_seconds / quick if quick > 0 else 0.0
+        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}: "
+                     f"predicted {ratio:.2f}x as fast as the chosen {_ms(best.plan)}), not taken "
                      f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
                      "then the accelerators computing every unit, then the fastest")
     return replace(best.plan, choices=tuple(notes))
