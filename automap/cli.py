@@ -1,7 +1,9 @@
 """The ``automap`` command (also ``python -m automap``): a thin layer over the library.
 
 Exit codes: 0 success; 1 the library could not do it (the model does not fit, its forward
-failed); 2 bad arguments. Every failure is one line on stderr, never a traceback.
+failed), or an internal error (a bug: one line asking for a report; ``--debug`` prints its
+traceback); 2 bad arguments, or bad files they name. Every failure is one line on stderr, never
+a traceback.
 
 The arguments are parsed and checked before torch is imported (``--help`` and a bad argument
 answer at once); only then does a command import the library. The names offered here
@@ -17,12 +19,13 @@ import os
 import re
 import sys
 import time
+import traceback
 import warnings
-from pathlib import Path
 from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
-from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
+from automap.errors import AutomapError, CheckpointError, DeviceError, ReportError, SizeError, SpecError
+from automap.userfiles import check_output_path
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
 # without importing torch; tests/api/test_cli.py keeps them equal.
@@ -70,6 +73,8 @@ def _verbose_option() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the library does (to stderr)")
+    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an internal error, print its traceback (for a bug report)")
     return parent
 
 
@@ -167,23 +172,6 @@ def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(shapes)
 
 
-def _check_output(path: str, what: str, suffixes: Sequence[str] = ()) -> None:
-    """Fail before minutes of work, not after: a known suffix, an existing folder."""
-    target = Path(path)
-    if suffixes and target.suffix.lower().lstrip(".") not in suffixes:
-        raise ReportError(f"cannot draw a figure as {target.name!r}: the suffix must be one of "
-                          f"{', '.join('.' + f for f in suffixes)}, e.g. plan.png")
-    if not target.parent.is_dir():
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} does "
-                          "not exist; create it or choose another path")
-    if target.is_dir():
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: it is a folder; name a file in it, "
-                          f"e.g. {str(target / ('plan.' + (suffixes[0] if suffixes else 'json')))!r}")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} is not "
-                          "writable; choose another path")
-
-
 def check_plan_args(args: argparse.Namespace) -> None:
     """Everything about ``automap plan``'s arguments that can be checked without torch; the
     parsed forms are kept on ``args`` (``max_memory``, ``shapes``).
@@ -194,12 +182,13 @@ def check_plan_args(args: argparse.Namespace) -> None:
     args.max_memory = parse_max_memory_text(args.max_memory) if args.max_memory is not None else None
     args.shapes = parse_input_shapes(args.input_shape) if args.input_shape is not None else None
     if args.json:
-        _check_output(args.json, "plan JSON")
+        check_output_path(args.json, "plan JSON")
     if args.figure:
-        _check_output(args.figure, "figure", FIGURE_FORMATS)
+        check_output_path(args.figure, "figure", FIGURE_FORMATS)
 
 
-_USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
+# Bad input: arguments, and the files they name (a SPEC's config, a folder's checkpoint).
+_USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError, CheckpointError)
 
 # The library's errors name the fix in its own arguments; on the command line the fix is a flag.
 # (pattern, replacement), applied in order to the message of an error the command prints.
@@ -250,6 +239,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `automap plan ... | head`: the reader left; stay quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as exc:  # noqa: BLE001 - a bug of automap's: one line, the traceback on --debug
+        return internal_error(exc, getattr(args, "debug", False))
+
+
+def internal_error(exc: BaseException, debug: bool) -> int:
+    """Report an exception automap did not expect (a bug): one line naming it and how to report
+    it, or with ``debug`` its traceback too. Returns the exit code, 1."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    print(f"automap: internal error: {reason}; please report it with the output of the same command "
+          "run with --debug", file=sys.stderr)
+    return 1
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -316,7 +319,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.json:
-        _check_output(args.json, "bench rows")
+        check_output_path(args.json, "bench rows")
     from automap.bench import format_table, run_bench, runnable_cases, write_rows
 
     cases, skipped = runnable_cases()

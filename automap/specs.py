@@ -21,7 +21,6 @@ import difflib
 import importlib
 import importlib.util
 import inspect
-import json
 import logging
 import os
 import sys
@@ -33,8 +32,10 @@ import torch
 from torch import nn
 
 from automap.errors import AutomapError, SpecError
+from automap.loading.configs import check_config_fields, wrapped
 from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
+from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,10 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         >>> build_model("hf:llama", {"num_hidden_layers": 80}).label
         'LlamaForCausalLM (hf:llama)'
     """
-    if Path(spec).is_dir():
+    if not isinstance(spec, str) or not spec or "\0" in spec:
+        raise SpecError(f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, hf:/path/config.json, "
+                        "path/to/model-folder or module.path:factory")
+    if is_folder(spec):
         return _folder(spec, overrides or {})
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
@@ -143,6 +147,15 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         model, dtype = _factory(kind, name, settings), None
     count = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, f"{type(model).__name__} ({spec})", count, dtype)
+
+
+def is_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a folder; False, not an error, for a name the file system cannot
+    look up (too long, a loop of links): it then is no folder."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def _on_meta(what: str, build: Callable[[], Any]) -> nn.Module:
@@ -175,11 +188,13 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
     transformers = import_transformers(f"planning hf:{name}")
     model_type, fields = _hf_config_source(name)
-    overrides = resolve_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
+    given = wrapped(lambda: transformers.AutoConfig.for_model(model_type, **fields), f"hf:{name}", SpecError)
+    overrides = resolve_config_keys(given, overrides, name)
+    check_config_fields({"model_type": model_type, **overrides}, f"--set for hf:{name}", SpecError)
     try:
         # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
-    except Exception as exc:  # noqa: BLE001 - a config's own validation, reported in one line
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 - a config's own validation, reported in one line
         raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
     model = _on_meta(f"hf:{name}", lambda: _hf_model(config))
     return model, config_dtype(config)
@@ -216,7 +231,7 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
     import transformers
 
     path = Path(name)
-    if path.is_dir():
+    if is_folder(path):
         path = path / "config.json"
     if path.suffix == ".json" or os.sep in name:
         return _hf_config_file(path)
@@ -230,13 +245,10 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
 def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     import transformers
 
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"config file {str(path)!r} does not exist; give hf:/path/to/config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError(f"cannot read {str(path)!r} as a JSON config: {exc}") from None
-    model_type = data.pop("model_type", None) if isinstance(data, dict) else None
+    data = read_json_file(path, "config file", error=SpecError,
+                          hint="give hf:/path/to/config.json, a transformers config saved with save_pretrained")
+    check_config_fields(data, repr(str(path)), SpecError)
+    model_type = data.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
                         "a transformers config.json names its family in 'model_type'")
