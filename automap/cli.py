@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 1 the library could not do it (the model does not fit, its forward
 failed), or an internal error (a bug: one line asking for a report; ``--debug`` prints its
-traceback); 2 bad arguments, or bad files they name. Every failure is one line on stderr, never
+traceback); 2 bad arguments, or a bad config file they name. Every failure is one line on stderr, never
 a traceback.
 
 The arguments are parsed and checked before torch is imported (``--help`` and a bad argument
@@ -24,7 +24,8 @@ import warnings
 from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
-from automap.errors import AutomapError, CheckpointError, DeviceError, ReportError, SizeError, SpecError
+from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
+from automap.sizes import MAX_COUNT, parse_number
 from automap.userfiles import check_output_path
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
@@ -104,14 +105,25 @@ def _parser() -> _Parser:
     return parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _count(minimum: int) -> Any:
+    """An argparse type: a whole number from ``minimum`` to ``MAX_COUNT``, read by the one
+    reader of numbers (:func:`automap.sizes.parse_number`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text.strip()) <= 20 else None
+        except ValueError:
+            value = None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}")
+        try:
+            return int(parse_number(value, "value", integral=True, minimum=minimum, maximum=MAX_COUNT,
+                                    error=SpecError))
+        except SpecError:
+            raise argparse.ArgumentTypeError(f"must be from {minimum} to {MAX_COUNT:,}, got {value}") from None
+    return parse
+
+
+_positive = _count(1)
 
 
 def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
@@ -141,7 +153,7 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
     inputs.add_argument("--example-inputs", metavar="MODULE:FUNCTION",
                         help="a function returning the forward's inputs (a tuple, a dict of keyword "
                              "arguments, or a tensor), called with meta as the default device")
-    plan.add_argument("--max-length", type=_positive, default=None, metavar="N",
+    plan.add_argument("--max-length", type=_count(2), default=None, metavar="N",
                       help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
                            "device keeps room for its layers' KV cache, and the report predicts tokens/s")
     plan.add_argument("--dtype", metavar="DTYPE", type=lambda t: t.strip().lower().removeprefix("torch."),
@@ -187,8 +199,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
         check_output_path(args.figure, "figure", FIGURE_FORMATS)
 
 
-# Bad input: arguments, and the files they name (a SPEC's config, a folder's checkpoint).
-_USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError, CheckpointError)
+# Bad input: arguments, and the files they name (a SPEC's config: a SpecError).
+_USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
 
 # The library's errors name the fix in its own arguments; on the command line the fix is a flag.
 # (pattern, replacement), applied in order to the message of an error the command prints.

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from automap.errors import AutomapError, SpecError
+from automap.errors import AutomapError, CheckpointError, SpecError
 from automap.loading.configs import check_config_fields, wrapped
 from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
@@ -212,7 +212,10 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
     if not is_model_folder(path):
         raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
                         "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
-    config = read_config(path)
+    try:
+        config = read_config(path)
+    except CheckpointError as exc:  # a config that cannot be read or is hostile: bad input, as a SPEC's
+        raise SpecError(str(exc)) from None
     # What automap.load builds: its weights need the real class (a quantized one is refused).
     model = _on_meta(path, lambda: folder_model(config, path) or _hf_model(config, guess=False))
     with open_checkpoint(path) as checkpoint:

@@ -15,7 +15,7 @@ from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.userfiles import as_path, check_output_path, read_json_file
 
-_REWRITE = "write it again with automap.report.write_json(plan, path) or 'automap plan ... --json FILE'"
+_REWRITE = "give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' wrote"
 
 if TYPE_CHECKING:
     from automap.planning import DeviceSummary
