@@ -235,12 +235,27 @@ def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:
     tensor's bytes and all of them, measured on meta), so such a config could never be built
     (a ``vocab_size`` of 10**12 would ask for terabytes)."""
     largest, total = sizes
-    room = available_ram_bytes()
+    room = min(available_ram_bytes(), _address_space_left())
     if largest > room:
         raise CheckpointError(f"{where} describes a model whose largest tensor needs {format_bytes(largest)} "
-                              f"({format_bytes(total)} in all), more than this machine's free RAM "
+                              f"({format_bytes(total)} in all), more than this process's free memory "
                               f"({format_bytes(room)}) in which each tensor of a skeleton is made before it goes "
                               "to meta; check the config's sizes (vocab_size, hidden_size, ...)")
+
+
+def _address_space_left() -> int:
+    """Bytes this process may still map under its ``RLIMIT_AS`` (unbounded: a huge number)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return 2**62
+    try:
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return limit
+    return max(0, limit - used)
 
 
 def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> None:
