@@ -175,8 +175,9 @@ def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
     shapes = []
     for item in filter(None, (p.strip() for p in text.split(","))):
         sizes = item.lower().split("x")
-        if not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
-            raise SpecError(f"--input-shape expects sizes >= 1 joined by 'x', got {item!r}; "
+        if not all(s.strip().isascii() and s.strip().isdigit() and len(s.strip()) <= 12
+                   and 0 < int(s) <= MAX_COUNT for s in sizes):
+            raise SpecError(f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', got {item[:40]!r}; "
                             "e.g. --input-shape 1x3x224x224")
         shapes.append(tuple(int(s) for s in sizes))
     if not shapes:

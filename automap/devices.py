@@ -111,7 +111,9 @@ def _kind_name(text: str) -> str | None:
     if kind is None or (sep and not (index.isascii() and index.isdigit())):
         return None
     if kind.indexed:
-        return f"{base}:{int(index) if sep else 0}"
+        number = parse_number(int(index) if sep else 0, f"device index in {text!r}", integral=True,
+                              maximum=MAX_COUNT, error=DeviceError, hint="GPU indices start at 0, e.g. 'cuda:0'")
+        return f"{base}:{int(number)}"
     return base if not sep or kind.index_alias else None
 
 
