@@ -25,7 +25,7 @@ from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
 from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
-from automap.sizes import MAX_COUNT, parse_number
+from automap.sizes import MAX_COUNT, parse_number, shown
 from automap.userfiles import check_output_path
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
@@ -109,17 +109,15 @@ def _count(minimum: int) -> Any:
     """An argparse type: a whole number from ``minimum`` to ``MAX_COUNT``, read by the one
     reader of numbers (:func:`automap.sizes.parse_number`)."""
     def parse(text: str) -> int:
-        try:
-            value = int(text) if len(text.strip()) <= 20 else None
-        except ValueError:
-            value = None
-        if value is None:
+        digits = text.strip()
+        if not (digits.isascii() and digits.lstrip("-").isdigit()) or len(digits) > 4000:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}")
         try:
-            return int(parse_number(value, "value", integral=True, minimum=minimum, maximum=MAX_COUNT,
+            return int(parse_number(int(digits), "value", integral=True, minimum=minimum, maximum=MAX_COUNT,
                                     error=SpecError))
         except SpecError:
-            raise argparse.ArgumentTypeError(f"must be from {minimum} to {MAX_COUNT:,}, got {value}") from None
+            raise argparse.ArgumentTypeError(
+                f"must be between {minimum} and {MAX_COUNT:,}, got {shown(int(digits))}") from None
     return parse
 
 
@@ -177,7 +175,8 @@ def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
         sizes = item.lower().split("x")
         if not all(s.strip().isascii() and s.strip().isdigit() and len(s.strip()) <= 12
                    and 0 < int(s) <= MAX_COUNT for s in sizes):
-            raise SpecError(f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', got {item[:40]!r}; "
+            raise SpecError(f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', "
+                            f"got {item[:40]!r}; "
                             "e.g. --input-shape 1x3x224x224")
         shapes.append(tuple(int(s) for s in sizes))
     if not shapes:

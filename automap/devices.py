@@ -87,10 +87,12 @@ def canonical_name(key: int | str) -> str:
     if type(key).__module__ == "torch" and type(key).__name__ == "device":  # torch.device, torch not imported here
         key = str(key)
     if not isinstance(key, str):
-        raise DeviceError(f"device key {shown(key)} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
+        raise DeviceError(f"device key {shown(key)} has type {type(key).__name__}; "
+                          "use 0, 'cuda:0', 'cpu' or 'disk'")
     text = key.strip().lower()
     if len(text) > 40:  # no device name is this long; a long digit string is no index either
-        raise DeviceError(f"unknown device {shown(key)}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', 'cpu' or 'disk'")
+        raise DeviceError(f"unknown device {shown(key)}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', "
+                          "'cpu' or 'disk'")
     if text.isascii() and text.isdigit():
         return canonical_name(int(text))
     if text == "meta":
@@ -112,7 +114,8 @@ def _kind_name(text: str) -> str | None:
         return None
     if kind.indexed:
         number = parse_number(int(index) if sep else 0, f"device index in {text!r}", integral=True,
-                              maximum=MAX_COUNT, error=DeviceError, hint="GPU indices start at 0, e.g. 'cuda:0'")
+                              maximum=MAX_COUNT, error=DeviceError,
+                              hint="GPU indices start at 0, e.g. 'cuda:0'")
         return f"{base}:{int(number)}"
     return base if not sep or kind.index_alias else None
 
@@ -266,7 +269,8 @@ def parse_rates(values: object, argument: str) -> dict[str, float]:
                           f"e.g. {argument}={{'cpu': 20e9}}")
     return {(k if isinstance(k, str) and find_kind(k) is not None else canonical_name(k)):
             parse_number(v, f"{argument}[{shown(k)}]", error=DeviceError,
-                         hint=f"give per-second figures from 0 to {MAX_RATE:g}, e.g. {argument}={{'cuda': 300e12}}")
+                         hint=f"give per-second figures from 0 to {MAX_RATE:g}, "
+                              f"e.g. {argument}={{'cuda': 300e12}}")
             for k, v in values.items()}
 
 
@@ -319,7 +323,8 @@ def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, 
     if reserve is None:
         return {}
     if isinstance(reserve, Mapping):
-        return {name: parse_size(value, f"reserve[{name!r}]") for name, value in parse_max_memory(reserve).items()}
+        return {name: parse_size(value, f"reserve[{name!r}]")
+                for name, value in parse_max_memory(reserve).items()}
     size = parse_size(reserve, "reserve")
     runners = [d for d in devices if d.is_accelerator] or [d for d in devices if kind_of(d).is_host]
     return {d.name: size for d in runners}

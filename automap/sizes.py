@@ -131,8 +131,8 @@ def parse_size(value: int | float | str, field: str = "size") -> int:
     if number < 0:
         raise SizeError(f"{field} {shown(value)} is negative; memory budgets must be >= 0")
     if factor == 1 and isinstance(number, float) and not number.is_integer():
-        raise SizeError(f"{field} {shown(value)} is not a whole number of bytes; a budget is bytes, not a share "
-                        "of the device: write e.g. '8GiB' or '500MB'")
+        raise SizeError(f"{field} {shown(value)} is not a whole number of bytes; a budget is bytes, "
+                        "not a share of the device: write e.g. '8GiB' or '500MB'")
     if number * factor > MAX_BYTES:
         raise SizeError(f"{field} {shown(value)} is above 2**60 bytes (1 EiB), more than any machine has; "
                         f"{fix}")

@@ -130,7 +130,8 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         'LlamaForCausalLM (hf:llama)'
     """
     if not isinstance(spec, str) or not spec or "\0" in spec:
-        raise SpecError(f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, hf:/path/config.json, "
+        raise SpecError(f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, "
+                        "hf:/path/config.json, "
                         "path/to/model-folder or module.path:factory")
     if is_folder(spec):
         return _folder(spec, overrides or {})
@@ -194,7 +195,7 @@ def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torc
     try:
         # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
-    except (Exception, RecursionError) as exc:  # noqa: BLE001 - a config's own validation, reported in one line
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 - a config's own validation, one line
         raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
     model = _on_meta(f"hf:{name}", lambda: _hf_model(config))
     return model, config_dtype(config)
@@ -249,7 +250,8 @@ def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     import transformers
 
     data = read_json_file(path, "config file", error=SpecError,
-                          hint="give hf:/path/to/config.json, a transformers config saved with save_pretrained")
+                          hint="give hf:/path/to/config.json, a transformers config saved with "
+                               "save_pretrained")
     check_config_fields(data, repr(str(path)), SpecError)
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:

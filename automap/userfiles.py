@@ -15,6 +15,7 @@ fix.
 plan written with ``write_json``) passes before any long work: its folder exists and is writable,
 the name is not a folder, not a link loop, not too long.
 """
+
 from __future__ import annotations
 
 import errno
@@ -78,8 +79,9 @@ def load_json(raw: bytes | str, what: str, hint: str, error: type[AutomapError] 
     """
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-        return json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant,
-                          object_pairs_hook=_object)
+        return json.loads(
+            text, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object
+        )
     except _Refused as exc:
         reason = str(exc)
     except RecursionError:
@@ -91,7 +93,9 @@ def load_json(raw: bytes | str, what: str, hint: str, error: type[AutomapError] 
     raise error(f"{what} ({reason}){'; ' + hint if hint else ''}")
 
 
-def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True, dir_fd: int | None = None) -> bytes:
+def read_regular(
+    path: str | os.PathLike[str], limit: int, *, follow: bool = True, dir_fd: int | None = None
+) -> bytes:
     """The bytes of the regular file ``path`` (at most ``limit`` of them).
 
     Never blocks on a FIFO or device (opened non-blocking, refused unless regular); with
@@ -153,10 +157,14 @@ def as_path(value: object, field: str, error: type[AutomapError]) -> Path:
     """
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(text, str):
-        raise error(f"{field}={_short(value)}: give a path as a str or pathlib.Path, not a {type(value).__name__}")
+        raise error(
+            f"{field}={_short(value)}: give a path as a str or pathlib.Path, not a {type(value).__name__}"
+        )
     if not text or "\0" in text:
-        raise error(f"{field}={_short(value)} is no path ({'empty' if not text else 'it holds a NUL character'}); "
-                    "name a file or folder")
+        raise error(
+            f"{field}={_short(value)} is no path ({'empty' if not text else 'it holds a NUL character'}); "
+            "name a file or folder"
+        )
     return Path(text)
 
 
@@ -165,18 +173,32 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def read_bytes(path: str | os.PathLike[str], what: str, *, hint: str, error: type[AutomapError],
-               limit: int = MAX_JSON_BYTES) -> bytes:
+def read_bytes(
+    path: str | os.PathLike[str],
+    what: str,
+    *,
+    hint: str,
+    error: type[AutomapError],
+    limit: int = MAX_JSON_BYTES,
+) -> bytes:
     """The bytes of the regular file ``path`` (:func:`read_regular`), any failure an ``error``
     naming ``what``, the path, why, and ``hint``."""
     try:
         return read_regular(path, limit)
     except OSError as exc:
-        raise error(f"cannot read {what} {os.fspath(path)!r}: {describe_os_error(exc, limit)}; {hint}") from None
+        raise error(
+            f"cannot read {what} {os.fspath(path)!r}: {describe_os_error(exc, limit)}; {hint}"
+        ) from None
 
 
-def read_json_file(path: str | os.PathLike[str], what: str, *, hint: str, error: type[AutomapError],
-                   limit: int = MAX_JSON_BYTES) -> Any:
+def read_json_file(
+    path: str | os.PathLike[str],
+    what: str,
+    *,
+    hint: str,
+    error: type[AutomapError],
+    limit: int = MAX_JSON_BYTES,
+) -> Any:
     """The JSON value in the file ``path``, read once (:func:`read_regular`) and decoded by
     :func:`load_json`.
 
@@ -210,14 +232,17 @@ def check_output_path(path: object, what: str, suffixes: Sequence[str] = ()) -> 
     target = as_path(path, what, ReportError)
     shown = f"cannot write the {what} to {str(target)!r}"
     if suffixes and target.suffix.lower().lstrip(".") not in suffixes:
-        raise ReportError(f"cannot draw a figure as {target.name!r}: the suffix must be one of "
-                          f"{', '.join('.' + f for f in suffixes)}, e.g. plan.png")
+        raise ReportError(
+            f"cannot draw a figure as {target.name!r}: the suffix must be one of "
+            f"{', '.join('.' + f for f in suffixes)}, e.g. plan.png"
+        )
     folder = target.parent
     try:
         folder_info = os.stat(folder)
     except OSError as exc:
-        raise ReportError(f"{shown}: folder {str(folder)!r} {_folder_reason(exc)}; create it or choose "
-                          "another path") from None
+        raise ReportError(
+            f"{shown}: folder {str(folder)!r} {_folder_reason(exc)}; create it or choose another path"
+        ) from None
     if not stat.S_ISDIR(folder_info.st_mode):
         raise ReportError(f"{shown}: {str(folder)!r} is not a folder; choose another path")
     _check_name(target, shown, suffixes)
@@ -244,9 +269,13 @@ def _check_name(target: Path, shown: str, suffixes: Sequence[str]) -> None:
         except FileNotFoundError:
             return  # a dangling link is replaced, as a missing file is created
         except OSError as exc:
-            raise ReportError(f"{shown}: {describe_os_error(exc)}; remove the link or choose another name") from None
+            raise ReportError(
+                f"{shown}: {describe_os_error(exc)}; remove the link or choose another name"
+            ) from None
     if stat.S_ISDIR(info.st_mode):
         example = str(target / ("plan." + (suffixes[0] if suffixes else "json")))
         raise ReportError(f"{shown}: it is a folder; name a file in it, e.g. {example!r}")
     if not stat.S_ISREG(info.st_mode):
-        raise ReportError(f"{shown}: it is not a regular file (a FIFO, socket or device); choose another name")
+        raise ReportError(
+            f"{shown}: it is not a regular file (a FIFO, socket or device); choose another name"
+        )

@@ -13,10 +13,9 @@ field types, ``rope_scaling``'s type, a generation config's values) they check: 
 is wrapped into the caller's error, naming the file. The model is then built on meta
 (:func:`measure_on_meta`), never on the CPU, to find its size.
 """
+
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -26,18 +25,22 @@ from automap.errors import AutomapError
 from automap.sizes import MAX_COUNT, parse_number, shown
 
 # Fields that count something: their names, split at "_", hold one of these words, or start so.
-_COUNT_WORDS = {"size", "sizes", "dim", "dims", "layers", "heads", "positions", "embeddings", "experts",
-                "channels", "labels", "length", "rank", "ctx", "embd", "inner", "layer", "head", "ff", "kv",
-                "depths", "groups", "blocks", "filters"}
+_COUNT_WORDS = frozenset((
+    "size sizes dim dims layers heads positions embeddings experts channels labels length rank ctx "
+    "embd inner layer head ff kv depths groups blocks filters"
+).split())
 _COUNT_PREFIXES = ("num_", "n_", "d_")
 # The sizes every model of a family has: 1 or more (other counts may be -1, "the last layer").
-_SIZES = {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size", "n_embd",
-          "n_layer", "n_head", "d_model", "num_layers", "num_heads", "max_position_embeddings", "n_positions",
-          "num_key_value_heads", "embed_dim", "d_ff", "d_kv", "encoder_layers", "decoder_layers"}
+_SIZES = frozenset((
+    "hidden_size num_hidden_layers num_attention_heads intermediate_size vocab_size n_embd n_layer "
+    "n_head d_model num_layers num_heads max_position_embeddings n_positions num_key_value_heads "
+    "embed_dim d_ff d_kv encoder_layers decoder_layers"
+).split())
 # Words that make a field something else, although a count word is in its name.
-_NOT_COUNTS = {"id", "ids", "ratio", "factor", "eps", "epsilon", "dropout", "prob", "std", "range", "scale", "type",
-               "types", "act", "theta", "multiplier", "bias", "init", "norm", "pdrop", "rate", "mode", "name",
-               "names", "fn", "implementation", "alpha", "beta", "temperature"}
+_NOT_COUNTS = frozenset((
+    "id ids ratio factor eps epsilon dropout prob std range scale type types act theta multiplier "
+    "bias init norm pdrop rate mode name names fn implementation alpha beta temperature"
+).split())
 
 
 def is_count_field(name: str) -> bool:
@@ -59,13 +62,19 @@ def check_config_fields(data: Any, where: str, error: type[AutomapError]) -> dic
             names ``where``, the field and its value.
     """
     if not isinstance(data, dict):
-        raise error(f"{where} holds a JSON {type(data).__name__}, not a config's object; save it again with "
-                    "save_pretrained")
+        raise error(
+            f"{where} holds a JSON {type(data).__name__}, not a config's object; save it again with "
+            "save_pretrained"
+        )
     architectures = data.get("architectures")
-    if architectures is not None and (not isinstance(architectures, list)
-                                      or not all(isinstance(a, str) and a.isidentifier() for a in architectures)):
-        raise error(f"{where}'s architectures={shown(architectures)} is not a list of class names such as "
-                    "['LlamaForCausalLM']; fix it or save the config again")
+    if architectures is not None and (
+        not isinstance(architectures, list)
+        or not all(isinstance(a, str) and a.isidentifier() for a in architectures)
+    ):
+        raise error(
+            f"{where}'s architectures={shown(architectures)} is not a list of class names such as "
+            "['LlamaForCausalLM']; fix it or save the config again"
+        )
     model_type = data.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise error(f"{where}'s model_type={shown(model_type)} is not a family name such as 'llama'")
@@ -93,14 +102,25 @@ def _check_count(value: Any, field: str, where: str, error: type[AutomapError], 
         return
     if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_COUNT:
         value = int(value)
-    parse_number(value, f"{where}'s {field}", integral=True, minimum=minimum, maximum=MAX_COUNT, error=error,
-                 hint=f"a count or size is a whole number from {minimum:,} to {MAX_COUNT:,}; fix the config")
+    parse_number(
+        value,
+        f"{where}'s {field}",
+        integral=True,
+        minimum=minimum,
+        maximum=MAX_COUNT,
+        error=error,
+        hint=f"a count or size is a whole number from {minimum:,} to {MAX_COUNT:,}; fix the config",
+    )
 
 
 # A generation config's numbers that are no counts: each a number >= 0 when given.
-_GENERATION_NUMBERS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "length_penalty",
-                       "diversity_penalty", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")
-_GENERATION_FLAGS = ("do_sample", "use_cache", "output_scores", "return_dict_in_generate", "renormalize_logits")
+_GENERATION_NUMBERS = frozenset((
+    "temperature top_p top_k min_p typical_p repetition_penalty length_penalty diversity_penalty "
+    "epsilon_cutoff eta_cutoff encoder_repetition_penalty"
+).split())
+_GENERATION_FLAGS = frozenset((
+    "do_sample use_cache output_scores return_dict_in_generate renormalize_logits"
+).split())
 
 
 def check_generation_fields(data: Any, where: str, error: type[AutomapError]) -> dict[str, Any]:
@@ -118,11 +138,22 @@ def check_generation_fields(data: Any, where: str, error: type[AutomapError]) ->
         if value is None or key.startswith("_"):  # transformers' own bookkeeping (_from_model_config)
             continue
         if is_count_field(key) and not isinstance(value, (list, dict)):
-            parse_number(value, f"{where}'s {key}", integral=True, maximum=MAX_COUNT, error=error,
-                         hint=f"a count is a whole number from 0 to {MAX_COUNT:,}; fix the file or remove it")
+            parse_number(
+                value,
+                f"{where}'s {key}",
+                integral=True,
+                maximum=MAX_COUNT,
+                error=error,
+                hint=f"a count is a whole number from 0 to {MAX_COUNT:,}; fix the file or remove it",
+            )
         elif key in _GENERATION_NUMBERS:
-            parse_number(value, f"{where}'s {key}", maximum=MAX_COUNT, error=error,
-                         hint="a sampling setting is a number >= 0; fix the file or remove it")
+            parse_number(
+                value,
+                f"{where}'s {key}",
+                maximum=MAX_COUNT,
+                error=error,
+                hint="a sampling setting is a number >= 0; fix the file or remove it",
+            )
         elif key in _GENERATION_FLAGS and not isinstance(value, bool):
             raise error(f"{where}'s {key}={shown(value)} is not true or false; fix the file or remove it")
     return data
@@ -136,9 +167,11 @@ def config_from_fields(data: dict[str, Any], where: str, error: type[AutomapErro
 
     model_type = data.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
-        raise error(f"{where} has model_type {shown(model_type)}, which this transformers "
-                    f"({transformers.__version__}) does not know; a transformers config.json names its family in "
-                    "'model_type'")
+        raise error(
+            f"{where} has model_type {shown(model_type)}, which this transformers "
+            f"({transformers.__version__}) does not know; a transformers config.json names its family in "
+            "'model_type'"
+        )
     return wrapped(lambda: transformers.CONFIG_MAPPING[model_type].from_dict(dict(data)), where, error)
 
 
@@ -150,15 +183,19 @@ def wrapped(make: Callable[[], Any], where: str, error: type[AutomapError]) -> A
         raise
     except (Exception, RecursionError) as exc:  # noqa: BLE001 - a library's validation, one line
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        raise error(f"{where} is not a config transformers accepts ({reason}); fix it or save it again with "
-                    "save_pretrained") from None
+        raise error(
+            f"{where} is not a config transformers accepts ({reason}); fix it or save it again with "
+            "save_pretrained"
+        ) from None
 
 
-def measure_on_meta(build: Callable[[], nn.Module | None], where: str,
-                    error: type[AutomapError]) -> tuple[int, int]:
+def measure_on_meta(
+    build: Callable[[], nn.Module | None], where: str, error: type[AutomapError]
+) -> tuple[int, int]:
     """``(largest tensor's bytes, all tensors' bytes)`` of the model ``build`` makes, built under
     the meta device (nothing allocated, whatever sizes the config gives); a failure of the build
     (a negative size, an unknown ``rope_scaling`` type) is ``error`` naming ``where``."""
+
     def measured() -> tuple[int, int]:
         with torch.device("meta"):
             model = build()
@@ -169,4 +206,3 @@ def measure_on_meta(build: Callable[[], nn.Module | None], where: str,
 
     result: tuple[int, int] = wrapped(measured, where, error)
     return result
-

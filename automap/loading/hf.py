@@ -214,7 +214,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     where = repr(str(Path(folder) / CONFIG_NAME))
     with default_dtype(dtype):
-        check_fits_in_ram(measure_on_meta(lambda: folder_model(config, folder), where, CheckpointError), where)
+        sizes = measure_on_meta(lambda: folder_model(config, folder), where, CheckpointError)
+        check_fits_in_ram(sizes, where)
         with empty_model():
             model = wrapped(lambda: folder_model(config, folder), where, CheckpointError)
     if model is None:
@@ -239,8 +240,8 @@ def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:
     if largest > room:
         raise CheckpointError(f"{where} describes a model whose largest tensor needs {format_bytes(largest)} "
                               f"({format_bytes(total)} in all), more than this process's free memory "
-                              f"({format_bytes(room)}) in which each tensor of a skeleton is made before it goes "
-                              "to meta; check the config's sizes (vocab_size, hidden_size, ...)")
+                              f"({format_bytes(room)}) in which each tensor of a skeleton is made before "
+                              "it goes to meta; check the config's sizes (vocab_size, hidden_size, ...)")
 
 
 def _address_space_left() -> int:
@@ -271,7 +272,7 @@ def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> 
     generation_config = import_transformers().GenerationConfig
     path = Path(folder) / GENERATION_CONFIG_NAME
     where = repr(str(path))
-    if not os.path.lexists(path):  # none: the settings an older config.json holds, as from_pretrained falls back
+    if not os.path.lexists(path):  # none: an older config.json's settings, as from_pretrained falls back
         model.generation_config = wrapped(lambda: generation_config.from_model_config(model.config), where,
                                           CheckpointError)
         return

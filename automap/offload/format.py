@@ -12,7 +12,8 @@ ranges lie inside the file and do not overlap. A file that breaks one is refused
 :func:`load_json` (from :mod:`automap.userfiles`) is the one JSON reader for every file automap
 reads — safetensors headers, its store manifests and lock files, shard indexes — and raises here
 nothing but ``FormatError``:
-nesting too deep for Python's parser, numbers of more than :data:`automap.userfiles.MAX_DIGITS` digits, numbers
+nesting too deep for Python's parser, numbers of more than :data:`automap.userfiles.MAX_DIGITS`
+digits, numbers
 too large for a float, ``NaN``/``Infinity``, an object naming a key twice, bytes that are not
 UTF-8 or not JSON. Callers then
 check the types and bounds of what they take from the result.

@@ -30,9 +30,10 @@ def plan_from_text(text: str) -> Plan:
             kind), or of another version.
     """
     if not isinstance(text, (str, bytes, bytearray)):
-        raise PlanError(f"Plan.from_json takes the JSON text (a str), not a {type(text).__name__}; to read a file, "
+        raise PlanError(f"Plan.from_json takes the JSON text (a str), not a {type(text).__name__}; "
+                        "to read a file, "
                         "use automap.report.read_json(path)")
-    return plan_from_value(load_json(text, "the plan JSON is not valid JSON", _REWRITE, PlanError))
+    return plan_from_value(load_json(text, "the plan JSON is not JSON", _REWRITE, PlanError))
 
 
 def plan_from_value(data: Any) -> Plan:
@@ -69,7 +70,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         strategy=strategy,
         origin=origin,
         tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
-        cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True)) for c in data.get("cut_bytes", [])),
+        cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True))
+                        for c in data.get("cut_bytes", [])),
         example=data.get("example", ""),
         warnings=tuple(data.get("warnings", [])),
         reserves=tuple((str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))

@@ -211,8 +211,8 @@ def check_generation(prompt_length: int, batch: int, max_length: int, encoder: b
     """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
     check_batch(batch)
     parse_number(max_length, "max_length", integral=True, minimum=2, maximum=MAX_COUNT, error=PlanError,
-                 hint=f"a generation needs at least 2 tokens, at most {MAX_COUNT:,} (max_length counts the prompt "
-                      "and the new tokens, as generate(max_length=...) does)")
+                 hint=f"a generation needs at least 2 tokens, at most {MAX_COUNT:,} (max_length counts "
+                      "the prompt and the new tokens, as generate(max_length=...) does)")
     if not encoder and max_length <= prompt_length:
         raise PlanError(f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
                         f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "

@@ -15,7 +15,8 @@ from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.userfiles import as_path, check_output_path, read_json_file
 
-_REWRITE = "give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' wrote"
+_REWRITE = ("give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' "
+            "wrote")
 
 if TYPE_CHECKING:
     from automap.planning import DeviceSummary

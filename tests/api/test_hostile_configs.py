@@ -4,6 +4,7 @@ makes automap allocate: the fuzz runs in a fresh process whose address space is 
 it holds after its imports plus 1 GiB (``RLIMIT_AS``), checks its peak RSS too, and finds nothing
 left in ``offload_dir`` after a refused load. Both ways a config reaches automap are fuzzed:
 ``automap.load(folder)`` and ``automap plan hf:./config.json`` (``build_model``)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,23 +23,70 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
-FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-          "vocab_size", "max_position_embeddings", "head_dim", "rope_scaling", "rope_parameters", "architectures",
-          "model_type", "rms_norm_eps", "rope_theta", "hidden_act", "tie_word_embeddings", "pad_token_id", "dtype",
-          "attention_bias", "layer_types", "initializer_range", "quantization_config", "auto_map"]
-GENERATION_FIELDS = ["max_length", "max_new_tokens", "num_beams", "temperature", "top_k", "top_p", "do_sample",
-                     "eos_token_id", "pad_token_id", "repetition_penalty", "num_return_sequences", "min_length",
-                     "bad_words_ids", "forced_decoder_ids", "suppress_tokens", "_from_model_config"]
+FIELDS = [
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+    "rope_scaling",
+    "rope_parameters",
+    "architectures",
+    "model_type",
+    "rms_norm_eps",
+    "rope_theta",
+    "hidden_act",
+    "tie_word_embeddings",
+    "pad_token_id",
+    "dtype",
+    "attention_bias",
+    "layer_types",
+    "initializer_range",
+    "quantization_config",
+    "auto_map",
+]
+GENERATION_FIELDS = [
+    "max_length",
+    "max_new_tokens",
+    "num_beams",
+    "temperature",
+    "top_k",
+    "top_p",
+    "do_sample",
+    "eos_token_id",
+    "pad_token_id",
+    "repetition_penalty",
+    "num_return_sequences",
+    "min_length",
+    "bad_words_ids",
+    "forced_decoder_ids",
+    "suppress_tokens",
+    "_from_model_config",
+]
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
     st.sampled_from([10**12, 10**9, 2**31, 2**31 + 1, -1, 0, 1, 3, 7]),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
     st.sampled_from(["linear", "dynamic", "yarn", "bogus", "LlamaForCausalLM", "llama", "silu", "float16"]),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=3),
-    st.dictionaries(st.sampled_from(["rope_type", "type", "factor", "hidden_size", "x", "quant_method"]), inner,
-                    max_size=3)), max_leaves=8)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(
+            st.sampled_from(["rope_type", "type", "factor", "hidden_size", "x", "quant_method"]),
+            inner,
+            max_size=3,
+        ),
+    ),
+    max_leaves=8,
+)
 EDITS = st.lists(st.tuples(st.sampled_from(FIELDS), VALUES), min_size=1, max_size=3)
 GENERATION_EDITS = st.lists(st.tuples(st.sampled_from(GENERATION_FIELDS), VALUES), min_size=1, max_size=3)
 EXAMPLES = int(os.environ.get("AUTOMAP_FUZZ_EXAMPLES", "150"))
@@ -104,9 +152,14 @@ class Folder:
         import automap
         from automap.specs import build_model
 
-        outcomes = [_outcome(lambda: automap.load(self.path, max_memory={"cpu": "1GB", "disk": "1GB"},
-                                                  offload_dir=self.offload)),
-                    _outcome(lambda: build_model(f"hf:{self.path / 'config.json'}").model)]
+        outcomes = [
+            _outcome(
+                lambda: automap.load(
+                    self.path, max_memory={"cpu": "1GB", "disk": "1GB"}, offload_dir=self.offload
+                )
+            ),
+            _outcome(lambda: build_model(f"hf:{self.path / 'config.json'}").model),
+        ]
         stores = [p.name for p in self.offload.iterdir()]
         assert not stores or "ok" in outcomes[:1], (outcomes, stores)
         return outcomes
@@ -154,14 +207,25 @@ def fuzz_in_this_process() -> None:
     generation_fields()
     grown = _peak_rss() - base
     assert grown < GIB, f"peak RSS grew by {grown / GIB:.2f} GiB while fuzzing configs"
-    print(f"fuzzed {EXAMPLES} configs and {EXAMPLES} generation configs; peak RSS grew {grown / 2**20:.0f} MiB")
+    print(
+        f"fuzzed {EXAMPLES} configs and {EXAMPLES} generation configs; peak RSS grew {grown / 2**20:.0f} MiB"
+    )
 
 
 def test_hostile_config_fields_only_raise_automap_errors_and_allocate_nothing():
     pytest.importorskip("transformers")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "api"), str(ROOT / "tests"), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", "import test_hostile_configs as t; t.fuzz_in_this_process()"],
-                          capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "api"), str(ROOT / "tests"), str(ROOT)]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import test_hostile_configs as t; t.fuzz_in_this_process()"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-6000:])
     assert "fuzzed" in done.stdout
 
@@ -171,9 +235,12 @@ def test_the_reported_configs_are_refused_by_name(tmp_path):
     import automap
 
     folder = Folder(tmp_path)
-    cases = [([("hidden_size", -64)], "hidden_size"), ([("architectures", [5])], "architectures"),
-             ([("rope_scaling", {"rope_type": "bogus", "factor": 2.0})], "bogus"),
-             ([("vocab_size", 10**12)], "vocab_size")]
+    cases = [
+        ([("hidden_size", -64)], "hidden_size"),
+        ([("architectures", [5])], "architectures"),
+        ([("rope_scaling", {"rope_type": "bogus", "factor": 2.0})], "bogus"),
+        ([("vocab_size", 10**12)], "vocab_size"),
+    ]
     for edits, needle in cases:
         folder.write("config.json", folder.config, edits)
         with pytest.raises(automap.CheckpointError, match=needle):

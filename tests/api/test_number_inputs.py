@@ -3,6 +3,7 @@
 a number (``automap.plan``, ``dispatch``, ``load``, the accelerate drop-ins, ``Plan.from_json``,
 the ``automap`` command) fed hostile values — non-finite, negative, absurd, non-numeric. Only
 ``AutomapError`` subclasses escape, and nothing is left in ``offload_dir``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=list(
 UNITS = st.sampled_from(["", "B", "GB", "GiB", "TB", "kib", "x", " MB "])
 NUMBERS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.integers(min_value=-10**40, max_value=10**40),
+    st.integers(min_value=-(10**40), max_value=10**40),
     st.sampled_from([10**400, -(10**400), 2**60 + 1, MAX_COUNT + 1, 1e300, -0.0, 0, 1, 2**31, 1e18 + 1]),
 )
 # What a user may pass where a number belongs: numbers of every size and sign, texts that look
@@ -35,11 +36,20 @@ NUMBERS = st.one_of(
 HOSTILE = st.one_of(
     NUMBERS,
     st.builds(lambda n, unit: f"{n}{unit}", NUMBERS, UNITS),
-    st.text(max_size=20), st.binary(max_size=8), st.booleans(), st.none(),
-    st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.text(max_size=20),
+    st.binary(max_size=8),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
-HASHABLE = st.one_of(NUMBERS, st.text(max_size=12), st.binary(max_size=4), st.booleans(),
-                     st.sampled_from(["cpu", "cuda", "cuda:0", "disk", "cuda:99999999999999999999999", "0" * 50]))
+HASHABLE = st.one_of(
+    NUMBERS,
+    st.text(max_size=12),
+    st.binary(max_size=4),
+    st.booleans(),
+    st.sampled_from(["cpu", "cuda", "cuda:0", "disk", "cuda:99999999999999999999999", "0" * 50]),
+)
 
 
 def _model() -> nn.Module:
@@ -89,8 +99,19 @@ def _numbers_of_plan(argument: str, value: object) -> dict:
     return made[argument]()
 
 
-PLAN_ARGUMENTS = ["max_memory", "max_memory_key", "reserve", "reserve_map", "speeds", "links", "bandwidths",
-                  "speeds_whole", "bandwidths_key", "batch", "max_length"]
+PLAN_ARGUMENTS = [
+    "max_memory",
+    "max_memory_key",
+    "reserve",
+    "reserve_map",
+    "speeds",
+    "links",
+    "bandwidths",
+    "speeds_whole",
+    "bandwidths_key",
+    "batch",
+    "max_length",
+]
 
 
 @SETTINGS
@@ -105,7 +126,9 @@ def test_plan_takes_a_number_or_raises_an_automap_error(argument, value, key):
 
 @SETTINGS
 @given(argument=st.sampled_from(["max_memory", "batch", "max_length", "offload_dir"]), value=HOSTILE)
-def test_dispatch_load_and_the_drop_ins_take_a_number_or_raise_an_automap_error(argument, value, tmp_path_factory):
+def test_dispatch_load_and_the_drop_ins_take_a_number_or_raise_an_automap_error(
+    argument, value, tmp_path_factory
+):
     folder = tmp_path_factory.mktemp("off")
     with contextlib.chdir(folder):  # a text offload_dir is a folder here
         _dispatch_and_load(argument, value, folder)
@@ -120,15 +143,23 @@ def _dispatch_and_load(argument: str, value: object, folder) -> None:
     kwargs.setdefault("max_memory", {"cpu": "1GB"})
     with automap.empty_model():
         skeleton = _model()
-    calls = [lambda: automap.dispatch(_model(), **kwargs, **offload),
-             lambda: automap.load(skeleton, checkpoint, **kwargs, **offload)]
+    calls = [
+        lambda: automap.dispatch(_model(), **kwargs, **offload),
+        lambda: automap.load(skeleton, checkpoint, **kwargs, **offload),
+    ]
     if argument == "max_memory":
         calls.append(lambda: accelerate_compat.infer_auto_device_map(_model(), max_memory={"cpu": value}))
     if argument == "offload_dir":
-        calls.append(lambda: accelerate_compat.dispatch_model(_model(), {"0": "cpu", "1": "cpu", "2": "disk"},
-                                                              offload_dir=value))
-        calls.append(lambda: accelerate_compat.load_checkpoint_and_dispatch(
-            skeleton, checkpoint, device_map={"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=value))
+        calls.append(
+            lambda: accelerate_compat.dispatch_model(
+                _model(), {"0": "cpu", "1": "cpu", "2": "disk"}, offload_dir=value
+            )
+        )
+        calls.append(
+            lambda: accelerate_compat.load_checkpoint_and_dispatch(
+                skeleton, checkpoint, device_map={"0": "cpu", "1": "cpu", "2": "disk"}, offload_folder=value
+            )
+        )
     for call in calls:
         before = sorted(folder.rglob("automap-store-*"))
         try:
@@ -140,10 +171,16 @@ def _dispatch_and_load(argument: str, value: object, folder) -> None:
             automap.undispatch(result)
 
 
-PLAN_FIELDS = [("devices", 0, "capacity_bytes"), ("devices", 0, "flops_per_second"),
-               ("devices", 0, "link_bytes_per_second"), ("devices", 0, "memory_bytes_per_second"),
-               ("units", 0, "weight_bytes"), ("units", 0, "flops"), ("reserves", None, "cpu"),
-               ("cut_bytes", None, None)]
+PLAN_FIELDS = [
+    ("devices", 0, "capacity_bytes"),
+    ("devices", 0, "flops_per_second"),
+    ("devices", 0, "link_bytes_per_second"),
+    ("devices", 0, "memory_bytes_per_second"),
+    ("units", 0, "weight_bytes"),
+    ("units", 0, "flops"),
+    ("reserves", None, "cpu"),
+    ("cut_bytes", None, None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -176,20 +213,34 @@ def test_plan_from_json_reads_each_number_or_raises_a_plan_error(plan_json, fiel
 @pytest.fixture(scope="module")
 def factory(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("factory")
-    (folder / "tinynet.py").write_text("from torch import nn\n\ndef build():\n"
-                                      "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))\n")
+    (folder / "tinynet.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))\n"
+    )
     return f"{folder / 'tinynet.py'}:build"
 
 
 @SETTINGS
-@given(flag=st.sampled_from(["--max-memory", "--batch", "--seq-len", "--max-length"]),
-       value=st.one_of(NUMBERS.map(str), st.builds(lambda n, u: f"{n}{u}", NUMBERS, UNITS), st.text(max_size=12)))
+@given(
+    flag=st.sampled_from(["--max-memory", "--batch", "--seq-len", "--max-length"]),
+    value=st.one_of(
+        NUMBERS.map(str), st.builds(lambda n, u: f"{n}{u}", NUMBERS, UNITS), st.text(max_size=12)
+    ),
+)
 def test_the_command_reads_each_number_flag_or_exits_2_with_one_line(capsys, factory, flag, value):
     text = f"cpu={value}" if flag == "--max-memory" else value
     if text.startswith("-"):
         text = " " + text  # a value, not a flag: argparse reads "-1" after the flag as another option
-    code = main(["plan", factory, flag, text, *([] if flag == "--max-memory" else ["--max-memory", "cpu=1GB"]),
-                 "--quiet"])
+    code = main(
+        [
+            "plan",
+            factory,
+            flag,
+            text,
+            *([] if flag == "--max-memory" else ["--max-memory", "cpu=1GB"]),
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err
     assert code in (0, 1, 2), err  # 1: the model does not fit, or generates nothing past the prompt
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
@@ -202,9 +253,17 @@ def test_the_reported_cases_name_their_field():
         (SizeError, "max_memory", lambda: automap.plan(model, max_memory={"cpu": "1e300GB"})),
         (SizeError, "max_memory", lambda: automap.plan(model, max_memory={"cpu": 10**400})),
         (SizeError, "reserve", lambda: automap.plan(model, max_memory={"cpu": "1GB"}, reserve=10**400)),
-        (DeviceError, "speeds", lambda: automap.plan(model, max_memory={"cpu": "1GB"}, speeds={"cpu": "fast"})),
+        (
+            DeviceError,
+            "speeds",
+            lambda: automap.plan(model, max_memory={"cpu": "1GB"}, speeds={"cpu": "fast"}),
+        ),
         (PlanError, "bandwidths", lambda: automap.plan(model, max_memory={"cpu": "1GB"}, bandwidths=[1e9])),
-        (AutomapError, "offload_dir", lambda: accelerate_compat.dispatch_model(model, {"": "cpu"}, offload_dir=b"off")),
+        (
+            AutomapError,
+            "offload_dir",
+            lambda: accelerate_compat.dispatch_model(model, {"": "cpu"}, offload_dir=b"off"),
+        ),
         (PlanError, "Infinity", lambda: automap.Plan.from_json(_with_infinity(model))),
     ]
     for error, needle, call in cases:

@@ -2,6 +2,7 @@
 missing path, a folder, a link loop, a name too long, bytes that are not UTF-8 or JSON nested too
 deeply are each an ``AutomapError`` naming the path; every path automap writes is checked before
 the long work. Each entry that reads a user's file is tried on each hostile file."""
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,35 @@ from automap.report import check_figure_path, check_json_path, read_json, write_
 from automap.specs import build_model
 from automap.userfiles import MAX_JSON_BYTES, check_output_path, read_json_file
 
-HOSTILE_FILES = ["missing", "folder", "fifo", "loop", "long", "not_utf8", "deep", "huge_number", "infinity",
-                 "twice", "empty", "list", "too_large"]
+HOSTILE_FILES = [
+    "missing",
+    "folder",
+    "fifo",
+    "loop",
+    "long",
+    "not_utf8",
+    "deep",
+    "huge_number",
+    "infinity",
+    "twice",
+    "empty",
+    "list",
+    "too_large",
+]
 
 
 def hostile(tmp_path: Path, kind: str) -> Path:
     """A path of ``kind`` under ``tmp_path``: what a careless or hostile user may name."""
     path = tmp_path / f"{kind}.json"
-    contents = {"not_utf8": b'{"a": "\xff\xfe"}', "deep": b"[" * 200_000, "huge_number": b'{"a": 1' + b"0" * 5000 + b"}",
-                "infinity": b'{"a": Infinity}', "twice": b'{"a": 1, "a": 2}', "empty": b"", "list": b"[1, 2]"}
+    contents = {
+        "not_utf8": b'{"a": "\xff\xfe"}',
+        "deep": b"[" * 200_000,
+        "huge_number": b'{"a": 1' + b"0" * 5000 + b"}",
+        "infinity": b'{"a": Infinity}',
+        "twice": b'{"a": 1, "a": 2}',
+        "empty": b"",
+        "list": b"[1, 2]",
+    }
     if kind in contents:
         path.write_bytes(contents[kind])
     elif kind == "folder":
@@ -50,7 +71,7 @@ def _within(seconds: float, call):
     def run() -> None:
         try:
             outcome.append(call())
-        except BaseException as exc:  # noqa: BLE001 - the outcome is inspected by the test
+        except BaseException as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -65,7 +86,9 @@ def test_read_json_refuses_each_hostile_file_with_a_plan_error_naming_it(tmp_pat
     path = hostile(tmp_path, kind)
     outcome = _within(20, lambda: read_json(path))
     assert isinstance(outcome, PlanError), repr(outcome)
-    assert path.name[:40] in str(outcome) or kind in ("list", "twice", "infinity", "huge_number"), str(outcome)
+    assert path.name[:40] in str(outcome) or kind in ("list", "twice", "infinity", "huge_number"), str(
+        outcome
+    )
 
 
 @pytest.mark.parametrize("kind", HOSTILE_FILES)
@@ -87,7 +110,9 @@ def test_a_model_folder_with_a_hostile_config_is_refused_by_load(tmp_path, kind,
     (folder / name).unlink()
     made = hostile(tmp_path, kind)
     os.rename(made, folder / name)
-    outcome = _within(60, lambda: automap.load(folder, max_memory={"cpu": "1GB"}, offload_dir=tmp_path / "off"))
+    outcome = _within(
+        60, lambda: automap.load(folder, max_memory={"cpu": "1GB"}, offload_dir=tmp_path / "off")
+    )
     assert isinstance(outcome, AutomapError), repr(outcome)
     assert name in str(outcome), str(outcome)
     assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
@@ -101,9 +126,13 @@ def test_the_one_reader_reads_a_plain_json_file(tmp_path):
 @pytest.mark.parametrize("kind", ["missing_folder", "folder", "loop", "long", "loop_folder", "bytes", "fifo"])
 def test_output_paths_are_refused_before_any_work(tmp_path, kind):
     target: object = {
-        "missing_folder": tmp_path / "nope" / "plan.json", "folder": tmp_path, "loop": tmp_path / "loop.json",
-        "long": tmp_path / ("y" * 300 + ".json"), "loop_folder": tmp_path / "loopdir" / "plan.json",
-        "bytes": b"plan.json", "fifo": tmp_path / "fifo.json",
+        "missing_folder": tmp_path / "nope" / "plan.json",
+        "folder": tmp_path,
+        "loop": tmp_path / "loop.json",
+        "long": tmp_path / ("y" * 300 + ".json"),
+        "loop_folder": tmp_path / "loopdir" / "plan.json",
+        "bytes": b"plan.json",
+        "fifo": tmp_path / "fifo.json",
     }[kind]
     if kind == "loop":
         (tmp_path / "loop.json").symlink_to("loop.json")
