@@ -7,6 +7,7 @@ left in ``offload_dir`` after a refused load. Both ways a config reaches automap
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -205,11 +206,26 @@ def fuzz_in_this_process() -> None:
 
     config_fields()
     generation_fields()
+    _fuzz_numbers(folder.root)
     grown = _peak_rss() - base
     assert grown < GIB, f"peak RSS grew by {grown / GIB:.2f} GiB while fuzzing configs"
-    print(
-        f"fuzzed {EXAMPLES} configs and {EXAMPLES} generation configs; peak RSS grew {grown / 2**20:.0f} MiB"
-    )
+    print(f"fuzzed {EXAMPLES} configs, {EXAMPLES} generation configs and the number arguments; "
+          f"peak RSS grew {grown / 2**20:.0f} MiB")
+
+
+def _fuzz_numbers(root: Path) -> None:
+    """The number arguments' fuzz (test_number_inputs.py), under the same address-space limit."""
+    import test_number_inputs as numbers
+
+    numbers.test_plan_takes_a_number_or_raises_an_automap_error()
+
+    @FUZZ
+    @given(argument=st.sampled_from(["max_memory", "batch", "max_length", "offload_dir"]), value=numbers.HOSTILE)
+    def dispatch_numbers(argument, value):
+        with contextlib.chdir(root):
+            numbers.dispatch_and_load(argument, value, root)
+
+    dispatch_numbers()
 
 
 def test_hostile_config_fields_only_raise_automap_errors_and_allocate_nothing():

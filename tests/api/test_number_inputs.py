@@ -131,10 +131,10 @@ def test_dispatch_load_and_the_drop_ins_take_a_number_or_raise_an_automap_error(
 ):
     folder = tmp_path_factory.mktemp("off")
     with contextlib.chdir(folder):  # a text offload_dir is a folder here
-        _dispatch_and_load(argument, value, folder)
+        dispatch_and_load(argument, value, folder)
 
 
-def _dispatch_and_load(argument: str, value: object, folder) -> None:
+def dispatch_and_load(argument: str, value: object, folder) -> None:
     checkpoint = folder.parent / f"{folder.name}.safetensors"
     model = _model()
     save_file(model.state_dict(), checkpoint)
