@@ -272,14 +272,16 @@ def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> 
     generation_config = import_transformers().GenerationConfig
     path = Path(folder) / GENERATION_CONFIG_NAME
     where = repr(str(path))
+    given: dict[str, Any] = {}
     if not os.path.lexists(path):  # none: an older config.json's settings, as from_pretrained falls back
-        model.generation_config = wrapped(lambda: generation_config.from_model_config(model.config), where,
-                                          CheckpointError)
-        return
-    data = read_json_file(path, "generation config", error=CheckpointError,
+        path, given = Path(folder) / CONFIG_NAME, {"_from_model_config": True}
+        where = repr(str(path))
+    data = read_json_file(path, "generation settings", error=CheckpointError,
                           hint="save it again with generation_config.save_pretrained, or remove it")
-    check_generation_fields(data, where, CheckpointError)
-    model.generation_config = wrapped(lambda: generation_config.from_dict(dict(data)), where, CheckpointError)
+    if not given:  # config.json's fields were checked as a config's when it was read
+        check_generation_fields(data, where, CheckpointError)
+    model.generation_config = wrapped(lambda: generation_config.from_dict(dict(data), **given), where,
+                                      CheckpointError)
 
 
 def initialise_buffers(model: nn.Module) -> None:
