@@ -11,7 +11,6 @@ import logging
 import os
 from collections import OrderedDict
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from automap.kinds import kind_of
 from automap.loading import empty_model
 from automap.planning import Plan
 from automap.runtime import check_not_dispatched, dispatch_plan, state_of, undispatch
+from automap.userfiles import as_path
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
     """
     _refuse(dispatch_model, state_dict=state_dict, offload_index=offload_index)
     _redispatchable(model)
-    folder = None if offload_dir is None else Path(offload_dir)
+    folder = None if offload_dir is None else as_path(offload_dir, "offload_dir", DispatchError)
     chosen = plan(model, device_map, offload_dir=folder)
     _check_main_device(main_device, chosen)
     dispatch_plan(model, chosen, offload_dir=folder, always_hook=force_hooks)

@@ -22,6 +22,7 @@ from automap.progress import silenced, step
 from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
+from automap.userfiles import as_path
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
                              plan_tasks, verify_loaded)
@@ -158,11 +159,8 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
         raise PlanError(f"{scripted!r} is a TorchScript module (torch.jit.script or trace), which takes no hooks: "
                         "automap can neither measure nor move it; dispatch the eager model, and script it after "
                         "if you need to")
-    if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
-        raise PlanError(f"offload_dir={offload_dir!r}: give a folder's path (a str or pathlib.Path), or None")
-    if offload_dir is not None and (not os.fspath(offload_dir) or "\0" in os.fspath(offload_dir)):
-        raise PlanError(f"offload_dir={offload_dir!r} is no folder's path ({'empty' if not os.fspath(offload_dir) else 'it holds a NUL character'}); "
-                        "give one, e.g. offload_dir='offload', or None")
+    if offload_dir is not None:
+        as_path(offload_dir, "offload_dir", PlanError)
     items = [no_split] if isinstance(no_split, (str, type)) else no_split
     if items is not None and (not isinstance(items, Iterable)
                               or not all(isinstance(n, (str, type)) for n in items)):  # type: ignore[union-attr]
@@ -343,6 +341,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     """
     dtype = _one_of("dtype", dtype, "torch_dtype", torch_dtype)
     offload_dir = _one_of("offload_dir", offload_dir, "offload_folder", offload_folder)
+    if offload_dir is not None:
+        as_path(offload_dir, "offload_dir", PlanError)
     folder_form = not isinstance(model, nn.Module)
     if dtype == "auto":
         dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's

@@ -1,7 +1,9 @@
 """The ``automap`` command (also ``python -m automap``): a thin layer over the library.
 
 Exit codes: 0 success; 1 the library could not do it (the model does not fit, its forward
-failed); 2 bad arguments. Every failure is one line on stderr, never a traceback.
+failed), or an internal error (a bug: one line asking for a report; ``--debug`` prints its
+traceback); 2 bad arguments, or a bad config file they name. Every failure is one line on stderr, never
+a traceback.
 
 The arguments are parsed and checked before torch is imported (``--help`` and a bad argument
 answer at once); only then does a command import the library. The names offered here
@@ -17,13 +19,15 @@ import os
 import re
 import sys
 import time
+import traceback
 import warnings
-from pathlib import Path
 from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
 from automap.errors import AutomapError, DeviceError, OffloadError, ReportError, SizeError, SpecError
 from automap.presets import check_not_hub_id, preset_lines
+from automap.sizes import MAX_COUNT, parse_number, shown
+from automap.userfiles import check_output_path
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
 # without importing torch; tests/api/test_cli.py keeps them equal.
@@ -89,6 +93,8 @@ def _verbose_option() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the library does (to stderr)")
+    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an internal error, print its traceback (for a bug report)")
     return parent
 
 
@@ -131,14 +137,23 @@ def _parser() -> _Parser:
     return parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _count(minimum: int) -> Any:
+    """An argparse type: a whole number from ``minimum`` to ``MAX_COUNT``, read by the one
+    reader of numbers (:func:`automap.sizes.parse_number`)."""
+    def parse(text: str) -> int:
+        digits = text.strip()
+        if not (digits.isascii() and digits.lstrip("-").isdigit()) or len(digits) > 4000:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}")
+        try:
+            return int(parse_number(int(digits), "value", integral=True, minimum=minimum, maximum=MAX_COUNT,
+                                    error=SpecError))
+        except SpecError:
+            raise argparse.ArgumentTypeError(
+                f"must be between {minimum} and {MAX_COUNT:,}, got {shown(int(digits))}") from None
+    return parse
+
+
+_positive = _count(1)
 
 
 def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
@@ -171,7 +186,7 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
     inputs.add_argument("--example-inputs", metavar="MODULE:FUNCTION",
                         help="a function returning the forward's inputs (a tuple, a dict of keyword "
                              "arguments, or a tensor), called with meta as the default device")
-    plan.add_argument("--max-length", type=_positive, default=None, metavar="N",
+    plan.add_argument("--max-length", type=_count(2), default=None, metavar="N",
                       help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
                            "device keeps room for its layers' KV cache, and the report predicts tokens/s")
     plan.add_argument("--dtype", metavar="DTYPE", type=lambda t: t.strip().lower().removeprefix("torch."),
@@ -198,30 +213,15 @@ def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
     shapes = []
     for item in filter(None, (p.strip() for p in text.split(","))):
         sizes = item.lower().split("x")
-        if not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
-            raise SpecError(f"--input-shape expects sizes >= 1 joined by 'x', got {item!r}; "
+        if not all(s.strip().isascii() and s.strip().isdigit() and len(s.strip()) <= 12
+                   and 0 < int(s) <= MAX_COUNT for s in sizes):
+            raise SpecError(f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', "
+                            f"got {item[:40]!r}; "
                             "e.g. --input-shape 1x3x224x224")
         shapes.append(tuple(int(s) for s in sizes))
     if not shapes:
         raise SpecError("--input-shape is empty; e.g. --input-shape 1x3x224x224")
     return tuple(shapes)
-
-
-def _check_output(path: str, what: str, suffixes: Sequence[str] = ()) -> None:
-    """Fail before minutes of work, not after: a known suffix, an existing folder."""
-    target = Path(path)
-    if suffixes and target.suffix.lower().lstrip(".") not in suffixes:
-        raise ReportError(f"cannot draw a figure as {target.name!r}: the suffix must be one of "
-                          f"{', '.join('.' + f for f in suffixes)}, e.g. plan.png")
-    if not target.parent.is_dir():
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} does "
-                          "not exist; create it or choose another path")
-    if target.is_dir():
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: it is a folder; name a file in it, "
-                          f"e.g. {str(target / ('plan.' + (suffixes[0] if suffixes else 'json')))!r}")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ReportError(f"cannot write the {what} to {str(target)!r}: folder {str(target.parent)!r} is not "
-                          "writable; choose another path")
 
 
 def check_plan_args(args: argparse.Namespace) -> None:
@@ -235,11 +235,12 @@ def check_plan_args(args: argparse.Namespace) -> None:
     args.max_memory = parse_max_memory_text(args.max_memory) if args.max_memory is not None else None
     args.shapes = parse_input_shapes(args.input_shape) if args.input_shape is not None else None
     if args.json:
-        _check_output(args.json, "plan JSON")
+        check_output_path(args.json, "plan JSON")
     if args.figure:
-        _check_output(args.figure, "figure", FIGURE_FORMATS)
+        check_output_path(args.figure, "figure", FIGURE_FORMATS)
 
 
+# Bad input: arguments, and the files they name (a SPEC's config: a SpecError).
 _USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
 
 
@@ -303,6 +304,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `automap plan ... | head`: the reader left; stay quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as exc:  # noqa: BLE001 - a bug of automap's: one line, the traceback on --debug
+        return internal_error(exc, getattr(args, "debug", False))
+
+
+def internal_error(exc: BaseException, debug: bool) -> int:
+    """Report an exception automap did not expect (a bug): one line naming it and how to report
+    it, or with ``debug`` its traceback too. Returns the exit code, 1."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    print(f"automap: internal error: {reason}; please report it with the output of the same command "
+          "run with --debug", file=sys.stderr)
+    return 1
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -392,7 +407,7 @@ def _clean(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.json:
-        _check_output(args.json, "bench rows")
+        check_output_path(args.json, "bench rows")
     from automap.bench import format_table, run_bench, runnable_cases, write_rows
 
     cases, skipped = runnable_cases()

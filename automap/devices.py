@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from automap.errors import DeviceError, SizeError
 from automap.kinds import available_ram_bytes, find_kind, integer_kind, kind_of, registered_kinds
-from automap.sizes import parse_size
+from automap.sizes import MAX_COUNT, MAX_RATE, parse_number, parse_size, shown
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,20 @@ def canonical_name(key: int | str) -> str:
     if isinstance(key, bool):
         raise DeviceError(f"device key {key!r} is a bool; use 0, 'cuda:0', 'mps', 'cpu' or 'disk'")
     if isinstance(key, int):
-        if key < 0:
-            raise DeviceError(f"device index {key} is negative; GPU indices start at 0")
-        return f"{integer_kind().name}:{key}"
+        index = parse_number(key, "device index", integral=True, maximum=MAX_COUNT, error=DeviceError,
+                             hint="GPU indices start at 0, e.g. 0 or 'cuda:0'")
+        return f"{integer_kind().name}:{int(index)}"
     if type(key).__module__ == "torch" and type(key).__name__ == "device":  # torch.device, torch not imported here
         key = str(key)
     if not isinstance(key, str):
-        raise DeviceError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
+        raise DeviceError(f"device key {shown(key)} has type {type(key).__name__}; "
+                          "use 0, 'cuda:0', 'cpu' or 'disk'")
     text = key.strip().lower()
-    if text.isdigit():
-        return f"{integer_kind().name}:{int(text)}"
+    if len(text) > 40:  # no device name is this long; a long digit string is no index either
+        raise DeviceError(f"unknown device {shown(key)}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', "
+                          "'cpu' or 'disk'")
+    if text.isascii() and text.isdigit():
+        return canonical_name(int(text))
     if text == "meta":
         raise DeviceError("'meta' holds no data and cannot be a placement; use 'cpu' or 'disk'")
     name = _kind_name(text)
@@ -109,7 +113,10 @@ def _kind_name(text: str) -> str | None:
     if kind is None or (sep and not (index.isascii() and index.isdigit())):
         return None
     if kind.indexed:
-        return f"{base}:{int(index) if sep else 0}"
+        number = parse_number(int(index) if sep else 0, f"device index in {text!r}", integral=True,
+                              maximum=MAX_COUNT, error=DeviceError,
+                              hint="GPU indices start at 0, e.g. 'cuda:0'")
+        return f"{base}:{int(number)}"
     return base if not sep or kind.index_alias else None
 
 
@@ -136,7 +143,7 @@ def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
         if name in result:
             raise SizeError(f"max_memory gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
                             f"and {key!r}: {value!r}); keep one")
-        result[name], given[name] = parse_size(value), key
+        result[name], given[name] = parse_size(value, f"max_memory[{key!r}]"), key
     return result
 
 
@@ -242,15 +249,36 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
     return tuple(sorted(devices, key=DeviceSpec.sort_key))
 
 
+# The argument each DeviceSpec field is given by, for messages.
+_ARGUMENTS = {"flops_per_second": "speeds", "link_bytes_per_second": "links",
+              "memory_bytes_per_second": "bandwidths"}
+
+
+def parse_rates(values: object, argument: str) -> dict[str, float]:
+    """``speeds`` / ``links`` / ``bandwidths`` as ``{device name or kind: per second}``, each
+    value read by :func:`~automap.sizes.parse_number` (a number from 0 to
+    :data:`~automap.sizes.MAX_RATE`).
+
+    Raises:
+        DeviceError: not a mapping, a key names no device, or a value is not such a number.
+    """
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise DeviceError(f"{argument}={shown(values)}: give a dict keyed by device name or kind, "
+                          f"e.g. {argument}={{'cpu': 20e9}}")
+    return {(k if isinstance(k, str) and find_kind(k) is not None else canonical_name(k)):
+            parse_number(v, f"{argument}[{shown(k)}]", error=DeviceError,
+                         hint=f"give per-second figures from 0 to {MAX_RATE:g}, "
+                              f"e.g. {argument}={{'cuda': 300e12}}")
+            for k, v in values.items()}
+
+
 def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, float] | None) -> DeviceSpec:
     """``device`` with ``field_name`` taken from ``values`` by device name, else by kind."""
-    if not values:
-        return device
-    by_name = {(k if find_kind(str(k)) is not None else canonical_name(k)): float(v) for k, v in values.items()}
+    by_name = parse_rates(values, _ARGUMENTS[field_name])
     for key in (device.name, device.kind):
         if key in by_name:
-            if by_name[key] < 0:
-                raise DeviceError(f"{field_name} for {key!r} is {by_name[key]}; it must be >= 0")
             return replace(device, **{field_name: by_name[key]})
     return device
 
@@ -266,7 +294,10 @@ def calibrate(devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | 
     Example:
         >>> devices = calibrate(devices, prof.total_flops, {"cpu": median_forward_seconds})
     """
-    measured = {canonical_name(k): float(v) for k, v in seconds.items()}
+    if not isinstance(seconds, Mapping):
+        raise DeviceError(f"seconds={shown(seconds)}: give measured seconds per device, e.g. {{'cpu': 0.9}}")
+    measured = {canonical_name(k): parse_number(v, f"seconds[{shown(k)}]", error=DeviceError)
+                for k, v in seconds.items()}
     unknown = sorted(set(measured) - {d.name for d in devices})
     if unknown:
         raise DeviceError(f"calibration names {unknown}, which are not among the devices "
@@ -292,8 +323,9 @@ def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, 
     if reserve is None:
         return {}
     if isinstance(reserve, Mapping):
-        return parse_max_memory(reserve)
-    size = parse_size(reserve)
+        return {name: parse_size(value, f"reserve[{name!r}]")
+                for name, value in parse_max_memory(reserve).items()}
+    size = parse_size(reserve, "reserve")
     runners = [d for d in devices if d.is_accelerator] or [d for d in devices if kind_of(d).is_host]
     return {d.name: size for d in runners}
 

@@ -11,8 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import SpecError
-from automap.profiling.kvcache import MAX_COUNT
-from automap.sizes import format_bytes
+from automap.sizes import MAX_COUNT, format_bytes, parse_number
 from automap.specs import BuiltModel, build_model
 
 
@@ -75,9 +74,9 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     from automap.compose import plan_strategy, spec_tracing
     from automap.devices import detect_devices, parse_max_memory
 
-    if not (1 <= batch <= MAX_COUNT and 1 <= seq_len <= MAX_COUNT):
-        raise SpecError(f"--batch and --seq-len must be between 1 and {MAX_COUNT:,}, got batch={batch}, "
-                        f"seq_len={seq_len}")
+    for flag, value in (("--batch", batch), ("--seq-len", seq_len)):
+        parse_number(value, flag, integral=True, minimum=1, maximum=MAX_COUNT, error=SpecError,
+                     hint=f"--batch and --seq-len must be between 1 and {MAX_COUNT:,}")
     if max_memory is not None:
         parse_max_memory(max_memory)  # a bad size fails now, before the model is built
     built = build_model(spec, overrides)

@@ -9,7 +9,6 @@ import difflib
 import importlib
 import importlib.util
 import inspect
-import json
 import logging
 import os
 import sys
@@ -20,10 +19,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from automap.errors import AutomapError, SpecError
+from automap.errors import AutomapError, CheckpointError, SpecError
+from automap.loading.configs import check_config_fields, wrapped
 from automap.presets import PRESETS, check_not_hub_id
 from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
+from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,11 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         >>> build_model("hf:llama", {"num_hidden_layers": 80}).label
         'LlamaForCausalLM (hf:llama)'
     """
-    if Path(spec).is_dir():
+    if not isinstance(spec, str) or not spec or "\0" in spec:
+        raise SpecError(f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, "
+                        "hf:/path/config.json, "
+                        "path/to/model-folder or module.path:factory")
+    if is_folder(spec):
         return _folder(spec, overrides or {})
     settings = dict(overrides or {})
     if spec in PRESETS:
@@ -140,6 +145,15 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         model, dtype = _factory(kind, name, settings), None
     count = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, f"{type(model).__name__} ({spec})", count, dtype)
+
+
+def is_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a folder; False, not an error, for a name the file system cannot
+    look up (too long, a loop of links): it then is no folder."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def _on_meta(what: str, build: Callable[[], Any]) -> nn.Module:
@@ -189,11 +203,14 @@ def _transformers(name: str, overrides: dict[str, Any],
         model_type = preset["model_type"]
     else:
         model_type, fields = _hf_config_source(name)
-    overrides = resolve_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
+    label = f"preset {name}" if preset is not None else f"hf:{name}"
+    given = wrapped(lambda: transformers.AutoConfig.for_model(model_type, **fields), label, SpecError)
+    overrides = resolve_config_keys(given, overrides, name)
+    check_config_fields({"model_type": model_type, **overrides}, f"--set for {label}", SpecError)
     try:
         # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
-    except Exception as exc:  # noqa: BLE001 - a config's own validation, reported in one line
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 - a config's own validation, one line
         raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
     model = _on_meta(name if preset else f"hf:{name}", lambda: _hf_model(config))
     return model, config_dtype(config)
@@ -211,7 +228,10 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
     if not is_model_folder(path):
         raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
                         "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
-    config = read_config(path)
+    try:
+        config = read_config(path)
+    except CheckpointError as exc:  # a config that cannot be read or is hostile: bad input, as a SPEC's
+        raise SpecError(str(exc)) from None
     # What automap.load builds: its weights need the real class (a quantized one is refused).
     model = _on_meta(path, lambda: folder_model(config, path) or _hf_model(config, guess=False))
     with open_checkpoint(path) as checkpoint:
@@ -231,7 +251,7 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
 
     path = Path(name)
     check_not_hub_id(name)
-    if path.is_dir():
+    if is_folder(path):
         path = path / "config.json"
     if path.suffix == ".json" or os.sep in name:
         return _hf_config_file(path)
@@ -245,13 +265,11 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
 def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     import transformers
 
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"config file {str(path)!r} does not exist; give hf:/path/to/config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError(f"cannot read {str(path)!r} as a JSON config: {exc}") from None
-    model_type = data.pop("model_type", None) if isinstance(data, dict) else None
+    data = read_json_file(path, "config file", error=SpecError,
+                          hint="give hf:/path/to/config.json, a transformers config saved with "
+                               "save_pretrained")
+    check_config_fields(data, repr(str(path)), SpecError)
+    model_type = data.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
                         "a transformers config.json names its family in 'model_type'")

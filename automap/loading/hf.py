@@ -16,16 +16,22 @@ from torch import nn
 
 from automap.errors import CheckpointError, DependencyError
 from automap.loading.checkpoint import Checkpoint, open_checkpoint
+from automap.kinds import available_ram_bytes
+from automap.loading.configs import (check_config_fields, check_generation_fields, config_from_fields,
+                                     measure_on_meta, wrapped)
 from automap.loading.empty import empty_model
 from automap.loading.keys import Match, match_keys
 from automap.loading.quantized import CONFIG_NAME, refuse_declared
 from automap.runtime.swap import install
+from automap.sizes import format_bytes
+from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
 # Heads to try when a config names no architecture, most useful first: a family is built as
 # what people run it as.
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
+GENERATION_CONFIG_NAME = "generation_config.json"
 # torch.set_default_dtype takes only these.
 _DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -76,11 +82,16 @@ def read_config(folder: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
                               "yourself under automap.empty_model() and call automap.load(model, folder)")
     transformers = import_transformers()
-    try:
-        return transformers.AutoConfig.from_pretrained(str(root), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers' own validation, reported in one line
-        raise CheckpointError(f"{root / CONFIG_NAME} is not a config transformers can read ({type(exc).__name__}: "
-                              f"{exc}); save it again with save_pretrained, or build the model yourself") from exc
+    path = root / CONFIG_NAME
+    data = read_json_file(path, "config file", error=CheckpointError,
+                          hint="save it again with save_pretrained, or build the model yourself")
+    where = repr(str(path))
+    check_config_fields(data, where, CheckpointError)
+    if "model_type" in data:
+        return config_from_fields(data, where, CheckpointError)
+    # An old config without model_type: transformers guesses the family from the folder's name.
+    return wrapped(lambda: transformers.AutoConfig.from_pretrained(str(root), local_files_only=True), where,
+                   CheckpointError)
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
@@ -197,8 +208,12 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
     dtype = dtype or config_dtype(config)
     if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
-    with empty_model(), default_dtype(dtype):
-        model = folder_model(config, folder)
+    where = repr(str(Path(folder) / CONFIG_NAME))
+    with default_dtype(dtype):
+        sizes = measure_on_meta(lambda: folder_model(config, folder), where, CheckpointError)
+        check_fits_in_ram(sizes, where)
+        with empty_model():
+            model = wrapped(lambda: folder_model(config, folder), where, CheckpointError)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise CheckpointError(
@@ -211,21 +226,58 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
     return model.eval()
 
 
+def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:
+    """Refuse a config whose model has a tensor larger than this machine's free RAM: a skeleton
+    is built with each parameter briefly in RAM before it goes to meta (``sizes``: the largest
+    tensor's bytes and all of them, measured on meta), so such a config could never be built
+    (a ``vocab_size`` of 10**12 would ask for terabytes)."""
+    largest, total = sizes
+    room = min(available_ram_bytes(), _address_space_left())
+    if largest > room:
+        raise CheckpointError(f"{where} describes a model whose largest tensor needs {format_bytes(largest)} "
+                              f"({format_bytes(total)} in all), more than this process's free memory "
+                              f"({format_bytes(room)}) in which each tensor of a skeleton is made before "
+                              "it goes to meta; check the config's sizes (vocab_size, hidden_size, ...)")
+
+
+def _address_space_left() -> int:
+    """Bytes this process may still map under its ``RLIMIT_AS`` (unbounded: a huge number)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return 2**62
+    try:
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return limit
+    return max(0, limit - used)
+
+
 def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """Give a model that generates the folder's ``generation_config.json`` (its stop tokens,
-    sampling defaults, Whisper's forced and suppressed tokens), as ``from_pretrained`` does;
-    without one (or with one transformers cannot read), the generation settings an older
+    sampling defaults, Whisper's forced and suppressed tokens), as ``from_pretrained`` does, read
+    through the one reader of users' files and checked as a config is (one transformers
+    refuses is a :class:`CheckpointError` naming it); without one, the generation settings an older
     ``config.json`` holds (BART's ``num_beams``, ``no_repeat_ngram_size``). The model's own,
     derived from its config at init, would generate other tokens."""
     can_generate = getattr(model, "can_generate", None)
     if can_generate is None or not can_generate():
         return
     generation_config = import_transformers().GenerationConfig
-    try:
-        model.generation_config = generation_config.from_pretrained(str(folder), local_files_only=True)
-    except OSError:  # no (readable) generation_config.json: from_pretrained's own fallback
-        model.generation_config = generation_config.from_pretrained(
-            str(folder), config_file_name=CONFIG_NAME, _from_model_config=True, local_files_only=True)
+    path = Path(folder) / GENERATION_CONFIG_NAME
+    where = repr(str(path))
+    given: dict[str, Any] = {}
+    if not os.path.lexists(path):  # none: an older config.json's settings, as from_pretrained falls back
+        path, given = Path(folder) / CONFIG_NAME, {"_from_model_config": True}
+        where = repr(str(path))
+    data = read_json_file(path, "generation settings", error=CheckpointError,
+                          hint="save it again with generation_config.save_pretrained, or remove it")
+    if not given:  # config.json's fields were checked as a config's when it was read
+        check_generation_fields(data, where, CheckpointError)
+    model.generation_config = wrapped(lambda: generation_config.from_dict(dict(data), **given), where,
+                                      CheckpointError)
 
 
 def initialise_buffers(model: nn.Module) -> None:

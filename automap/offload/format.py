@@ -2,7 +2,8 @@
 alike, the one JSON reader (:func:`load_json`), and a writer that streams tensors to disk.
 
 Invariant: a header is trusted only after every rule holds, and nothing but
-:class:`~automap.errors.FormatError` escapes the parsers.
+:class:`~automap.errors.FormatError` escapes the parsers (:func:`load_json` comes from
+:mod:`automap.userfiles`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from automap.errors import FormatError
 from automap.kinds import on_host
+from automap.userfiles import load_json, read_regular  # noqa: F401 - read_regular re-exported
 
 # safetensors dtype names (the format's own spelling).
 DTYPES: dict[str, torch.dtype] = {
@@ -33,97 +35,9 @@ if hasattr(torch, "float8_e8m0fnu"):  # MX block scales (torch 2.7 and later)
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Larger headers exist only in broken or hostile files (a 70B checkpoint's is well under 1 MB).
 MAX_HEADER_BYTES = 100_000_000
-# No offset, size or checksum in a valid file has more digits than this (2**64 has 20); a longer
-# number only costs time (Python refuses ints of over 4,300 digits with a ValueError).
-MAX_DIGITS = 40
 # More dimensions than this exist only in damaged or hostile files.
 MAX_DIMS = 64
 _HINT = "save or copy it again"
-
-
-class _Refused(ValueError):
-    """A number :func:`load_json` will not read (raised from the parser's hooks)."""
-
-
-def _int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_DIGITS:
-        raise _Refused(f"a number of {len(text)} digits (at most {MAX_DIGITS} are read)")
-    return int(text)
-
-
-def _float(text: str) -> float:
-    value = float(text) if len(text) <= 4 * MAX_DIGITS else float("inf")
-    if value in (float("inf"), float("-inf")):
-        raise _Refused(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is out of range")
-    return value
-
-
-def _constant(text: str) -> Any:
-    raise _Refused(f"{text} is not a JSON number")
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object, unless it names a key twice: Python's parser keeps the last value and
-    other readers may keep the first, so which tensor (or shard) a repeated key means is a guess."""
-    found: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in found:
-            raise _Refused(f"it names {key!r} twice; readers disagree on which one counts")
-        found[key] = value
-    return found
-
-
-def load_json(raw: bytes | str, what: str, hint: str) -> Any:
-    """Parse ``raw`` as JSON, raising only :class:`FormatError` — never ``RecursionError``,
-    ``OverflowError`` or the ``ValueError`` of a huge number. The message is ``what`` (the
-    file and its problem: "x.json is not a valid shard index"), the reason, then ``hint`` (the
-    fix).
-
-    Example:
-        >>> load_json(b'{"a": [1, 2]}', "index x.json is not valid", "save it again")
-        {'a': [1, 2]}
-    """
-    try:
-        return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object)
-    except _Refused as exc:
-        reason = str(exc)
-    except RecursionError:
-        reason = "its JSON is nested too deeply to read"
-    except (ValueError, UnicodeDecodeError, TypeError) as exc:
-        reason = f"not JSON: {str(exc)[:200]}"
-    raise FormatError(f"{what} ({reason}); {hint}")
-
-
-def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True, dir_fd: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit`` of them).
-
-    Never blocks on a FIFO or device (opened non-blocking, refused unless regular); with
-    ``follow=False`` a symbolic link is refused too.
-
-    Raises:
-        OSError: the file cannot be opened or read, is not a regular file (``EINVAL``), or is
-            larger than ``limit`` (``EFBIG``).
-    """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
-    fd = os.open(path, flags, dir_fd=dir_fd)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(22, "not a regular file", os.fspath(path))
-        if info.st_size > limit:
-            raise OSError(27, f"larger than {limit} bytes", os.fspath(path))
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:
-            raise OSError(27, f"larger than {limit} bytes", os.fspath(path))
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ devices, and anything else is a :class:`~automap.errors.PlanError` naming the fi
 """
 from __future__ import annotations
 
-import json
+import math
 import types
 import typing
 from dataclasses import replace
@@ -18,6 +18,8 @@ from automap.planning.experts import ExpertsPlan
 from automap.planning.model import JSON_VERSION, Origin, Plan, register_renderer
 from automap.profiling import Unit
 from automap.profiling.result import Generation
+from automap.sizes import MAX_BYTES, MAX_RATE, parse_number
+from automap.userfiles import load_json
 
 
 def plan_from_text(text: str) -> Plan:
@@ -27,17 +29,26 @@ def plan_from_text(text: str) -> Plan:
         PlanError: ``text`` is not JSON, or not a plan's (a field missing or of the wrong
             kind), or of another version.
     """
-    try:
-        data = json.loads(text)
-    except (ValueError, TypeError, RecursionError) as exc:  # a huge number is a ValueError too
-        raise PlanError(f"the plan JSON is not JSON ({str(exc)[:200]}); {_REWRITE}") from None
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise PlanError(f"Plan.from_json takes the JSON text (a str), not a {type(text).__name__}; "
+                        "to read a file, "
+                        "use automap.report.read_json(path)")
+    return plan_from_value(load_json(text, "the plan JSON is not JSON", _REWRITE, PlanError))
+
+
+def plan_from_value(data: Any) -> Plan:
+    """The plan a parsed plan JSON value holds (a file's, read by :func:`automap.report.read_json`).
+
+    Raises:
+        PlanError: as :func:`plan_from_text`.
+    """
     if not isinstance(data, dict):
         raise PlanError(f"the plan JSON holds a {type(data).__name__}, not a plan's object; {_REWRITE}")
     try:
         return plan_from_dict(data)
     except PlanError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, AutomapError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, AutomapError) as exc:
         reason = f"it lacks the field {exc}" if isinstance(exc, KeyError) else str(exc)[:200]
         raise PlanError(f"the plan JSON is not a plan automap wrote ({reason}); {_REWRITE}") from None
 
@@ -59,10 +70,12 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         strategy=strategy,
         origin=origin,
         tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
-        cut_bytes=tuple(int(c) for c in data.get("cut_bytes", [])),
+        cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True))
+                        for c in data.get("cut_bytes", [])),
         example=data.get("example", ""),
         warnings=tuple(data.get("warnings", [])),
-        reserves=tuple((str(k), int(v)) for k, v in data.get("reserves", {}).items()),
+        reserves=tuple((str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))
+                       for k, v in data.get("reserves", {}).items()),
         generation=_generation_of(data.get("generation")),
         choices=tuple(data.get("choices", [])),
         # Absent (None) in JSON written before the plan recorded it.
@@ -79,16 +92,30 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     return replace(plan, executor=executor)
 
 
+def _number(value: Any, field: str, maximum: float, integral: bool = False) -> float:
+    """A number of the plan JSON, read as every number a user gives is
+    (:func:`~automap.sizes.parse_number`): finite, >= 0, at most ``maximum``."""
+    return parse_number(value, f"plan JSON's {field}", integral=integral, maximum=maximum, error=PlanError,
+                        hint=_REWRITE)
+
+
 def _devices_of(entries: Any) -> tuple[DeviceSpec, ...]:
-    devices = tuple(
-        DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
-                   float(d["link_bytes_per_second"]),
-                   float(d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))))
-        for d in entries
-    )
+    devices = tuple(_device_of(d, i) for i, d in enumerate(entries))
     if len({d.name for d in devices}) < len(devices):
         raise PlanError("plan JSON lists one device twice")
     return devices
+
+
+def _device_of(d: Any, i: int) -> DeviceSpec:
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("kind"), str):
+        raise PlanError(f"plan JSON's devices[{i}] is not a device's object (a name and a kind); {_REWRITE}")
+    where = f"devices[{i}]"
+    memory = d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))
+    return DeviceSpec(d["name"], d["kind"],
+                      int(_number(d["capacity_bytes"], f"{where}.capacity_bytes", MAX_BYTES, integral=True)),
+                      _number(d["flops_per_second"], f"{where}.flops_per_second", MAX_RATE),
+                      _number(d["link_bytes_per_second"], f"{where}.link_bytes_per_second", MAX_RATE),
+                      _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE))
 
 
 def _placement_of(units: Any, devices: tuple[DeviceSpec, ...]) -> tuple[str, ...]:
@@ -145,7 +172,7 @@ def _fits(value: Any, hint: Any) -> bool:
         return type(value) is hint
     if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
         return False
-    return hint is float or value >= 0
+    return math.isfinite(value) if hint is float else value >= 0
 
 
 def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:

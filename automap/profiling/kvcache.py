@@ -19,7 +19,7 @@ from automap.profiling.result import Generation, Profile
 from automap.profiling.trace import TraceResult
 from automap.profiling.traced_run import run_trace
 from automap.profiling.units import all_named_tensors
-from automap.sizes import format_bytes
+from automap.sizes import MAX_COUNT, format_bytes, parse_number
 
 log = logging.getLogger(__name__)
 
@@ -186,23 +186,18 @@ def _prefill_and_step(model: nn.Module, state: Mapping[str, torch.Tensor], units
     return _Step(type(after[1]).__name__, held, read, dict(step.flops), unattributed)
 
 
-# Beyond this many sequences or tokens no tensor can be shaped (torch sizes are 64-bit).
-MAX_COUNT = 2**31
-
-
 def check_batch(batch: int) -> None:
     """Raise :class:`PlanError` unless ``batch`` is a whole number of sequences, 1 or more."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_COUNT:
-        raise PlanError(f"batch={batch!r}: plan for 1 or more sequences (or images), at most {MAX_COUNT:,}, "
-                        "e.g. batch=1")
+    parse_number(batch, "batch", integral=True, minimum=1, maximum=MAX_COUNT, error=PlanError,
+                 hint=f"plan for 1 or more sequences (or images), at most {MAX_COUNT:,}, e.g. batch=1")
 
 
 def check_generation(prompt_length: int, batch: int, max_length: int, encoder: bool) -> None:
     """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
     check_batch(batch)
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= MAX_COUNT:
-        raise PlanError(f"max_length={max_length!r}: a generation needs at least 2 tokens, at most {MAX_COUNT:,} "
-                        "(max_length counts the prompt and the new tokens, as generate(max_length=...) does)")
+    parse_number(max_length, "max_length", integral=True, minimum=2, maximum=MAX_COUNT, error=PlanError,
+                 hint=f"a generation needs at least 2 tokens, at most {MAX_COUNT:,} (max_length counts "
+                      "the prompt and the new tokens, as generate(max_length=...) does)")
     if not encoder and max_length <= prompt_length:
         raise PlanError(f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
                         f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "

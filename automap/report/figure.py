@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from automap.planning.model import Origin
 from automap.errors import ReportError
 from automap.report.facts import Facts, facts_of, format_seconds, short_name
+from automap.userfiles import check_output_path
 from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.sizes import format_bytes
@@ -65,19 +66,13 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
 
 
 def check_figure_path(path: str | Path) -> Path:
-    """Return ``path`` if a figure can be written there (known suffix, existing folder).
+    """Return ``path`` if a figure can be written there (:func:`~automap.userfiles.check_output_path`:
+    a known suffix, an existing writable folder, a name that is no folder, link loop or too long).
 
     Raises:
-        ReportError: unknown suffix or missing folder.
+        ReportError: which of these fails.
     """
-    target = Path(path)
-    if target.suffix.lower().lstrip(".") not in FORMATS:
-        raise ReportError(f"cannot draw a figure as {target.name!r}: the suffix must be one of "
-                          f"{', '.join('.' + f for f in FORMATS)}, e.g. plan.png")
-    if not target.parent.is_dir():
-        raise ReportError(f"cannot write the figure to {str(target)!r}: folder {str(target.parent)!r} does "
-                          "not exist; create it or choose another path")
-    return target
+    return check_output_path(path, "figure", FORMATS)
 
 
 def draw(plan: Plan, *, title: str | None = None) -> Any:

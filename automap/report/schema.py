@@ -8,10 +8,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automap.planning import JSON_VERSION, Plan
-from automap.errors import ReportError
+from automap.errors import PlanError, ReportError
+from automap.planning.plan_json import plan_from_value
 from automap.report.facts import Facts, facts_of, short_name
 from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
+from automap.userfiles import as_path, check_output_path, read_json_file
+
+_REWRITE = ("give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' "
+            "wrote")
 
 if TYPE_CHECKING:
     from automap.planning import DeviceSummary
@@ -132,16 +137,13 @@ def to_json(plan: Plan, indent: int | None = 2) -> str:
 
 
 def check_json_path(path: str | Path) -> Path:
-    """Return ``path`` if its folder exists.
+    """Return ``path`` if a plan JSON can be written there (:func:`~automap.userfiles.check_output_path`).
 
     Raises:
-        ReportError: the folder is missing.
+        ReportError: the folder is missing or not writable; the name is a folder, a link loop,
+            too long.
     """
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise ReportError(f"cannot write the plan JSON to {str(target)!r}: folder {str(target.parent)!r} does "
-                          "not exist; create it or choose another path")
-    return target
+    return check_output_path(path, "plan JSON")
 
 
 def write_json(plan: Plan, path: str | Path) -> Path:
@@ -162,5 +164,13 @@ def write_json(plan: Plan, path: str | Path) -> Path:
 
 
 def read_json(path: str | Path) -> Plan:
-    """Read a plan written by :func:`write_json` (or :meth:`Plan.to_json`)."""
-    return Plan.from_json(Path(path).read_text())
+    """Read a plan written by :func:`write_json` (or :meth:`Plan.to_json`), through the one reader
+    of files users name (:func:`~automap.userfiles.read_json_file`: no FIFO hangs, size-capped).
+
+    Raises:
+        PlanError: the path is missing, a folder, not a regular file, too large, not UTF-8
+            JSON, or not a plan (the message names the path and the field).
+    """
+    source = as_path(path, "read_json path", PlanError)
+    data = read_json_file(source, "plan JSON", hint=_REWRITE, error=PlanError)
+    return plan_from_value(data)

@@ -88,7 +88,7 @@ def test_an_offload_dir_that_is_no_path_is_refused(folder, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     for call in (lambda: automap.plan(_model(), offload_dir=folder),
                  lambda: automap.dispatch(_model(), device_map={"0": "disk", "1": "cpu", "2": "cpu"}, offload_dir=folder)):
-        with pytest.raises(automap.PlanError, match="is no folder's path"):
+        with pytest.raises(automap.PlanError, match="offload_dir=.* is no path"):
             call()
     assert list(tmp_path.iterdir()) == []
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2] / "automap"
 # DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "sizes": 0, "version": 0, "progress": 0, "interrupts": 0,
+    "errors": 0, "sizes": 0, "version": 0, "progress": 0, "interrupts": 0, "userfiles": 0,
     "devices": 1, "kinds": 1,
     "profiling": 2,
     "planning": 3,
