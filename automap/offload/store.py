@@ -82,8 +82,10 @@ class OffloadStore(MappedSource):
     kind = "offload store file"
 
     def __init__(self, folder: StoreDir, records: Mapping[str, Record], lock: StoreLock, *,
-                 created: Iterable[str] = (), fresh: bool = False, made: Iterable[Path] = ()):
-        super().__init__({n: (folder / r.file, r.key) for n, r in records.items()})
+                 created: Iterable[str] = (), fresh: bool = False, made: Iterable[Path] = (),
+                 files: Mapping[Path, MappedFile] | None = None):
+        super().__init__({n: (folder / r.file, r.key) for n, r in records.items()},
+                         map_files(folder, records) if files is None else files)
         self.folder, self.directory, self.records, self.lock = folder, folder.path, dict(records), lock
         # What this call created, for close(discard=True): files, whether the store directory
         # is new, and the folders above it that it had to make.
@@ -183,8 +185,9 @@ class OffloadStore(MappedSource):
             if started:
                 started.clear()  # its cleanup is this one's from here
             records = writer.write_all(specs, read)
+            files = map_files(folder, records, writer.identities)
             with deferred():  # built and known to the caller together (see collecting)
-                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made)
+                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made, files=files)
                 _collected(store)
         except BaseException as exc:
             wrapped = as_offload_error(exc, folder)
@@ -200,6 +203,30 @@ class OffloadStore(MappedSource):
             raise wrapped from exc
         writer.remove_stale(records)
         return store
+
+
+def map_files(folder: StoreDir, records: Mapping[str, Record],
+              identities: Mapping[str, tuple[int, int]] | None = None) -> dict[Path, MappedFile]:
+    """Each file of the store mapped through the held folder (never by its path, never through
+    a link), and checked to be the very file written (``identities``: its ``st_dev``/``st_ino``
+    when written); the maps then hold those bytes whatever becomes of the names.
+
+    Raises:
+        OffloadError, FormatError: a file is missing, a link, another user's, or not the one
+            written (it was replaced); it is not read.
+    """
+    keys: dict[str, list[str]] = {}
+    for record in records.values():
+        keys.setdefault(record.file, []).append(record.key)
+    files: dict[Path, MappedFile] = {}
+    try:
+        for file, wanted in keys.items():
+            files[folder / file] = folder.map(file, wanted, (identities or {}).get(file))
+    except BaseException:
+        for mapped in files.values():
+            mapped.close()
+        raise
+    return files
 
 
 def fingerprint_of(specs: Mapping[str, TensorSpec]) -> str:
@@ -225,9 +252,10 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     folder = StoreDir.open(directory)
     if folder is None:
         return None
-    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable():
+    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable() or folder.shared():
         log.info("%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
-                 "manifest's name, or the folder is not writable); passing it over", directory)
+                 "manifest's name, the folder is not writable, or others may write in it); passing it over",
+                 directory)
         folder.close()
         return None
     lock = StoreLock.take(folder)
@@ -285,7 +313,7 @@ def new_store_dir(root: Path, fingerprint: str, started: list[Path]) -> tuple[St
         try:
             with deferred():  # made and known to be ours together: an interrupt comes after
                 try:
-                    os.mkdir(directory)
+                    os.mkdir(directory, 0o700)  # its files are this user's alone to change
                     made = True
                     started.append(directory)
                 except FileExistsError:

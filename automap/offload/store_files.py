@@ -28,6 +28,7 @@ from typing import Iterable
 
 from automap.errors import OffloadError
 from automap.offload.format import read_regular
+from automap.offload.mapped import Identity, MappedFile, open_for_map
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,27 @@ class StoreDir:
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
+
+    def shared(self) -> bool:
+        """Whether another user may create, rename or remove names in this folder (group or
+        others may write it): then nothing in it can be trusted to be what automap wrote."""
+        return bool(os.fstat(self.fd).st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+    def map(self, name: str, keys: Iterable[str] | None = None, identity: Identity | None = None) -> MappedFile:
+        """The file ``name`` of this folder mapped (:class:`MappedFile`), opened once relative
+        to the held directory without following a link, refused unless it is a regular file of
+        this user's and (given ``identity``) the very file automap wrote.
+
+        Raises:
+            FormatError, OffloadError: as :class:`MappedFile`, or the file is not this user's.
+        """
+        fd = open_for_map(name, dir_fd=self.fd, follow=False)
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():
+            os.close(fd)
+            raise OffloadError(f"{self / name} belongs to uid {owner}, not to this user: it is not the file automap "
+                               "wrote, and it is not read. Remove it, and dispatch (or load) again")
+        return MappedFile(self / name, keys, fd=fd, identity=identity)
 
     def writable(self) -> bool:
         """Whether files can be created and removed here (false for an immutable folder)."""
