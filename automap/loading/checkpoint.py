@@ -32,7 +32,8 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import CheckpointError, FormatError
-from automap.offload import load_json, read_header, read_regular
+from automap.offload import MappedFile, load_json, open_for_map, read_regular
+from automap.offload.format import header_of
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +75,53 @@ class Reader(abc.ABC):
     def read(self, stored: Stored) -> torch.Tensor:
         """``stored`` on CPU as stored, in memory of its own."""
 
+    def release(self) -> None:
+        """Close what this reader holds open to read (it opens it again when asked to read)."""
+        return None
+
     def close(self) -> None:
         return None
 
 
 class SafetensorsReader(Reader):
+    """A safetensors file: its header read and validated through one descriptor, the file's
+    identity (device, inode, size, modification time) recorded, the descriptor closed again (a
+    folder of thousands of shards holds no descriptors while it is indexed). Every later open,
+    to read tensors or to map them in place, is checked to be that very file, unchanged; else
+    :class:`CheckpointError` names it, and nothing of the other file is read."""
+
     in_place = True
 
     def __init__(self, path: Path):
         super().__init__(path)
-        header = read_header(path)  # a FormatError is a CheckpointError too
+        fd = open_for_map(path)  # a FormatError is a CheckpointError too
+        try:
+            header = header_of(fd, path)
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self.identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         self.tensors = {key: Stored(key, path, info.torch_dtype, info.shape, info.nbytes, info.begin)
                         for key, info in header.tensors.items()}
         self._handle: io.FileIO | None = None
+
+    def open_checked(self) -> int:
+        """A new read-only descriptor of the file whose header was read (the caller closes it).
+
+        Raises:
+            CheckpointError: the name now holds another file, or the file changed since.
+        """
+        fd = open_for_map(self.path)
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self.identity:
+            os.close(fd)
+            raise CheckpointError(f"{self.path} was replaced or changed since automap read its header; nothing of it "
+                                  "was read. Leave the checkpoint alone while it loads, and load again")
+        return fd
+
+    def map(self, keys: list[str]) -> MappedFile:
+        """The file mapped (for its tensors read in place), through one checked descriptor."""
+        return MappedFile(self.path, keys, fd=self.open_checked(), identity=self.identity[:2])
 
     def read(self, stored: Stored) -> torch.Tensor:
         out = torch.empty(stored.shape, dtype=stored.dtype)
@@ -96,7 +131,7 @@ class SafetensorsReader(Reader):
 
     def _read_into(self, stored: Stored, view: memoryview) -> None:
         if self._handle is None:
-            self._handle = io.FileIO(self.path, "rb")
+            self._handle = io.FileIO(self.open_checked(), "rb", closefd=True)
         self._handle.seek(stored.offset)
         done = 0
         while done < len(view):
@@ -106,10 +141,13 @@ class SafetensorsReader(Reader):
                                       f"{len(view)} bytes); the file was truncated during the load")
             done += got
 
-    def close(self) -> None:
+    def release(self) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+    def close(self) -> None:
+        self.release()
 
 
 class PickleReader(Reader):
@@ -145,6 +183,7 @@ class Checkpoint:
         self.tensors = dict(tensors)
         self.readers = dict(readers)
         self.extras = {k: v for reader in self.readers.values() for k, v in reader.extras.items()}
+        self._last: Reader | None = None  # the one reader that may hold a file open (see read)
 
     def extra_state(self, key: str) -> Any:
         """The extra state saved under ``key`` (what a module's ``get_extra_state`` returned):
@@ -158,7 +197,23 @@ class Checkpoint:
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor ``key`` on CPU in ``dtype`` (default: as stored), in memory of its own."""
         stored = self.tensors[key]
-        return self.readers[stored.file].read(stored).to(dtype or stored.dtype)
+        reader = self.readers[stored.file]
+        if self._last is not None and self._last is not reader:
+            self._last.release()  # one file open at a time, whatever the number of shards (no EMFILE)
+        self._last = reader
+        return reader.read(stored).to(dtype or stored.dtype)
+
+    def map(self, file: Path, keys: list[str]) -> MappedFile:
+        """``file`` (a safetensors file of this checkpoint) mapped for ``keys``, read in place:
+        checked to be the file whose header was read.
+
+        Raises:
+            CheckpointError: it was replaced or changed since, or it is not a safetensors file.
+        """
+        reader = self.readers[file]
+        if not isinstance(reader, SafetensorsReader):
+            raise CheckpointError(f"{file} is not a safetensors file; its tensors cannot be read in place")
+        return reader.map(keys)
 
     def same_values(self, a: str, b: str, chunk: int = 16 << 20) -> bool:
         """Whether keys ``a`` and ``b`` hold the same dtype, shape and bytes: raw tensors are
@@ -399,11 +454,43 @@ def _load_pickle(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); save or copy it again") from exc
     data = _unwrapped(file, data)
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor):
+            _check_kind(file, str(key), value)
     extras = {str(k): v for k, v in data.items() if not isinstance(v, torch.Tensor) and str(k).endswith(EXTRA_STATE)}
     skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor) and k not in extras]
     if skipped:
         log.info("%s: ignoring %d non-tensor entries (%s)", file, len(skipped), skipped[:3])
     return {str(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}, extras
+
+
+def tensor_kind(tensor: torch.Tensor) -> str | None:
+    """What makes ``tensor`` other than a plain dense tensor with values in memory (``"sparse
+    (sparse_coo)"``, ``"meta"``, ``"quantized (torch.qint8)"``, ``"nested"``, a subclass' name),
+    or None for a plain one: the one test every checkpoint tensor passes before anything is
+    installed."""
+    if tensor.is_nested:
+        return "nested"
+    if tensor.layout != torch.strided:
+        return f"sparse ({str(tensor.layout).replace('torch.', '')})"
+    if tensor.is_quantized:
+        return f"quantized ({tensor.dtype}) without a quantization config"
+    if tensor.device.type == "meta":
+        return "meta (it holds no values)"
+    if tensor.device.type != "cpu":
+        return f"on {tensor.device.type}"
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(tensor).__name__} (a tensor subclass)"
+    return None
+
+
+def _check_kind(file: Path, key: str, tensor: torch.Tensor) -> None:
+    kind = tensor_kind(tensor)
+    if kind is not None:
+        raise CheckpointError(
+            f"tensor {key!r} in {file} is {kind}, not a dense tensor of values; automap loads only dense "
+            "tensors (a model's weights). Save it dense (tensor.to_dense(), or the dequantized weights, or a "
+            "quantized model with its quantization config), or load this checkpoint with torch.load yourself")
 
 
 def _unwrapped(file: Path, data: Any) -> dict:
