@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 STORE_PREFIX = "automap-store-"
 MAX_STORES = 10_000
+ROOT_TRIES = 5  # offload_dir made again when another caller removed it between our making and our use
 
 
 class OffloadStore(MappedSource):
@@ -146,11 +147,20 @@ class OffloadStore(MappedSource):
         fingerprint = fingerprint_of(specs)
         started: list[Path] = []  # a store this call made, until _fill has it (or has removed it)
         try:
-            for directory in candidates(root, fingerprint):
-                store = cls._reuse(directory, specs, read, made)
-                if store is not None:
-                    return store
-            folder, lock = new_store_dir(root, fingerprint, started)
+            for attempt in range(ROOT_TRIES):
+                try:
+                    for directory in candidates(root, fingerprint):
+                        store = cls._reuse(directory, specs, read, made)
+                        if store is not None:
+                            return store
+                    folder, lock = new_store_dir(root, fingerprint, started)
+                    break
+                except FileNotFoundError:
+                    # offload_dir was removed meanwhile: made by another caller whose dispatch
+                    # failed and removed it again (it was empty). Made again, by this call then.
+                    if attempt == ROOT_TRIES - 1:
+                        raise
+                    made.extend(make_root(root))
             return cls._fill(folder, lock, specs, read, fresh=True, made=made, started=started)
         except BaseException as exc:
             discard_started(started)  # an interrupt between the two calls: the new store's first files go

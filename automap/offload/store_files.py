@@ -205,7 +205,12 @@ def remove_folders(folders: Iterable[Path]) -> None:
 
 
 def make_root(root: Path) -> list[Path]:
-    """Create ``root`` (and missing parents) and return the directories this created.
+    """Create ``root`` (and missing parents) and return the directories this call created.
+
+    Each folder is made with one ``mkdir`` (atomic): of two callers making the same new folder
+    at once (threads, processes), exactly one creates it and owns it (its cleanup may remove it
+    again, if empty); the other finds it made and uses it as a folder it did not create (never
+    removes it).
 
     Raises:
         OffloadError: ``root`` is a dangling link or a file, is on a file system that holds no
@@ -219,17 +224,24 @@ def make_root(root: Path) -> list[Path]:
         if probe.parent == probe:
             break
         probe = probe.parent
+    made: list[Path] = []
     try:
         if os.path.lexists(root) and not root.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory", str(root))
         for path in reversed(missing):
-            os.mkdir(path)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not path.is_dir():  # a file or a dangling link came meanwhile: not a folder to use
+                    raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory", str(path)) from None
+                continue  # another caller made it just now: theirs, used but never removed here
+            made.append(path)
         if not os.access(root, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(root))
     except OSError as exc:
-        remove_folders(missing)
+        remove_folders(made)
         raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
-    return list(reversed(missing))
+    return made
 
 
 # File systems that are kernel interfaces and store no files of anyone's.
