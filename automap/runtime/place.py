@@ -351,11 +351,38 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
     undone, before an interrupt that came meanwhile is delivered."""
     if rollback:
         install(model, state.replaced)
-    back = read_views(model, state)  # may take long; changes nothing: interruptible
+    # Every allocation first (may take long, may fail for lack of memory; changes nothing:
+    # interruptible), then only assignments, which cannot fail for memory.
+    try:
+        views = read_views(model, state)
+        back = moved_back(state) + views  # assigned in this order, as dispatch's moves are undone first
+    except (MemoryError, RuntimeError) as exc:
+        if not _allocation_failed(exc):
+            raise
+        raise DispatchError(
+            f"undispatch could not allocate the memory the weights it brings back need ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); nothing was changed: the model is still dispatched and works as before. Free "
+            "memory (or raise the process's memory or address-space limit) and call automap.undispatch again") from exc
     with deferred():
         _undo(model, state, back, rollback)
         if done is not None:
             done()
+
+
+def _allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (``MemoryError``, torch's out-of-memory
+    errors of every device, the CPU allocator's "can't allocate memory")."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return "allocate" in text or "out of memory" in text
+
+
+def moved_back(state: DispatchState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor dispatch moved to another device (and not to a weight source), with a copy
+    of it on the device it came from."""
+    return [(tensor, tensor.data.to(device)) for key, (tensor, device) in state.original.items()
+            if key not in state.streamed and tensor.device != device]
 
 
 def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool) -> None:
@@ -367,9 +394,6 @@ def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor,
         handle.remove()
     if state.transfer is not None:
         state.transfer.close()
-    for key, (tensor, device) in state.original.items():
-        if key not in state.streamed and tensor.device != device:
-            tensor.data = tensor.data.to(device)
     for tensor, copied in back:
         tensor.data = copied
     for source in state.owned:
