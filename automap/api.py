@@ -18,6 +18,8 @@ from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, 
 from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
+from automap.interrupts import completed, deferred, public
+from automap.offload.store import collecting
 from automap.progress import silenced, step
 from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
@@ -35,6 +37,7 @@ from automap.profiling.units import all_named_tensors
 DeviceMap = str | Mapping[str, int | str] | Plan
 
 
+@public
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          dtype: DtypeLike = None, offload_dir: str | Path | None = None,
@@ -215,6 +218,7 @@ def one_device_map(device_map: DeviceMap | int | torch.device) -> DeviceMap:
     raise PlanError(f"device_map must be a strategy name, a device, a dict or a Plan, not {type(device_map).__name__}")
 
 
+@public
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
              offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
              example_inputs: ExampleInputs | None = None,
@@ -275,6 +279,7 @@ def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto",
          torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
 
 
+@public
 def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
          max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
          dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
@@ -360,19 +365,36 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         check_devices_present(chosen)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
-        loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
-        on_purpose = offloaded_names(model, tasks)
-        undo = install(model, loaded.fresh)
+        # This call's one record of what it changed: the stores it created (each in ``created``
+        # in the step that makes it) and the tensors it installed (``undo``, kept in the same
+        # held section as the install). Whatever stops the call before the model is dispatched,
+        # an interrupt included, puts back exactly those.
+        created: list = []
+        undo: dict | None = None
         try:
+            with collecting(created):
+                loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
+            on_purpose = offloaded_names(model, tasks)
+            with deferred():
+                undo = install(model, loaded.fresh)
             verify_loaded(model, on_purpose)
             set_extra_states(model, ckpt, match)
             dispatch_plan(model, chosen, source=loaded.source)
         except BaseException:
-            install(model, undo)  # the skeleton as it was: nothing half-loaded either
-            loaded.discard()  # and no store this load created is left on disk
-            raise
+            if state_of(model) is None:  # not dispatched: the call did not complete, undo all of it
+                completed(lambda: _undo_load(model, undo, created))
+            raise  # else the interrupt came after dispatch returned: the complete result stays
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     return model
+
+
+def _undo_load(model: nn.Module, undo: dict | None, created: list) -> None:
+    """Put back what an unfinished load changed (safe to run twice): the skeleton's tensors as
+    they were, and no store this load created left on disk."""
+    if undo is not None:
+        install(model, undo)
+    for store in created:
+        store.close(discard=True)
 
 
 def _one_of(name: str, value: object, alias: str, aliased: object) -> Any:

@@ -113,7 +113,10 @@ class OffloadStore(MappedSource):
 
     def close(self, discard: bool = False) -> None:
         """Release the lock; the files stay for the next dispatch of the same weights. With
-        ``discard``, a store this call created is removed again (only its own files)."""
+        ``discard``, a store this call created is removed again (only its own files). Safe to
+        call again: a store closed stays closed."""
+        if self.folder.fd < 0:
+            return
         if discard and self._fresh:
             self.folder.remove([*self._created, MANIFEST, LOCK])
             remove_folders([self.directory])  # before the lock goes: nobody can adopt it meanwhile

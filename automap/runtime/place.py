@@ -11,7 +11,7 @@ from torch import nn
 from automap.devices import canonical_name, check_present
 from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DeviceError, DispatchError
-from automap.interrupts import deferred
+from automap.interrupts import deferred, public
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
@@ -424,6 +424,7 @@ def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tenso
             for t, _ in holders.values()]
 
 
+@public
 def undispatch(model: nn.Module) -> nn.Module:
     """Remove every automap hook from ``model`` and bring every weight back to the device it
     was on before :func:`dispatch`, the model as it is now: offloaded weights are read back

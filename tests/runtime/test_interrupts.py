@@ -94,7 +94,102 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch_as_they_were(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "40"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["interrupted"] >= result["count"] // 2, f"the alarms fell after the calls: {result}"
+    assert result["problems"] == [], result["problems"]
+
+
+LOAD_SCRIPT = textwrap.dedent('''
+    import json, os, shutil, signal, sys, time
+    import torch
+    from torch import nn
+    import automap
+    from automap.runtime import state_of
+
+    root, count = sys.argv[1], int(sys.argv[2])
+
+    def build():
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)]).eval()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("alarm")
+
+    def skeleton():
+        with automap.empty_model():
+            return build()
+
+    signal.signal(signal.SIGALRM, interrupt)
+    torch.manual_seed(0)
+    real = build()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        expected = real(x)
+    checkpoint = os.path.join(root, "pytorch_model.bin")  # a pickle: offloaded tensors are written to a store
+    torch.save(real.state_dict(), checkpoint)
+    budget = {"cpu": "1MB"}  # most layers on disk
+    times = []
+    for k in range(4):  # the first call pays for imports: the median of the rest
+        warm = skeleton()
+        start = time.perf_counter()
+        automap.load(warm, checkpoint, max_memory=budget, offload_dir=os.path.join(root, f"warm{k}"), quiet=True)
+        times.append(time.perf_counter() - start)
+        automap.undispatch(warm)
+    took = sorted(times[1:])[1]
+    problems, landed = [], 0
+    for i in range(count):
+        folder = os.path.join(root, str(i))
+        os.makedirs(folder)
+        with open(os.path.join(folder, "mine.txt"), "w") as f:
+            f.write("the user's")
+        model = skeleton()
+        interrupted = False
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, max(took * 1.1 * i / count, 1e-5))
+                automap.load(model, checkpoint, max_memory=budget, offload_dir=folder, quiet=True)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except KeyboardInterrupt:
+            interrupted = True
+        dispatched = state_of(model) is not None
+        landed += interrupted and not dispatched
+        where = f"#{i} ({'interrupted' if interrupted else 'completed'}, {'loaded' if dispatched else 'not loaded'})"
+        if dispatched:
+            with torch.no_grad():
+                if not torch.equal(model(x), expected):
+                    problems.append(f"{where}: other outputs")
+            automap.undispatch(model)
+        else:
+            real_ones = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+            if real_ones:
+                problems.append(f"{where}: half loaded: {real_ones[:3]} are real, the rest meta")
+            hooks = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+            if hooks:
+                problems.append(f"{where}: hooks left: {hooks[:3]}")
+            left = [e for e in os.listdir(folder) if e != "mine.txt"]
+            if left:
+                problems.append(f"{where}: left in offload_dir: {left}")
+        if open(os.path.join(folder, "mine.txt")).read() != "the user's":
+            problems.append(f"{where}: the user's file changed")
+        try:
+            again = skeleton() if dispatched else model
+            automap.load(again, checkpoint, max_memory=budget, offload_dir=folder, quiet=True)
+            with torch.no_grad():
+                if not torch.equal(again(x), expected):
+                    problems.append(f"{where}: the next load gives other outputs")
+            automap.undispatch(again)
+        except BaseException as exc:
+            problems.append(f"{where}: the next load raised {type(exc).__name__}: {exc}")
+        shutil.rmtree(folder)
+    print(json.dumps({"problems": problems, "interrupted": landed, "count": count}))
+''')
+
+
+def test_an_interrupt_anywhere_in_load_leaves_the_skeleton_and_the_folder_as_they_were(tmp_path):
+    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
                           cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
