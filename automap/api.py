@@ -16,17 +16,15 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
 from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
-from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
-from automap.interrupts import completed, deferred, public
-from automap.offload.store import collecting
+from automap.interrupts import public
 from automap.progress import silenced, step
-from automap.loading.matching import matched, set_extra_states
+from automap.loading.matching import matched
+from automap.loading.commit import load_and_dispatch
 from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
-from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
-                             plan_tasks, verify_loaded)
+from automap.loading import build_from_folder, log_summary, noted, open_checkpoint, plan_tasks
 from automap.compose import library_tracing, plan_strategy, plan_user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
@@ -365,36 +363,9 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         check_devices_present(chosen)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
-        # This call's one record of what it changed: the stores it created (each in ``created``
-        # in the step that makes it) and the tensors it installed (``undo``, kept in the same
-        # held section as the install). Whatever stops the call before the model is dispatched,
-        # an interrupt included, puts back exactly those.
-        created: list = []
-        undo: dict | None = None
-        try:
-            with collecting(created):
-                loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
-            on_purpose = offloaded_names(model, tasks)
-            with deferred():
-                undo = install(model, loaded.fresh)
-            verify_loaded(model, on_purpose)
-            set_extra_states(model, ckpt, match)
-            dispatch_plan(model, chosen, source=loaded.source)
-        except BaseException:
-            if state_of(model) is None:  # not dispatched: the call did not complete, undo all of it
-                completed(lambda: _undo_load(model, undo, created))
-            raise  # else the interrupt came after dispatch returned: the complete result stays
+        loaded = load_and_dispatch(model, chosen, tasks, ckpt, folder, match, quiet)
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     return model
-
-
-def _undo_load(model: nn.Module, undo: dict | None, created: list) -> None:
-    """Put back what an unfinished load changed (safe to run twice): the skeleton's tensors as
-    they were, and no store this load created left on disk."""
-    if undo is not None:
-        install(model, undo)
-    for store in created:
-        store.close(discard=True)
 
 
 def _one_of(name: str, value: object, alias: str, aliased: object) -> Any:

@@ -183,17 +183,7 @@ class MappedFile:
     def __init__(self, path: Path, keys: Iterable[str] | None = None, *, fd: int | None = None,
                  identity: Identity | None = None):
         self.path = Path(os.path.abspath(path))
-        # The file is opened once (or handed over open, as ``fd``, which this object then owns);
-        # its header, its map and every later check go through this descriptor, never through
-        # the name again: what the name holds later (a link, another file) is never read.
-        if fd is None:
-            fd = open_for_map(self.path)
-        self.fd = fd
-        self._finalizer = weakref.finalize(self, os.close, self.fd)
-        if identity is not None and self.identity != identity:
-            self.close()
-            raise OffloadError(f"{path} is not the file automap wrote or read there (another file was put in its "
-                               "place); it is not read. Restore it, or dispatch (or load) again")
+        self._hold(fd, identity)
         try:
             self.header: Header = header_of(self.fd, self.path)
             wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
@@ -223,6 +213,17 @@ class MappedFile:
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
         self._exact: dict[str, int] = {}  # keys whose pages fault in without read-around: readers of each
         self._exact_lock = threading.Lock()
+
+    def _hold(self, fd: int | None, identity: Identity | None) -> None:
+        """The file opened once (or handed over open, as ``fd``, which this object then owns);
+        its header, its map and every later check go through this descriptor, never through the
+        name again: what the name holds later (a link, another file) is never read."""
+        self.fd = open_for_map(self.path) if fd is None else fd
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        if identity is not None and self.identity != identity:
+            self.close()
+            raise OffloadError(f"{self.path} is not the file automap wrote or read there (another file was put in "
+                               "its place); it is not read. Restore it, or dispatch (or load) again")
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype

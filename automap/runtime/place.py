@@ -27,7 +27,7 @@ from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, claimed, follow, forget, remember, state_of
 from automap.runtime.gradients import RefuseGradientsEarly, refuse_gradients
 from automap.runtime.streaming import CheckFiles, StreamWeights
-from automap.runtime.swap import install
+from automap.runtime.swap import allocation_failed, install, moved_back
 
 log = logging.getLogger(__name__)
 
@@ -355,9 +355,9 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
     # interruptible), then only assignments, which cannot fail for memory.
     try:
         views = read_views(model, state)
-        back = moved_back(state) + views  # assigned in this order, as dispatch's moves are undone first
+        back = moved_back(state.original, state.streamed) + views  # assigned in this order, as dispatch's moves are undone first
     except (MemoryError, RuntimeError) as exc:
-        if not _allocation_failed(exc):
+        if not allocation_failed(exc):
             raise
         raise DispatchError(
             f"undispatch could not allocate the memory the weights it brings back need ({type(exc).__name__}: "
@@ -367,22 +367,6 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
         _undo(model, state, back, rollback)
         if done is not None:
             done()
-
-
-def _allocation_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` says an allocation failed (``MemoryError``, torch's out-of-memory
-    errors of every device, the CPU allocator's "can't allocate memory")."""
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    text = str(exc).lower()
-    return "allocate" in text or "out of memory" in text
-
-
-def moved_back(state: DispatchState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each tensor dispatch moved to another device (and not to a weight source), with a copy
-    of it on the device it came from."""
-    return [(tensor, tensor.data.to(device)) for key, (tensor, device) in state.original.items()
-            if key not in state.streamed and tensor.device != device]
 
 
 def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool) -> None:

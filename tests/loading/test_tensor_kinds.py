@@ -11,7 +11,7 @@ import torch
 
 import automap
 from automap.errors import CheckpointError, DispatchError
-from automap.loading.checkpoint import tensor_kind
+from automap.loading.pickles import tensor_kind
 from conftest import tiny_gpt2
 
 VICTIM = "transformer.h.1.mlp.c_fc.weight"
