@@ -16,16 +16,16 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
 from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
-from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
+from automap.interrupts import public
 from automap.progress import silenced, step
-from automap.loading.matching import matched, set_extra_states
+from automap.loading.matching import matched
+from automap.loading.commit import load_and_dispatch
 from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.userfiles import as_path
 from automap.offload.folder import recorded_folder, store_folder
-from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
-                             plan_tasks, verify_loaded)
+from automap.loading import build_from_folder, log_summary, noted, open_checkpoint, plan_tasks
 from automap.compose import library_tracing, plan_strategy, plan_user_map, user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
@@ -36,6 +36,7 @@ from automap.profiling.units import all_named_tensors
 DeviceMap = str | Mapping[str, int | str] | Plan
 
 
+@public
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          dtype: DtypeLike = None, offload_dir: str | Path | None = None,
@@ -213,6 +214,7 @@ def one_device_map(device_map: DeviceMap | int | torch.device) -> DeviceMap:
     raise PlanError(f"device_map must be a strategy name, a device, a dict or a Plan, not {type(device_map).__name__}")
 
 
+@public
 def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
              offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
              example_inputs: ExampleInputs | None = None,
@@ -273,6 +275,7 @@ def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto",
          torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
 
 
+@public
 def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
          max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
          dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
@@ -360,17 +363,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
         check_devices_present(chosen)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
-        loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
-        on_purpose = offloaded_names(model, tasks)
-        undo = install(model, loaded.fresh)
-        try:
-            verify_loaded(model, on_purpose)
-            set_extra_states(model, ckpt, match)
-            dispatch_plan(model, chosen, source=loaded.source)
-        except BaseException:
-            install(model, undo)  # the skeleton as it was: nothing half-loaded either
-            loaded.discard()  # and no store this load created is left on disk
-            raise
+        loaded = load_and_dispatch(model, chosen, tasks, ckpt, folder, match, quiet)
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     return model
 

@@ -11,7 +11,6 @@ import abc
 import io
 import logging
 import os
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +19,12 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import CheckpointError, FormatError
-from automap.offload import load_json, read_header, read_regular
+from automap.offload import MappedFile, load_json, open_for_map, read_regular
+from automap.offload.format import header_of
+from automap.loading.pickles import load_pickle
 
 log = logging.getLogger(__name__)
 
-# The key suffix under which state_dict() saves what a module's get_extra_state returns.
-EXTRA_STATE = "_extra_state"  # torch's nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 # A shard index lists each tensor in ~60 bytes: room for millions of tensors.
 MAX_INDEX_BYTES = 256 << 20
 
@@ -62,19 +61,53 @@ class Reader(abc.ABC):
     def read(self, stored: Stored) -> torch.Tensor:
         """``stored`` on CPU as stored, in memory of its own."""
 
+    def release(self) -> None:
+        """Close what this reader holds open to read (it opens it again when asked to read)."""
+        return None
+
     def close(self) -> None:
         return None
 
 
 class SafetensorsReader(Reader):
+    """A safetensors file: its header read and validated through one descriptor, the file's
+    identity (device, inode, size, modification time) recorded, the descriptor closed again (a
+    folder of thousands of shards holds no descriptors while it is indexed). Every later open,
+    to read tensors or to map them in place, is checked to be that very file, unchanged; else
+    :class:`CheckpointError` names it, and nothing of the other file is read."""
+
     in_place = True
 
     def __init__(self, path: Path):
         super().__init__(path)
-        header = read_header(path)  # a FormatError is a CheckpointError too
+        fd = open_for_map(path)  # a FormatError is a CheckpointError too
+        try:
+            header = header_of(fd, path)
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self.identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         self.tensors = {key: Stored(key, path, info.torch_dtype, info.shape, info.nbytes, info.begin)
                         for key, info in header.tensors.items()}
         self._handle: io.FileIO | None = None
+
+    def open_checked(self) -> int:
+        """A new read-only descriptor of the file whose header was read (the caller closes it).
+
+        Raises:
+            CheckpointError: the name now holds another file, or the file changed since.
+        """
+        fd = open_for_map(self.path)
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self.identity:
+            os.close(fd)
+            raise CheckpointError(f"{self.path} was replaced or changed since automap read its header; nothing of it "
+                                  "was read. Leave the checkpoint alone while it loads, and load again")
+        return fd
+
+    def map(self, keys: list[str]) -> MappedFile:
+        """The file mapped (for its tensors read in place), through one checked descriptor."""
+        return MappedFile(self.path, keys, fd=self.open_checked(), identity=self.identity[:2])
 
     def read(self, stored: Stored) -> torch.Tensor:
         out = torch.empty(stored.shape, dtype=stored.dtype)
@@ -84,7 +117,7 @@ class SafetensorsReader(Reader):
 
     def _read_into(self, stored: Stored, view: memoryview) -> None:
         if self._handle is None:
-            self._handle = io.FileIO(self.path, "rb")
+            self._handle = io.FileIO(self.open_checked(), "rb", closefd=True)
         self._handle.seek(stored.offset)
         done = 0
         while done < len(view):
@@ -94,16 +127,19 @@ class SafetensorsReader(Reader):
                                       f"{len(view)} bytes); the file was truncated during the load")
             done += got
 
-    def close(self) -> None:
+    def release(self) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+    def close(self) -> None:
+        self.release()
 
 
 class PickleReader(Reader):
     def __init__(self, path: Path):
         super().__init__(path)
-        self._data, self.extras = _load_pickle(path)
+        self._data, self.extras = load_pickle(path)
         self.tensors = {k: Stored(k, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
                         for k, t in self._data.items()}
 
@@ -133,6 +169,7 @@ class Checkpoint:
         self.tensors = dict(tensors)
         self.readers = dict(readers)
         self.extras = {k: v for reader in self.readers.values() for k, v in reader.extras.items()}
+        self._last: Reader | None = None  # the one reader that may hold a file open (see read)
 
     def extra_state(self, key: str) -> Any:
         """The extra state saved under ``key`` (what a module's ``get_extra_state`` returned):
@@ -146,7 +183,23 @@ class Checkpoint:
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor ``key`` on CPU in ``dtype`` (default: as stored), in memory of its own."""
         stored = self.tensors[key]
-        return self.readers[stored.file].read(stored).to(dtype or stored.dtype)
+        reader = self.readers[stored.file]
+        if self._last is not None and self._last is not reader:
+            self._last.release()  # one file open at a time, whatever the number of shards (no EMFILE)
+        self._last = reader
+        return reader.read(stored).to(dtype or stored.dtype)
+
+    def map(self, file: Path, keys: list[str]) -> MappedFile:
+        """``file`` (a safetensors file of this checkpoint) mapped for ``keys``, read in place:
+        checked to be the file whose header was read.
+
+        Raises:
+            CheckpointError: it was replaced or changed since, or it is not a safetensors file.
+        """
+        reader = self.readers[file]
+        if not isinstance(reader, SafetensorsReader):
+            raise CheckpointError(f"{file} is not a safetensors file; its tensors cannot be read in place")
+        return reader.map(keys)
 
     def same_values(self, a: str, b: str, chunk: int = 16 << 20) -> bool:
         """Whether keys ``a`` and ``b`` hold the same dtype, shape and bytes: raw tensors are
@@ -364,71 +417,3 @@ def _check_index(root: Path, weight_map: Mapping[str, str], tensors: Mapping[str
             f"the index of {root} lists {len(absent)} tensor(s) that are not in the file it names, first "
             f"{absent[:3]}; the shards and the index come from different saves"
         )
-
-
-# ------------------------------------------------------------------ pickles
-
-
-def _load_pickle(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of a pickled state dict, and the entries that are modules' extra state."""
-    try:
-        data = _torch_load(file)
-    except pickle.UnpicklingError as exc:
-        reason = [line for line in str(exc).splitlines() if "GLOBAL" in line]
-        if not reason:
-            raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({str(exc)[:200]}); "
-                                  "save or copy it again") from exc
-        raise CheckpointError(
-            f"refused to load {file}: its pickle calls code that torch.load(weights_only=True) will not run "
-            f"({reason[0].strip()}); loading it could execute arbitrary code. If you trust its source, convert "
-            "it to safetensors yourself and load that"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001 - any failure to parse the file means the same to the user
-        raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
-                              f"{str(exc)[:300]}); save or copy it again") from exc
-    data = _unwrapped(file, data)
-    extras = {str(k): v for k, v in data.items() if not isinstance(v, torch.Tensor) and str(k).endswith(EXTRA_STATE)}
-    skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor) and k not in extras]
-    if skipped:
-        log.info("%s: ignoring %d non-tensor entries (%s)", file, len(skipped), skipped[:3])
-    return {str(k): v for k, v in data.items() if isinstance(v, torch.Tensor)}, extras
-
-
-def _unwrapped(file: Path, data: Any) -> dict:
-    """The state dict in ``data``: itself when it holds tensors at its top level, else the dict
-    of tensors it wraps: under ``state_dict`` (Lightning), else the only one (``model``,
-    ``model_state_dict``, DeepSpeed's ``module``: whatever a training loop named it).
-
-    Raises:
-        CheckpointError: ``data`` is no dict, wraps none, or wraps several (which is meant is
-            the user's choice).
-    """
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} holds a {type(data).__name__}, not a state dict of name -> tensor")
-    if any(isinstance(v, torch.Tensor) for v in data.values()):
-        return data
-    inner = {k: v for k, v in data.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())}
-    if "state_dict" in inner or len(inner) == 1:
-        key = "state_dict" if "state_dict" in inner else next(iter(inner))
-        log.info("%s: reading the state dict under %r (beside %s)", file, key, sorted(map(str, set(data) - {key}))[:5])
-        return inner[key]
-    listed = ", ".join(repr(k) for k in list(data)[:8])
-    if not inner:
-        raise CheckpointError(f"{file} holds no tensors: its top-level entries are {listed}; pass a checkpoint of the "
-                              "model's weights (a state dict of name -> tensor)")
-    raise CheckpointError(
-        f"{file} wraps several state dicts ({', '.join(repr(k) for k in inner)}) and it is not clear which holds the "
-        f"model's weights; save the one you mean on its own, e.g. safetensors.torch.save_file(torch.load(path)"
-        f"[{next(iter(inner))!r}], 'model.safetensors'), and load that")
-
-
-def _torch_load(file: Path) -> Any:
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-    # Files from torch.save(_use_new_zipfile_serialization=False) cannot be memory-mapped.
-    data = torch.load(file, map_location="cpu", weights_only=True)
-    log.warning("%s uses the legacy torch.save format, which cannot be memory-mapped: read whole", file)
-    return data

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from automap.errors import CheckpointError
-from automap.loading.checkpoint import EXTRA_STATE, Checkpoint, Stored
+from automap.loading.checkpoint import Checkpoint, Stored
+from automap.loading.pickles import EXTRA_STATE
 from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.profiling.units import all_named_tensors, names_by_identity
 

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -183,12 +184,29 @@ def _build_source(tasks: list[Task], reader: _Reader, offload_dir: str | os.Path
         raise no_offload_dir(f"{len(to_write)} tensor(s) (first {next(iter(to_write))!r})",
                              " that must be written there (converted to another dtype, merged by transformers' "
                              "checkpoint conversion, read from a pickle, or buffers computed at init)")
-    sources: list[WeightSource] = [CheckpointSource(references)] if references else []
+    sources: list[WeightSource] = [_in_place_source(references, checkpoint)] if references else []
     if to_write:
         assert offload_dir is not None
         specs = {n: TensorSpec(t.unit, t.dtype, tuple(t.tensor.shape)) for n, t in to_write.items()}
         sources.append(OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], reader, progress)))
     return sources[0] if len(sources) == 1 else SourceSet(sources)
+
+
+def _in_place_source(references: dict[str, tuple[Path, str]], checkpoint: Checkpoint) -> CheckpointSource:
+    """The checkpoint's own bytes of ``references``, each file mapped through one descriptor
+    checked to be the file whose header was read (never reopened by name afterwards)."""
+    keys: dict[Path, list[str]] = {}
+    for file, key in references.values():
+        keys.setdefault(file, []).append(key)
+    files = {}
+    try:
+        for file, wanted in keys.items():
+            files[file] = checkpoint.map(file, wanted)
+        return CheckpointSource(references, files)
+    except BaseException:
+        for mapped in files.values():
+            mapped.close()
+        raise
 
 
 def _written(task: Task, reader: _Reader, progress: _Progress) -> torch.Tensor:

@@ -4,7 +4,7 @@ read in place, RAM) and how they reach the execution device (transfers).
 from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, load_json, read_header, read_regular,
                                     write_file)
 from automap.offload.cleanup import CleanResult, clean, store_size
-from automap.offload.mapped import MappedFile, backing_file
+from automap.offload.mapped import MappedFile, backing_file, open_for_map
 from automap.offload.reference import CheckpointSource
 from automap.offload.source import MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
@@ -16,5 +16,5 @@ __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "Checkpo
            "CudaOps", "DeviceCopyOps", "DeviceOps",
            "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
            "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
-           "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json", "make_transfer",
-           "read_header", "read_manifest", "read_regular", "store_size", "write_file"]
+           "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json",
+           "make_transfer", "open_for_map", "read_header", "read_manifest", "read_regular", "store_size", "write_file"]

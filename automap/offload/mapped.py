@@ -6,9 +6,11 @@ mapped and checked, so a truncated file is refused by name before a read could r
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import warnings
@@ -19,9 +21,9 @@ from typing import Iterable, Iterator, Protocol
 
 import torch
 
-from automap.errors import OffloadError
+from automap.errors import FormatError, OffloadError
 from automap.kinds import on_host
-from automap.offload.format import Header, TensorInfo, permutations_of, read_header
+from automap.offload.format import OPEN_FILE_FIXES, Header, TensorInfo, header_of, permutations_of
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ PAGE = mmap.PAGESIZE
 # compute thread takes no page faults; Python 3.11 lacks the constant.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 Signature = tuple[int, int, int, int]
+Identity = tuple[int, int]  # (st_dev, st_ino): which file, whatever its name holds now
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -66,6 +69,49 @@ def signature(path: str | os.PathLike[str] | int) -> Signature:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def open_for_map(path: str | os.PathLike[str], *, dir_fd: int | None = None, follow: bool = True) -> int:
+    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` if given;
+    a symbolic link refused unless ``follow``). Opened non-blocking, so a FIFO put in its place
+    never hangs the open, and refused unless it is a regular file.
+
+    Raises:
+        FormatError: the file is missing, not a regular file, a link where none is followed, or
+            cannot be opened (the message says which).
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    shown = path if dir_fd is None else f"{path} (in the folder automap holds open)"
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except FileNotFoundError as exc:
+        raise FormatError(f"{shown} is missing") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise FormatError(f"{shown} is a symbolic link where automap wrote a file; it is not followed. "
+                              "Remove it, and dispatch (or load) again") from exc
+        fix = OPEN_FILE_FIXES.get(exc.errno, "Make it readable")
+        raise FormatError(f"{shown} cannot be read ({exc.strerror or exc}). {fix}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{shown} is not a regular file (a folder, pipe, socket or device)")
+    return fd
+
+
+def reopen(fd: int) -> tuple[int, bool]:
+    """``(descriptor, whether it is an open file of its own)``: a new open file (its own
+    offset and readahead state) of the very inode open as ``fd``, through ``/proc/self/fd``
+    (which names the open file, not a path), checked to be that inode; ``os.dup(fd)`` (sharing
+    them) where that cannot be used. Raises OSError."""
+    try:
+        other = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return os.dup(fd), False
+    one, two = os.fstat(fd), os.fstat(other)
+    if (one.st_dev, one.st_ino) != (two.st_dev, two.st_ino):
+        os.close(other)
+        return os.dup(fd), False
+    return other, True
+
+
 def _page_range(address: int, length: int) -> range:
     return range(address // PAGE, (address + length - 1) // PAGE + 1) if length > 0 else range(0)
 
@@ -98,47 +144,65 @@ class MappedFile:
     """One safetensors file, validated and mapped copy-on-write, with a tensor per key.
 
     Args:
-        path: the file (made absolute here: a later ``os.chdir`` changes nothing).
+        path: the file (made absolute here: a later ``os.chdir`` changes nothing); opened
+            here, following links, unless ``fd`` is given.
         keys: the keys to make tensors for (default: all of them).
+        fd: the file, already open (see :func:`open_for_map`); owned by this object from here.
+        identity: the ``(st_dev, st_ino)`` the file must have (the file automap wrote or read).
 
     Raises:
         FormatError: the file is missing, truncated or not valid safetensors.
-        OffloadError: a key is not in the file.
+        OffloadError: a key is not in the file, or it is not the file of ``identity``.
 
     Example:
         >>> mapped = MappedFile(Path("model.safetensors"), ["lm_head.weight"])
         >>> mapped.tensor("lm_head.weight").shape
     """
 
-    def __init__(self, path: Path, keys: Iterable[str] | None = None):
+    def __init__(self, path: Path, keys: Iterable[str] | None = None, *, fd: int | None = None,
+                 identity: Identity | None = None):
         self.path = Path(os.path.abspath(path))
-        self.header: Header = read_header(self.path)
-        wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
-        missing = [k for k in wanted if k not in self.header.tensors]
-        if missing:
-            raise OffloadError(f"{path} has no tensor {missing[0]!r}"
-                               + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
-                               + "; it is not the file automap read before, or it was changed")
-        # The descriptor stays open: it is how the mapped file is checked later, whatever
-        # became of its name (closed when this object goes; the map outlives it if tensors do).
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        self._finalizer = weakref.finalize(self, os.close, self.fd)
-        # Routed experts' rows are read through a descriptor of their own without the kernel's
-        # readahead, which would add up to read_ahead_kb (8 MiB on many volumes) after each row:
-        # the rows of experts no token went to. Whole tensors keep it: on this machine's disk a
-        # cold layer read with it ran in 235 ms, without it in 440-600 ms (benchmarks/moe.py).
-        self.rows_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        self._rows_finalizer = weakref.finalize(self, os.close, self.rows_fd)
-        os.posix_fadvise(self.rows_fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.signature: Signature = signature(self.fd)
-        size = self.signature[2]
-        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY) if size else None
+        self._hold(fd, identity)
+        try:
+            self.header: Header = header_of(self.fd, self.path)
+            wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
+            missing = [k for k in wanted if k not in self.header.tensors]
+            if missing:
+                raise OffloadError(f"{path} has no tensor {missing[0]!r}"
+                                   + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                                   + "; it is not the file automap read before, or it was changed")
+            # Routed experts' rows are read through a descriptor of their own without the kernel's
+            # readahead, which would add up to read_ahead_kb (8 MiB on many volumes) after each row:
+            # the rows of experts no token went to. Whole tensors keep it: on this machine's disk a
+            # cold layer read with it ran in 235 ms, without it in 440-600 ms (benchmarks/moe.py).
+            # It is a second open file of the same inode (not of the name), checked to be one.
+            self.rows_fd, own = reopen(self.fd)
+            self._rows_finalizer = weakref.finalize(self, os.close, self.rows_fd)
+            if own:  # a dup shares the readahead state: then rows keep the kernel's readahead
+                os.posix_fadvise(self.rows_fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self.signature: Signature = signature(self.fd)
+            size = self.signature[2]
+            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY) if size else None
+        except BaseException:
+            self.close()
+            raise
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) if self._map is not None else 0
         self.permutations = permutations_of(self.header)  # tensors stored in their memory order
         self._tensors = {key: self._tensor(self.header.tensors[key]) for key in wanted}
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
         self._exact: dict[str, int] = {}  # keys whose pages fault in without read-around: readers of each
         self._exact_lock = threading.Lock()
+
+    def _hold(self, fd: int | None, identity: Identity | None) -> None:
+        """The file opened once (or handed over open, as ``fd``, which this object then owns);
+        its header, its map and every later check go through this descriptor, never through the
+        name again: what the name holds later (a link, another file) is never read."""
+        self.fd = open_for_map(self.path) if fd is None else fd
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        if identity is not None and self.identity != identity:
+            self.close()
+            raise OffloadError(f"{self.path} is not the file automap wrote or read there (another file was put in "
+                               "its place); it is not read. Restore it, or dispatch (or load) again")
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype
@@ -153,6 +217,19 @@ class MappedFile:
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(self._tensors)
+
+    @property
+    def identity(self) -> Identity:
+        """``(st_dev, st_ino)`` of the file held open: which file this is, whatever its name says."""
+        info = os.fstat(self.fd)
+        return info.st_dev, info.st_ino
+
+    def close(self) -> None:
+        """Close the descriptors (the map stays while tensors view it)."""
+        self._finalizer()
+        rows = getattr(self, "_rows_finalizer", None)
+        if rows is not None:
+            rows()
 
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``: a CPU view of the map (writes stay in this process's memory)."""

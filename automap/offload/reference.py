@@ -21,6 +21,8 @@ class CheckpointSource(MappedSource):
 
     Args:
         entries: model tensor name -> (checkpoint file, key inside it).
+        files: files already mapped (by the reader that read their headers), by the paths of
+            ``entries``; the rest are opened here.
 
     Raises:
         FormatError: a file is not valid safetensors.
@@ -32,8 +34,10 @@ class CheckpointSource(MappedSource):
 
     kind = "checkpoint file"
 
-    def __init__(self, entries: Mapping[str, tuple[Path, str]]):
-        super().__init__({n: (Path(p).resolve(), k) for n, (p, k) in entries.items()})
+    def __init__(self, entries: Mapping[str, tuple[Path, str]], files: Mapping[Path, MappedFile] | None = None):
+        resolved = {Path(p): Path(p).resolve() for p, _ in entries.values()}
+        super().__init__({n: (resolved[Path(p)], k) for n, (p, k) in entries.items()},
+                         {resolved[Path(p)]: mapped for p, mapped in (files or {}).items()})
 
     @property
     def fix(self) -> str:

@@ -119,18 +119,21 @@ class MappedSource:
 
     Args:
         entries: tensor name -> (file, key inside it).
+        files: the files already open and mapped, by path (the rest are opened by path here).
 
     Subclasses decide what a changed file means (:meth:`accept_change`).
     """
 
     kind = "offload file"
 
-    def __init__(self, entries: Mapping[str, tuple[Path, str]]):
+    def __init__(self, entries: Mapping[str, tuple[Path, str]], files: Mapping[Path, MappedFile] | None = None):
         self.entries = dict(entries)
         by_file: dict[Path, list[str]] = {}
         for path, key in self.entries.values():
             by_file.setdefault(path, []).append(key)
-        self.files = {path: MappedFile(path, keys) for path, keys in by_file.items()}
+        # Files opened (and checked) by the caller are used as they are: never opened again by name.
+        given = dict(files or {})
+        self.files = {path: given[path] if path in given else MappedFile(path, keys) for path, keys in by_file.items()}
         self._names_in = {path: [n for n, (p, _) in self.entries.items() if p == path] for path in by_file}
         self._lock = threading.Lock()  # one thread at a time decides about a changed file
         self.reader: ReadAhead = SHARED  # several large reads in flight

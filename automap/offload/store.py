@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 STORE_PREFIX = "automap-store-"
 MAX_STORES = 10_000
+ROOT_TRIES = 5  # offload_dir made again when another caller removed it between our making and our use
 
 
 class OffloadStore(MappedSource):
@@ -53,8 +54,10 @@ class OffloadStore(MappedSource):
     kind = "offload store file"
 
     def __init__(self, folder: StoreDir, records: Mapping[str, Record], lock: StoreLock, *,
-                 created: Iterable[str] = (), fresh: bool = False, made: Iterable[Path] = ()):
-        super().__init__({n: (folder / r.file, r.key) for n, r in records.items()})
+                 created: Iterable[str] = (), fresh: bool = False, made: Iterable[Path] = (),
+                 files: Mapping[Path, MappedFile] | None = None):
+        super().__init__({n: (folder / r.file, r.key) for n, r in records.items()},
+                         map_files(folder, records) if files is None else files)
         self.folder, self.directory, self.records, self.lock = folder, folder.path, dict(records), lock
         # What this call created, for close(discard=True): files, whether the store directory
         # is new, and the folders above it that it had to make.
@@ -81,7 +84,10 @@ class OffloadStore(MappedSource):
 
     def close(self, discard: bool = False) -> None:
         """Release the lock; the files stay for the next dispatch of the same weights. With
-        ``discard``, a store this call created is removed again (only its own files)."""
+        ``discard``, a store this call created is removed again (only its own files). Safe to
+        call again: a store closed stays closed."""
+        if self.folder.fd < 0:
+            return
         if discard and self._fresh:
             self.folder.remove([*self._created, MANIFEST, LOCK])
             remove_folders([self.directory])  # before the lock goes: nobody can adopt it meanwhile
@@ -115,11 +121,20 @@ class OffloadStore(MappedSource):
         fingerprint = fingerprint_of(specs)
         started: list[Path] = []  # a store this call made, until _fill has it (or has removed it)
         try:
-            for directory in candidates(root, fingerprint):
-                store = cls._reuse(directory, specs, read, made)
-                if store is not None:
-                    return store
-            folder, lock = new_store_dir(root, fingerprint, started)
+            for attempt in range(ROOT_TRIES):
+                try:
+                    for directory in candidates(root, fingerprint):
+                        store = cls._reuse(directory, specs, read, made)
+                        if store is not None:
+                            return store
+                    folder, lock = new_store_dir(root, fingerprint, started)
+                    break
+                except FileNotFoundError:
+                    # offload_dir was removed meanwhile: made by another caller whose dispatch
+                    # failed and removed it again (it was empty). Made again, by this call then.
+                    if attempt == ROOT_TRIES - 1:
+                        raise
+                    made.extend(make_root(root))
             return cls._fill(folder, lock, specs, read, fresh=True, made=made, started=started)
         except BaseException as exc:
             discard_started(started)  # an interrupt between the two calls: the new store's first files go
@@ -154,8 +169,9 @@ class OffloadStore(MappedSource):
             if started:
                 started.clear()  # its cleanup is this one's from here
             records = writer.write_all(specs, read)
+            files = map_files(folder, records, writer.identities)
             with deferred():  # built and known to the caller together (see collecting)
-                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made)
+                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made, files=files)
                 _collected(store)
         except BaseException as exc:
             wrapped = as_offload_error(exc, folder)
@@ -171,6 +187,30 @@ class OffloadStore(MappedSource):
             raise wrapped from exc
         writer.remove_stale(records)
         return store
+
+
+def map_files(folder: StoreDir, records: Mapping[str, Record],
+              identities: Mapping[str, tuple[int, int]] | None = None) -> dict[Path, MappedFile]:
+    """Each file of the store mapped through the held folder (never by its path, never through
+    a link), and checked to be the very file written (``identities``: its ``st_dev``/``st_ino``
+    when written); the maps then hold those bytes whatever becomes of the names.
+
+    Raises:
+        OffloadError, FormatError: a file is missing, a link, another user's, or not the one
+            written (it was replaced); it is not read.
+    """
+    keys: dict[str, list[str]] = {}
+    for record in records.values():
+        keys.setdefault(record.file, []).append(record.key)
+    files: dict[Path, MappedFile] = {}
+    try:
+        for file, wanted in keys.items():
+            files[folder / file] = folder.map(file, wanted, (identities or {}).get(file))
+    except BaseException:
+        for mapped in files.values():
+            mapped.close()
+        raise
+    return files
 
 
 def fingerprint_of(specs: Mapping[str, TensorSpec]) -> str:
@@ -196,9 +236,10 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     folder = StoreDir.open(directory)
     if folder is None:
         return None
-    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable():
+    if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable() or folder.shared():
         log.info("%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
-                 "manifest's name, or the folder is not writable); passing it over", directory)
+                 "manifest's name, the folder is not writable, or others may write in it); passing it over",
+                 directory)
         folder.close()
         return None
     lock = StoreLock.take(folder)
@@ -256,7 +297,7 @@ def new_store_dir(root: Path, fingerprint: str, started: list[Path]) -> tuple[St
         try:
             with deferred():  # made and known to be ours together: an interrupt comes after
                 try:
-                    os.mkdir(directory)
+                    os.mkdir(directory, 0o700)  # its files are this user's alone to change
                     made = True
                     started.append(directory)
                 except FileExistsError:

@@ -15,6 +15,7 @@ from typing import Iterable
 
 from automap.errors import OffloadError
 from automap.offload.format import read_regular
+from automap.offload.mapped import Identity, MappedFile, open_for_map
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,27 @@ class StoreDir:
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
+
+    def shared(self) -> bool:
+        """Whether another user may create, rename or remove names in this folder (group or
+        others may write it): then nothing in it can be trusted to be what automap wrote."""
+        return bool(os.fstat(self.fd).st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+    def map(self, name: str, keys: Iterable[str] | None = None, identity: Identity | None = None) -> MappedFile:
+        """The file ``name`` of this folder mapped (:class:`MappedFile`), opened once relative
+        to the held directory without following a link, refused unless it is a regular file of
+        this user's and (given ``identity``) the very file automap wrote.
+
+        Raises:
+            FormatError, OffloadError: as :class:`MappedFile`, or the file is not this user's.
+        """
+        fd = open_for_map(name, dir_fd=self.fd, follow=False)
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():
+            os.close(fd)
+            raise OffloadError(f"{self / name} belongs to uid {owner}, not to this user: it is not the file automap "
+                               "wrote, and it is not read. Remove it, and dispatch (or load) again")
+        return MappedFile(self / name, keys, fd=fd, identity=identity)
 
     def writable(self) -> bool:
         """Whether files can be created and removed here (false for an immutable folder)."""
@@ -170,7 +192,12 @@ def remove_folders(folders: Iterable[Path]) -> None:
 
 
 def make_root(root: Path) -> list[Path]:
-    """Create ``root`` (and missing parents) and return the directories this created.
+    """Create ``root`` (and missing parents) and return the directories this call created.
+
+    Each folder is made with one ``mkdir`` (atomic): of two callers making the same new folder
+    at once (threads, processes), exactly one creates it and owns it (its cleanup may remove it
+    again, if empty); the other finds it made and uses it as a folder it did not create (never
+    removes it).
 
     Raises:
         OffloadError: ``root`` is a dangling link or a file, is on a file system that holds no
@@ -184,17 +211,24 @@ def make_root(root: Path) -> list[Path]:
         if probe.parent == probe:
             break
         probe = probe.parent
+    made: list[Path] = []
     try:
         if os.path.lexists(root) and not root.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory", str(root))
         for path in reversed(missing):
-            os.mkdir(path)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not path.is_dir():  # a file or a dangling link came meanwhile: not a folder to use
+                    raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory", str(path)) from None
+                continue  # another caller made it just now: theirs, used but never removed here
+            made.append(path)
         if not os.access(root, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(root))
     except OSError as exc:
-        remove_folders(missing)
+        remove_folders(made)
         raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
-    return list(reversed(missing))
+    return made
 
 
 # File systems that are kernel interfaces and store no files of anyone's.

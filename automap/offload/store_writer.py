@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from automap.errors import AutomapError, OffloadError
 from automap.offload.format import DTYPE_NAMES, OPEN_FILE_FIXES, PERMUTATIONS, memory_order, write_tensors
 from automap.offload.manifest import MANIFEST, Record, checksum, read_manifest, write_manifest
-from automap.offload.mapped import MappedFile
+from automap.offload.mapped import Identity
 from automap.offload.store_files import StoreDir, is_temp_of
 from automap.offload.store_lock import LOCK
 from automap.sizes import format_bytes
@@ -58,22 +59,26 @@ def file_base(group: str) -> str:
     return base
 
 
-def intact(folder: StoreDir, file: str, records: Mapping[str, Record]) -> bool:
-    """True when ``file`` is a file of the store's own holding every record's tensor with
-    matching bytes."""
+def intact(folder: StoreDir, file: str, records: Mapping[str, Record]) -> Identity | None:
+    """The file's ``(st_dev, st_ino)`` when ``file`` is a file of the store's own holding every
+    record's tensor with matching bytes (checked through one descriptor, the file that is then
+    mapped must be this one), else None."""
     if not folder.is_own_file(file):
-        return False
+        return None
     try:
-        mapped = MappedFile(folder / file, [r.key for r in records.values()])
+        mapped = folder.map(file, [r.key for r in records.values()])
     except (AutomapError, OSError):
-        return False
-    for record in records.values():
-        info = mapped.info(record.key)
-        if (info.dtype, info.shape) != (record.dtype, record.shape):
-            return False
-        if checksum(mapped.tensor(record.key)) != record.crc32:
-            return False
-    return True
+        return None
+    try:
+        for record in records.values():
+            info = mapped.info(record.key)
+            if (info.dtype, info.shape) != (record.dtype, record.shape):
+                return None
+            if checksum(mapped.tensor(record.key)) != record.crc32:
+                return None
+        return mapped.identity
+    finally:
+        mapped.close()
 
 
 class StoreWriter:
@@ -86,6 +91,9 @@ class StoreWriter:
         # name is neither written over (a rename onto it fails) nor removed.
         self.owned = {name for name in owned if not folder.is_dir(name)}
         self.created: list[str] = []  # names this call created (removed again on failure)
+        # Each file's (st_dev, st_ino) as written (or checked, when reused): the file mapped
+        # later must be that one, whatever was put under its name meanwhile.
+        self.identities: dict[str, Identity] = {}
         self.marked = False  # the manifest on disk says "complete": false and lists the new files
 
     def write_all(self, specs: Mapping[str, TensorSpec], read: Callable[[str], torch.Tensor]) -> dict[str, Record]:
@@ -138,13 +146,17 @@ class StoreWriter:
         permuted = {n: order for n, (_, order) in laid.items() if order is not None}
         records = {n: Record(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(),
                              checksum(values[n])) for n, t in tensors.items()}
-        if all(self.old.get(n) == r for n, r in records.items()) and intact(self.folder, file, records):
+        same = intact(self.folder, file, records) if all(self.old.get(n) == r for n, r in records.items()) else None
+        if same is not None:
+            self.identities[file] = same
             return records  # the same bytes are on disk already
         if not self.marked:
             write_manifest(self.folder, self.old, complete=False, files=self.owned | planned)
             self.marked = True
         temp, fd = self.folder.create_temp(file, self.created)
         with open(fd, "wb", closefd=True) as f:
+            info = os.fstat(fd)
+            self.identities[file] = (info.st_dev, info.st_ino)
             write_tensors(f, tensors, {PERMUTATIONS: json.dumps(permuted)} if permuted else None)
         self.created.append(file)  # before the rename: undo removes whichever of the two exists
         self.folder.replace(temp, file)

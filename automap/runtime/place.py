@@ -11,7 +11,7 @@ from torch import nn
 from automap.devices import canonical_name, check_present
 from automap.kinds import kind_of, on_host, torch_device
 from automap.errors import AutomapError, DeviceError, DispatchError
-from automap.interrupts import deferred
+from automap.interrupts import deferred, public
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
@@ -27,7 +27,7 @@ from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, claimed, follow, forget, remember, state_of
 from automap.runtime.gradients import RefuseGradientsEarly, refuse_gradients
 from automap.runtime.streaming import CheckFiles, StreamWeights
-from automap.runtime.swap import install
+from automap.runtime.swap import allocation_failed, install, moved_back
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,18 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
     undone, before an interrupt that came meanwhile is delivered."""
     if rollback:
         install(model, state.replaced)
-    back = read_views(model, state)  # may take long; changes nothing: interruptible
+    # Every allocation first (may take long, may fail for lack of memory; changes nothing:
+    # interruptible), then only assignments, which cannot fail for memory.
+    try:
+        views = read_views(model, state)
+        back = moved_back(state.original, state.streamed) + views  # assigned in this order, as dispatch's moves are undone first
+    except (MemoryError, RuntimeError) as exc:
+        if not allocation_failed(exc):
+            raise
+        raise DispatchError(
+            f"undispatch could not allocate the memory the weights it brings back need ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); nothing was changed: the model is still dispatched and works as before. Free "
+            "memory (or raise the process's memory or address-space limit) and call automap.undispatch again") from exc
     with deferred():
         _undo(model, state, back, rollback)
         if done is not None:
@@ -367,9 +378,6 @@ def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor,
         handle.remove()
     if state.transfer is not None:
         state.transfer.close()
-    for key, (tensor, device) in state.original.items():
-        if key not in state.streamed and tensor.device != device:
-            tensor.data = tensor.data.to(device)
     for tensor, copied in back:
         tensor.data = copied
     for source in state.owned:
@@ -400,6 +408,7 @@ def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tenso
             for t, _ in holders.values()]
 
 
+@public
 def undispatch(model: nn.Module) -> nn.Module:
     """Remove every automap hook from ``model`` and bring every weight back to the device it
     was on before :func:`dispatch`, the model as it is now: offloaded weights are read back

@@ -2,7 +2,7 @@
 every module referring to one gets the same replacement and tied weights stay tied."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 from torch import nn
@@ -35,3 +35,21 @@ def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return new
     cls = type(old) if type(old) is not nn.Parameter else nn.Parameter
     return cls(new, requires_grad=old.requires_grad and new.is_floating_point())
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (``MemoryError``, torch's out-of-memory
+    errors of every device, the CPU allocator's "can't allocate memory")."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return "allocate" in text or "out of memory" in text
+
+
+def moved_back(original: Mapping[int, tuple[torch.Tensor, torch.device]],
+               streamed: Collection[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tensor of ``original`` (by id: the tensor and its device before dispatch) that was
+    moved to another device and not to a weight source (``streamed``), with a copy of it on the
+    device it came from: all allocated before anything is put back."""
+    return [(tensor, tensor.data.to(device)) for key, (tensor, device) in original.items()
+            if key not in streamed and tensor.device != device]

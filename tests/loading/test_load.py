@@ -349,7 +349,7 @@ def test_failed_dispatch_leaves_the_skeleton_as_it_was(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise DispatchError("simulated dispatch failure")
 
-    monkeypatch.setattr(importlib.import_module("automap.api"), "dispatch_plan", refuse)
+    monkeypatch.setattr(importlib.import_module("automap.loading.commit"), "dispatch_plan", refuse)
     with pytest.raises(DispatchError, match="simulated"):
         automap.load(skeleton, tmp_path / "llama.safetensors", _alternate_map(real), offload_dir=tmp_path / "off",
                      quiet=True)

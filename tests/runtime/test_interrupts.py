@@ -94,9 +94,137 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch_as_they_were(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "40"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
                           cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] >= result["count"] // 2, f"the alarms fell after the calls: {result}"
+    assert result["problems"] == [], result["problems"]
+
+
+LOAD_SCRIPT = textwrap.dedent('''
+    import json, os, shutil, signal, sys
+    import torch
+    from torch import nn
+    import automap
+    from automap.runtime import state_of
+
+    root, count = sys.argv[1], int(sys.argv[2])
+    PACKAGE = os.path.dirname(automap.__file__)
+
+    def build():
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)]).eval()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("alarm")
+
+    def skeleton():
+        with automap.empty_model():
+            return build()
+
+    class AtStatement:
+        """Sends this process a real SIGALRM as automap's statement number ``target`` is about
+        to run (statements of automap's own code, counted in this thread): every moment of the
+        call can be chosen, the short steps between two calls included."""
+
+        def __init__(self, target):
+            self.target, self.seen, self.first = target, 0, {}
+
+        def __call__(self, frame, event, arg):
+            if not frame.f_code.co_filename.startswith(PACKAGE):
+                return None
+            if event == "call":  # where the steps that end a load begin
+                self.first.setdefault(frame.f_code.co_name, self.seen)
+            if event == "line":
+                self.seen += 1
+                if self.seen == self.target:
+                    os.kill(os.getpid(), signal.SIGALRM)
+            return self
+
+    signal.signal(signal.SIGALRM, interrupt)
+    torch.manual_seed(0)
+    real = build()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        expected = real(x)
+    checkpoint = os.path.join(root, "pytorch_model.bin")  # a pickle: offloaded tensors are written to a store
+    torch.save(real.state_dict(), checkpoint)
+    budget = {"cpu": "1MB"}  # most layers on disk
+
+    def load(model, folder, tracer=None):
+        sys.settrace(tracer)
+        try:
+            return automap.load(model, checkpoint, max_memory=budget, offload_dir=folder, quiet=True)
+        finally:
+            sys.settrace(None)
+
+    counter = AtStatement(0)
+    for k in range(2):  # the first call pays for imports: the second's statements are counted
+        warm = skeleton()
+        counter.seen = 0
+        load(warm, os.path.join(root, f"warm{k}"), counter)
+        automap.undispatch(warm)
+    total = counter.seen
+    # Half the moments spread over the whole call, half over its last steps: from the reading of
+    # the tensors' end (the model's tensors installed) to the dispatch's start, where the store
+    # and the installed tensors are this call's to undo.
+    start, end = counter.first["install"] - 300, counter.first["dispatch_plan"] + 100
+    half = count // 2
+    moments = [1 + (total - 1) * i // (half - 1) for i in range(half)]
+    moments += [start + (end - start) * i // (count - half - 1) for i in range(count - half)]
+    problems, landed = [], 0
+    for i in range(count):
+        folder = os.path.join(root, str(i))
+        os.makedirs(folder)
+        with open(os.path.join(folder, "mine.txt"), "w") as f:
+            f.write("the user's")
+        model = skeleton()
+        interrupted = False
+        try:
+            load(model, folder, AtStatement(moments[i]))
+        except KeyboardInterrupt:
+            interrupted = True
+        dispatched = state_of(model) is not None
+        landed += interrupted and not dispatched
+        where = f"#{i} ({'interrupted' if interrupted else 'completed'}, {'loaded' if dispatched else 'not loaded'})"
+        if dispatched:
+            with torch.no_grad():
+                if not torch.equal(model(x), expected):
+                    problems.append(f"{where}: other outputs")
+            automap.undispatch(model)
+        else:
+            real_ones = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+            if real_ones:
+                problems.append(f"{where}: half loaded: {real_ones[:3]} are real, the rest meta")
+            hooks = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+            if hooks:
+                problems.append(f"{where}: hooks left: {hooks[:3]}")
+            left = [e for e in os.listdir(folder) if e != "mine.txt"]
+            if left:
+                problems.append(f"{where}: left in offload_dir: {left}")
+        if open(os.path.join(folder, "mine.txt")).read() != "the user's":
+            problems.append(f"{where}: the user's file changed")
+        try:
+            again = skeleton() if dispatched else model
+            load(again, folder)
+            with torch.no_grad():
+                if not torch.equal(again(x), expected):
+                    problems.append(f"{where}: the next load gives other outputs")
+            automap.undispatch(again)
+        except BaseException as exc:
+            problems.append(f"{where}: the next load raised {type(exc).__name__}: {exc}")
+        shutil.rmtree(folder)
+    print(json.dumps({"problems": problems, "interrupted": landed, "count": count, "statements": total}))
+''')
+
+
+def test_an_interrupt_at_any_statement_of_load_leaves_the_skeleton_and_the_folder_as_they_were(tmp_path):
+    """64 moments chosen among the statements automap runs in a load (planning, the checkpoint's
+    reading, the store's writing, the install, the dispatch), each a real signal: half spread
+    over the whole call, half over the steps from the tensors' install to the dispatch."""
+    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["interrupted"] >= result["count"] // 2, f"the signals fell after the calls: {result}"
     assert result["problems"] == [], result["problems"]
