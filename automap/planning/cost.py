@@ -23,8 +23,9 @@ Who reads them, and to what end (the objectives differ on purpose, the times do 
   MIN_RATE)``), the vectorised form of the two above;
 - a streamed layout's execution device carries the compute and streaming of the offloaded
   units it runs (:func:`~automap.planning.offloading.offload_seconds`) as work it already has;
-- the plan's stages, per-device times, bottleneck and forward (:meth:`Plan.summary`,
-  :attr:`Plan.forward_seconds`) are what the report, the JSON and the figure show; splitting
+- the plan's stages, per-device times, bottleneck and forward
+  (:func:`~automap.planning.predict.summary`, :func:`~automap.planning.predict.forward_seconds`)
+  are what the report, the JSON and the figure show; splitting
   (:mod:`~automap.planning.splitting`) keeps the plan with the smallest *forward* (every stage
   in turn, plus the hooks' overhead), not the smallest bottleneck, since dispatch runs one
   forward at a time;

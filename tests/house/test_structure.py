@@ -295,3 +295,50 @@ def test_a_dict_device_map_is_parsed_in_one_place():
     only that value travels on."""
     assert callers("parse_device_map") == {"automap.compose:user_map"}
     assert callers("user_map") == {"automap.api:plan"}
+
+
+PLACEMENT_QUESTIONS = re.compile(r"\b(is_offloaded|compute_device)\(")
+
+
+def placement_questions(root: Path, skip: Path | None = None) -> dict[str, int]:
+    """``{"path": count}`` of calls asking placement one device name at a time, under ``root``
+    (not under ``skip``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if skip is not None and path.is_relative_to(skip):
+            continue
+        count = len(PLACEMENT_QUESTIONS.findall(path.read_text()))
+        if count:
+            found[str(path.relative_to(root.parent))] = count
+    return found
+
+
+def test_placement_is_read_from_the_plans_table_not_asked_per_name():
+    """Outside the planner, placement is read from ``plan.placements`` (the table resolved once
+    per plan), never asked one name at a time."""
+    asked = placement_questions(ROOT, skip=ROOT / "planning")
+    asked.update(placement_questions(ROOT.parent / "benchmarks"))
+    assert not asked, f"read plan.placements (rows, by_home, bytes_on) instead: {asked}"
+
+
+def test_the_placement_count_sees_a_question(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("x = plan.is_offloaded('cpu') or plan.compute_device('disk')\n")
+    assert placement_questions(tmp_path / "pkg") == {"pkg/m.py": 2}
+
+
+def test_a_plan_is_a_record():
+    """``Plan`` holds what was decided and what from, in a few fields; its costs are functions of
+    it (automap.planning.predict), its drawing is registered by automap.report."""
+    import dataclasses
+
+    from automap.planning.model import Plan
+
+    assert len(dataclasses.fields(Plan)) <= 8
+    own = {name for name in vars(Plan) if not name.startswith("__")}
+    costs = {n for n in own if n.endswith("_seconds") or n in {"summary", "cuts", "bytes_on", "is_offloaded",
+                                                                 "compute_device", "compute_seconds"}}
+    assert not costs, f"{costs}: move them to automap.planning.predict as functions of a plan"
+    drawn = {n for n in own if n.startswith(("render", "draw", "figure"))}
+    assert not drawn and {"report", "to_json", "from_json"} <= own
+
