@@ -112,7 +112,7 @@ class Packed(LayoutKind):
 
 
 @register_layout("streamed")
-class Streamed(LayoutKind):
+class AcceleratorStreamed(LayoutKind):
     """Offloaded items in storage, streamed to the execution device; the kept groups split
     over the accelerators. Builds none when no accelerator can execute or storage overflows."""
 

@@ -342,3 +342,24 @@ def test_a_plan_is_a_record():
     drawn = {n for n in own if n.startswith(("render", "draw", "figure"))}
     assert not drawn and {"report", "to_json", "from_json"} <= own
 
+
+def public_classes(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Each public class name -> the modules that define one of that name."""
+    found: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(name)
+    return found
+
+
+def test_no_two_public_classes_share_a_name():
+    shared = {k: v for k, v in public_classes(modules()).items() if len(v) > 1}
+    assert not shared, f"one name per thing: rename the less central of {shared}"
+
+
+def test_the_class_name_check_sees_a_duplicate(tmp_path):
+    (tmp_path / "a.py").write_text("class Spec:\n    pass\n\n\nclass _Own:\n    pass\n")
+    (tmp_path / "b.py").write_text("def f():\n    class Spec:\n        pass\n\n\nclass _Own:\n    pass\n")
+    found = public_classes({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
+    assert found == {"Spec": ["a", "b"]}
