@@ -10,10 +10,10 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 - :mod:`automap.planning.partition`: the contiguous min-bottleneck split on plain arrays;
 - :mod:`automap.planning.strategies`: the named strategies, one registration each;
 - :mod:`automap.planning.items`: units merged into items (ties) and groups (split pieces);
-- :mod:`automap.planning.layouts`: the layout-kind registry and the context every kind reads;
+- :mod:`automap.planning.layout_registry`: the layout-kind registry and the context every kind reads;
 - :mod:`automap.planning.layout_kinds`: the registered kinds (resident, packed, streamed, CPU
   computes), with :mod:`automap.planning.offloading` for what streams from where;
-- :mod:`automap.planning.layout`: the options for one profile, with generation-cache room,
+- :mod:`automap.planning.layout_plans`: the options for one profile, with generation-cache room,
   built as plans;
 - :mod:`automap.planning.splitting`: :func:`make_plan`: options at each level of splitting,
   the fastest kept;
@@ -27,7 +27,7 @@ and a tuple of :class:`~automap.devices.DeviceSpec`; no I/O, no CUDA calls.
 from automap.planning.model import (JSON_VERSION, Cut, DeviceSummary, Origin, Plan, PlanInputs, Provenance,
                                     unit_label)
 from automap.planning.plan_json import plan_from_dict
-from automap.planning.layout import build_plan
+from automap.planning.layout_plans import build_plan
 from automap.planning.placement import Placement, PlacementTable, Route
 from automap.planning.splitting import make_plan
 from automap.planning.strategies import STRATEGIES, Strategy, get_strategy, register_strategy

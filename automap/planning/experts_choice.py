@@ -20,8 +20,8 @@ from automap.errors import PlanError
 from automap.kinds import is_host_name
 from automap.planning.decode import predict_decode
 from automap.planning.experts import ExpertsCost, ExpertsLayer, ExpertsMode, ExpertsPlan, best_mode, stream_from
-from automap.planning.layout import level_plans
-from automap.planning.layouts import EXPERTS
+from automap.planning.layout_plans import level_plans
+from automap.planning.layout_registry import EXPERTS
 from automap.planning.model import Plan
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile

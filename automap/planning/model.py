@@ -1,5 +1,5 @@
 """The :class:`Plan`: where every placement unit lives, what each device holds and does, and
-what it is predicted to cost. Built by :mod:`automap.planning.layout` or from a user map.
+what it is predicted to cost. Built by :mod:`automap.planning.layout_plans` or from a user map.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The planner's front door: lay the model out, split what does not fit, keep the fastest plan.
 
-:func:`make_plan` asks :mod:`automap.planning.layout` for every option at the profile's units
+:func:`make_plan` asks :mod:`automap.planning.layout_plans` for every option at the profile's units
 (all on the accelerators, packed out of order, streamed to an accelerator, the CPU computing
 what the accelerators cannot hold). Unless everything fits on the accelerators as it is, it
 then asks ``refine`` (:class:`automap.profiling.refine.Splitter`, which traces the model again)
@@ -30,9 +30,9 @@ from typing import Callable, Mapping, Sequence
 from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
 from automap.kinds import is_host_name
-from automap.planning.layout import Candidate, level_plans
+from automap.planning.layout_plans import Candidate, level_plans
 from automap.planning.experts_choice import with_experts_apart
-from automap.planning.layouts import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
+from automap.planning.layout_registry import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
 from automap.planning.model import Plan
 from automap.planning.predict import forward_seconds
 from automap.planning.strategies import get_strategy

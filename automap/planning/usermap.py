@@ -11,7 +11,7 @@ from automap.errors import DeviceError, DeviceMapError
 from automap.kinds import is_host_name
 from automap.planning.model import Origin, Plan
 from automap.planning.predict import over_capacity_notes, tie_split_notes
-from automap.planning.layout import build_plan
+from automap.planning.layout_plans import build_plan
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
 

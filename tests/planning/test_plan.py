@@ -17,7 +17,7 @@ from automap.devices import make_device
 from automap.errors import DeviceMapError, PlanError
 from automap.planning import Plan, make_plan
 from automap.planning.partition import Chain, Slot, fill, memory_reach, min_bottleneck
-from automap.planning.layout import all_cut_bytes, build_plan
+from automap.planning.layout_plans import all_cut_bytes, build_plan
 from automap.planning.predict import bottleneck_seconds, compute_seconds, cuts, summary
 from automap.profiling import Profile, Unit
 from conftest import tiny_gpt2, tiny_llama, weight_bytes

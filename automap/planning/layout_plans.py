@@ -16,7 +16,7 @@ from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import Items, all_cut_bytes, make_items
 from automap.planning.layout_kinds import layout_options
-from automap.planning.layouts import Layout, LayoutContext, Option, room
+from automap.planning.layout_registry import Layout, LayoutContext, Option, room
 from automap.planning.model import Origin, Plan, PlanInputs, Provenance, unit_label
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile
