@@ -1,25 +1,15 @@
 """automap: place a PyTorch model across GPUs, CPU RAM and disk, and run it there.
 
-    >>> import automap
-    >>> model = automap.dispatch(model, device_map="auto")
-    >>> print(automap.placement(model).report())
-
-accelerate's big-model functions have drop-ins here (``infer_auto_device_map``,
-``dispatch_model``, ``load_checkpoint_and_dispatch``, ``init_empty_weights``): see
+The public names are imported on first use (PEP 562), so ``import automap`` and ``automap --help``
+answer before torch is imported; accelerate's big-model functions have drop-ins in
 :mod:`automap.accelerate_compat`.
-
-The public names are imported when first used (PEP 562), so ``import automap`` and the
-``automap`` command's ``--help`` answer before torch is imported; ``automap.plan`` and its
-siblings then import what they need (never ``torch._dynamo``, matplotlib or transformers, which
-wait for the call that uses them).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import importlib.util as _importlib_util
+import typing as _typing
 
-__version__ = "0.1.0"
 
 # public name -> the module that defines it
 _HOMES = {
@@ -29,7 +19,7 @@ _HOMES = {
     "DeviceSpec": "automap.devices", "detect_devices": "automap.devices",
     "Plan": "automap.planning", "Profile": "automap.profiling", "Unit": "automap.profiling",
     "profile": "automap.profiling", "empty_model": "automap.loading", "pipeline": "automap.pipelining",
-    "placement": "automap.report", "undispatch": "automap.runtime",
+    "placement": "automap.report", "undispatch": "automap.runtime", "clean": "automap.offload",
     "format_bytes": "automap.sizes", "parse_size": "automap.sizes",
     **{name: "automap.errors" for name in (
         "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
@@ -43,26 +33,33 @@ __all__ = sorted(_HOMES)
 _LIGHT = {"automap.errors", "automap.sizes"}  # torch-free: imported alone
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
+    if name == "__version__":  # read from the installed metadata on first use, not at import
+        from automap.version import installed_version
+
+        globals()[name] = installed_version()
+        return globals()[name]
     home = _HOMES.get(name)
     if home is None:
-        if importlib.util.find_spec(f"automap.{name}") is not None:  # a submodule: automap.progress
-            return importlib.import_module(f"automap.{name}")
+        if _importlib_util.find_spec(f"automap.{name}") is not None:  # a submodule: automap.progress
+            return _importlib.import_module(f"automap.{name}")
         raise AttributeError(f"module 'automap' has no attribute {name!r}")
     # The first torch-backed name imports the whole surface, as an eager __init__ would: a
     # plan's report() and to_json() need automap.report's renderers registered.
     for module in [home] if home in _LIGHT else sorted(set(_HOMES.values())):
-        importlib.import_module(module)
-    value = getattr(importlib.import_module(home), name)
+        _importlib.import_module(module)
+    value = getattr(_importlib.import_module(home), name)
     globals()[name] = value  # the next lookup is a plain attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+    """The public API only (``dir(automap)``, tab completion): the names of :data:`__all__` and
+    ``__version__``; submodules (``automap.report``, ``automap.progress``) are reached by name."""
+    return sorted({*__all__, "__version__"})
 
 
-if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
+if _typing.TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
     from automap.accelerate_compat import (dispatch_model, infer_auto_device_map, init_empty_weights,
                                            load_checkpoint_and_dispatch)
     from automap.api import dispatch, load, plan
@@ -71,6 +68,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
                                 DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadDirError,
                                 OffloadError, PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
     from automap.loading import empty_model
+    from automap.offload import clean
     from automap.pipelining import pipeline
     from automap.planning import Plan
     from automap.profiling import Profile, Unit, profile

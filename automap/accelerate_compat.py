@@ -1,27 +1,9 @@
-"""Drop-ins for accelerate's big-model functions, with automap's planner and runtime beneath.
+"""Drop-ins for accelerate's big-model functions (``infer_auto_device_map``, ``dispatch_model``,
+``load_checkpoint_and_dispatch``, ``init_empty_weights``), planned and run by automap.
 
-    from automap import init_empty_weights, infer_auto_device_map, dispatch_model, load_checkpoint_and_dispatch
-
-Each takes accelerate's argument names (accelerate 1.x) and returns what accelerate returns: a
-device map (a dict in the Hugging Face form) or the model itself, dispatched, with
-``model.hf_device_map`` set as accelerate sets it. What changes underneath:
-
-- maps are balanced by FLOPs, not filled by bytes, and nothing lands on CPU or disk when the
-  accelerators can hold the model;
-- offloaded safetensors weights are read in place (no copy into ``offload_folder``), files are
-  never modified, and offloaded units stream with prefetch;
-- ``no_split_module_classes=None`` keeps the model's own ``_no_split_modules`` together
-  (accelerate may then split anywhere).
-
-``docs/accelerate-compat.md`` lists every difference, and accelerate's own tests run against
-these functions (``benchmarks/accelerate_suite.py``).
-
-Parameters that change nothing under automap are accepted and documented as no-ops
-(``offload_buffers``, ``fallback_allocation``, ``skip_keys``, ``preload_module_classes``,
-``offload_state_dict``); those it cannot honour
-(``special_dtypes``, ``state_dict``, ``offload_index``, a ``main_device`` other than the
-plan's execution device, sharded-distributed loading) raise an :class:`~automap.errors.AutomapError`
-naming what to do instead.
+Each takes accelerate's argument names and returns what accelerate returns; an argument automap
+cannot honour raises an :class:`~automap.errors.AutomapError` naming what to do instead
+(``docs/accelerate-compat.md`` lists every difference).
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn, Sequence
 
 from automap.devices import parse_max_memory_text
-from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
+from automap.errors import AutomapError, DeviceError, OffloadError, ReportError, SizeError, SpecError
+from automap.presets import check_not_hub_id, preset_lines
 
 # automap.planning.STRATEGIES, automap.specs.DTYPES and automap.report.figure.FORMATS, named
 # without importing torch; tests/api/test_cli.py keeps them equal.
@@ -40,6 +41,9 @@ SPEC names the model, built on the meta device (no weights, nothing downloaded):
   path/to/model-folder        a Hugging Face folder (config.json and weights): tensor sizes
                               and dtypes from the checkpoint's headers, no weights read
   module.path:factory         a function returning an nn.Module (./module/path.py works)
+  llama-3-70b                 a preset: the shape of a popular model, offline (--list-presets)
+automap never downloads: for a hub id, download the folder with the hub's client
+(hf download ORG/NAME --local-dir ./NAME) and pass ./NAME.
 
 --max-memory names the devices to plan for; they need not exist on this machine:
   0=80GiB,1=80GiB             two GPUs (GPU index = cuda:N) ...
@@ -47,6 +51,7 @@ SPEC names the model, built on the meta device (no weights, nothing downloaded):
 Without it, this machine's GPUs, free RAM and free disk are used.
 
 examples:
+  automap plan llama-3-70b --max-memory 0=24GiB,cpu=64GiB
   automap plan torchvision:resnet50 --max-memory 0=60MB,1=60MB,cpu=1GB
   automap plan hf:llama --set hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,\\
 num_attention_heads=64,num_key_value_heads=8 --max-memory 0=80GiB,1=80GiB,cpu=200GiB \\
@@ -55,6 +60,20 @@ num_attention_heads=64,num_key_value_heads=8 --max-memory 0=80GiB,1=80GiB,cpu=20
   automap plan ./Llama-3-8B --max-memory 0=16GiB,cpu=32GiB
   automap plan torchvision:r3d_18 --input-shape 1x3x16x112x112 --max-memory cpu=1GB
 """
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed version, read only when asked (no metadata read, no torch)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print automap's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
+        from automap.version import installed_version
+
+        print(f"automap {installed_version()}")
+        parser.exit(0)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,14 +100,27 @@ def _parser() -> _Parser:
                     "see the plan as a table, JSON or picture, and run it there.",
         epilog="Run 'automap COMMAND --help' for each command's options.",
     )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_plan(commands, verbose)
-    commands.add_parser("demo", parents=[verbose],
+    clean = commands.add_parser(
+        "clean", parents=[verbose], help="remove automap's offload stores from a folder (and nothing else)",
+        description="Remove the offload stores (automap-store-* folders) that automap wrote under DIR and "
+                    "that no live process uses, and nothing else: files of yours beside or inside them, "
+                    "links and stores in use are left and named. Prints what it removed and the bytes freed.")
+    clean.add_argument("dir", metavar="DIR", nargs="?", default="offload",
+                       help="the offload_dir a model was dispatched with, or one automap-store-* folder "
+                            "(default: offload)")
+    clean.add_argument("--quiet", action="store_true", help="print nothing")
+    demo = commands.add_parser("demo", parents=[verbose],
                         help="plan, report and run ResNet-50 and a small Llama with part of them on disk",
                         description="Plan, report and run ResNet-50 and a small Llama (random weights) with "
                                     "part of their weights on disk, and check the outputs equal the plain "
                                     "model's. What 'make demo' runs; about a minute on a laptop CPU. The "
                                     "Llama half needs transformers (pip install \"automap[hf]\").")
+    demo.add_argument("--save", metavar="DIR",
+                      help="instead, write the docs' example model folders (small random-weight Hugging Face "
+                           "folders: DIR/llama, DIR/gptj) and exit; offline, seconds")
     bench = commands.add_parser(
         "bench", parents=[verbose],
         help="compare automap's plans with accelerate's on hypothetical GPUs (seconds)",
@@ -117,8 +149,11 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
                     "devices in --max-memory (with --max-length, for generate(): the KV cache reserved\n"
                     "where its layers live). Prints the report; --json and --figure save the plan.",
         epilog=_PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("spec", metavar="SPEC",
-                      help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, a model folder, module:factory")
+    plan.add_argument("spec", metavar="SPEC", nargs="?",
+                      help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, a model folder, module:factory, "
+                           "or a preset (--list-presets)")
+    plan.add_argument("--list-presets", action="store_true",
+                      help="list the presets (shapes of popular models, planned offline) and exit")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V,...",
                       help="config fields (hf) or keyword arguments (torchvision, factory); repeatable")
     plan.add_argument("--max-memory", metavar="DEV=SIZE,...",
@@ -143,10 +178,15 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
                       choices=DTYPE_NAMES,
                       help="dtype the model runs in: fp32, fp16, bf16, fp8 (default: a folder's checkpoint "
                            "dtypes, else the config's, else fp32)")
+    _add_outputs(plan)
+
+
+def _add_outputs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
-    plan.add_argument("--quiet", action="store_true", help="print no report and no progress "
-                                                           "(still writes --json/--figure)")
+    plan.add_argument("--quiet", action="store_true",
+                      help="print nothing: no report, no progress, no 'wrote' lines (still writes --json/--figure); "
+                           "errors still show")
 
 
 def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -191,6 +231,7 @@ def check_plan_args(args: argparse.Namespace) -> None:
     Raises:
         SizeError, DeviceError, SpecError, ReportError: the argument that is wrong, and why.
     """
+    check_not_hub_id(args.spec)
     args.max_memory = parse_max_memory_text(args.max_memory) if args.max_memory is not None else None
     args.shapes = parse_input_shapes(args.input_shape) if args.input_shape is not None else None
     if args.json:
@@ -200,6 +241,10 @@ def check_plan_args(args: argparse.Namespace) -> None:
 
 
 _USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
+
+
+class _CleanPathError(OffloadError):
+    """``automap clean DIR`` with a DIR that does not exist or is a file: a usage error."""
 
 # The library's errors name the fix in its own arguments; on the command line the fix is a flag.
 # (pattern, replacement), applied in order to the message of an error the command prints.
@@ -237,13 +282,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "plan" and args.list_presets:
+        print("\n".join(["presets: the shapes of popular models, random weights, planned offline "
+                         "(automap plan NAME; --set changes a field)", *preset_lines()]))
+        return 0
+    if args.command == "plan" and args.spec is None:
+        print("automap plan: error: the following arguments are required: SPEC (see 'automap plan --help'; "
+              "presets: automap plan --list-presets)", file=sys.stderr)
+        return 2
     try:
         if args.command == "plan":
             check_plan_args(args)
         return _COMMANDS[args.command](args)
     except AutomapError as exc:
         print(f"automap: error: {as_flags(str(exc))}", file=sys.stderr)
-        return 2 if isinstance(exc, _USAGE_ERRORS) else 1
+        return 2 if isinstance(exc, (*_USAGE_ERRORS, _CleanPathError)) else 1
     except KeyboardInterrupt:
         print("automap: interrupted", file=sys.stderr)
         return 130
@@ -270,10 +323,11 @@ def _plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())
-    if args.json:
-        print(f"wrote {write_json(result.plan, args.json)}")
-    if args.figure:
-        print(f"wrote {figure(result.plan, args.figure)}")
+    for path, write in ((args.json, write_json), (args.figure, figure)):
+        if path:
+            written = write(result.plan, path)
+            if not args.quiet:
+                print(f"wrote {written}")
     return 0
 
 
@@ -309,9 +363,31 @@ def libraries_quiet(quiet: bool = True) -> Iterator[None]:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.save:
+        from automap.demo import save_examples
+
+        with libraries_quiet(not getattr(args, "verbose", False)):
+            lines = save_examples(args.save)
+        print("\n".join(lines))
+        return 0
     from automap.demo import run_demo
 
     return 0 if run_demo() else 1
+
+
+def _clean(args: argparse.Namespace) -> int:
+    if not os.path.lexists(args.dir):
+        raise _CleanPathError(f"{args.dir} does not exist; give the offload_dir a model was dispatched with, "
+                              "e.g. automap clean offload")
+    if not os.path.isdir(args.dir):
+        raise _CleanPathError(f"{args.dir} is a file, not a folder; give the offload_dir a model was "
+                              "dispatched with, e.g. automap clean offload")
+    from automap.offload import clean
+
+    result = clean(args.dir)
+    if not args.quiet:
+        print(result.summary())
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -330,4 +406,4 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"plan": _plan, "demo": _demo, "bench": _bench}
+_COMMANDS = {"plan": _plan, "clean": _clean, "demo": _demo, "bench": _bench}

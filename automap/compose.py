@@ -1,26 +1,9 @@
 """The one composition root: a module profiled and planned, for every front door.
 
-:func:`automap.plan` (and so ``dispatch``, ``load`` and the accelerate drop-ins, which call it)
-and ``automap plan SPEC`` (:mod:`automap.spec_plan`, also behind ``automap bench``) wire
-profile -> plan here, through :func:`plan_strategy` and :func:`traced_profile`, as does
-:func:`automap.distributed.plan_for_ranks` (its ranks sized from the profile, which it then
-plans as it is). Where the
-library and the command line differ, the difference is a field of :class:`Tracing`, chosen by
-the front door in one place:
-
-======================  ===============================================  =====================================
-                        :func:`library_tracing` (``automap.plan``)       :func:`spec_tracing` (``automap plan``)
-======================  ===============================================  =====================================
-inputs when not given   guessed at ``batch`` when given one, else by     guessed at ``batch`` x ``seq_len``
-                        the profiler (1 x 128)                           (capped at the model's positions)
-backward traced         yes (room for training), none for a generation   no: plans there are for inference
-a generation's prompt   the inputs, else a short guessed prompt          the ``seq_len`` inputs
-a failed guessed trace  the profiler's own hint                          also the command line's options
-======================  ===============================================  =====================================
-
-Both then split what does not fit with a :class:`~automap.profiling.refine.Splitter` traced on
-the same inputs, and plan with :func:`automap.planning.make_plan`. A dict device map is
-planned by :func:`plan_user_map` (the library's only: the command line takes strategies).
+:func:`automap.plan` (and so dispatch, load and the drop-ins), ``automap plan SPEC`` and
+:func:`automap.distributed.plan_for_ranks` wire profile -> plan here; where the library and the
+command line differ, the difference is a field of :class:`Tracing`. A dict device map is parsed
+once here (:func:`user_map`).
 """
 from __future__ import annotations
 

@@ -5,10 +5,15 @@ downloaded), prints their plans for this machine and for a hypothetical 2-GPU + 
 machine, then dispatches each under a RAM budget that forces part of it onto disk, runs it,
 and checks that the outputs equal the plain model's. Without transformers (installed by
 ``pip install "automap[hf]"``) the Llama half is skipped with a line that says so.
+
+``automap demo --save DIR`` (:func:`save_examples`) instead writes the model folders the docs'
+snippets name — small random-weight Hugging Face folders, what ``save_pretrained`` writes — so
+that every snippet runs offline from a fresh clone.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 import tempfile
 import time
 from typing import Any, Callable
@@ -34,6 +39,53 @@ def _llama() -> tuple[nn.Module, tuple[Any, ...]]:
     config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, vocab_size=8000, max_position_embeddings=512)
     return LlamaForCausalLM(config).eval(), (torch.randint(0, 8000, (1, 48)),)
+
+
+# The docs' example folders (automap demo --save DIR): name -> (config fields, shard size). Small
+# shapes of the families the docs use; gptj is sharded like the big checkpoints it stands for.
+EXAMPLES: dict[str, tuple[dict[str, Any], str | None]] = {
+    "llama": (dict(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, vocab_size=8000,
+                   max_position_embeddings=512), None),
+    "gptj": (dict(model_type="gptj", n_embd=256, n_layer=4, n_head=8, rotary_dim=16, vocab_size=8000,
+                  n_positions=512, bos_token_id=0, eos_token_id=0), "4MB"),
+}
+
+
+def save_examples(directory: str | os.PathLike[str]) -> list[str]:
+    """Write the docs' example model folders under ``directory`` (``llama``, ``gptj``: config.json
+    and safetensors weights, random, seeded) and return one line per folder. A folder that
+    exists already is kept as it is (nothing of the user's is overwritten).
+
+    Raises:
+        DependencyError: transformers is not installed.
+    """
+    from automap.loading.hf import import_transformers
+
+    transformers = import_transformers("automap demo --save")
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        return _save(transformers, directory)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _save(transformers: Any, directory: str | os.PathLike[str]) -> list[str]:
+    lines = []
+    for name, (fields, shard) in EXAMPLES.items():
+        target = os.path.join(directory, name)
+        if os.path.lexists(target):
+            lines.append(f"kept {target} (it exists already)")
+            continue
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**fields)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.save_pretrained(target, **({"max_shard_size": shard} if shard else {}))
+        size = sum(os.path.getsize(os.path.join(target, f)) for f in os.listdir(target))
+        lines.append(f"wrote {target} ({type(model).__name__}, random weights, {format_bytes(size)})")
+    return lines
 
 
 def _logits(output: Any) -> torch.Tensor:

@@ -1,15 +1,6 @@
-"""One plan across processes and machines: a :class:`~automap.planning.Plan` handed to PyTorch's
-own pipeline engine, ``torch.distributed.pipelining``.
-
-That engine traces the model (``torch.export``), cuts it where a ``split_spec`` says, and runs
-GPipe / 1F1B schedules between ranks, but leaves the cut points to the user. automap supplies
-them: a plan made for one hypothetical device per rank balances the units' FLOPs and bytes,
-and each stage's first unit becomes a ``SplitPoint.BEGINNING``.
-
-    >>> plan = automap.distributed.plan_for_ranks(model, world_size=2, example_inputs=(ids,))
-    >>> rank_pipe = automap.distributed.build_stage(model, plan, (ids,), rank=rank, world_size=2,
-    ...                                             device=device, chunks=4, loss_fn=loss_fn)
-    >>> rank_pipe.schedule.step(ids) if rank_pipe.is_first else rank_pipe.schedule.step(target=y)
+"""One plan across processes: a :class:`~automap.planning.Plan`'s stages handed to
+``torch.distributed.pipelining`` as its ``split_spec`` (each stage's first unit a
+``SplitPoint.BEGINNING``), on one hypothetical device per rank.
 """
 from __future__ import annotations
 

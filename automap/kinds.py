@@ -1,19 +1,9 @@
 """The registry of device kinds: every rule about a kind of device or storage tier lives in its
-entry here, and code elsewhere asks the entry (``kind_of(device).computes``) instead of
-comparing a name with ``"disk"`` or ``"cuda"``.
+:class:`DeviceKind` entry, and code elsewhere asks the entry instead of comparing names.
 
-A :class:`DeviceKind` says what the kind can do (compute, or only store offloaded weights),
-whether its memory is the host's and whether copies into it are asynchronous, its default
-speeds for the cost model, how its names read (``cuda:0``, ``mps``, a bare ``0``), how to detect
-it and check it is present, and which factories serve it: the :class:`DeviceOps` a staged
-transfer to it uses when it executes, and for a storage tier the weight source that holds what
-the plan offloads there. Adding a kind is one :func:`register_kind` call plus its classes.
-
-The factories of the built-in kinds live in higher layers (``automap.offload``,
-``automap.runtime``), which import this module; each attaches its own with :func:`attach` when
-it is imported, so this module names nothing above it, stays at the bottom of the import order
-and is free of torch (the ``automap`` command checks ``--max-memory`` before it imports torch).
-A kind registered from elsewhere may pass the callables, or ``"module:attribute"`` strings.
+Invariants: this module names nothing above it and imports no torch at import time; the
+factories of the built-in kinds (ops, weight sources) are attached by the modules that define
+them (:func:`attach`).
 """
 from __future__ import annotations
 

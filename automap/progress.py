@@ -1,15 +1,5 @@
-"""Progress on the terminal for work that takes more than a second: planning, tracing, loading,
-writing an offload store.
-
-One rule for every long step: a tqdm bar on stderr, shown only when stderr is a terminal, only
-once the step has run :data:`DELAY_SECONDS`, and never under ``quiet`` (an argument, or
-:func:`silenced` around the calls, as ``automap plan --quiet`` does). Logs and pipes see
-nothing. :func:`bar` counts (bytes, tensors); :func:`step` is for work that cannot count, and
-shows the seconds it has run; a step inside another renames the outer one's bar instead of
-drawing a second.
-
-    >>> with step("automap: planning"):
-    ...     plan = make_plan(...)
+"""Progress on the terminal for work that takes more than a second: a tqdm bar on stderr, only
+on a terminal, only after :data:`DELAY_SECONDS`, never under ``quiet``.
 """
 from __future__ import annotations
 

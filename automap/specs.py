@@ -1,18 +1,6 @@
-"""Models named on the command line, built on the meta device so any size plans in seconds.
-
-A SPEC is one of:
-
-- ``torchvision:resnet50`` — a torchvision model by name (``--set`` gives its keyword arguments);
-- ``hf:llama`` — a transformers model family built from its default config with ``--set``
-  overrides, e.g. ``hf:llama --set num_hidden_layers=80,hidden_size=8192``;
-- ``hf:/path/config.json`` (or a directory holding one) — a local transformers config;
-- ``path/to/folder`` — a Hugging Face model folder (``config.json`` and its weights): the model
-  its config names, with the sizes and dtypes of the checkpoint's tensors read from their
-  safetensors headers (no weight is read);
-- ``module.path:factory`` — any function returning an ``nn.Module`` (``--set`` gives its
-  keyword arguments); the working directory is importable.
-
-Nothing is downloaded and no weights are allocated.
+"""Models named on the command line (``torchvision:NAME``, ``hf:FAMILY``, ``hf:config.json``, a
+model folder, ``module:factory``, a preset such as ``llama-3-70b``), built on the meta device:
+nothing downloaded, no weights allocated. A hub id is refused with the command that downloads it.
 """
 from __future__ import annotations
 
@@ -33,6 +21,7 @@ import torch
 from torch import nn
 
 from automap.errors import AutomapError, SpecError
+from automap.presets import PRESETS, check_not_hub_id
 from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
 from automap.sizes import format_bytes
 
@@ -130,11 +119,19 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
     """
     if Path(spec).is_dir():
         return _folder(spec, overrides or {})
+    settings = dict(overrides or {})
+    if spec in PRESETS:
+        model, dtype = _transformers(spec, settings, preset=PRESETS[spec])
+        count = sum(p.numel() for p in model.parameters())
+        label = f"{type(model).__name__} (preset {spec}: the shape of {PRESETS[spec]['source']}, random weights)"
+        return BuiltModel(model, label, count, dtype)
+    check_not_hub_id(spec)
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
+        _check_path(spec)
         raise SpecError(f"SPEC {spec!r} has no 'kind:name' form and is not a folder; use torchvision:resnet50, "
-                        "hf:llama, hf:/path/config.json, path/to/model-folder or module.path:factory")
-    settings = dict(overrides or {})
+                        "hf:llama, hf:/path/config.json, path/to/model-folder, module.path:factory or a "
+                        "preset (automap plan --list-presets)" + _did_you_mean(spec, PRESETS))
     if kind == "torchvision":
         model, dtype = _torchvision(name, settings), None
     elif kind == "hf":
@@ -172,16 +169,33 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
     return _on_meta(f"torchvision:{name}", lambda: torchvision.models.get_model(name, weights=None, **kwargs))
 
 
-def _transformers(name: str, overrides: dict[str, Any]) -> tuple[nn.Module, torch.dtype | None]:
-    transformers = import_transformers(f"planning hf:{name}")
-    model_type, fields = _hf_config_source(name)
+def _check_path(spec: str) -> None:
+    """A SPEC written as a path (``./x``, ``../x``, ``/x``, ``~/x``, ``a/b/c``) that names nothing."""
+    path = Path(spec).expanduser()
+    if spec.startswith((".", "/", "~")) or os.sep in spec:
+        if not os.path.lexists(path):
+            raise SpecError(f"{spec!r} does not exist; give a Hugging Face model folder (config.json and its "
+                            "weights), or a SPEC such as torchvision:resnet50, hf:llama or llama-3-8b")
+        if not path.is_dir():
+            raise SpecError(f"{spec!r} is a file, not a model folder; give the folder that holds config.json "
+                            "(or hf:/path/config.json for a config file alone)")
+
+
+def _transformers(name: str, overrides: dict[str, Any],
+                  preset: Mapping[str, Any] | None = None) -> tuple[nn.Module, torch.dtype | None]:
+    transformers = import_transformers(f"planning {'preset ' if preset else 'hf:'}{name}")
+    if preset is not None:
+        fields = {k: v for k, v in preset.items() if k not in ("source", "model_type")}
+        model_type = preset["model_type"]
+    else:
+        model_type, fields = _hf_config_source(name)
     overrides = resolve_config_keys(transformers.AutoConfig.for_model(model_type, **fields), overrides, name)
     try:
         # Overrides go through the constructor, so derived fields (layer_types, head_dim) follow them.
         config = transformers.AutoConfig.for_model(model_type, **{**fields, **overrides})
     except Exception as exc:  # noqa: BLE001 - a config's own validation, reported in one line
         raise SpecError(f"the {name} config rejects --set {overrides}: {type(exc).__name__}: {exc}") from exc
-    model = _on_meta(f"hf:{name}", lambda: _hf_model(config))
+    model = _on_meta(name if preset else f"hf:{name}", lambda: _hf_model(config))
     return model, config_dtype(config)
 
 
@@ -216,6 +230,7 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
     import transformers
 
     path = Path(name)
+    check_not_hub_id(name)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" or os.sep in name:

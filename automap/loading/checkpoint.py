@@ -1,21 +1,9 @@
-"""Reading checkpoints tensor by tensor: what is stored where, and one tensor at a time.
+"""Reading checkpoints tensor by tensor: one reader per format (:data:`READERS`), a folder read as
+``from_pretrained`` reads it.
 
-One reader per format, chosen by the file's suffix (:data:`READERS`):
-
-- :class:`SafetensorsReader` reads the header only (validated by the one parser,
-  :func:`automap.offload.read_header`), then each tensor with ``readinto`` straight into the
-  tensor that will hold it: no whole shard, no memory map whose pages would count against the
-  process, no second copy. Its tensors can also be referenced in place by the offload runtime.
-- :class:`PickleReader` opens ``.bin``/``.pt``/``.pth`` with ``torch.load(weights_only=True,
-  mmap=True)``, whose tensors stay on disk until touched, and refuses pickles that run code.
-
-A folder is read as ``from_pretrained`` reads it (``model.safetensors``, its index, then
-``pytorch_model.bin`` and its index), else through another shard index (whose entries must be
-plain file names inside the folder), else as every checkpoint file in it — never automap's own
-offload stores, training states or adapters, and never two files holding the same key.
-
-A pickle holding a training checkpoint (``{"model": state_dict, "optimizer": ..., "epoch": 3}``,
-Lightning's ``{"state_dict": ...}``) is read through the one state dict it wraps.
+Invariants: safetensors headers go through the one validating parser and tensors are read straight
+into the tensor that holds them; pickles load with ``weights_only=True``; automap's own stores are
+never read as checkpoints.
 """
 from __future__ import annotations
 

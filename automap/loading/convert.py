@@ -1,20 +1,6 @@
-"""transformers' checkpoint conversions as recipes: which checkpoint tensors, through which of
-its operations, build each tensor of the model.
-
-transformers 5 keeps some layers fused in memory — a mixture of experts as one 3-D
-``gate_up_proj`` per layer — while their checkpoints store one tensor per expert, and it renames
-the keys of older layouts (``block_sparse_moe.`` to ``mlp.``, ``LayerNorm.gamma`` to ``.weight``,
-a ``model.`` prefix added or dropped). ``from_pretrained`` does both with the list of
-``WeightRenaming``/``WeightConverter`` objects that
-``transformers.conversion_mapping.get_model_conversion_mapping`` gives for the model's classes.
-
-:func:`conversion_for` asks transformers for that list and pairs keys with transformers' own
-``rename_source_key``, exactly as ``from_pretrained`` does; no rule here is written for a
-family. Each group of checkpoint tensors that one converter merges becomes a :class:`Recipe`,
-run once on meta tensors made from the headers (to learn the shapes and dtypes it makes, without
-reading a weight) and again, with the real tensors, by :meth:`Recipe.build` when the load needs
-them. Models of other libraries, and transformers releases without this machinery, get no
-conversion: their keys are matched as saved (:mod:`automap.loading.keys`).
+"""transformers' checkpoint conversions (renames, experts merged into fused tensors) as
+:class:`Recipe` objects: which checkpoint tensors, through which of transformers' own operations,
+build each tensor of the model. No rule here is written for a family.
 """
 from __future__ import annotations
 

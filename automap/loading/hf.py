@@ -1,16 +1,6 @@
-"""Hugging Face model folders: the model a folder's ``config.json`` names, built without weights.
-
-A folder written by ``save_pretrained`` holds ``config.json`` (the architecture and its sizes)
-beside the weights (``model.safetensors``, shards with an index, or ``pytorch_model*.bin``).
-:func:`build_from_folder` reads the config with transformers' ``AutoConfig`` (local files only:
-nothing is downloaded) and builds the class its ``architectures`` entry names — the class
-``from_pretrained`` would build — else the first Auto head the family has (causal LM, then
-seq2seq, image classification, the bare model), inside :func:`~automap.loading.empty_model`, so
-its parameters are on meta and its buffers computed. :func:`automap.load` then reads the weights
-from the same folder like any checkpoint.
-
-transformers is imported here only, when a folder is built; without it the call fails with a
-:class:`~automap.errors.DependencyError` saying what to install.
+"""Hugging Face model folders: the model a folder's ``config.json`` names, built on meta with
+transformers' own classes (local files only: nothing is downloaded). transformers is imported
+here only, when a folder is built.
 """
 from __future__ import annotations
 
@@ -72,10 +62,16 @@ def read_config(folder: str | os.PathLike[str]) -> Any:
         DependencyError: transformers is not installed.
     """
     root = Path(folder)
+    if not os.path.lexists(root):
+        hub = "" if os.path.isabs(str(folder)) or str(folder).count("/") != 1 else (
+            f"; if {str(folder)!r} is a hub id: automap never downloads; download it with "
+            f"hf download {folder} --local-dir ./{root.name} and pass ./{root.name}")
+        raise CheckpointError(f"{root} does not exist; automap.load(path) takes a Hugging Face model folder "
+                              f"(config.json and its weights){hub}")
     if not root.is_dir():
-        raise CheckpointError(f"{root} is not a folder; automap.load(path) takes a Hugging Face model folder "
-                              "(config.json and its weights). For a single checkpoint file, build the model and "
-                              "call automap.load(model, path)")
+        raise CheckpointError(f"{root} is a file, not a folder; automap.load(path) takes a Hugging Face model "
+                              "folder (config.json and its weights). For a single checkpoint file, build the "
+                              "model and call automap.load(model, path)")
     if not is_model_folder(root):
         raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
                               "yourself under automap.empty_model() and call automap.load(model, folder)")

@@ -1,18 +1,7 @@
 """Sending each tensor of a checkpoint where the plan puts it: a device, or a weight source.
 
-Offloaded tensors that a safetensors checkpoint already holds in the target dtype are not
-read at all: a :class:`~automap.offload.CheckpointSource` maps them where they are. Everything
-else is read one tensor at a time; an offloaded tensor that needs converting (another dtype, a
-pickle, a buffer computed at init) is written, one unit at a time, to an
-:class:`~automap.offload.OffloadStore` — a directory of automap's own inside ``offload_dir``.
-The model itself is only changed by the caller's :func:`~automap.runtime.swap.install`, once
-everything was read; offloaded tensors stay as they are (on meta) until dispatch points them at
-their source.
-
-A tensor that transformers builds at load from several checkpoint tensors (experts merged into
-one, see :mod:`~automap.loading.convert`) is built when its task comes: its sources are read one
-by one, merged by transformers' operation, and the result goes to its device — or, offloaded,
-is written once to the store (a merge has no bytes in the checkpoint to reference).
+Invariants: offloaded safetensors tensors already in the target dtype are referenced in place, not
+read; the model changes only at the caller's install, once everything was read.
 """
 from __future__ import annotations
 

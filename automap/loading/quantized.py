@@ -1,21 +1,6 @@
-"""Quantized checkpoints, refused before anything is read.
-
-A quantized checkpoint stores its weights packed or scaled: GPTQ and AWQ as ``int32``
-``qweight`` with ``scales``, bitsandbytes as ``int8`` (with ``SCB``) or packed ``uint8`` (with
-``absmax``), FP8 as ``float8`` with ``weight_scale_inv``. ``from_pretrained`` reads its
-``config.json``'s ``quantization_config`` and builds quantized layers that dequantize on the
-fly; automap builds and fills plain floating-point layers. Cast into them, such a tensor would
-give silently wrong weights (an ``int8`` of 57 becomes 57.0, with its scale skipped), so:
-
-- a folder whose ``config.json`` declares a ``quantization_config`` is refused when automap
-  would build its model (:func:`refuse_declared`): ``from_pretrained`` would quantize even plain
-  weights, which automap cannot reproduce;
-- loading into a model you built, a floating-point parameter is never filled from a tensor
-  stored as an integer, nor from one stored as ``float8`` when the checkpoint's folder declares
-  a quantization (:func:`check_no_dequantizing_cast`); a model whose own layers hold the stored
-  dtypes (quantized layers you built) loads as it is;
-- a key mismatch in a checkpoint whose folder declares a quantization says so
-  (:func:`declared_note`).
+"""Quantized checkpoints, refused before anything is read: a folder that declares a
+``quantization_config``, or a floating-point parameter filled from an integer or float8 tensor,
+would otherwise give silently wrong weights.
 """
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""The safetensors format: the one validating header parser automap uses for checkpoints and its
-own store files alike, and a writer that streams tensors to disk without copying them.
+"""The safetensors format: the one validating header parser for checkpoints and store files
+alike, the one JSON reader (:func:`load_json`), and a writer that streams tensors to disk.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor
-name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data that follows
-the header), an optional ``"__metadata__"`` object of strings, then the bytes. A header is only
-trusted after every rule holds: it is a JSON object; every entry has a known dtype, a shape of
-non-negative integers and two integer offsets; ``end - begin`` is exactly the tensor's size;
-ranges lie inside the file and do not overlap. A file that breaks one is refused with a
-:class:`~automap.errors.FormatError` naming the file, the tensor and the fix, never read.
-
-:func:`load_json` is the one JSON reader for every file automap reads — safetensors headers,
-its store manifests and lock files, shard indexes — and raises nothing but ``FormatError``:
-nesting too deep for Python's parser, numbers of more than :data:`MAX_DIGITS` digits, numbers
-too large for a float, ``NaN``/``Infinity``, an object naming a key twice, bytes that are not
-UTF-8 or not JSON. Callers then
-check the types and bounds of what they take from the result.
-
-The writer exists because ``safetensors.torch.save_file`` first copies every tensor of the file
-into Python ``bytes`` (a unit's worth of extra memory) and reports a full disk as its own error
-type; here each tensor's bytes go from its memory straight to the file, and a failing write is a
-plain ``OSError`` that the store turns into an :class:`~automap.errors.OffloadError`.
+Invariant: a header is trusted only after every rule holds, and nothing but
+:class:`~automap.errors.FormatError` escapes the parsers.
 """
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """A safetensors file mapped copy-on-write: one real CPU tensor per entry, zero-copy.
 
-The map is *private* (``MAP_PRIVATE``): reading costs no anonymous memory (the pages are the
-page cache's, and the kernel may drop them), and a write into a tensor — BatchNorm updating
-its running statistics in train mode, ``weight.mul_()`` in a hook, ``load_state_dict`` —
-copies just the written pages into this process's memory and never reaches the file. So every
-offloaded parameter can be a real tensor with its true shape and values at all times, and no
-write can crash the process (a shared read-only map would kill it with SIGSEGV) or change a
-file automap does not own. :meth:`MappedFile.written_bytes` counts the copied pages from
-``/proc/self/pagemap`` (a private page that was written is no longer a file page), which is how
-:func:`automap.placement` reports them.
-
-Each tensor gets its own storage over its own byte range (``torch.frombuffer`` with an offset),
-so ``torch.save(model.state_dict())`` writes each tensor's bytes once and tensors of different
-dtypes in one file never share a storage.
-
-The map holds the file's bytes for as long as it lives, whatever happens to the file's *name*:
-deleted, replaced by another file (a new inode), or its folder moved or renamed — the mapped
-inode stays, so the tensors keep their values. Each :class:`MappedFile` therefore keeps the
-file open and checks *that* file (``fstat`` of its descriptor, never a path lookup, so a
-relative path and a later ``os.chdir`` change nothing). What a map cannot survive is the mapped
-file itself shrinking: touching a page past its new end raises SIGBUS, and the kernel drops
-even the pages this process had copied. :meth:`MappedFile.changed` (one ``fstat``) is checked
-before every read automap makes, and :meth:`MappedFile.lost` names the tensors whose bytes lie
-past the end, so a truncated file is refused with an error naming them instead.
+Invariants: a write into a tensor never reaches the file; the open file (not its name) is what is
+mapped and checked, so a truncated file is refused by name before a read could raise SIGBUS.
 """
 from __future__ import annotations
 

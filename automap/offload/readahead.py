@@ -1,20 +1,5 @@
-"""Reading a unit's file ranges ahead with several requests in flight.
-
-A cold offloaded unit is bound by the disk, and most disks — NVMe, and the network volumes of
-cloud machines even more — serve a deep queue of requests several times faster than one stream
-(on the development machine: ~0.6 GB/s for one sequential reader, ~2 GB/s for four in flight).
-One ``MADV_POPULATE_READ`` over a unit faults its pages in one readahead window after another,
-about one request at a time. :class:`ReadAhead` instead merges the unit's tensors into the
-fewest contiguous byte ranges (a layer's tensors lie side by side in a checkpoint), cuts them
-into large chunks and reads each on its own thread, so ``workers`` requests are in flight at
-once and each is large. A chunk is read by the kernel into the page cache with ``sendfile`` to
-``/dev/null`` (no copy into this process; measured on the development machine, cold 2.3 GB in
-11 units: 1.70 GB/s against 1.46 for ``MADV_WILLNEED`` + ``MADV_POPULATE_READ`` per chunk and
-1.43 for the one-request path, with less CPU), then mapped in.
-
-What it reads goes through the page cache into the file-backed map: no anonymous memory and no
-copy, and the kernel may drop the pages again under pressure. How far ahead it reads is the
-caller's business (:class:`~automap.offload.transfer.Transfer` bounds it in units).
+"""Reading a unit's file ranges ahead with several large requests in flight (merged contiguous
+ranges, one thread per chunk, through the page cache: no anonymous memory, no copy).
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Checkpoint tensors read in place: a user's safetensors files, mapped copy-on-write, never
-written, never copied.
-
-:func:`automap.load` references an offloaded tensor here when the checkpoint already holds it
-in the dtype the model wants, so loading a model whose weights mostly stay on disk reads and
-writes nothing. The files stay the user's: automap opens them read-only, and a write into a
-tensor (copy-on-write) stays in memory.
-
-If a checkpoint file changes while a model uses it:
-
-- replaced by another file (saved to a temporary name and renamed, or deleted and written
-  anew): the map still holds the bytes read, so the model keeps its weights (a warning says so);
-- rewritten in place with the same layout (``save_pretrained`` of this very model into its own
-  folder): the tensors now show the file's new bytes, so the model is what the file says (a
-  warning says so) — refused instead when this process had written into one of its tensors,
-  whose pages would then mix old and new bytes;
-- rewritten with another layout, or truncated: refused with
-  :class:`~automap.errors.OffloadError` before any read, since the views would point at other
-  tensors' bytes or past the end of the file.
+"""Checkpoint tensors read in place: a user's safetensors files, mapped copy-on-write, opened
+read-only, never written and never copied. A file changed on disk is followed, kept or refused
+by what changed (docs/offload-safety.md).
 """
 from __future__ import annotations
 

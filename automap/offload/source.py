@@ -1,24 +1,6 @@
-"""Weight sources: where offloaded weights live between the moments their units run.
-
-The runtime (:mod:`automap.runtime`) and the loader (:func:`automap.load`) see offloaded weights
-only through :class:`WeightSource`: a mapping from a tensor's name in the model to a real CPU
-tensor holding its values (what the model's parameter holds between forwards), plus a prefetch
-hint, a check that the backing bytes are still the ones read, counters for the placement
-report, and ``close``. A new kind of source (direct-I/O reads, a compressed store, an in-RAM
-pinned pool) implements this protocol here in :mod:`automap.offload`; nothing in
-``automap/runtime/`` changes.
-
-The implementations:
-
-- :class:`RamSource` — tensors kept in host RAM (pinned when a GPU executes);
-- :class:`~automap.offload.store.OffloadStore` — a store directory automap created and owns;
-- :class:`~automap.offload.reference.CheckpointSource` — tensors of a user's safetensors
-  checkpoint, read in place and never written;
-- :class:`SourceSet` — several of them behind one interface.
-
-Both file-backed sources share :class:`MappedSource`: copy-on-write maps
-(:mod:`automap.offload.mapped`), a ``stat`` per file before each read, and a per-kind answer to
-"the file changed on disk: may I keep reading it?".
+"""Weight sources: the one protocol (:class:`WeightSource`) through which the runtime and the
+loader see offloaded weights, and the RAM and composite sources. A new kind of source implements
+it here; nothing in ``automap/runtime/`` changes.
 """
 from __future__ import annotations
 

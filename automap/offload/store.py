@@ -1,37 +1,8 @@
-"""The offload store: a directory automap creates, marks as its own and locks, holding the weights
-of units placed on disk in safetensors files, read back copy-on-write through mmap.
+"""The offload store: a directory automap creates inside ``offload_dir``, marks as its own and
+locks, holding the weights of units placed on disk, read back copy-on-write.
 
-Layout, inside the ``offload_dir`` the user gave (which may hold anything of theirs)::
-
-    offload_dir/
-      automap-store-<fingerprint>-<n>/     # created by automap with mkdir; flock()ed while used
-        automap-store.lock                 # says who holds the lock; marks a finished store
-        automap-store.json                 # the manifest: marker, version, "complete", tensors
-        <unit>.safetensors                 # one file per unit, written under a temporary name
-
-The rules (see docs/offload-safety.md), each kept by one module:
-
-- Writes (:mod:`~automap.offload.store_files`): only inside a store directory automap created,
-  reached through a descriptor opened without following links and owned by this user; every
-  file created exclusively without following links and renamed into place. automap never
-  creates, replaces, truncates or deletes a file it did not create — files in a store are only
-  ever replaced or removed when the store's own manifest lists them, or when this process wrote
-  them, or when they carry a temporary name of automap's and their writer died.
-- One live model per store (:mod:`~automap.offload.store_lock`): an ``flock`` on the store
-  directory, taken before its lock file exists, held for as long as the model is dispatched. A
-  second dispatch — this process or another — finds it held and builds a store of its own; the
-  kernel drops it when its holder exits, ``kill -9`` included.
-- Passed over, for a new store of automap's own: a store of another user, a store-named link,
-  a store whose lock file is not a plain file of ours (a link, a hard link) or cannot be
-  rewritten (immutable), a store that turns out unwritable.
-- The manifest (:mod:`~automap.offload.manifest`) is written last with ``"complete": true`` and
-  rewritten ``false`` before any file of a reused store is touched, so a store interrupted
-  mid-write is detected and rebuilt; one that is missing, damaged, of another version or not
-  complete means "rebuild". Files whose bytes already match (checksums) are reused
-  (:mod:`~automap.offload.store_writer`).
-- A failed write (disk full, no inodes, quota, I/O or permission error) removes what it wrote —
-  and the store directory, and ``offload_dir`` itself, when it created them — and raises
-  :class:`~automap.errors.OffloadError`.
+Invariants: automap never creates, replaces, truncates or deletes a file it did not create; one
+live model per store (``flock``); a store is complete only when its manifest says so.
 """
 from __future__ import annotations
 

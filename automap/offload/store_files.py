@@ -1,19 +1,6 @@
-"""The files of an offload store, reached only through a handle on its directory.
-
-Every write automap makes goes through a :class:`StoreDir`: the store directory opened once with
-``O_NOFOLLOW | O_DIRECTORY`` (a symbolic link carrying a store's name is never entered) and
-owned by this user (a store of another user is never written), then each file created relative
-to that handle with ``O_CREAT | O_EXCL | O_NOFOLLOW`` — a name that exists, as a file or as a link
-to anything of the user's, is never opened for writing — and renamed into place within the same
-directory (``rename`` replaces a name, never writes through a link). So no write of automap's
-follows a symbolic link, truncates or overwrites a file it did not create.
-
-Temporary names are ``.<name>.<pid>.tmp`` (``.<name>.<pid>-<k>.tmp`` when one is taken):
-:func:`is_temp_of` recognises them, so the next writer to hold a store's lock removes what a
-crashed writer left.
-
-:func:`make_root` prepares the ``offload_dir`` the user gave and says in plain words what is
-wrong with it (a dangling link, a file, a read-only or pseudo file system such as ``/proc``).
+"""The files of an offload store, reached only through a handle on its directory: every file
+created exclusively without following links and renamed into place, so no write of automap's
+follows a link or touches a file it did not create.
 """
 from __future__ import annotations
 

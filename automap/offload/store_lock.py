@@ -1,16 +1,6 @@
-"""One live model per store: an ``flock`` on the store directory itself.
-
-The lock is taken on the directory (a descriptor of its own), right after ``mkdir`` and before
-anything is written in it; the lock *file* ``automap-store.lock`` — which marks a directory as a
-finished store and says who holds it, for messages — is only renamed into place afterwards. So
-whoever sees the lock file finds the lock held: creating a store and locking it are one step for
-everyone else, and no second process can take a store between the two.
-
-The kernel drops an ``flock`` when the last descriptor of it closes, ``kill -9`` included, so a
-stale lock is simply a free one. A process that forks would hand its descriptor to the child,
-and a child outliving ``undispatch`` would keep the store locked (every later dispatch writing a
-fresh copy); the child's copies are closed at fork (:func:`os.register_at_fork`), so only the
-process that took a lock ever holds it.
+"""One live model per store: an ``flock`` on the store directory, taken before its lock file
+exists and dropped by the kernel when its holder exits (``kill -9`` included); a forked child
+never inherits it.
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """Transfers: bringing a unit's offloaded weights to the execution device, the next unit's
-prefetched while the current one computes. Two implementations behind one interface, the way
-torchgpipe's ``AbstractStream`` hides CPU vs CUDA:
+prefetched while the current one computes.
 
-- :class:`PageTransfer`, when the CPU executes: the weights already *are* CPU tensors (views of
-  the source), so nothing is copied; the prefetch asks the kernel, on a worker thread, to read
-  the next two units' pages and map them in while the current unit computes (the source reads
-  each with several requests in flight: :mod:`automap.offload.readahead`).
-- :class:`StagedTransfer`, when an accelerator executes: the worker copies the next unit's
-  weights from the source into a pinned staging buffer and issues each host-to-device copy on a
-  side stream as soon as its tensor is staged, so the memcpy of one tensor overlaps the DMA of
-  the one before. The compute stream waits on the copy's event only when the unit runs.
-  Tensors already pinned (RAM offload) skip the staging. At most one unit is in flight ahead of
-  the running one, which is what the plan's reserve pays for.
-
-The execution device's kind (:mod:`automap.kinds`) names its :class:`DeviceOps`:
-:class:`CudaOps` for CUDA, :class:`DeviceCopyOps` (copies finished when issued) for XPU and MPS;
-a kind without ops (the CPU) gets the :class:`PageTransfer`.
-
-:class:`StagedTransfer` issues every stream, event and copy through :class:`DeviceOps`, so its
-ordering (wait before use, drain before reusing the staging buffer, keep tensors alive for the
-stream that reads them) can be checked on a CPU with ops that delay copies and record waits.
+:class:`PageTransfer` (the CPU executes: nothing is copied) and :class:`StagedTransfer` (an
+accelerator executes: pinned staging, copies on a side stream, every ordering step through
+:class:`DeviceOps`). This module attaches the built-in accelerators' ops to their kinds.
 """
 from __future__ import annotations
 

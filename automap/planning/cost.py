@@ -1,37 +1,7 @@
 """The one cost model: how long computing, moving and reading bytes take, from a device's speeds.
 
-Every time automap predicts is built from these formulas, and each exists only here:
-
-    compute   = FLOPs / the computing device's FLOP/s                     (:func:`flop_seconds`)
-    transfer  = bytes / the slower link of the two devices                (:func:`transfer_seconds`)
-                (activations crossing a cut; an offloaded unit's weights streamed from its
-                tier to where it computes)
-    read      = bytes / the device's memory bandwidth                     (:func:`read_seconds`)
-    stage     = compute + streamed weights + transfers into it            (:func:`stage_seconds`)
-    hooks     = HOOK_SECONDS per hook call (3 per call of a streamed unit) (:func:`hooks_seconds`)
-    a device's share of a decode step = compute, reads and streams added, or on a kind that
-                overlaps them (its :attr:`~automap.kinds.DeviceKind.overlaps`) the largest
-                                                                          (:func:`device_seconds`)
-
-A rate of 0 (unknown) counts as :data:`MIN_RATE` per second, never a division by zero.
-
-Who reads them, and to what end (the objectives differ on purpose, the times do not):
-
-- the partitioner (:mod:`~automap.planning.partition`, with :mod:`~automap.planning.packing`)
-  minimises the *slowest* stage, the period of a pipeline over the stages; its probe applies
-  the compute and transfer formulas to numpy arrays (``work / speed``, ``cut / max(link,
-  MIN_RATE)``), the vectorised form of the two above;
-- a streamed layout's execution device carries the compute and streaming of the offloaded
-  units it runs (:func:`~automap.planning.offloading.offload_seconds`) as work it already has;
-- the plan's stages, per-device times, bottleneck and forward
-  (:func:`~automap.planning.predict.summary`, :func:`~automap.planning.predict.forward_seconds`)
-  are what the report, the JSON and the figure show; splitting
-  (:mod:`~automap.planning.splitting`) keeps the plan with the smallest *forward* (every stage
-  in turn, plus the hooks' overhead), not the smallest bottleneck, since dispatch runs one
-  forward at a time;
-- decode predictions (:mod:`~automap.planning.decode`) add each computing device's step;
-- the one-process pipeline (:mod:`automap.pipelining.cost`) scales a stage's compute and
-  incoming cut by the batch and adds a fixed cost per micro-batch.
+Invariant: every time automap predicts is built from these formulas, and each exists only here
+(the partitioner's probe applies them to arrays).
 """
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""Predicted generation speed: the prefill, and decode tokens per second with what limits it.
-
-A decode step feeds one token per sequence through every unit, so it is bound by bytes moved
-far more often than by FLOPs: each computing device reads the weights resident in its memory
-and its units' generation cache once per step, and the execution device also receives the
-offloaded units' weights over their tier's link (disk reads, host-to-device copies) every
-step. Per computing device a step costs
-
-    compute = decode FLOPs / FLOP/s
-    reads   = (resident weights + cache read) / memory bandwidth
-    stream  = streamed weights / link bandwidth
-    accelerator:  max(compute, reads, stream)   (it overlaps them: a copy engine streams while
-                                                 thousands of threads hide memory latency)
-    CPU:          compute + reads + stream      (a few cores take turns: the small matrix
-                                                 products of a decode step hide little of their
-                                                 memory reads, and the cores map or copy what
-                                                 streams in themselves)
-
-and devices take their turns, so a step is the sum over devices. The largest term that binds
-names the limit; tokens per second is ``batch / step``. FLOPs and cache bytes grow with the
-batch, weights and streams do not: that is what a larger batch amortises. The prefill is the
-plan's predicted forward at its example inputs (the prompt).
+"""Predicted generation speed: the prefill, and decode tokens per second with what limits it
+(per computing device: compute, reads of weights and cache, streamed weights; overlapped on an
+accelerator, added on the CPU).
 """
 from __future__ import annotations
 

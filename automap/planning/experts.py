@@ -1,26 +1,5 @@
-"""Routed experts placed apart from their layer: the one cost model that picks how they run,
-and the record a plan keeps of it.
-
-A mixture-of-experts layer's routed experts hold most of its bytes but do little of its work
-per token: each token uses ``k`` of ``E`` experts. So a plan may keep a layer's attention,
-norms, router and shared experts on a GPU and only its routed experts (a unit of their own,
-``Unit.experts``) in CPU RAM, or on disk when RAM is short. Each call then runs them one of two
-ways, whichever :func:`mode_seconds` predicts is faster for the tokens of that call:
-
-- ``cpu computes``: the CPU runs them where they live; the tokens' hidden states cross the host
-  link to the CPU and back. Cost: their FLOPs at the CPU's FLOP/s, plus the experts the tokens
-  touch read from their home (CPU memory, or disk read bandwidth), plus the activations' trips;
-- ``streamed``: the touched experts' weights cross the link to the GPU, which computes them.
-  Cost: their bytes over the slower of the home's and the GPU's links (the GPU's compute hides
-  behind the copy at these sizes).
-
-``t`` tokens routed to ``k`` of ``E`` experts touch on average ``E * (1 - (1 - k/E) ** t)`` of
-them (each expert is missed by one token with probability ``1 - k/E``): at a decode step of
-batch 1 that is ``k`` experts, at a prefill of hundreds of tokens all ``E``. CPU work grows with
-``t``, the streamed bytes stop growing at ``E`` experts: small decode batches compute on the CPU,
-large prefills stream, and :func:`stream_from` gives the token count where the two cross.
-The mode is recorded per layer and per phase (:class:`ExpertsLayer`); the plan's device map
-says only where the experts live (``"model.layers.3.mlp.experts": "cpu"``).
+"""Routed experts placed apart from their layer: the one cost model that picks how they run
+(computed on the CPU where they live, or streamed to the GPU), and the plan's per-layer record.
 """
 from __future__ import annotations
 

@@ -1,34 +1,5 @@
-"""The built-in layout kinds, registered in the order they are tried, and :func:`layout_options`.
-
-On the CPU alone (no accelerator in the plan):
-
-- ``resident on cpu``: RAM holds every item. When this works it is the only option.
-- ``streamed on cpu``: RAM takes each item (in execution order) that still fits its budget; the
-  rest stay on disk, read through the page cache (the store is memory-mapped), which needs no
-  budget. A CPU budget bounds the weights kept in RAM, as accelerate reads
-  ``max_memory["cpu"]``; activations are reserved where running out is fatal: on accelerators.
-
-With accelerators:
-
-- ``resident``: the accelerators hold every group (weights, activations of the profiled batch,
-  the user's reserve) and the registered strategy (:mod:`automap.planning.strategies`) splits
-  the chain over them. When this works it is the only option: nothing goes to CPU or disk.
-- ``packed``: no contiguous split fits, but the groups can be packed out of order.
-- ``streamed``: the accelerators keep one contiguous run of groups (possibly after a few
-  offloaded leading ones, such as an embedding), chosen to keep the most bytes; the rest lives
-  in CPU RAM where it has room, else on disk, and is streamed item by item to the execution
-  device (the accelerator with which the most bytes stay resident), which keeps room for the
-  largest streamed item (a split unit streams piece by piece). Items read from disk pass
-  through pinned staging, counted in the CPU budget. GPU room left over then keeps offloaded
-  items resident (:mod:`automap.planning.residency`). ``balanced_low_0`` executes on GPU 0
-  only when no other GPU can.
-- ``cpu computes``: the accelerators keep the contiguous run of groups with the most work that
-  fits them; the CPU computes every other group, from RAM or from disk. When no group fits an
-  accelerator that is the whole model on the CPU; else the whole model on the CPU is an option
-  too, so that a lone small unit whose cuts cost more than the GPU saves is not chosen.
-- ``experts apart``: for a profile whose layers' routed experts are units of their own, every
-  other item on the accelerators and the experts beside their layer while room lasts, else in
-  CPU RAM, then on disk; offered only through :mod:`automap.planning.experts_choice`.
+"""The built-in layout kinds, registered in the order they are tried (resident, packed, streamed,
+CPU computes, experts apart; on the CPU alone: resident and streamed), and :func:`layout_options`.
 """
 from __future__ import annotations
 

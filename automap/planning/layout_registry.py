@@ -1,17 +1,5 @@
-"""Layout kinds as registered objects, and what every kind reads: the :class:`LayoutContext`.
-
-A layout places each item (:mod:`automap.planning.items`) on a device. Each *kind* of layout
-(all on the accelerators, packed out of order, streamed to an accelerator, the CPU computing
-what the accelerators cannot hold, ...) is one :class:`LayoutKind` registered with
-:func:`register_layout`, like the strategies of :mod:`automap.planning.strategies`. A kind owns
-its fit test (:meth:`LayoutKind.fits`: whether it applies to these devices at all) and the
-layouts it builds (:meth:`LayoutKind.build`: none when, after all, nothing fits). Their cost is
-the one cost model's: each layout is built as a :class:`~automap.planning.model.Plan`, and
-:mod:`automap.planning.splitting` keeps the one with the smallest predicted forward time.
-
-The built-in kinds are registered in :mod:`automap.planning.layout_kinds`, in the order they are
-tried; a kind marked ``exclusive`` that builds a layout is the only option (all on the
-accelerators: nothing then goes to CPU or disk).
+"""Layout kinds as registered objects (:func:`register_layout`), and the :class:`LayoutContext`
+every kind reads. A kind owns its fit test and the layouts it builds; splitting keeps the fastest.
 """
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""Contiguous partition of a chain of items over devices in a fixed order.
-
-The pure algorithm behind the balancer, on plain arrays: no torch, no profile, no devices.
-A *chain* is a sequence of items (placement units) with work, weight bytes, activation bytes
-and the bytes crossing the cut before each item. A *slot* is one device as the partitioner
-sees it: room in bytes, speed, link bandwidth and seconds of work it already has.
-
-``min_bottleneck`` finds the contiguous split (each slot takes one range, possibly empty, in
-slot order) that minimises the slowest stage, where a stage costs its work over the slot's
-speed, plus the transfer of the cut it receives, plus the slot's fixed work. It bisects on the
-bottleneck ``T``; each probe is a forward sweep over slots in which the prefixes a slot can end
-are a union of intervals (costs and memory grow with the range, so for a fixed start the
-feasible ends are ``start+1 .. E(start)``), computed with prefix sums and ``searchsorted``.
-Stages are costed by :mod:`automap.planning.cost`'s formulas, applied to arrays. Each probe costs
-O(k n log n) in numpy; memory limits are precomputed once per slot with two
-pointers and a monotone queue.
+"""Contiguous partition of a chain of items over devices in a fixed order, minimising the slowest
+stage: the pure algorithm behind the balancer, on plain numpy arrays (no torch, no profile).
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""The planner's decision per unit as a typed record: where its weights live (its home: a tier
-and a device), where it computes, and how its weights get there (its route).
-
-A :class:`Plan` resolves these once (:attr:`Plan.placements`, a :class:`PlacementTable`) from its
-device names and its
-execution device, asking the device-kind registry; dispatch, load and the report read the
-record instead of working it out again from the names. The routes:
-
-- ``resident``: the weights live where the unit computes;
-- ``streamed``: they live in a storage tier (CPU RAM) and are brought to the computing device
-  before each call (a GPU copies them from pinned RAM; the CPU reads them in place);
-- ``staged``: they live in a tier that stores only (disk) and pass through a pinned staging
-  buffer in host RAM on their way to an accelerator (the planner keeps room for it).
+"""The planner's decision per unit as a typed record: where its weights live (a tier and a
+device), where it computes, and how its weights get there (resident, streamed or staged).
+Resolved once per plan; dispatch, load and the report read it instead of re-deriving it.
 """
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Room left on the GPUs of a streamed layout, given to offloaded items so they stop streaming.
-
-A streamed layout keeps one contiguous run of items on the accelerators and streams the rest
-to the execution GPU (:mod:`automap.planning.layout_kinds`). GPUs can still have room after that:
-the executor beside its streaming slot, and GPUs the balanced split left empty because the
-executor's streaming is the bottleneck whatever they hold. An offloaded item kept resident is
-an item not streamed every forward, so, largest first:
-
-- an item split from a unit (a piece) may stay only on the execution GPU: the unit's own code
-  (a residual add) runs between its pieces, so they all compute on one device;
-- any other item stays on the execution GPU when it has room there (no new cut), else on the
-  GPU with the least room that still holds it, when its weights outweigh the activations it
-  would send there and back (two cuts cost less than streaming it).
-
-Pure, on plain arrays, like :mod:`automap.planning.partition`.
+"""Room left on the GPUs of a streamed layout, given to offloaded items (largest first) so they
+stop streaming. Pure, on plain arrays, like :mod:`automap.planning.partition`.
 """
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
-"""The planner's front door: lay the model out, split what does not fit, keep the fastest plan.
+"""The planner's front door (:func:`make_plan`): lay the model out, split the units that do not fit
+where they must go, round after round, and keep the plan with the smallest predicted forward.
 
-:func:`make_plan` asks :mod:`automap.planning.layout_plans` for every option at the profile's units
-(all on the accelerators, packed out of order, streamed to an accelerator, the CPU computing
-what the accelerators cannot hold). Unless everything fits on the accelerators as it is, it
-then asks ``refine`` (:class:`automap.profiling.refine.Splitter`, which traces the model again)
-to split the units that do not fit where they must go, and lays the finer profile out again,
-round after round, down to leaf modules, until everything fits on the accelerators:
-
-- a unit larger than every accelerator's room (it can neither live on one nor be streamed to
-  one whole);
-- a streamed unit that would take more than a quarter of the execution device's room as
-  staging (the room kept free for streamed weights; the rest holds resident units).
-
-Splitting is not free in the cost model: more units mean more hooks
-(:func:`~automap.planning.predict.hook_seconds`) and possibly more cuts. Of every option at every
-level, the plan with the smallest predicted forward time
-(:func:`~automap.planning.predict.forward_seconds`) is kept, except that
-when some option keeps everything on the accelerators only those count (the promise: if the
-model fits on the accelerators, nothing goes to CPU or disk). ``Plan.choices`` says which units
-were split and why, which stayed whole, and which alternative won by how much.
-
-Pure and deterministic given ``refine``: planning does no I/O; the splitter traces on meta.
+Invariant: if some option keeps everything on the accelerators, only those count.
 """
 from __future__ import annotations
 
@@ -215,7 +196,10 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
                      f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
     _, faster_index, faster = min(pool, key=lambda p: (forward_seconds(p[2].plan), p[1]))
     if forward_seconds(faster.plan) < forward_seconds(best.plan):
-        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}) "
+        quick = forward_seconds(faster.plan)
+        ratio = forward_seconds(best.plan) / quick if quick > 0 else 0.0
+        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}: "
+                     f"predicted {ratio:.2f}x as fast as the chosen {_ms(best.plan)}), not taken "
                      f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
                      "then the accelerators computing every unit, then the fastest")
     return replace(best.plan, provenance=replace(best.plan.provenance, choices=tuple(notes)))

@@ -1,20 +1,6 @@
-"""Tracing transformers' mixture-of-experts layers in an implementation meta tensors can run.
-
-transformers (5.x) runs a fused ``experts`` module (all experts' weights in 3-D
-``gate_up_proj``/``down_proj`` parameters) through one of several implementations, chosen by
-``config._experts_implementation``: ``grouped_mm`` (the default), ``batched_mm`` and ``eager``.
-The first two trace on meta (``profiling/metarules.py`` supplies the grouped matmul's meta rule
-and FLOPs). ``eager`` cannot: it loops over the experts the batch hit, found with ``nonzero``,
-whose output shape depends on the routing values meta tensors do not have.
-
-Its work is the same routed computation the ``grouped_mm`` implementation does in one call:
-each token multiplied by the weights of its ``top_k`` experts. So while tracing, a model whose
-experts run eagerly runs them as ``grouped_mm`` instead (through transformers' public
-``set_experts_implementation``), and gets its own implementation back afterwards, error or not.
-The FLOPs are those of the eager loop; the activations are those of the grouped call (all
-routed rows at once, where the loop holds one expert's rows at a time), the bound to plan for.
-A model transformers will not switch keeps its eager experts, which then stand in
-(``profiling/fallback.py``).
+"""Tracing transformers' mixture-of-experts layers on meta: eager experts (data-dependent shapes)
+are traced as ``grouped_mm`` with the eager loop's FLOPs, and get their own implementation back
+afterwards, error or not.
 """
 from __future__ import annotations
 

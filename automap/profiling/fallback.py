@@ -1,65 +1,6 @@
-"""Profiling a model as users hand it over: in train mode, and with forwards meta cannot run.
-
-**Train mode.** The trace runs with every module's ``training`` flag set to False
-(:func:`eval_mode`) and puts each flag back afterwards, error or not. BatchNorm then uses its
-running statistics instead of the batch's, so a batch of 1 traces (train-mode BatchNorm refuses
-one value per channel); dropout draws no mask. Neither changes a FLOP count: FLOPs come from
-matmuls, convolutions and attention, which are the same in both modes (the tests check the
-totals against ``FlopCounterMode`` on the model in train mode). Activations were already those
-of an inference forward (saved-for-backward tensors are kept as shapes only), so the masks and
-batch statistics train mode would add are not missed. Flags are set directly rather
-than through ``model.eval()``, so a module's own ``train()`` override runs no side effect. What
-eval mode does change: code that runs only in training (Inception v3's auxiliary classifier)
-is not called by the trace; such units are planned as never called (bytes only, last).
-
-**Forwards meta cannot run.** Meta tensors have shapes and no values, so some forwards cannot
-run on them: a unit reads a number (``tensor.item()``, ``int(tensor)``), an op's output shape
-depends on values (``nonzero``, ``unique``, boolean indexing), or an op's meta kernel rejects a
-dtype its real kernel takes (a fused GPU kernel's checks for bfloat16; ``torch._grouped_mm``, which
-transformers' mixture-of-experts layers call, has such checks and a rule in ``metarules.py`` that
-runs it anyway). Such a failure is a :class:`MetaLimit`; any other error (a
-shape mismatch from wrong example inputs) is the user's to fix and still raises
-:class:`~automap.errors.ProfileError`. A failure counts as a meta limit when it is one of the
-above: the tracer's own ``.item()`` refusal, a ``NotImplementedError`` or a message about meta
-tensors (or tensors on two devices) from an op, or an op that fails at float32 and runs when its floats are cast to
-bfloat16 or float16 (:func:`meta_limit`).
-
-A meta limit is handled per unit, in the one traced forward:
-
-1. Every unit's forward is guarded while tracing (:func:`stand_ins`). When it fails with a meta
-   limit, the unit returns a *stand-in* instead: a copy of its first tensor argument, the shape
-   of the residual stream a transformer block, a mixture-of-experts layer or a same-shape
-   convolution block returns. The forward goes on, so every later unit is traced: its FLOPs,
-   activations and the bytes crossing each cut are measured as usual. Once a unit has stood
-   in, any later failure is taken as its consequence (the stand-in's shape may have been
-   wrong, as for a unit that narrows its input) and handled the same way, with a reason that
-   says so.
-2. A meta limit in code between units (a parent's forward) ends the forward there: the units
-   that ran keep their measurements, and the ones it never reached are *unreached*. No
-   backward runs then: every ``train_flops`` stays 0 (not measured), as with ``backward=False``.
-3. A stood-in or unreached unit is planned from what is known without running it
-   (:func:`fill_untraced`): its parameter and buffer bytes (exact), and FLOPs estimated from
-   the shapes of its weights (:func:`flop_weights`: the elements of its matrices, the ones a
-   forward multiplies with every input position; an embedding table is looked up, a bias or a
-   norm adds next to nothing) at the rate the traced units achieved, FLOPs per such element
-   (2 per element and input row for a linear layer), never less than what the trace counted
-   before the unit failed. With no traced unit doing FLOPs to set the rate they stay 0, and the
-   plan balances by bytes. ``Unit.untraced`` says why, ``Unit.flops_estimated`` whether its
-   FLOPs are an estimate; the report lists them.
-
-**Guessed inputs.** Without the user's example inputs the profiler derives some
-(``profiling/inputs.py``), and a guess can be wrong in ways no rule foresees: a forward that
-takes a dict, keyword-only arguments, a mask it cannot do without. Planning must not depend on
-guessing right (accelerate never runs the model at all), so any error of a forward on guessed
-inputs ends the trace as a meta limit between units does: the units that finished keep their
-measurements; the unit running when it failed and the ones never reached are planned from
-their weights as in 3., in definition order, with a reason naming the guess and the error's
-first line. A model with no ``forward`` of its own (a ``ModuleDict`` root) is not run at all.
-On inputs the user gave, the same error is the user's to fix: it raises
-:class:`~automap.errors.ProfileError` naming the unit.
-
-A profile may also skip the trace altogether (:func:`automap.profiling.untraced_profile`): a
-user's device map that places every tensor needs no measurement to be dispatched.
+"""Profiling models as users hand them over: traced in eval mode (flags put back), and units whose
+forward meta cannot run (a :class:`MetaLimit`) planned from their weights, as are those a forward
+on guessed inputs did not reach. Any other error on the user's own inputs is a ProfileError.
 """
 from __future__ import annotations
 

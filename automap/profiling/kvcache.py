@@ -1,21 +1,6 @@
-"""The generation cache, measured: the bytes each unit keeps between decode steps, and what
-one decode step costs.
-
-Nothing is derived from a config's field names. On the meta device the model runs as
-``generate`` runs it: a prefill with ``use_cache=True``, then one decode step (one token per
-sequence) fed the cache the prefill returned. The cache is what the output hands back under
-the name of one of ``forward``'s arguments (``cache``, ``past_key_values``, ...); every tensor
-reachable from it is attributed to the unit whose code produced its storage (the tracer keeps
-each storage's producer). So multi-head, grouped- and multi-query attention, sliding windows
-(a layer keeps only its window), encoder-decoder cross-attention (computed once, at the first
-step) and recurrent states (Mamba's, the same size at any length) come out as allocated, and
-a model that returns no cache reserves nothing.
-
-Two runs bracket the decode: the prompt and one step (the first decode step), and
-``max_length - 2`` tokens and one step (the last step: its cache, ``max_length - 1`` tokens,
-is what ``generate(max_length=...)`` holds at the end). A unit reserves the storages of the
-last; the cache bytes a step reads and its FLOPs are the mean of the two, which is exact for
-a cache that grows linearly or stays put.
+"""The generation cache, measured on meta: the bytes each unit keeps between decode steps (as
+``generate`` runs the model: a prefill, then one decode step), and what one decode step costs.
+Nothing is derived from a config's field names.
 """
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """Meta rules for ops whose meta kernel is narrower than their real kernels, and FLOP formulas
-for ops ``FlopCounterMode`` has none for: grouped matrix multiplication.
-
-Mixture-of-experts layers (transformers' fused ``experts`` modules, in their default
-``grouped_mm`` implementation) multiply the tokens routed to each expert by that expert's
-weights in one ``aten._grouped_mm`` call: the rows of the 2-D input are the routed
-token-expert pairs (``tokens * top_k``), sorted by expert, and ``offs`` says where each
-expert's rows end. Two things stood between such a layer and a trace:
-
-* The meta kernel checks what the CUDA kernel needs (bfloat16 or float16, 16-byte aligned
-  strides) and so rejects the float32 a CPU runs, and the tiny dimensions of test models.
-  :func:`run_op` calls the meta kernel first; where it refuses, the output is built from the
-  shapes alone (:func:`grouped_mm_shape`), after the checks every real kernel makes (matching
-  contraction and group dimensions), so a genuine shape error still raises.
-* ``FlopCounterMode`` has no formula for it, so it counted 0. :func:`grouped_mm_flops` counts
-  ``2 * m * k * n`` summed over the groups. Where the groups split a dimension by ``offs``,
-  their sizes add up to that dimension whatever the values of ``offs`` (which meta tensors do
-  not have), so the count is exact: for the experts' projections it is the routed work,
-  ``2 * tokens * top_k * in * out``, never the work of all experts.
+for ops ``FlopCounterMode`` lacks: grouped matrix multiplication (exact routed work).
 """
 from __future__ import annotations
 

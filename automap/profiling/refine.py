@@ -1,28 +1,6 @@
-"""Splitting placement units into their children, checked against a fresh trace.
-
-The planner asks for finer units when one does not fit where it must go (a unit larger than
-every GPU, a streamed unit larger than the execution device's staging room). A unit splits
-into its children that hold tensors (the blocks of a child ``ModuleList`` in its place; a unit
-with one such child splits that child instead), unless its class is in ``no_split`` or it is a
-leaf module. The model is then traced again with the pieces as units, and a split is kept
-only when that trace shows the pieces can run as units:
-
-- its forward calls every piece (``nn.MultiheadAttention`` never calls ``out_proj``);
-- no piece's tensor is read outside that piece's own forward (the same ``out_proj.weight``,
-  read by the attention's own code), so each piece's weights can be streamed in with it;
-- its pieces run one after another, with no other unit in between;
-- the trace measured every piece (none stood in, see ``profiling/fallback.py``); a unit the
-  trace could not run is not split either.
-
-The split module's own code (a residual add) still runs outside every unit, so its pieces are
-marked with ``Unit.split_from``: the planner keeps them on one computing device and the runtime
-sends the module's inputs there. Deterministic: the same model and names give the same pieces.
-
-A name asked for may also be a module *inside* a unit (a layer's routed experts): that unit is
-split along the path down to it, so the module becomes a unit of its own and its siblings on
-the way pieces beside it (``model.layers.3`` into its norms, ``self_attn``, ``mlp.gate`` and
-``mlp.experts``). The model's ``_no_split_modules`` do not stop this (they keep a layer whole
-across devices by default; here a piece is asked for by name), a ``no_split`` the user gave does.
+"""Splitting placement units into their children, kept only when a fresh trace shows the pieces
+can run as units (each called, each tensor read only by its own piece, in a row, all traced).
+Deterministic: the same model and names give the same pieces.
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Finding a model's routed experts: the weights of a mixture-of-experts layer that a forward
-reads only in part, for the experts its router picked.
-
-Two shapes cover transformers' models and hand-written ones:
-
-- **stacked**: one module holds every expert's weights in tensors whose first dimension counts
-  the experts (``num_experts`` of them): transformers' fused ``experts`` of Mixtral, Qwen2/3-MoE,
-  GPT-OSS, DeepSeek and the rest. The routing reaches it as an argument, the integer tensor of
-  the experts each token goes to (``top_k_index``), and every implementation transformers has
-  (``eager``, ``grouped_mm``, ``batched_mm``) reads only those experts' rows. A router also has
-  ``num_experts`` and a weight with a row per expert; it differs in having no tensor of three
-  dimensions or more.
-- **listed**: an ``nn.ModuleList`` of like modules, one per expert, in a block that also holds a
-  router (a weight with one row per expert); the block calls only the experts it routes to.
-
-The runtime reads a stacked module's routed rows once the call's routing is known, and a listed
-expert whole when it is called (:mod:`automap.runtime.experts`); whatever the router did not pick
-is never read. It also guesses the next layer's experts from this layer's input and the next
-router (:func:`guess_rows`), to read them while this layer computes.
+"""Finding a model's routed experts (stacked in 3-D tensors, or listed in a ModuleList beside a
+router), the weights a forward reads only for the experts its router picked, and guessing the
+next layer's routing.
 """
 from __future__ import annotations
 

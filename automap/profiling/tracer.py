@@ -1,20 +1,6 @@
-"""The traced run: one forward (and backward) of the model on the meta device.
-
-A :class:`Tracer` is a ``TorchDispatchMode`` that counts FLOPs as ``FlopCounterMode`` does
-(its formulas; ops without one through their decomposition), so the units' FLOPs add up to
-its total, plus the grouped matmuls it has no formula for (``metarules.py``). It sees every aten
-op and attributes it, with its FLOPs, to a *segment*: the call of the innermost unit running,
-or the code between units, which belongs to the next unit to run for the first time (a
-parent's ``x + pos_embedding`` is the next block's work). Backward ops are attributed through
-the autograd node running them: each segment records the autograd sequence number at its
-start, so a node's ``_sequence_nr()`` names the segment whose forward created it.
-
-It also follows tensors: each storage remembers the segment that produced (or last wrote)
-it, so a tensor read later by any unit, however far away, becomes a :class:`Flow` from its
-true producer (residual streams, skip connections, T5 encoder states). Storages are watched
-with weak references to know the bytes alive at each moment, for activation peaks.
-Saved-for-backward tensors are packed as shapes only, so that liveness is the one of an
-inference forward and a backward still runs.
+"""The traced run: one forward (and backward) on the meta device, counting FLOPs per segment (a
+unit's call, or the code before the next unit) and following each storage from its producer to
+its readers, for flows between units and activation peaks.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
-from automap.offload import SourceStats
+from automap.offload import OffloadStore, SourceStats, store_size
 from automap.planning import Origin, Plan, PlanInputs, Provenance
 from automap.profiling.units import all_named_tensors, longest_prefix
 from automap.errors import OffloadError, ReportError
@@ -51,7 +51,8 @@ def placement(model: nn.Module) -> Plan:
     if state is not None:
         streamed = state.streamed_ids()
         found = _dispatched(model, state.plan, streamed)
-        notes = tuple(n for n in (memory_note(state.stats()), unreadable_note(state, streamed)) if n)
+        found_notes = (memory_note(state.stats()), unreadable_note(state, streamed), store_note(state))
+        notes = tuple(n for n in found_notes if n)
         noted = dataclasses.replace(found.provenance, warnings=found.warnings + notes)
         return dataclasses.replace(found, provenance=noted)
     return _undispatched(model)
@@ -70,6 +71,19 @@ def unreadable_note(state: DispatchState, streamed: set[int]) -> str:
     except OffloadError as exc:
         return f"offloaded weights cannot be read: {exc}"
     return ""
+
+
+def store_note(state: DispatchState) -> str:
+    """Where the offload store of a dispatched model is, how big, that it stays after
+    undispatch to be reused, and how to remove it."""
+    stores = [s for s in state.owned if isinstance(s, OffloadStore)]
+    if not stores:
+        return ""
+    where = ", ".join(f"{s.directory} ({format_bytes(store_size(s.directory))})" for s in stores)
+    parent = stores[0].directory.parent
+    return (f"offload store: {where}; kept after undispatch and reused by the next dispatch of the same "
+            f"weights (nothing rewritten); remove it once undispatched with automap clean {parent} "
+            f"(or automap.clean({str(parent)!r})), which removes automap's stores there and nothing else")
 
 
 def memory_note(stats: SourceStats) -> str:

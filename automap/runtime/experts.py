@@ -1,29 +1,6 @@
 """Streaming routed experts: an offloaded mixture-of-experts layer reads only the experts its
-router picked.
-
-A streamed unit's own hook (:class:`~automap.runtime.streaming.StreamWeights`) reads ahead its
-*dense* part: attention, norms, router, shared experts. Its routed experts
-(:func:`automap.profiling.routed.find_experts`) are left to a :class:`ReadExperts` hook on the
-module that holds them, which runs once the routing is known:
-
-- a **stacked** experts module (transformers' fused ``experts``) receives the routing as an
-  argument; the hook reads the routed experts' rows of its tensors, every range at once with
-  several requests in flight (:meth:`~automap.offload.Transfer.take_rows`). The rows of experts
-  no token went to are never read: from a cold disk, a top-2-of-8 layer reads a quarter of its
-  expert bytes.
-- a **listed** expert (one module of an ``nn.ModuleList``) is called only when routed to; the
-  hook reads it whole, then.
-
-While a layer's experts compute, the next layer's are guessed — its router applied to this
-layer's input (:func:`~automap.profiling.routed.guess_rows`) — and read in the background, so most
-of the next layer's experts are in memory when its routing is known; a wrong guess costs its
-bytes (on random-weight Mixtral and Qwen2-MoE shapes, 65-89 % of the next layer's experts are
-guessed, with 20-35 % more experts read).
-
-On CPU execution the weights are the source's views, so the hook only reads pages in. On an
-accelerator (weights swapped in for the call) it swaps in device tensors that hold the routed
-rows — the others are never read by any experts implementation, which follow the routing — and
-swaps the homes back after, as the unit's hook does for its own weights, inside the unit's lock.
+router picked, once the routing is known, and reads ahead the experts it guesses for the next
+layer.
 """
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Gradients of offloaded weights: refused, and refused before backward changes anything.
-
-automap keeps no gradient of an offloaded weight (on an accelerator the copy it would belong to
-leaves with its unit; on CPU it would bring the weight's size back into RAM behind the plan's
-back). Each offloaded tensor that requires grad carries a hook (:func:`refuse_gradients`) that
-raises :class:`~automap.errors.DispatchError` when a gradient reaches it.
-
-That hook alone fires late: backward runs from the loss towards the inputs, so the resident
-units after the offloaded ones (the final norm, the LM head) have their ``.grad`` accumulated
-by then. A script that freezes the offloaded weights and runs backward again would then step
-on those stale halves, where the plain model would have refused nothing and accumulated once.
-So the model's outputs carry a hook too (:class:`RefuseGradientsEarly`), the first thing a
-backward through the model reaches: it asks autograd whether this backward will reach an
-offloaded weight (``torch.autograd.grad`` for the inputs alone does not) and refuses there,
-before any parameter's gradient changed.
+"""Gradients of offloaded weights: refused, and refused at the start of the backward, before any
+parameter's gradient changed.
 """
 from __future__ import annotations
 

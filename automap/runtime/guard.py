@@ -1,32 +1,6 @@
-"""What torch's own API may do to a dispatched model, decided at the call.
-
-A dispatched model is a plain ``nn.Module`` to torch, so torch's API reaches it directly. Three
-kinds of call would otherwise go wrong silently or crash, and each is handled where it happens
-(like accelerate, which wraps ``model.to`` of a dispatched model; here through instance
-attributes of every module of the model, removed again by :func:`automap.undispatch`):
-
-- **conversions** (``Module._apply``: ``.to``, ``.cuda``, ``.cpu``, ``.half``, ``.float``,
-  ``.type``, ``to_empty``, ``share_memory``, on the model or any submodule): one that would
-  move a tensor automap placed to another device, or change the dtype of offloaded ones or
-  move them into shared memory (which would pull them off disk into RAM behind the plan's
-  back; up to :data:`SMALL_CONVERSION_BYTES` that the model's own forward converts go through),
-  is refused with
-  :class:`~automap.errors.DispatchError` before any tensor changes; others (a resident unit's
-  dtype, a no-op ``.to``) go through. The outermost call checks the whole subtree first, so a
-  refusal leaves the model exactly as it was.
-- **copies and pickles** (``copy.deepcopy``, ``pickle``, ``torch.save(model)``): the state
-  torch copies is the module's own without automap's hooks, so the copy is a plain model
-  whose offloaded weights are read from their files into it (``deepcopy``: into RAM, refused
-  with :class:`~automap.errors.DispatchError` when they would not fit in available memory).
-- **reads of a truncated file**: ``state_dict()`` of a module holding offloaded tensors, and
-  any copy or pickle, first check the files behind them (one ``fstat`` each) and raise
-  :class:`~automap.errors.OffloadError` naming the tensors whose bytes are gone, where reading
-  them would kill the process with SIGBUS.
-
-What torch's API does that no call can announce — ``param.data = t``, an ``apply(init_fn)``
-that rebinds data, ``load_state_dict(assign=True)`` — is followed instead (the model's new
-tensors are its own: forwards use them, undispatch keeps them; see
-:func:`automap.runtime.state.follow`).
+"""What torch's own API may do to a dispatched model, decided at the call: conversions that would
+move or convert offloaded weights are refused before anything changes; copies and pickles are
+plain models; no read of a truncated file.
 """
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
 """The hook of a unit whose weights are offloaded (:class:`StreamWeights`), and the model's check
 of the files behind them (:class:`CheckFiles`).
 
-Between forwards every offloaded parameter and buffer holds its *home*: the weight source's real
-CPU tensor (a copy-on-write view of a store or checkpoint file, or a tensor in host RAM). So
-``state_dict()``, printing, ``torch.save`` and optimizers see true shapes and values at all
-times, and an in-place write lands in the home (copy-on-write for a file, never the file).
-
-- **CPU execution** (:class:`~automap.offload.PageTransfer`): the home *is* what the unit
-  computes with. Before the unit runs the hook checks that the files behind it are unchanged
-  (one ``stat`` each) and asks for the next units' pages to be read ahead; nothing is copied,
-  swapped or locked, so forwards from several threads run side by side, and autograd may keep
-  the views for backward (they are file-backed: no anonymous memory).
-- **Accelerator execution** (:class:`~automap.offload.StagedTransfer`): before the unit runs the
-  hook swaps a device copy in (``tensor.data``, so the Parameter object and its ties survive);
-  after — also when the forward raised — it swaps the home back, first writing back what the
-  unit changed: parameters whose version counter moved, and buffers when the module ran in
-  train mode (BatchNorm's running statistics do not bump the counter). Autograd keeps not the
-  copy but the tensor's name, and backward reads it again. A per-model lock is held from
-  before to after the unit, so threads take turns through streamed units.
-
-Gradients of offloaded weights are not kept (they would be lost when the copy leaves): a
-backward that would reach one raises :class:`~automap.errors.DispatchError` at its start, naming
-the parameter and the fixes (:mod:`~automap.runtime.gradients`). Forwards in train mode, and
-training of resident units, are unaffected.
-
-Under ``torch.compile`` the hook bodies are functions dynamo skips, so a graph breaks at a
-streamed unit's boundaries and never inside it; on CPU execution, where nothing moves, a
-compiled forward that the model's :class:`CheckFiles` has checked skips them and compiles whole
-(``docs/compile.md``).
+Invariant: between forwards every offloaded tensor holds its home (a real CPU tensor of its weight
+source), so state_dict, printing and optimizers see true values at all times.
 """
 from __future__ import annotations
 

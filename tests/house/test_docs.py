@@ -9,8 +9,9 @@ document, with ``automap`` on PATH. A block may be preceded by one marker commen
 - ``skip REASON``: not run, and the reason is required (a GPU, several processes, an install);
 - ``slow``: run only with ``-m slow`` (planning a 70B shape takes a while on a laptop CPU);
 - ``folder FAMILY PATH`` / ``config FAMILY PATH``: before the block, a small random-weight
-  Hugging Face folder (or just its config.json) of that family is written at PATH, so a snippet
-  that names a downloaded model finds one. Nothing is downloaded.
+  Hugging Face folder (or just its config.json) of that family is written at PATH. README.md and
+  docs/ use none (checked below): a reader cannot see them, so the folders their snippets load come
+  from a block the reader runs too, ``automap demo --save models``. Nothing is downloaded.
 
 A block runs when it exits 0 without a traceback; what it prints is the docs' business.
 """
@@ -167,6 +168,19 @@ def test_every_block_is_marked_or_runs_and_skips_say_why():
     assert not literal, f"literal '...' in runnable blocks: {literal}"
 
 
+def test_every_folder_a_block_names_is_made_by_a_block_a_reader_runs():
+    """A fresh clone, nothing downloaded: the folders the snippets load come from an earlier
+    snippet (``automap demo --save models``), not from a setup marker the reader never sees."""
+    hidden = [b.id for b in ALL if b.setup]
+    assert not hidden, f"blocks that need a folder made behind the reader's back: {hidden}"
+    for doc in DOCS:
+        blocks = extract(doc)
+        users = [b for b in blocks if "models/" in b.code and not b.skip]
+        makers = [i for i, b in enumerate(blocks) if "automap demo --save models" in b.code and not b.skip]
+        for b in users:
+            assert makers and blocks.index(b) >= makers[0], f"{b.id} uses models/ before a block makes it"
+
+
 def test_links_resolve_inside_the_project():
     broken = []
     for doc in DOCS:
@@ -178,3 +192,14 @@ def test_links_resolve_inside_the_project():
             if not path.exists() or ROOT not in path.parents:
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
+
+
+def test_the_readme_reads_in_two_minutes_and_the_index_lists_every_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail to docs/"
+    first = next((i for i, line in enumerate(lines, 1) if "](docs/" in line), None)
+    assert first is not None and first <= 120, f"the first link to docs/ is on line {first}"
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "index.md"]
+    missing = [name for name in pages if f"]({name}" not in index]
+    assert not missing, f"docs/index.md does not list {missing}"

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2] / "automap"
 # DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "sizes": 0, "progress": 0, "interrupts": 0,
+    "errors": 0, "sizes": 0, "version": 0, "progress": 0, "interrupts": 0,
     "devices": 1, "kinds": 1,
     "profiling": 2,
     "planning": 3,
@@ -27,7 +27,8 @@ LAYERS = {
     "loading": 6,
     "report": 7, "pipelining": 7, "distributed": 7, "compose": 7,
     "api": 8,
-    "cli": 9, "specs": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9, "accelerate_compat": 8,
+    "cli": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9,
+    "accelerate_compat": 8,
 }
 
 
@@ -363,3 +364,29 @@ def test_the_class_name_check_sees_a_duplicate(tmp_path):
     (tmp_path / "b.py").write_text("def f():\n    class Spec:\n        pass\n\n\nclass _Own:\n    pass\n")
     found = public_classes({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
     assert found == {"Spec": ["a", "b"]}
+
+
+# ------------------------------------------------------------------ module docstrings
+
+MAX_MODULE_DOCSTRING_LINES = 12
+
+
+def module_docstring_lines(path: Path) -> int:
+    """Lines of the module's docstring; 0 when it has none."""
+    tree = ast.parse(path.read_text(), str(path))
+    first = tree.body[0] if tree.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_every_module_says_what_it_is_for_in_a_few_lines():
+    """A module docstring says what the module is for and its one or two invariants; the long
+    reasoning lives in docs/design-notes.md."""
+    lines = {str(p.relative_to(ROOT.parent)): module_docstring_lines(p) for p in modules().values()
+             if p.name != "__main__.py"}
+    missing = sorted(name for name, n in lines.items() if n == 0)
+    long = {name: n for name, n in lines.items() if n > MAX_MODULE_DOCSTRING_LINES}
+    assert not missing, f"give these modules a docstring: {missing}"
+    assert not long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the reasoning to "
+                      f"docs/design-notes.md): {long}")
