@@ -124,12 +124,12 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         tracing = library_tracing(model, example_inputs, batch, max_length)
         made = plan_strategy(model, devices, device_map, tracing, no_split=no_split, dtype=dtype,
                              reserve=parse_reserve(reserve, devices), accept=expressible if map_only else None)
-        return replace(made, offload_dir=recorded_folder(offload_dir))
+        return replace(made, inputs=replace(made.inputs, offload_dir=recorded_folder(offload_dir)))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
             raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
         made = plan_user_map(model, user_map(model, device_map), devices, example_inputs, dtype, batch, max_length)
-        return replace(made, offload_dir=recorded_folder(offload_dir))
+        return replace(made, inputs=replace(made.inputs, offload_dir=recorded_folder(offload_dir)))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from automap.errors import ReportError
+from automap.planning.predict import bottleneck_seconds, forward_seconds
 from automap.report.output import replace_whole
 from automap.sizes import format_bytes
 
@@ -109,11 +110,11 @@ def score(case: str, tool: str, plan: Any) -> BenchRow:
             computed[placement.compute] += unit.flops
     return BenchRow(
         case=case, tool=tool,
-        gpu_bytes=tuple(plan.bytes_on(g) for g in gpus),
-        spill_bytes=sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator),
+        gpu_bytes=tuple(plan.placements.bytes_on[g] for g in gpus),
+        spill_bytes=sum(plan.placements.bytes_on[d.name] for d in plan.devices if not d.is_accelerator),
         busiest_gpu_flops_share=max(computed.values(), default=0) / total_flops,
-        bottleneck_seconds=plan.bottleneck_seconds,
-        forward_seconds=plan.forward_seconds,
+        bottleneck_seconds=bottleneck_seconds(plan),
+        forward_seconds=forward_seconds(plan),
     )
 
 

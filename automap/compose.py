@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Generation:
+class GenerationRequest:
     """A plan for ``generate``: ``batch`` sequences (None: the prompt's) of ``max_length`` tokens."""
 
     batch: int | None
@@ -55,7 +55,7 @@ class Tracing:
     inputs: ExampleInputs | None
     guessed: str = ""
     backward: bool = True
-    generation: Generation | None = None
+    generation: GenerationRequest | None = None
     hint: str = ""
 
 
@@ -67,7 +67,7 @@ def library_tracing(model: nn.Module | Profile, example_inputs: ExampleInputs | 
     Raises:
         PlanError: ``batch`` or ``max_length`` out of range for a generation.
     """
-    generation = None if max_length is None else Generation(batch, max_length)
+    generation = None if max_length is None else GenerationRequest(batch, max_length)
     if isinstance(model, Profile):
         return Tracing(None, generation=generation)  # already profiled: nothing to trace
     if generation is None:
@@ -93,7 +93,7 @@ def spec_tracing(model: nn.Module, example_inputs: Any, batch: int, seq_len: int
         if note:
             log.info("%s", note)
         inputs, guessed = example_inputs_for(model, batch, seq_len)
-    generation = None if max_length is None else Generation(batch, max_length)
+    generation = None if max_length is None else GenerationRequest(batch, max_length)
     return Tracing(inputs, guessed=guessed, backward=False, generation=generation, hint=_CLI_HINT), note
 
 

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from automap.errors import SpecError
+from automap.planning import Plan
 from automap.sizes import MAX_COUNT, format_bytes, parse_number
 from automap.specs import BuiltModel, build_model
 
@@ -20,7 +21,7 @@ class SpecPlan:
     """What ``automap plan SPEC`` produced."""
 
     built: BuiltModel
-    plan: Any
+    plan: Plan
     dtype: torch.dtype | None
     note: str = ""  # what was changed from what was asked (a capped --seq-len)
 

@@ -85,7 +85,8 @@ def worker(mode: str, checkpoint: Path, layers: int, hidden: int, share: float, 
     with MemWatch() as forward, torch.no_grad():
         model(ids, use_cache=False)
     return {"mode": mode, "share": share, "budget_bytes": budget, "model_bytes": total,
-            "plan_cpu_bytes": plan.bytes_on("cpu"), "setup_peak_anon_bytes": setup.peak_anon_bytes - base,
+            "plan_cpu_bytes": plan.placements.bytes_on.get("cpu", 0),
+            "setup_peak_anon_bytes": setup.peak_anon_bytes - base,
             "after_setup_anon_bytes": after, "forward_peak_anon_bytes": forward.peak_anon_bytes - base,
             "forward_peak_file_bytes": forward.peak_file_bytes - forward.base_file_bytes}
 

@@ -265,7 +265,7 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
         reference = next(r.get("tokens") for r in mine if r["kind"] == "ram")
         decode = predict_decode(plan)
         assert decode is not None
-        offloaded = sum(plan.bytes_on(d.name) for d in plan.devices if plan.is_offloaded(d.name))
+        offloaded = plan.placements.offloaded_bytes
         in_ram = _predicted_in_ram(plan)
         summary[f"batch_{batch}"] = {
             "processes": {k: sum(1 for r in mine if r["kind"] == k) for k in KINDS},
@@ -297,11 +297,13 @@ def _prefill_seconds(plan, constants: dict[str, Any] | None, batch: int) -> floa
     """The plan's predicted prefill with the CPU's FLOP/s at the prefill's rows (batch x prompt)."""
     import dataclasses
 
+    from automap.planning.predict import forward_seconds
+
     if not constants:
-        return plan.forward_seconds
+        return forward_seconds(plan)
     rate = constants["cpu_flops_per_second_by_rows"][str(batch * PROMPT)]
     devices = tuple(dataclasses.replace(d, flops_per_second=rate) if d.kind == "cpu" else d for d in plan.devices)
-    return dataclasses.replace(plan, devices=devices).forward_seconds
+    return forward_seconds(dataclasses.replace(plan, devices=devices))
 
 
 def _predicted_in_ram(plan) -> float:

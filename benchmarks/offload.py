@@ -136,7 +136,7 @@ def offloaded_ranges(root: Path, plan_path: Path) -> list[tuple[int, int]]:
 
     plan = automap.Plan.from_json(plan_path.read_text())
     stored = read_header(root / CHECKPOINT).tensors
-    names = {n for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d) for n in u.tensors}
+    names = {n for u, p in zip(plan.units, plan.placements) if p.offloaded for n in u.tensors}
     return [(stored[n].begin, stored[n].nbytes) for n in sorted(names) if n in stored and stored[n].nbytes]
 
 
@@ -237,7 +237,8 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str, transfer: C
         for name, param in list(model.named_parameters()):
             if name not in on_disk:
                 owner, _, key = name.rpartition(".")
-                where = "cpu" if plan.is_offloaded(placement[name]) else plan.compute_device(placement[name])
+                placed = plan.placements.by_home[placement[name]]
+                where = "cpu" if placed.offloaded else placed.compute
                 model.get_submodule(owner)._parameters[key] = nn.Parameter(f.get_tensor(name).to(where))
     source = CheckpointSource({n: (checkpoint, n) for n in on_disk})  # read in place: nothing written
     # ... but for buffers computed at init (rotary frequencies) on disk: they go to a store.
@@ -356,7 +357,7 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
 
     plan = automap.Plan.from_json(plan_path.read_text())
     units = plan.units
-    offloaded = [u for u, d in zip(units, plan.placement) if plan.is_offloaded(d)]
+    offloaded = [u for u, d in zip(units, plan.placement) if plan.placements.by_home[d].offloaded]
     streamed = sum(u.weight_bytes for u in offloaded)
     ram, am, acc, timing = results["ram"], results["automap"], results["accelerate"], results["timing"]
     budget = plan.device("cpu" if device == "cpu" else "cuda:0").capacity_bytes

@@ -36,6 +36,7 @@ from automap.devices import DeviceSpec, make_device
 from automap.errors import AutomapError
 from automap.planning import Plan, make_plan, parse_device_map, plan_from_device_map
 from automap.planning.items import all_cut_bytes, make_items
+from automap.planning.predict import bottleneck_seconds, summary
 from automap.profiling import Profile, Unit
 from automap.profiling.kvcache import profile_generation
 from automap.profiling.refine import Splitter
@@ -147,21 +148,22 @@ def _accelerate_maps(model: nn.Module, devices: tuple[DeviceSpec, ...], case: Ca
 
 
 def _judge(plan: Plan, best: float | None, seconds: float) -> dict[str, Any]:
-    gpu_rows = [r for r in plan.summary() if r.device.is_accelerator]
-    spilled = sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator)
-    streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
+    gpu_rows = [r for r in summary(plan) if r.device.is_accelerator]
+    spilled = sum(plan.placements.bytes_on[d.name] for d in plan.devices if not d.is_accelerator)
+    streamed = max((u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded),
+                   default=0)
     over = [r for r in gpu_rows if _gpu_need(plan, r, streamed) > r.device.capacity_bytes]
     total = sum(u.flops for u in plan.units) or 1
     on_gpus = sum(u.flops for u, d in zip(plan.units, plan.placement)
-                  if plan.device(plan.compute_device(d)).is_accelerator)
+                  if plan.device(plan.placements.by_home[d].compute).is_accelerator)
     return {
         "oom": bool(over),
         "spilled_bytes": spilled,
         "busiest_gpu_flops_share": max((r.flops_share for r in gpu_rows), default=0.0),
         "gpu_flops_share": on_gpus / total,
         "units": len(plan.units),
-        "bottleneck_seconds": plan.bottleneck_seconds,
-        "bottleneck_vs_optimum": plan.bottleneck_seconds / best if best else None,
+        "bottleneck_seconds": bottleneck_seconds(plan),
+        "bottleneck_vs_optimum": bottleneck_seconds(plan) / best if best else None,
         "planning_seconds": seconds,
     }
 
@@ -195,12 +197,15 @@ def generation_fit(batch: int = 16, max_length: int = 8192) -> dict[str, Any]:
     plans["accelerate balanced"] = plan_from_device_map(prof, devices, parse_device_map(balanced(), model.named_modules(remove_duplicate=False), tensors))
     result: dict[str, Any] = {"batch": batch, "max_length": max_length, "kv_bytes": prof.total_kv_bytes}
     for label, plan in plans.items():
-        streamed = max((u.weight_bytes for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)), default=0)
+        streamed = max((u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded),
+                   default=0)
         rows = [{"device": r.device.name, "capacity_bytes": r.device.capacity_bytes, "weight_bytes": r.weight_bytes,
                  "activation_bytes": r.activation_bytes, "kv_bytes": r.kv_bytes,
-                 "need_bytes": _gpu_need(plan, r, streamed)} for r in plan.summary() if r.device.is_accelerator]
+                 "need_bytes": _gpu_need(plan, r, streamed)}
+                for r in summary(plan) if r.device.is_accelerator]
         result[label] = {"gpus": rows, "overflows": any(r["need_bytes"] > r["capacity_bytes"] for r in rows),
-                         "spilled_bytes": sum(plan.bytes_on(d.name) for d in devices if not d.is_accelerator)}
+                         "spilled_bytes": sum(plan.placements.bytes_on[d.name] for d in devices
+                                              if not d.is_accelerator)}
     return result
 
 
@@ -289,7 +294,8 @@ def tutorial_split() -> dict[str, Any]:
             "automap_split_after": next((plan_unit.name for plan_unit, d, nxt in
                                          zip(auto_plan.units, auto_plan.placement, auto_plan.placement[1:])
                                          if d != nxt), None),
-            "bottleneck_ratio_tutorial_vs_automap": hand_plan.bottleneck_seconds / auto_plan.bottleneck_seconds}
+            "bottleneck_ratio_tutorial_vs_automap":
+                bottleneck_seconds(hand_plan) / bottleneck_seconds(auto_plan)}
 
 
 def _cell(result: dict[str, Any]) -> str:

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint, plan_path = args.root / CHECKPOINT, args.root / "plan-cpu.json"
     plan = automap.Plan.from_json(plan_path.read_text())
     stored = read_header(checkpoint).tensors
-    units = [[n for n in u.tensors if n in stored] for u, d in zip(plan.units, plan.placement) if plan.is_offloaded(d)]
+    units = [[n for n in u.tensors if n in stored]
+             for u, p in zip(plan.units, plan.placements) if p.offloaded]
     source = CheckpointSource({n: (checkpoint, n) for unit in units for n in unit})
     mapped = source.files[checkpoint.resolve()]
     seconds: dict[str, list[float]] = {"one request": [], "readahead": []}

@@ -246,7 +246,8 @@ def noted(plan: Plan, match: Match) -> Plan:
     """``plan`` with what transformers' conversion did among its choices, for its report."""
     if match.converted is None or match.converted in plan.choices:
         return plan
-    return dataclasses.replace(plan, choices=plan.choices + (match.converted,))
+    choices = plan.choices + (match.converted,)
+    return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, choices=choices))
 
 
 def missing_value_message(names: list[str], parameter: bool) -> str:

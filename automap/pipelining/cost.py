@@ -19,6 +19,7 @@ from automap.devices import make_device
 from automap.pipelining.stages import Stage
 from automap.planning import Plan
 from automap.planning.cost import flop_seconds
+from automap.planning.predict import cuts
 
 # Round figures, as in automap.devices. An op (a leaf module's forward) costs ~10 us of
 # dispatch and launch; its backward about twice that. A hand-off is a thread wake-up plus a
@@ -78,7 +79,7 @@ def stage_costs(plan: Plan, stages: Sequence[Stage], devices: Sequence[torch.dev
     """
     units = {u.name: u for u in plan.units}
     modules = dict(model.named_modules())
-    into = {cut.after: cut.seconds for cut in plan.cuts()}
+    into = {cut.after: cut.seconds for cut in cuts(plan)}
     passes = 3 if training else 1
     result = []
     for stage, device in zip(stages, devices):

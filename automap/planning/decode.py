@@ -12,6 +12,7 @@ from automap.kinds import kind_of
 from automap.planning.cost import device_seconds, flop_seconds, read_seconds
 from automap.planning.experts import touched_bytes
 from automap.planning.model import Plan
+from automap.planning.predict import forward_seconds, link_seconds, summary
 from automap.sizes import format_bytes, format_flops, format_rate
 
 # Batches tried when looking for the one that amortises a stream or a weight read.
@@ -149,7 +150,7 @@ def predict_decode(plan: Plan) -> DecodePrediction | None:
         return None
     steps = decode_steps(plan, 1.0)
     return DecodePrediction(generation.batch, generation.prompt_length, generation.max_length,
-                            plan.forward_seconds, steps, _hint(plan, steps))
+                            forward_seconds(plan), steps, _hint(plan, steps))
 
 
 def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
@@ -161,24 +162,24 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
     streams: dict[str, dict[str, float]] = {}
     tokens = plan.generation.batch * scale if plan.generation is not None else scale
     for unit, where in zip(plan.units, plan.placement):
-        compute = plan.compute_device(where)
+        compute = plan.placements.by_home[where].compute
         flops[compute] = flops.get(compute, 0.0) + unit.decode_flops * scale
         reads[(compute, "cache")] = reads.get((compute, "cache"), 0.0) + unit.kv_read_bytes * scale
         nbytes = touched_bytes(unit, tokens)  # routed experts: only those the step's tokens use
-        if plan.is_offloaded(where):
+        if plan.placements.by_home[where].offloaded:
             tier = streams.setdefault(compute, {})
             tier[where] = tier.get(where, 0.0) + nbytes
         else:
             reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + nbytes
     return tuple(_device_step(plan, plan.device(name), flops.get(name, 0.0),
                               {k: reads.get((name, k), 0.0) for k in ("weights", "cache")}, streams.get(name, {}))
-                 for name in dict.fromkeys(plan.compute_device(d) for d in plan.placement))
+                 for name in dict.fromkeys(plan.placements.by_home[d].compute for d in plan.placement))
 
 
 def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
                  streams: dict[str, float]) -> DeviceStep:
     read = [Term(kind, device.name, nbytes, read_seconds(nbytes, device)) for kind, nbytes in reads.items() if nbytes]
-    stream = [Term("stream", tier, nbytes, plan.link_seconds(int(nbytes), tier, device.name))
+    stream = [Term("stream", tier, nbytes, link_seconds(plan, int(nbytes), tier, device.name))
               for tier, nbytes in streams.items() if nbytes]
     compute = Term("compute", device.name, flops, flop_seconds(flops, device.flops_per_second))
     overlapped = kind_of(device).overlaps
@@ -203,7 +204,7 @@ def _hint(plan: Plan, steps: tuple[DeviceStep, ...]) -> str:
                 "step, or the layers spread over more devices (read in parallel) raise tokens/s per sequence")
     hint = _batch_hint(plan, limit)
     if limit.kind == "stream":
-        offloaded = sum(plan.bytes_on(d.name) for d in plan.devices if plan.is_offloaded(d.name))
+        offloaded = plan.placements.offloaded_bytes
         resident = (f"{format_bytes(offloaded)} more memory on {plan.execution_device} (max_memory) would keep "
                     "every weight resident")
         hint = f"{resident}; or {hint}" if hint else resident
@@ -216,8 +217,8 @@ def _batch_hint(plan: Plan, limit: Term) -> str:
     generation = plan.generation
     assert generation is not None
     kv = sum(u.kv_bytes for u in plan.units)
-    free = sum(r.device.capacity_bytes - r.used_bytes for r in plan.summary()
-               if r.device.name in {plan.compute_device(d) for d in plan.placement})
+    free = sum(r.device.capacity_bytes - r.used_bytes for r in summary(plan)
+               if r.device.name in {plan.placements.by_home[d].compute for d in plan.placement})
     shared = "stream" if limit.kind == "stream" else "weight reads"
     batch, fits = generation.batch, generation.batch
     while batch < _MAX_BATCH:

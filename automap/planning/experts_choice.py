@@ -20,8 +20,8 @@ from automap.errors import PlanError
 from automap.kinds import is_host_name
 from automap.planning.decode import predict_decode
 from automap.planning.experts import ExpertsCost, ExpertsLayer, ExpertsMode, ExpertsPlan, best_mode, stream_from
-from automap.planning.layout import level_plans
-from automap.planning.layouts import EXPERTS
+from automap.planning.layout_plans import level_plans
+from automap.planning.layout_registry import EXPERTS
 from automap.planning.model import Plan
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile
@@ -51,7 +51,7 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
             or all(best.device(d).is_accelerator for d in best.placement)):
         return best
     if generation is None or not generation.cache:
-        return replace(best, choices=best.choices + (NO_GENERATION,))
+        return replace(best, provenance=replace(best.provenance, choices=best.choices + (NO_GENERATION,)))
     apart = experts_plan(profile, devices, strategy, reserve, refine)
     if apart is None:
         return best
@@ -62,8 +62,10 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
                 f"{format_rate(rate, 'tokens')} against {format_rate(baseline, 'tokens')} for the best plan "
                 "that keeps each layer whole")
     if rate <= baseline:
-        return replace(best, choices=best.choices + (f"kept layers whole; {compared}",))
-    return replace(apart, experts=record, choices=best.choices + (f"chosen instead: {compared}",))
+        kept = best.choices + (f"kept layers whole; {compared}",)
+        return replace(best, provenance=replace(best.provenance, choices=kept))
+    choices = best.choices + (f"chosen instead: {compared}",)
+    return replace(apart, experts=record, provenance=replace(apart.provenance, choices=choices))
 
 
 def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy,

@@ -10,7 +10,7 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import grouped, sub_chain
-from automap.planning.layouts import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
+from automap.planning.layout_registry import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
                                       LayoutContext, LayoutKind, Option, register_layout)
 from automap.planning.offloading import (MAX_OFFLOADED_HEAD, Offload, choose_offload, offload_seconds, store,
                                          store_staged)
@@ -83,7 +83,7 @@ class Packed(LayoutKind):
 
 
 @register_layout("streamed")
-class Streamed(LayoutKind):
+class AcceleratorStreamed(LayoutKind):
     """Offloaded items in storage, streamed to the execution device; the kept groups split
     over the accelerators. Builds none when no accelerator can execute or storage overflows."""
 

@@ -15,7 +15,7 @@ from automap.devices import DeviceSpec
 from automap.kinds import kind_of
 from automap.planning.cost import flop_seconds, transfer_seconds
 from automap.planning.items import sub_chain
-from automap.planning.layouts import room
+from automap.planning.layout_registry import room
 from automap.planning.partition import Chain, fill
 
 # Leading items that may be offloaded too, when the execution device cannot keep them beside

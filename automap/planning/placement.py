@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping, Sequence
 
 from automap.kinds import kind_of
 
@@ -66,9 +67,63 @@ def resolve(home: str, execution: str) -> Placement:
     return Placement(home, kind.name, execution, Route.STAGED if staged else Route.STREAMED)
 
 
-def placements_of(homes: Sequence[str], execution: str) -> tuple[Placement, ...]:
-    """The placement of each unit whose weights live on ``homes`` (a plan's ``placement``), its
-    offloaded units computing on ``execution``; one record per distinct home."""
-    by_home = {home: resolve(home, execution) for home in set(homes)}
-    return tuple(by_home[home] for home in homes)
+@dataclass(frozen=True)
+class PlacementTable:
+    """A plan's placement, resolved once: per unit (aligned with the plan's units) its
+    :class:`Placement` and weight bytes, and per home device how its units run. Iterating it
+    yields the units' placements in order; the report, decode, layout and runtime read it
+    instead of resolving device names again.
 
+    Attributes:
+        units: the unit names, in execution order.
+        rows: each unit's placement, aligned with ``units``.
+        weight_bytes: each unit's weight bytes, aligned with ``units``.
+        execution_device: where offloaded units compute.
+        by_home: every device of the plan (and every home a unit names) -> its placement.
+        used_devices: the devices holding at least one unit, in the plan's device order.
+        bytes_on: weight bytes per home device (0 for a device that holds nothing).
+    """
+
+    units: tuple[str, ...]
+    rows: tuple[Placement, ...]
+    weight_bytes: tuple[int, ...]
+    execution_device: str
+    by_home: Mapping[str, Placement]
+    used_devices: tuple[str, ...]
+    bytes_on: Mapping[str, int]
+
+    def __iter__(self) -> Iterator[Placement]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Placement:
+        return self.rows[index]
+
+    @property
+    def offloaded_units(self) -> tuple[str, ...]:
+        """The units whose weights are brought in for each call, in order."""
+        return tuple(name for name, p in zip(self.units, self.rows) if p.offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Weight bytes of the offloaded units."""
+        return sum(b for b, p in zip(self.weight_bytes, self.rows) if p.offloaded)
+
+
+def placement_table(units: Sequence[tuple[str, int]], homes: Sequence[str], devices: Sequence[str],
+                    executor: str = "") -> PlacementTable:
+    """The table of units ``(name, weight bytes)`` living on ``homes``, over ``devices`` (names,
+    fastest tier first); offloaded units compute on ``executor``, else on the first accelerator
+    holding a unit, else on the CPU."""
+    used = set(homes)
+    used_devices = tuple(d for d in devices if d in used)
+    execution = executor or next((d for d in used_devices if kind_of(d).is_accelerator), "cpu")
+    by_home = {home: resolve(home, execution) for home in (*devices, *sorted(used - set(devices)))}
+    held: dict[str, int] = dict.fromkeys(by_home, 0)
+    for (_, nbytes), home in zip(units, homes):
+        held[home] += nbytes
+    return PlacementTable(tuple(name for name, _ in units), tuple(by_home[h] for h in homes),
+                          tuple(nbytes for _, nbytes in units), execution, MappingProxyType(by_home),
+                          used_devices, MappingProxyType(held))

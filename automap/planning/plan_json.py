@@ -15,7 +15,7 @@ from automap.devices import DeviceSpec, canonical_name
 from automap.errors import AutomapError, PlanError
 from automap.kinds import default_memory_bandwidth, kind_of
 from automap.planning.experts import ExpertsPlan
-from automap.planning.model import JSON_VERSION, Origin, Plan, register_renderer
+from automap.planning.model import JSON_VERSION, Origin, Plan, PlanInputs, Provenance, register_renderer
 from automap.profiling import Unit
 from automap.profiling.result import Generation
 from automap.sizes import MAX_BYTES, MAX_RATE, parse_number
@@ -67,19 +67,19 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         units=units,
         devices=devices,
         placement=_placement_of(data["units"], devices),
-        strategy=strategy,
-        origin=origin,
-        tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
-        cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True))
-                        for c in data.get("cut_bytes", [])),
-        example=data.get("example", ""),
-        warnings=tuple(data.get("warnings", [])),
-        reserves=tuple((str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))
-                       for k, v in data.get("reserves", {}).items()),
-        generation=_generation_of(data.get("generation")),
-        choices=tuple(data.get("choices", [])),
-        # Absent (None) in JSON written before the plan recorded it.
-        offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
+        provenance=Provenance(strategy, origin, warnings=tuple(data.get("warnings", [])),
+                              choices=tuple(data.get("choices", []))),
+        inputs=PlanInputs(
+            tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
+            cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True))
+                            for c in data.get("cut_bytes", [])),
+            example=data.get("example", ""),
+            reserves=tuple((str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))
+                           for k, v in data.get("reserves", {}).items()),
+            generation=_generation_of(data.get("generation")),
+            # Absent (None) in JSON written before the plan recorded it.
+            offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
+        ),
         experts=ExpertsPlan.from_dict(data.get("experts")),
     )
     executor = str(data.get("execution_device", ""))

@@ -11,10 +11,11 @@ from typing import Callable, Mapping, Sequence
 from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
 from automap.kinds import is_host_name
-from automap.planning.layout import Candidate, level_plans
+from automap.planning.layout_plans import Candidate, level_plans
 from automap.planning.experts_choice import with_experts_apart
-from automap.planning.layouts import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
+from automap.planning.layout_registry import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
 from automap.planning.model import Plan
+from automap.planning.predict import forward_seconds
 from automap.planning.strategies import get_strategy
 from automap.planning.usermap import expressible, map_execution_device
 from automap.profiling import Profile
@@ -116,7 +117,7 @@ def _map_note(plan: Plan) -> Plan:
     note = (f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
             f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
             "automap.load, or plan with map_only=True for a map that says everything")
-    return replace(plan, warnings=plan.warnings + (note,))
+    return replace(plan, provenance=replace(plan.provenance, warnings=plan.warnings + (note,)))
 
 
 def _best_accepted(levels: list[_Level], refused: Mapping[str, str], error: PlanError | None,
@@ -143,7 +144,7 @@ def _kind_rank(plan: Plan) -> int:
     """0: every unit on an accelerator; 1: accelerators compute every unit; 2: the CPU computes some."""
     if _all_on_accelerators(plan):
         return 0
-    return 1 if all(plan.device(plan.compute_device(d)).is_accelerator for d in plan.placement) else 2
+    return 1 if all(plan.device(p.compute).is_accelerator for p in plan.placements) else 2
 
 
 def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
@@ -182,26 +183,26 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
     tiers = ([p for p in pool if p[2].kind in (RESIDENT, PACKED) and _all_on_accelerators(p[2].plan)],
              [p for p in pool if p[2].kind != CPU_COMPUTES], pool)
     rank, tier = next((r, t) for r, t in enumerate(tiers) if t)
-    level, index, best = min(tier, key=lambda p: (p[2].plan.forward_seconds, p[1]))
+    level, index, best = min(tier, key=lambda p: (forward_seconds(p[2].plan), p[1]))
     notes = [n for n in (level.profile.untraced_summary,) if n] + list(level.splits)
     kept = [f"{name} ({why})" for name, why in refused.items()]
     if kept:
         more = f", and {len(kept) - _LISTED} more" if len(kept) > _LISTED else ""
         notes.append(f"kept whole: {'; '.join(kept[:_LISTED])}{more}")
     if len(pool) > 1 or best.kind == CPU_COMPUTES:
-        others = sorted((p for p in pool if p[2] is not best), key=lambda p: p[2].plan.forward_seconds)
+        others = sorted((p for p in pool if p[2] is not best), key=lambda p: forward_seconds(p[2].plan))
         listed = ", ".join(f"{_describe(c, i)} ({_ms(c.plan)})" for _, i, c in others[:_LISTED]) or "none"
         notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({_TIER_REASONS[rank]}); "
                      f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
-    _, faster_index, faster = min(pool, key=lambda p: (p[2].plan.forward_seconds, p[1]))
-    if faster.plan.forward_seconds < best.plan.forward_seconds:
-        quick = faster.plan.forward_seconds
-        ratio = best.plan.forward_seconds / quick if quick > 0 else 0.0
+    _, faster_index, faster = min(pool, key=lambda p: (forward_seconds(p[2].plan), p[1]))
+    if forward_seconds(faster.plan) < forward_seconds(best.plan):
+        quick = forward_seconds(faster.plan)
+        ratio = forward_seconds(best.plan) / quick if quick > 0 else 0.0
         notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}: "
                      f"predicted {ratio:.2f}x as fast as the chosen {_ms(best.plan)}), not taken "
                      f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
                      "then the accelerators computing every unit, then the fastest")
-    return replace(best.plan, choices=tuple(notes))
+    return replace(best.plan, provenance=replace(best.plan.provenance, choices=tuple(notes)))
 
 
 # Why the chosen plan beat a faster one in a later tier (see _best); the last tier is all plans,
@@ -236,7 +237,7 @@ def _all_on_accelerators(plan: Plan) -> bool:
 
 def _describe(candidate: Candidate, level: int) -> str:
     plan = candidate.plan
-    off = sum(plan.bytes_on(d.name) for d in plan.devices if not d.is_accelerator)
+    off = sum(plan.placements.bytes_on[d.name] for d in plan.devices if not d.is_accelerator)
     what = {
         RESIDENT: "all on the accelerators" if any(d.is_accelerator for d in plan.devices) else "all in CPU RAM",
         PACKED: "units packed out of order on the accelerators",
@@ -248,7 +249,7 @@ def _describe(candidate: Candidate, level: int) -> str:
 
 
 def _ms(plan: Plan) -> str:
-    return format_seconds(plan.forward_seconds)
+    return format_seconds(forward_seconds(plan))
 
 
 def _explained(error: PlanError, refused: Mapping[str, str], sizes: Mapping[str, int]) -> PlanError:

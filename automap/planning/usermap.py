@@ -9,8 +9,9 @@ from typing import Iterable, Mapping, Sequence
 from automap.devices import DeviceSpec, canonical_name, make_device
 from automap.errors import DeviceError, DeviceMapError
 from automap.kinds import is_host_name
-from automap.planning.model import Origin, Plan, over_capacity_notes, tie_split_notes
-from automap.planning.layout import build_plan
+from automap.planning.model import Origin, Plan
+from automap.planning.predict import over_capacity_notes, tie_split_notes
+from automap.planning.layout_plans import build_plan
 from automap.profiling import Profile
 from automap.profiling.units import longest_prefix
 
@@ -161,7 +162,7 @@ def expressible(plan: Plan) -> bool:
     the CPU computes its units while GPUs keep others, or when units stream into a GPU that
     holds none (or is not the lowest-numbered one holding some)."""
     reading = map_execution_device(plan)
-    return all(plan.compute_device(where) == reading for where in plan.placement
+    return all(plan.placements.by_home[where].compute == reading for where in plan.placement
                if not plan.device(where).is_accelerator)
 
 
@@ -197,4 +198,4 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...], user
     placement = [_unit_device(profile, i, normalised, default) for i in range(len(profile.units))]
     plan = build_plan(profile, all_devices, placement, "", {}, origin=Origin.USER)
     notes = tie_split_notes(plan) + over_capacity_notes(plan)
-    return replace(plan, warnings=plan.warnings + tuple(notes))
+    return replace(plan, provenance=replace(plan.provenance, warnings=plan.warnings + tuple(notes)))

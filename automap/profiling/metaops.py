@@ -18,7 +18,7 @@ from automap.profiling.metarules import run_op
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class InputTensorSpec:
     """Shape and dtype of a tensor a unit received (to rebuild it for timing)."""
 
     shape: tuple[int, ...]
@@ -127,7 +127,8 @@ def _arg_key(value: Any) -> Any:
 def _out_spec(out: Any) -> Any:
     """Shapes of a pure op's result, or None when it is not plain tensors and numbers."""
     if isinstance(out, torch.Tensor):
-        return TensorSpec(tuple(out.shape), out.dtype, out.stride()) if out.layout == torch.strided else None
+        strided = out.layout == torch.strided
+        return InputTensorSpec(tuple(out.shape), out.dtype, out.stride()) if strided else None
     if isinstance(out, (tuple, list)):
         specs = [_out_spec(o) for o in out]
         return None if any(s is None and o is not None for s, o in zip(specs, out)) else type(out)(specs)
@@ -135,7 +136,7 @@ def _out_spec(out: Any) -> Any:
 
 
 def _rebuild(spec: Any) -> Any:
-    if isinstance(spec, TensorSpec):
+    if isinstance(spec, InputTensorSpec):
         assert spec.stride is not None  # memoised results always record strides
         return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
     if isinstance(spec, (tuple, list)):
@@ -151,7 +152,7 @@ def arg_specs(tree: Any) -> Any:
     belong to the traced run and become None: a unit timed alone starts without them."""
     def spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return TensorSpec(tuple(x.shape), x.dtype)
+            return InputTensorSpec(tuple(x.shape), x.dtype)
         return x if isinstance(x, _PLAIN) else None
     return tree_map(spec, tree)
 

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from automap.devices import DeviceSpec
 from automap.errors import ProfileError
 from automap.kinds import kind_of
-from automap.profiling.metaops import TensorSpec
+from automap.profiling.metaops import InputTensorSpec
 from automap.profiling.units import leave_out_observers
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def measure_units(model: nn.Module, unit_inputs: Mapping[str, Any], device: str 
 
     Args:
         model: the model (real or on meta); only copies of single units are moved.
-        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profiling.metaops.TensorSpec`
+        unit_inputs: unit name -> ``(args, kwargs)`` with :class:`~automap.profiling.metaops.InputTensorSpec`
             leaves, as recorded by the traced forward.
         device: where to run.
         dtype: run floating-point weights and inputs at this dtype.
@@ -98,7 +98,7 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype | N
 
 
 def _tensor_for(spec: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    if not isinstance(spec, TensorSpec):
+    if not isinstance(spec, InputTensorSpec):
         return spec
     if spec.dtype.is_floating_point:
         return torch.randn(spec.shape, dtype=dtype or spec.dtype, device=device)

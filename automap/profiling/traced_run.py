@@ -1,5 +1,5 @@
 """The traced run (:func:`run_trace`): one forward (and backward) of a model on the meta device
-under a :class:`~automap.profiling.trace.Tracer`, with each unit hooked, units whose forward meta
+under a :class:`~automap.profiling.tracer.Tracer`, with each unit hooked, units whose forward meta
 cannot run standing in (``fallback.py``), eager experts run as grouped ones (``experts.py``), and
 fused attention counted as the fused kernel runs it."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from automap.interrupts import completed, deferred
 from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
-from automap.profiling.trace import Tracer, TraceResult
+from automap.profiling.tracer import Tracer, TraceResult
 from automap.profiling.units import call_with, has_user_hooks
 
 log = logging.getLogger(__name__)

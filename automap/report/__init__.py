@@ -12,10 +12,11 @@ from automap.errors import ReportError
 from automap.report.facts import format_seconds
 from automap.report.figure import check_figure_path, draw, figure
 from automap.report.schema import check_json_path, plan_dict, read_json, to_json, write_json
-from automap.report.text import render_text, unit_ranges
+from automap.report.text import render_line, render_text, unit_ranges
 
 register_renderer("text", render_text)
 register_renderer("json", to_json)
+register_renderer("line", render_line)
 
 __all__ = ["ReportError", "check_figure_path", "check_json_path", "draw", "figure", "format_seconds", "placement", "plan_dict", "read_json", "render_text",
            "to_json", "unit_ranges", "write_json"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from automap.devices import DeviceSpec, canonical_name, detect_devices, make_device
 from automap.offload import OffloadStore, SourceStats, store_size
-from automap.planning import Origin, Plan
+from automap.planning import Origin, Plan, PlanInputs, Provenance
 from automap.profiling.units import all_named_tensors, longest_prefix
 from automap.errors import OffloadError, ReportError
 from automap.runtime import DispatchState, state_of
@@ -53,7 +53,8 @@ def placement(model: nn.Module) -> Plan:
         found = _dispatched(model, state.plan, streamed)
         found_notes = (memory_note(state.stats()), unreadable_note(state, streamed), store_note(state))
         notes = tuple(n for n in found_notes if n)
-        return dataclasses.replace(found, warnings=found.warnings + notes)
+        noted = dataclasses.replace(found.provenance, warnings=found.warnings + notes)
+        return dataclasses.replace(found, provenance=noted)
     return _undispatched(model)
 
 
@@ -140,7 +141,8 @@ def _as_plan(plan: Plan, found: tuple[str, ...], notes: list[str]) -> Plan:
     extra = tuple(make_device(d, 0) for d in sorted(set(found)) if d not in known)
     return dataclasses.replace(
         plan, devices=tuple(sorted(plan.devices + extra, key=DeviceSpec.sort_key)), placement=found,
-        origin=Origin.ACTUAL, warnings=tuple(plan.warnings) + tuple(notes))
+        provenance=dataclasses.replace(plan.provenance, origin=Origin.ACTUAL,
+                                       warnings=tuple(plan.warnings) + tuple(notes)))
 
 
 def _undispatched(model: nn.Module) -> Plan:
@@ -151,9 +153,10 @@ def _undispatched(model: nn.Module) -> Plan:
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     notes: list[str] = []
     found = tuple(_device_of_unit(u, tensors, hf_map, notes) for u in prof.units)
-    base = Plan(units=prof.units, devices=detect_devices(), placement=found, strategy="", origin=Origin.ACTUAL,
-                tie_groups=prof.tie_groups, example=prof.example,
-                cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units))))
+    base = Plan(units=prof.units, devices=detect_devices(), placement=found,
+                provenance=Provenance(origin=Origin.ACTUAL),
+                inputs=PlanInputs(tie_groups=prof.tie_groups, example=prof.example,
+                                  cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units)))))
     return _as_plan(base, found, notes)
 
 

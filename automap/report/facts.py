@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.decode import DecodePrediction, predict_decode
-from automap.planning.model import over_capacity_notes, tie_split_notes, unit_label
+from automap.planning.model import unit_label
+from automap.planning.predict import (bottleneck_seconds, compute_seconds, cuts, forward_seconds,
+                                      over_capacity_notes, summary, tie_split_notes)
 from automap.sizes import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -72,22 +74,22 @@ class Facts:
 
 def facts_of(plan: Plan) -> Facts:
     """Collect what the renderers show about ``plan``."""
-    rows = plan.summary()
+    rows = summary(plan)
     has_accelerators = any(d.is_accelerator for d in plan.devices)
     spill = sum(r.weight_bytes for r in rows if not r.device.is_accelerator) if has_accelerators else 0
-    per_device = plan.compute_seconds()
+    per_device = compute_seconds(plan)
     busiest = max(per_device, key=lambda name: per_device[name], default="")
     splits = tuple(tie_split_notes(plan))
     return Facts(
         rows=rows,
-        cuts=plan.cuts(),
+        cuts=cuts(plan),
         weight_bytes=sum(u.weight_bytes for u in plan.units),
         used_devices=plan.used_devices,
         has_accelerators=has_accelerators,
         spill_bytes=spill,
         bottleneck_device=busiest,
-        bottleneck_seconds=plan.bottleneck_seconds,
-        forward_seconds=plan.forward_seconds,
+        bottleneck_seconds=bottleneck_seconds(plan),
+        forward_seconds=forward_seconds(plan),
         tie_splits=splits,
         warnings=_warnings(plan, splits),
         untraced=tuple(u.name for u in plan.units if u.untraced),
@@ -103,11 +105,6 @@ def _computed_flops(plan: Plan) -> dict[str, int]:
     for unit, placement in zip(plan.units, plan.placements):
         flops[placement.compute] = flops.get(placement.compute, 0) + unit.flops
     return flops
-
-
-def short_name(unit_name: str) -> str:
-    """A unit's display name; the whole model (unit ``""``) shows as ``the whole model``."""
-    return unit_label(unit_name)
 
 
 def unit_ranges(names: Sequence[str]) -> str:
@@ -171,7 +168,7 @@ def layer_labels(plan: Plan, names: Sequence[str]) -> list[str]:
 def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     """Short remarks printed under a device's row (offloading, overflow)."""
     notes = []
-    if row.units and plan.is_offloaded(row.device.name):
+    if row.units and plan.placements.by_home[row.device.name].offloaded:
         notes.append(f"stores only: weights stream to {plan.execution_device}, which computes their units "
                      f"({format_seconds(row.stage_seconds)} of its stage)")
     if row.over_capacity:
@@ -193,7 +190,7 @@ def untraced_notes(plan: Plan) -> list[str]:
             continue
         flops = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in units) \
             else "FLOPs unknown"
-        names = unit_ranges([short_name(u.name) for u in units])
+        names = unit_ranges([unit_label(u.name) for u in units])
         notes.append(f"{'unit' if len(units) == 1 else 'units'} {names} planned without a trace ({reason}); {flops}")
     return notes
 

@@ -8,9 +8,9 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from automap.planning.model import Origin
 from automap.errors import ReportError
-from automap.report.facts import Facts, facts_of, format_seconds, short_name
+from automap.planning.model import Origin, unit_label
+from automap.report.facts import Facts, facts_of, format_seconds
 from automap.userfiles import check_output_path
 from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
@@ -177,7 +177,8 @@ def _flops_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> 
         if name in facts.compute_seconds:
             label = f"{share:.1f}%, {format_seconds(facts.compute_seconds[name])} per forward"
         elif row.units:
-            label = f"stores only: streams to {plan.compute_device(name)} ({format_seconds(row.stage_seconds)})"
+            streams_to = plan.placements.by_home[name].compute
+            label = f"stores only: streams to {streams_to} ({format_seconds(row.stage_seconds)})"
         else:
             label = "-"
         ax.text(share + 1.5, y, label, va="center", fontsize=8)
@@ -212,7 +213,7 @@ _LABEL_TIERS = 3  # cut labels stack in up to this many rows above the strip bef
 def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
     total = float(max(sum(u.weight_bytes for u in plan.units), 1))
     for start, stop, device in _runs(plan):
-        hatch = "//" if plan.is_offloaded(device) else None
+        hatch = "//" if plan.placements.by_home[device].offloaded else None
         ax.barh(0, stop - start, left=start, height=0.6, color=colours[device], edgecolor="white",
                 linewidth=0.5, hatch=hatch)
         if (stop - start) / total > _CHAR_WIDTH * (len(device) + 2) * 1.3:  # 9-point bold: wider characters
@@ -263,7 +264,8 @@ def _legend_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) ->
     """Which unit ranges each device holds, under the strip (the strip is too narrow for them)."""
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=colours[r.device.name], hatch="//" if plan.is_offloaded(r.device.name) else None,
+    hatches = {name: "//" if p.offloaded else None for name, p in plan.placements.by_home.items()}
+    handles = [Patch(facecolor=colours[r.device.name], hatch=hatches[r.device.name],
                      label=_legend_label(plan, r.device.name, r.units)) for r in facts.rows if r.units]
     ax.axis("off")
     if handles:
@@ -296,8 +298,9 @@ def _notes_panel(ax: Any, notes: Sequence[str]) -> None:
 
 
 def _legend_label(plan: Plan, device: str, units: tuple[str, ...]) -> str:
-    note = f" (offloaded, runs on {plan.execution_device})" if plan.is_offloaded(device) else ""
-    text = f"{device}{note}: {unit_ranges([short_name(u) for u in units])}"
+    offloaded = plan.placements.by_home[device].offloaded
+    note = f" (offloaded, runs on {plan.execution_device})" if offloaded else ""
+    text = f"{device}{note}: {unit_ranges([unit_label(u) for u in units])}"
     return text if len(text) <= _LABEL_CHARS else text[:_LABEL_CHARS - 3] + "..."
 
 

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from automap.planning import JSON_VERSION, Plan
 from automap.errors import PlanError, ReportError
+from automap.planning.model import unit_label
 from automap.planning.plan_json import plan_from_value
-from automap.report.facts import Facts, facts_of, short_name
+from automap.planning.predict import bottleneck_seconds, forward_seconds
+from automap.report.facts import Facts, facts_of
 from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.userfiles import as_path, check_output_path, read_json_file
@@ -43,8 +45,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "offload_dir": plan.offload_dir,
         "device_map": plan.device_map,
         "devices": [_device_dict(plan, facts, row) for row in facts.rows],
-        "bottleneck_seconds": plan.bottleneck_seconds,
-        "forward_seconds": plan.forward_seconds,
+        "bottleneck_seconds": bottleneck_seconds(plan),
+        "forward_seconds": forward_seconds(plan),
         "cuts": [asdict(cut) for cut in facts.cuts],
         "units": [{**asdict(u), "device": p.home, "placement": p.as_dict()}
                   for u, p in zip(plan.units, plan.placements)],
@@ -79,7 +81,8 @@ def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
             "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
                              for s in decode.steps],
         }
-    return {**asdict(plan.generation), "kv_bytes": facts.kv_bytes, "prefill_seconds": plan.forward_seconds, **speed}
+    return {**asdict(plan.generation), "kv_bytes": facts.kv_bytes, "prefill_seconds": facts.forward_seconds,
+            **speed}
 
 
 def _device_dict(plan: Plan, facts: Facts, row: DeviceSummary) -> dict[str, Any]:
@@ -105,10 +108,10 @@ def _device_dict(plan: Plan, facts: Facts, row: DeviceSummary) -> dict[str, Any]
         "computed_flops": facts.computed_flops.get(name, 0),
         "computed_flops_share": facts.computed_share(name),
         "compute_seconds": facts.compute_seconds.get(name, 0.0),
-        "offloaded": bool(row.units) and plan.is_offloaded(row.device.name),
-        "compute_device": plan.compute_device(row.device.name),
+        "offloaded": bool(row.units) and plan.placements.by_home[row.device.name].offloaded,
+        "compute_device": plan.placements.by_home[row.device.name].compute,
         "units": list(row.units),
-        "unit_ranges": unit_ranges([short_name(n) for n in row.units]),
+        "unit_ranges": unit_ranges([unit_label(n) for n in row.units]),
     }
 
 

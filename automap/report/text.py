@@ -4,8 +4,9 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Sequence
 
-from automap.planning.model import Origin
-from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels, short_name,
+from automap.planning.model import Origin, unit_label
+from automap.planning.predict import forward_seconds
+from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels,
                                   unit_ranges)
 from automap.sizes import format_bytes, format_rate
 
@@ -47,6 +48,23 @@ def render_text(plan: Plan) -> str:
     return "\n\n".join(s for s in sections if s)
 
 
+def render_line(plan: Plan) -> str:
+    """``repr(plan)``: one line a person can read (the dataclass's own repr lists every unit):
+    ``<Plan auto: 18 units, 44.63 MiB; cuda:0 17.74 MiB (8 units), cpu 26.89 MiB (10 units,
+    streamed to cuda:0); predicted forward 1.92 ms>``."""
+    table = plan.placements
+    held = []
+    for name in table.used_devices:
+        count = sum(1 for d in plan.placement if d == name)
+        route = f", streamed to {table.execution_device}" if table.by_home[name].offloaded else ""
+        many = f"{count} unit{'' if count == 1 else 's'}"
+        held.append(f"{name} {format_bytes(table.bytes_on[name])} ({many}{route})")
+    weights = format_bytes(sum(table.weight_bytes))
+    units = f"{len(plan.units)} unit{'' if len(plan.units) == 1 else 's'}"
+    return (f"<Plan {plan.source or 'plan'}: {units}, {weights}; {', '.join(held) or 'nothing placed'}; "
+            f"predicted forward {format_seconds(forward_seconds(plan))}>")
+
+
 def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=first or indent, subsequent_indent=indent,
                          break_on_hyphens=False, break_long_words=True) or [first.rstrip()]
@@ -83,7 +101,7 @@ def _devices(plan: Plan, facts: Facts) -> str:
                      f"{kv} {pct:>5} {headroom:>10} {flops:>6} {stage:>{_stage_width(with_kv)}}")
         for note in device_notes(plan, s):
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
-        span = unit_ranges(layer_labels(plan, [short_name(n) for n in s.units])) if s.units else "(nothing placed)"
+        span = unit_ranges(layer_labels(plan, [unit_label(n) for n in s.units])) if s.units else "(nothing placed)"
         lines += _wrap(span, " " * 16, first=" " * 9 + "units: ")
     return "\n".join(lines)
 
@@ -95,7 +113,7 @@ def _cuts(facts: Facts) -> str:
     for cut in facts.cuts[:MAX_CUT_LINES]:
         numbers = (f"  {cut.src_device:>7} -> {cut.dst_device:<7} {format_bytes(cut.bytes):>10} "
                    f"{format_seconds(cut.seconds):>9}  ")
-        lines += _wrap(f"{short_name(cut.before)} | {short_name(cut.after)}", " " * len(numbers), first=numbers)
+        lines += _wrap(f"{unit_label(cut.before)} | {unit_label(cut.after)}", " " * len(numbers), first=numbers)
     hidden = facts.cuts[MAX_CUT_LINES:]
     if hidden:
         lines.append(f"  ... and {len(hidden)} more, {format_bytes(sum(c.bytes for c in hidden))} "
@@ -148,7 +166,7 @@ def _experts(plan: Plan) -> str:
     lines.append(f"  {'layer':<22} {'experts on':<10} {'decode':<13} {'prefill':<13} streamed from")
     for layer in record.layers:
         crossing = f"{layer.stream_from:,} token{'' if layer.stream_from == 1 else 's'}" if layer.stream_from else "-"
-        lines.append(f"  {short_name(layer.layer):<22} {layer.home:<10} {layer.decode.value:<13} "
+        lines.append(f"  {unit_label(layer.layer):<22} {layer.home:<10} {layer.decode.value:<13} "
                      f"{layer.prefill.value:<13} {crossing}")
     return "\n".join(lines)
 

@@ -298,6 +298,74 @@ def test_a_dict_device_map_is_parsed_in_one_place():
     assert callers("user_map") == {"automap.api:plan"}
 
 
+PLACEMENT_QUESTIONS = re.compile(r"\b(is_offloaded|compute_device)\(")
+
+
+def placement_questions(root: Path, skip: Path | None = None) -> dict[str, int]:
+    """``{"path": count}`` of calls asking placement one device name at a time, under ``root``
+    (not under ``skip``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if skip is not None and path.is_relative_to(skip):
+            continue
+        count = len(PLACEMENT_QUESTIONS.findall(path.read_text()))
+        if count:
+            found[str(path.relative_to(root.parent))] = count
+    return found
+
+
+def test_placement_is_read_from_the_plans_table_not_asked_per_name():
+    """Outside the planner, placement is read from ``plan.placements`` (the table resolved once
+    per plan), never asked one name at a time."""
+    asked = placement_questions(ROOT, skip=ROOT / "planning")
+    asked.update(placement_questions(ROOT.parent / "benchmarks"))
+    assert not asked, f"read plan.placements (rows, by_home, bytes_on) instead: {asked}"
+
+
+def test_the_placement_count_sees_a_question(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("x = plan.is_offloaded('cpu') or plan.compute_device('disk')\n")
+    assert placement_questions(tmp_path / "pkg") == {"pkg/m.py": 2}
+
+
+def test_a_plan_is_a_record():
+    """``Plan`` holds what was decided and what from, in a few fields; its costs are functions of
+    it (automap.planning.predict), its drawing is registered by automap.report."""
+    import dataclasses
+
+    from automap.planning.model import Plan
+
+    assert len(dataclasses.fields(Plan)) <= 8
+    own = {name for name in vars(Plan) if not name.startswith("__")}
+    costs = {n for n in own if n.endswith("_seconds") or n in {"summary", "cuts", "bytes_on", "is_offloaded",
+                                                                 "compute_device", "compute_seconds"}}
+    assert not costs, f"{costs}: move them to automap.planning.predict as functions of a plan"
+    drawn = {n for n in own if n.startswith(("render", "draw", "figure"))}
+    assert not drawn and {"report", "to_json", "from_json"} <= own
+
+
+def public_classes(paths: dict[str, Path]) -> dict[str, list[str]]:
+    """Each public class name -> the modules that define one of that name."""
+    found: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(name)
+    return found
+
+
+def test_no_two_public_classes_share_a_name():
+    shared = {k: v for k, v in public_classes(modules()).items() if len(v) > 1}
+    assert not shared, f"one name per thing: rename the less central of {shared}"
+
+
+def test_the_class_name_check_sees_a_duplicate(tmp_path):
+    (tmp_path / "a.py").write_text("class Spec:\n    pass\n\n\nclass _Own:\n    pass\n")
+    (tmp_path / "b.py").write_text("def f():\n    class Spec:\n        pass\n\n\nclass _Own:\n    pass\n")
+    found = public_classes({"a": tmp_path / "a.py", "b": tmp_path / "b.py"})
+    assert found == {"Spec": ["a", "b"]}
+
+
 # ------------------------------------------------------------------ module docstrings
 
 MAX_MODULE_DOCSTRING_LINES = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from automap.devices import make_device
-from automap.planning import Plan
+from automap.planning import Plan, PlanInputs, Provenance
 from automap.planning.decode import predict_decode
 from automap.profiling import Unit
 from automap.profiling.result import Generation
@@ -19,8 +19,9 @@ def _unit(name: str, weights: int, kv_read: int = 0, flops: int = 0, kv: int = 0
 
 
 def _plan(units, placement, devices, batch: int = 1) -> Plan:
-    return Plan(units=tuple(units), devices=tuple(devices), placement=tuple(placement), strategy="auto",
-                generation=Generation(batch, 1024, 128, cache="DynamicCache"))
+    return Plan(units=tuple(units), devices=tuple(devices), placement=tuple(placement),
+                provenance=Provenance("auto"),
+                inputs=PlanInputs(generation=Generation(batch, 1024, 128, cache="DynamicCache")))
 
 
 def _gpu(name: str, capacity: int = 80 * GB):
@@ -81,5 +82,6 @@ def test_a_larger_batch_amortises_the_weights_until_the_cache_or_compute_limits(
 
 
 def test_no_generation_no_prediction():
-    plan = Plan(units=(_unit("a", GB),), devices=(_gpu("cuda:0"),), placement=("cuda:0",), strategy="auto")
+    plan = Plan(units=(_unit("a", GB),), devices=(_gpu("cuda:0"),), placement=("cuda:0",),
+                provenance=Provenance("auto"))
     assert predict_decode(plan) is None

@@ -1,4 +1,4 @@
-"""The layout-kind registry (:mod:`automap.planning.layouts`): the built-in kinds are tried in
+"""The layout-kind registry (:mod:`automap.planning.layout_registry`): the built-in kinds are tried in
 their registered order, a name registers once, and a kind registered from outside takes part in
 planning like the built-in ones."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import networkx as nx
 import pytest
 
 from automap.devices import make_device
-from automap.planning.layout import level_plans
+from automap.planning.layout_plans import level_plans
 from automap.planning.layout_kinds import layout_options
-from automap.planning.layouts import (LAYOUT_KINDS, RESIDENT, STREAMED, Layout, LayoutContext, LayoutKind,
+from automap.planning.layout_registry import (LAYOUT_KINDS, RESIDENT, STREAMED, Layout, LayoutContext, LayoutKind,
                                       register_layout)
 from automap.planning.items import all_cut_bytes, make_items
 from automap.planning.strategies import get_strategy

@@ -155,8 +155,16 @@ def test_placements_of_a_plan_with_gpu_cpu_and_disk_units():
     expected = {"cuda:0": Placement("cuda:0", "cuda", "cuda:0", Route.RESIDENT),
                 "cpu": Placement("cpu", "cpu", "cuda:0", Route.STREAMED),
                 "disk": Placement("disk", "disk", "cuda:0", Route.STAGED)}
-    assert plan.placements == tuple(expected[d] for d in plan.placement)
+    table = plan.placements
+    assert table.rows == tuple(expected[d] for d in plan.placement) and tuple(table) == table.rows
+    assert table.units == tuple(u.name for u in plan.units)
+    assert dict(table.by_home) == {d.name: expected[d.name] for d in plan.devices}
+    held = {d.name: sum(u.weight_bytes for u, h in zip(plan.units, plan.placement) if h == d.name)
+            for d in plan.devices}
+    assert table.bytes_on == held
+    assert table.offloaded_bytes == table.bytes_on.get("cpu", 0) + table.bytes_on.get("disk", 0)
     assert plan.offloaded_units == tuple(u.name for u, p in zip(plan.units, plan.placements) if p.offloaded)
+    assert plan.placements is table  # resolved once per plan
     units = json.loads(plan.to_json())["units"]
     assert [u["placement"] for u in units] == [p.as_dict() for p in plan.placements]
     assert units[-1]["placement"] == {"home": "disk", "tier": "disk", "compute_device": "cuda:0", "route": "staged"}

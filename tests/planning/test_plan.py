@@ -17,7 +17,8 @@ from automap.devices import make_device
 from automap.errors import DeviceMapError, PlanError
 from automap.planning import Plan, make_plan
 from automap.planning.partition import Chain, Slot, fill, memory_reach, min_bottleneck
-from automap.planning.layout import all_cut_bytes, build_plan
+from automap.planning.layout_plans import all_cut_bytes, build_plan
+from automap.planning.predict import bottleneck_seconds, compute_seconds, cuts, summary
 from automap.profiling import Profile, Unit
 from conftest import tiny_gpt2, tiny_llama, weight_bytes
 
@@ -50,7 +51,7 @@ def gpus(capacities, speeds=None, links=None):
 
 
 def fits(plan: Plan) -> bool:
-    return all(row.used_bytes <= row.device.capacity_bytes for row in plan.summary())
+    return all(row.used_bytes <= row.device.capacity_bytes for row in summary(plan))
 
 
 def brute_force(profile: Profile, devices) -> float | None:
@@ -62,13 +63,13 @@ def brute_force(profile: Profile, devices) -> float | None:
         edges = (0, *bounds, n)
         placement = [devices[j].name for j in range(k) for _ in range(edges[j], edges[j + 1])]
         plan = build_plan(profile, devices, placement, "brute", {})
-        if fits(plan) and (best is None or plan.bottleneck_seconds < best):
-            best = plan.bottleneck_seconds
+        if fits(plan) and (best is None or bottleneck_seconds(plan) < best):
+            best = bottleneck_seconds(plan)
     return best
 
 
 def spilled(plan: Plan) -> int:
-    return plan.bytes_on("cpu") + plan.bytes_on("disk")
+    return plan.placements.bytes_on.get("cpu", 0) + plan.placements.bytes_on.get("disk", 0)
 
 
 def hypothetical(profile: Profile, count: int, total_ratio: float) -> tuple:
@@ -108,7 +109,7 @@ def test_balanced_bottleneck_equals_brute_force_optimum(instance):
         return
     plan = make_plan(profile, devices, "balanced")
     assert fits(plan)
-    assert plan.bottleneck_seconds == pytest.approx(optimum, rel=1e-9, abs=1e-15)
+    assert bottleneck_seconds(plan) == pytest.approx(optimum, rel=1e-9, abs=1e-15)
 
 
 @settings(max_examples=100, deadline=None)
@@ -186,7 +187,7 @@ def test_resnet50_that_fits_on_gpus_spills_nothing(resnet50_profile, count, rati
 def test_resnet50_on_two_gpus_is_the_optimum(resnet50_profile):
     devices = hypothetical(resnet50_profile, 2, 1.5)[:2]
     plan = make_plan(resnet50_profile, devices, "balanced")
-    assert plan.bottleneck_seconds == pytest.approx(brute_force(resnet50_profile, devices), rel=1e-9)
+    assert bottleneck_seconds(plan) == pytest.approx(brute_force(resnet50_profile, devices), rel=1e-9)
 
 
 def test_llama_with_untied_lm_head_keeps_it_on_a_gpu(llama_2g_profile):
@@ -197,7 +198,7 @@ def test_llama_with_untied_lm_head_keeps_it_on_a_gpu(llama_2g_profile):
     assert spilled(plan) == 0
     assert plan.device_of("lm_head") in ("cuda:0", "cuda:1")
     assert fits(plan)
-    assert plan.bottleneck_seconds == pytest.approx(brute_force(prof, plan.devices[:2]), rel=1e-9)
+    assert bottleneck_seconds(plan) == pytest.approx(brute_force(prof, plan.devices[:2]), rel=1e-9)
 
 
 def test_too_small_gpus_keep_a_contiguous_run_then_cpu_then_disk(llama_2g_profile):
@@ -214,13 +215,13 @@ def test_too_small_gpus_keep_a_contiguous_run_then_cpu_then_disk(llama_2g_profil
     assert sum(prof.units[i].weight_bytes for i in extras) < 0.01 * total
     stored = {plan.placement[i] for i in range(n) if i not in on_gpu}
     assert stored == {"cpu", "disk"}
-    cpu = next(r for r in plan.summary() if r.device.name == "cpu")
+    cpu = next(r for r in summary(plan) if r.device.name == "cpu")
     free = cpu.device.capacity_bytes - cpu.used_bytes
     assert all(u.weight_bytes > free for u, d in zip(plan.units, plan.placement) if d == "disk"), \
         "CPU RAM takes every offloaded unit that fits before disk"
-    assert plan.bytes_on("disk") > 0 and plan.bytes_on("cpu") > 0
-    assert sum(plan.bytes_on(f"cuda:{i}") for i in range(2)) > 0.45 * total
-    largest = max(u.weight_bytes for u in plan.units if plan.is_offloaded(plan.device_of(u.name)))
+    assert plan.placements.bytes_on.get("disk", 0) > 0 and plan.placements.bytes_on.get("cpu", 0) > 0
+    assert sum(plan.placements.bytes_on[f"cuda:{i}"] for i in range(2)) > 0.45 * total
+    largest = max(u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
     assert dict(plan.reserves)[plan.execution_device] == largest
     assert any("offloaded" in w for w in plan.warnings)
 
@@ -233,7 +234,7 @@ def test_nothing_is_offloaded_reserve_when_all_fits(resnet50_profile):
 def test_sequential_fills_gpu0_first(resnet50_profile):
     devices = hypothetical(resnet50_profile, 2, 1.5)
     plan = make_plan(resnet50_profile, devices, "sequential")
-    rows = {r.device.name: r for r in plan.summary()}
+    rows = {r.device.name: r for r in summary(plan)}
     assert spilled(plan) == 0
     nxt = plan.units[len(rows["cuda:0"].units)]
     assert rows["cuda:0"].used_bytes + nxt.weight_bytes > devices[0].capacity_bytes
@@ -254,16 +255,16 @@ def test_plan_front_door_takes_reserve_and_speeds(llama_2g_profile):
     kept = automap.plan(llama_2g_profile, max_memory={0: share, 1: share, "cpu": "10GB"}, reserve=share // 2,
                         speeds={"cuda:1": 50e12})
     assert spilled(plain) == 0 and spilled(kept) > 0
-    assert [r.reserve_bytes >= share // 2 for r in kept.summary()[:2]] == [True, True]
+    assert [r.reserve_bytes >= share // 2 for r in summary(kept)[:2]] == [True, True]
     assert kept.device("cuda:1").flops_per_second == 50e12
 
 
 def test_balanced_low_0_keeps_gpu0_light(llama_2g_profile):
     devices = gpus([10**10] * 4)
     low = make_plan(llama_2g_profile, devices, "balanced_low_0")
-    shares = [r.flops_share for r in low.summary()]
+    shares = [r.flops_share for r in summary(low)]
     assert shares[0] < min(shares[1:])
-    assert shares[0] < make_plan(llama_2g_profile, devices, "balanced").summary()[0].flops_share
+    assert shares[0] < summary(make_plan(llama_2g_profile, devices, "balanced"))[0].flops_share
 
 
 def test_reserve_keeps_room_on_every_gpu(llama_2g_profile):
@@ -274,7 +275,7 @@ def test_reserve_keeps_room_on_every_gpu(llama_2g_profile):
     assert spilled(plain) == 0
     kept = make_plan(prof, devices + (make_device("cpu", 10**10),), reserve={"cuda:0": share // 2, "cuda:1": share // 2})
     assert spilled(kept) > 0 and fits(kept)
-    assert all(r.reserve_bytes >= share // 2 for r in kept.summary()[:2])
+    assert all(r.reserve_bytes >= share // 2 for r in summary(kept)[:2])
 
 
 def test_activations_for_the_planned_batch_are_reserved():
@@ -344,7 +345,7 @@ def test_json_round_trip_keeps_device_map_and_reserves(llama_2g_profile):
     assert [d["name"] for d in data["devices"]] == ["cuda:0", "cuda:1", "cpu", "disk"]
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.reserves == plan.reserves
-    assert again.bottleneck_seconds == plan.bottleneck_seconds
+    assert bottleneck_seconds(again) == bottleneck_seconds(plan)
 
 
 def test_device_map_covers_every_tensor_including_loose_ones():
@@ -468,7 +469,7 @@ def test_balanced_low_0_streams_to_another_gpu_than_gpu_0(llama_2g_profile):
     assert plan.offloaded_units and fits(plan)
     assert plan.execution_device != "cuda:0"
     assert "cuda:0" not in dict(plan.reserves), "no room kept on GPU 0 for streamed weights"
-    seconds = plan.compute_seconds()
+    seconds = compute_seconds(plan)
     assert seconds["cuda:0"] < seconds[plan.execution_device]
     assert max(seconds, key=seconds.get) != "cuda:0"
     auto = make_plan(prof, devices, "auto")
@@ -476,7 +477,8 @@ def test_balanced_low_0_streams_to_another_gpu_than_gpu_0(llama_2g_profile):
 
 
 def _headroom(plan: Plan) -> dict[str, int]:
-    return {r.device.name: r.device.capacity_bytes - r.used_bytes for r in plan.summary() if r.device.is_accelerator}
+    return {r.device.name: r.device.capacity_bytes - r.used_bytes for r in summary(plan)
+            if r.device.is_accelerator}
 
 
 def test_idle_gpu_room_takes_streamed_units_before_the_cpu_streams_them(resnet50_profile):
@@ -494,7 +496,7 @@ def test_idle_gpu_room_takes_streamed_units_before_the_cpu_streams_them(resnet50
     assert fits(plan) and plan.offloaded_units
     room = _headroom(plan)
     for unit, where in zip(plan.units, plan.placement):
-        if not plan.is_offloaded(where):
+        if not plan.placements.by_home[where].offloaded:
             continue
         could = [plan.execution_device] if unit.split_from else list(room)
         need = unit.weight_bytes + unit.peak_activation_bytes
@@ -516,7 +518,7 @@ def test_no_gpu_holds_a_lone_small_unit_that_only_adds_cuts():
         model = MixtralForCausalLM(config)
     plan = automap.plan(model, max_memory={0: 10 * MB, "cpu": 2 * weight_bytes(model)})
     assert plan.device_of("model.norm") == "cpu"
-    assert plan.cuts() == ()
+    assert cuts(plan) == ()
     assert not [d for d in plan.placement if d == "cuda:0"]
 
 

@@ -13,6 +13,7 @@ import automap
 from automap.devices import make_device
 from automap.errors import DispatchError, PlanError
 from automap.planning import Plan, build_plan, make_plan
+from automap.planning.predict import forward_seconds, hook_seconds, summary
 from automap.profiling.refine import Splitter
 from conftest import ids_and_logits, logits_of, tiny_llama, weight_bytes
 
@@ -37,19 +38,19 @@ def hypothetical(total: int, count: int, ratio: float) -> dict:
 def gpu_flops_share(plan: Plan) -> float:
     """Share of the forward FLOPs computed on accelerators, resident there or streamed to one."""
     on = sum(u.flops for u, d in zip(plan.units, plan.placement)
-             if plan.device(plan.compute_device(d)).is_accelerator)
+             if plan.device(plan.placements.by_home[d].compute).is_accelerator)
     return on / sum(u.flops for u in plan.units)
 
 
 def fits(plan: Plan) -> bool:
-    return all(row.used_bytes <= row.device.capacity_bytes for row in plan.summary())
+    return all(row.used_bytes <= row.device.capacity_bytes for row in summary(plan))
 
 
 def pieces_on_one_device(plan: Plan) -> bool:
     where: dict[str, set[str]] = {}
     for unit, device in zip(plan.units, plan.placement):
         if unit.split_from:
-            where.setdefault(unit.split_from, set()).add(plan.compute_device(device))
+            where.setdefault(unit.split_from, set()).add(plan.placements.by_home[device].compute)
     return all(len(devices) == 1 for devices in where.values())
 
 
@@ -114,7 +115,7 @@ def test_resnet50_computes_most_flops_on_gpus_by_splitting(resnet50_meta, count,
     assert gpu_flops_share(plan) >= 0.9
     assert fits(plan) and pieces_on_one_device(plan)
     assert any(u.split_from == "layer4.0" for u in plan.units)
-    streamed = max(u.weight_bytes for u in plan.units if plan.is_offloaded(plan.device_of(u.name)))
+    streamed = max(u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
     assert dict(plan.reserves)[plan.execution_device] >= streamed, "the executor keeps room for the largest piece"
     assert any(c.startswith("layer4.0 split into 7 pieces: larger than any GPU's room") for c in plan.choices)
     assert any(c.startswith("chosen: ") and "alternatives: " in c for c in plan.choices)
@@ -162,10 +163,11 @@ def test_a_unit_larger_than_every_gpu_is_computed_by_the_cpu_not_the_whole_model
 def test_predicted_time_counts_hooks(resnet50_meta):
     prof = automap.profile(resnet50_meta)
     alone = make_plan(prof, (make_device("cuda:0", 10**10),))
-    assert alone.hook_seconds == 0.0
+    assert hook_seconds(alone) == 0.0
     split = make_plan(prof, (make_device("cuda:0", 10**10), make_device("cuda:1", 10**10)))
-    assert split.hook_seconds == pytest.approx(3e-6 * len(prof.units))
-    assert split.forward_seconds == pytest.approx(sum(r.stage_seconds for r in split.summary()) + split.hook_seconds)
+    assert hook_seconds(split) == pytest.approx(3e-6 * len(prof.units))
+    stages = sum(r.stage_seconds for r in summary(split))
+    assert forward_seconds(split) == pytest.approx(stages + hook_seconds(split))
 
 
 # ------------------------------------------------------------------------------- budgets
@@ -176,7 +178,8 @@ def test_cpu_execution_charges_nothing_for_disk_units(resnet50_meta):
     for share in (0.3, 0.1, 0.0):
         plan = automap.plan(resnet50_meta, max_memory={"cpu": int(share * total), "disk": "10GB"})
         assert plan.reserves == (), "mmap'd disk units need no staging room in RAM"
-        assert plan.bytes_on("cpu") <= share * total and plan.bytes_on("disk") >= (1 - share) * total
+        held = plan.placements.bytes_on
+        assert held.get("cpu", 0) <= share * total and held.get("disk", 0) >= (1 - share) * total
 
 
 def test_gpu_execution_counts_pinned_staging_in_the_cpu_budget(resnet50_meta):
@@ -184,7 +187,7 @@ def test_gpu_execution_counts_pinned_staging_in_the_cpu_budget(resnet50_meta):
     plan = automap.plan(resnet50_meta, max_memory=hypothetical(total, 4, 0.6))
     largest_on_disk = max(u.weight_bytes for u, d in zip(plan.units, plan.placement) if d == "disk")
     assert dict(plan.reserves)["cpu"] == largest_on_disk
-    row = next(r for r in plan.summary() if r.device.name == "cpu")
+    row = next(r for r in summary(plan) if r.device.name == "cpu")
     assert row.weight_bytes + row.reserve_bytes <= row.device.capacity_bytes
 
 
@@ -192,7 +195,8 @@ def test_a_zero_cpu_budget_runs(tmp_path):
     model = tiny_llama(layers=2)
     ids, expected = ids_and_logits(model)
     plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path)
-    assert plan.bytes_on("cpu") == 0 and plan.bytes_on("disk") == sum(u.weight_bytes for u in plan.units)
+    held = plan.placements.bytes_on
+    assert held.get("cpu", 0) == 0 and held.get("disk", 0) == sum(u.weight_bytes for u in plan.units)
     automap.dispatch(model, plan, offload_dir=tmp_path)
     assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)

@@ -16,6 +16,7 @@ from torch import nn
 
 import automap
 from automap.errors import PlanError
+from automap.planning.predict import summary
 from automap.profiling.kvcache import held_tensors
 from automap.report import plan_dict
 from automap.runtime import send
@@ -120,7 +121,7 @@ def test_planned_kv_per_device_is_the_cache_generate_holds(name):
     for i, layer in enumerate(_layers(_cache_of(out))):
         device = plan.device_of(family.layer_unit.format(i=i))
         actual[device] = actual.get(device, 0) + _storage_bytes(layer)
-    planned = {row.device.name: row.kv_bytes for row in plan.summary() if row.kv_bytes}
+    planned = {row.device.name: row.kv_bytes for row in summary(plan) if row.kv_bytes}
     assert set(planned) == set(actual)
     for device, nbytes in actual.items():
         assert abs(planned[device] - nbytes) <= 0.02 * nbytes, (device, planned[device], nbytes)
@@ -149,12 +150,12 @@ def test_kv_reserved_with_the_weights_changes_the_split():
     planned = automap.plan(model, max_memory=budgets, example_inputs=prompt, max_length=64)
     assert sum(u.kv_bytes for u in planned.units) > 0
     assert plain.offloaded_units == ()
-    for row in planned.summary():
+    for row in summary(planned):
         assert row.used_bytes <= row.device.capacity_bytes
     # The cache of the layers that now stream from disk lives on the GPU that runs them.
-    offloaded_kv = sum(u.kv_bytes for u, d in zip(planned.units, planned.placement) if planned.is_offloaded(d))
+    offloaded_kv = sum(u.kv_bytes for u, p in zip(planned.units, planned.placements) if p.offloaded)
     assert offloaded_kv > 0
-    executor = next(r for r in planned.summary() if r.device.name == planned.execution_device)
+    executor = next(r for r in summary(planned) if r.device.name == planned.execution_device)
     resident = sum(u.kv_bytes for u, d in zip(planned.units, planned.placement) if d == executor.device.name)
     assert executor.kv_bytes == resident + offloaded_kv
 
@@ -170,7 +171,7 @@ def test_llama_70b_shape_fits_two_80gib_gpus_with_its_cache_at_16_x_8192():
                         batch=16, max_length=8192)
     # An oracle independent of the measurement: K and V, 8 KV heads of 128, bf16, 8,191 cached tokens.
     assert sum(u.kv_bytes for u in plan.units) == 80 * 2 * 8 * 128 * 2 * 16 * 8191
-    for row in plan.summary():
+    for row in summary(plan):
         if row.device.is_accelerator:
             assert row.weight_bytes + row.activation_bytes + row.kv_bytes + row.reserve_bytes <= row.device.capacity_bytes
             assert row.kv_bytes > 0

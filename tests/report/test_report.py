@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import automap
+from automap.planning.predict import compute_seconds, cuts, forward_seconds, summary
 from automap.report import (ReportError, draw, figure, placement, plan_dict, read_json, render_text, to_json,
                             unit_ranges, write_json)
 from automap.sizes import format_flops, format_number, format_rate, format_seconds
@@ -46,7 +47,7 @@ def test_text_names_every_device_and_unit_range_in_80_columns(spread_plan):
     text = render_text(spread_plan)
     assert text == spread_plan.report()
     assert max(len(line) for line in text.splitlines()) <= 80
-    rows = spread_plan.summary()
+    rows = summary(spread_plan)
     assert {r.device.name for r in rows} == {"cuda:0", "cuda:1", "cpu", "disk"}
     for row in rows:
         assert re.search(rf"^{re.escape(row.device.name)}\s", text, re.M), row.device.name
@@ -59,9 +60,9 @@ def test_text_names_every_device_and_unit_range_in_80_columns(spread_plan):
 
 def test_text_shows_cuts_totals_and_warnings(spread_plan):
     text = _flat(render_text(spread_plan))
-    cuts = spread_plan.cuts()
-    assert cuts and f"cuts ({len(cuts)})" in text
-    for cut in cuts:
+    found = cuts(spread_plan)
+    assert found and f"cuts ({len(found)})" in text
+    for cut in found:
         assert f"{cut.before} | {cut.after}" in text
     assert "bottleneck" in text and "predicted forward" in text
     assert "offloaded" in text  # the planner's warning and the per-device note
@@ -69,7 +70,8 @@ def test_text_shows_cuts_totals_and_warnings(spread_plan):
 
 
 def test_bytes_only_plan_says_so(spread_plan):
-    bare = dataclasses.replace(spread_plan, example="")  # what a model without example inputs gets
+    # what a model without example inputs gets
+    bare = dataclasses.replace(spread_plan, inputs=dataclasses.replace(spread_plan.inputs, example=""))
     assert "balanced by bytes only" in _flat(render_text(bare))
     assert "balanced by FLOPs at the given example inputs" in _flat(render_text(spread_plan))
 
@@ -93,7 +95,7 @@ def test_json_round_trips_and_keeps_device_map(spread_plan, tmp_path):
     assert data["device_map"] == {k: v for k, v in spread_plan.device_map.items()}
     assert read_json(write_json(spread_plan, tmp_path / "plan.json")) == spread_plan
     by_name = {d["name"]: d for d in data["devices"]}
-    for row in spread_plan.summary():
+    for row in summary(spread_plan):
         entry = by_name[row.device.name]
         assert entry["units"] == list(row.units)
         assert entry["headroom_bytes"] == row.device.capacity_bytes - row.used_bytes
@@ -161,18 +163,18 @@ def test_figure_bars_carry_the_plans_numbers(spread_plan):
     memory, flops = fig.axes[0], fig.axes[1]
     weights = _bar_widths(memory, MEMORY_COLOURS["weights"])
     colours = device_colours(spread_plan)
-    for row_index, row in enumerate(spread_plan.summary()):
+    for row_index, row in enumerate(summary(spread_plan)):
         expected = 100 * row.weight_bytes / row.device.capacity_bytes
         assert weights.get(row_index, 0.0) == pytest.approx(expected, abs=1e-6), row.device.name
         # FLOPs count on the device that computes them: a tier that only stores draws none.
-        computes = row.device.name == spread_plan.compute_device(row.device.name)
+        computes = row.device.name == spread_plan.placements.by_home[row.device.name].compute
         computed = sum(u.flops for u, d in zip(spread_plan.units, spread_plan.placement)
-                       if spread_plan.compute_device(d) == row.device.name)
+                       if spread_plan.placements.by_home[d].compute == row.device.name)
         share = _bar_widths(flops, colours[row.device.name]).get(row_index, 0.0)
         assert share == pytest.approx(100 * computed / sum(u.flops for u in spread_plan.units), abs=1e-6)
         assert computes or share == 0.0, row.device.name
     labels = [t.get_text() for t in memory.texts]
-    for row in spread_plan.summary():
+    for row in summary(spread_plan):
         assert any(automap.format_bytes(row.used_bytes) in label for label in labels)
 
 
@@ -304,7 +306,8 @@ def test_flops_count_on_the_device_that_computes_them(spread_plan):
     streamed = sum(by_name[t]["flops"] for t in ("cpu", "disk"))
     assert executor["computed_flops"] == executor["flops"] + streamed
     assert sum(d["computed_flops"] for d in data["devices"]) == total
-    assert executor["compute_seconds"] == pytest.approx(spread_plan.compute_seconds()[spread_plan.execution_device])
+    per_device = compute_seconds(spread_plan)
+    assert executor["compute_seconds"] == pytest.approx(per_device[spread_plan.execution_device])
     share = f"{100 * executor['computed_flops_share']:.1f}%"
     assert re.search(rf"^cuda:0\s.*\s{re.escape(share)}\s", spread_plan.report(), re.M)
 
@@ -315,7 +318,8 @@ def test_print_plan_is_a_short_line(spread_plan):
     assert text.startswith("<Plan auto: 12 units, ")
     for device in spread_plan.used_devices:
         assert device in text
-    assert "streamed to cuda:0" in text and f"predicted forward {format_seconds(spread_plan.forward_seconds)}" in text
+    assert "streamed to cuda:0" in text
+    assert f"predicted forward {format_seconds(forward_seconds(spread_plan))}" in text
 
 
 def test_a_slower_choice_says_why(spread_plan):
@@ -323,7 +327,7 @@ def test_a_slower_choice_says_why(spread_plan):
     predicted faster. The choices say which rule put it first."""
     choices = " ".join(spread_plan.choices)
     faster = re.search(r"alternatives: .*?\(([\d.]+) µs\)", choices)
-    assert faster and float(faster.group(1)) < spread_plan.forward_seconds * 1e6
+    assert faster and float(faster.group(1)) < forward_seconds(spread_plan) * 1e6
     line = next(c for c in spread_plan.choices if c.startswith("chosen over a faster alternative"))
     assert "because the accelerators compute every unit in it, while in the faster one the CPU computes some" in line
     assert "then the fastest" in line and "chosen over a faster alternative" in _flat(spread_plan.report())

@@ -16,8 +16,8 @@ from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import Items, all_cut_bytes, make_items
 from automap.planning.layout_kinds import layout_options
-from automap.planning.layouts import Layout, LayoutContext, Option, room
-from automap.planning.model import Origin, Plan, unit_label
+from automap.planning.layout_registry import Layout, LayoutContext, Option, room
+from automap.planning.model import Origin, Plan, PlanInputs, Provenance, unit_label
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile
 from automap.sizes import format_bytes
@@ -131,12 +131,12 @@ def offloaded_kv_options(profile: Profile, ctx: LayoutContext, options: Sequence
 
 def _offloaded_kv(profile: Profile, ctx: LayoutContext, layout: Layout) -> dict[str, int]:
     """Bytes of generation cache per device that computes ``layout``'s offloaded units."""
-    sketch = Plan(units=profile.units, devices=ctx.devices, strategy=ctx.strategy.name,
+    sketch = Plan(units=profile.units, devices=ctx.devices, provenance=Provenance(ctx.strategy.name),
                   placement=tuple(_unit_devices(ctx.items, layout, len(profile.units))), executor=layout.executor)
     need: dict[str, int] = {}
     for unit, where in zip(sketch.units, sketch.placement):
-        if sketch.is_offloaded(where):
-            compute = sketch.compute_device(where)
+        if sketch.placements.by_home[where].offloaded:
+            compute = sketch.placements.by_home[where].compute
             need[compute] = need.get(compute, 0) + unit.kv_bytes
     return need
 
@@ -165,16 +165,18 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
                reserves: Mapping[str, int], cuts: Sequence[int] | None = None,
                notes: Sequence[str] = (), origin: Origin = Origin.STRATEGY, executor: str = "") -> Plan:
     """Assemble a :class:`Plan` and the notes a user should read."""
-    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement), strategy=strategy, origin=origin,
-                tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
-                example=profile.example, generation=profile.generation,
-                reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)),
-                executor=executor)
+    inputs = PlanInputs(tie_groups=profile.tie_groups,
+                        cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
+                        example=profile.example, generation=profile.generation,
+                        reserves=tuple((d.name, int(reserves[d.name])) for d in devices
+                                       if reserves.get(d.name)))
+    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement),
+                provenance=Provenance(strategy, origin), inputs=inputs, executor=executor)
     found = list(notes)
     if plan.offloaded_units:
         count = len(plan.offloaded_units)
         found.append(f"{count} unit{'' if count == 1 else 's'} offloaded "
-                     f"({format_bytes(sum(plan.bytes_on(d.name) for d in devices if plan.is_offloaded(d.name)))}), "
+                     f"({format_bytes(plan.placements.offloaded_bytes)}), "
                      f"streamed to {plan.execution_device} when they run")
     if is_host_name(executor) and any(d.is_accelerator for d in devices):
         found.append("the CPU computes the units placed on 'cpu' (and streams those on 'disk'); accelerate and "
@@ -186,4 +188,4 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
         found.append(f"{len(profile.uncalled)} unit{'' if len(profile.uncalled) == 1 else 's'} never called in the "
                      "traced forward: "
                      f"{', '.join(profile.uncalled[:3])}")
-    return replace(plan, warnings=tuple(found))
+    return replace(plan, provenance=replace(plan.provenance, warnings=tuple(found)))
