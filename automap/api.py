@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
-from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
+from automap.runtime import (check_devices_present, check_not_dispatched, claimed, dispatch_plan, release_orphans,
+                             state_of)
 from automap.runtime.swap import install
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
@@ -250,6 +251,7 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
         >>> model = automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="offload")
         >>> model(x)  # same outputs as before
     """
+    release_orphans(model)  # a part kept from a dropped dispatched model is dispatched as its own
     check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir, batch=batch, max_length=max_length)
@@ -350,6 +352,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
     if folder_form:
         dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
+    release_orphans(model)
     start = time.perf_counter()
     # Claimed from here: the tensors installed below are this call's until its dispatch ends.
     with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:

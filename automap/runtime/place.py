@@ -62,6 +62,7 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
             (a DispatchError) when disk units have no folder, or one without room for them.
             DispatchError too when another thread is dispatching ``model`` meanwhile.
     """
+    release_orphans(model)
     with claimed(model):
         return _dispatch(model, plan, offload_dir, output_device, source, always_hook, transfer)
 
@@ -83,7 +84,7 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
             remember(model, state)
     except BaseException as exc:
         with deferred():
-            forget(model)
+            forget(state)
             restore(model, state, rollback=True)
         if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
             raise
@@ -387,17 +388,34 @@ def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tenso
     """
     for item in state.streamed.values():
         follow(item, state.streamed)
+    tensors = list(named_tensors(model).values())
+    for module in state.live():  # the other parts of the model still alive (the model was dropped)
+        tensors += [*module._parameters.values(), *module._buffers.values()]
     views = {i.view.untyped_storage().data_ptr(): i for i in state.streamed.values()
              if i.view is not None and i.view.numel() and on_host(i.view.device)}
     devices = {id(tensor): device for tensor, device in state.original.values()}
     holders: dict[int, tuple[torch.Tensor, str]] = {}
-    for tensor in named_tensors(model).values():
-        if tensor.numel() and on_host(tensor.device) and tensor.untyped_storage().data_ptr() in views:
+    for tensor in tensors:
+        if tensor is not None and tensor.numel() and on_host(tensor.device) and tensor.untyped_storage().data_ptr() in views:
             holders.setdefault(id(tensor), (tensor, views[tensor.untyped_storage().data_ptr()].name))
     if state.source is not None and holders:  # one fstat per file, not one per tensor
         state.source.check_unchanged(sorted({name for _, name in holders.values()}))
     return [(t, torch.empty_like(t.data, device=devices.get(id(t), t.device)).copy_(t.data))
             for t, _ in holders.values()]
+
+
+def release_orphans(model: nn.Module) -> None:
+    """Undo each earlier dispatch whose model is gone but which still hooks modules of
+    ``model`` (a part the user kept: ``backbone = model.backbone; del model``), so that
+    ``model`` is dispatched as a model of its own, without a second set of hooks."""
+    found: dict[int, nn.Module] = {}
+    for module in model.modules():
+        state = state_of(module)
+        if state is not None and state.model is None and not state.undone:
+            found.setdefault(id(state), module)
+    for module in found.values():
+        log.info("undoing the dispatch %s was left in when its model was dropped", type(module).__name__)
+        undispatch(module)
 
 
 def undispatch(model: nn.Module) -> nn.Module:
@@ -409,10 +427,13 @@ def undispatch(model: nn.Module) -> nn.Module:
     finish first; one starting meanwhile raises DispatchError. The weights are read from the
     maps automap holds, so a checkpoint or store file deleted, replaced or moved since dispatch
     changes nothing. The offload store stays on disk, unlocked, for the next dispatch of the
-    same weights.
+    same weights. A part of a dispatched model that outlived it (``model =
+    peft_model.merge_and_unload()``, ``backbone = model.backbone; del model``) is undispatched
+    by itself, with every other part still alive.
 
     Raises:
-        DispatchError: ``model`` was not dispatched by automap.
+        DispatchError: ``model`` was not dispatched by automap, or is a part of a model that
+            is dispatched (undispatch that model).
         OffloadError: a tensor's bytes cannot be read (its file was truncated or rewritten
             under it; the message names it); the model stays dispatched.
 
@@ -422,13 +443,19 @@ def undispatch(model: nn.Module) -> nn.Module:
     state = state_of(model)
     if state is None:
         raise DispatchError(f"{type(model).__name__} is not dispatched by automap; nothing to undo")
+    root = state.model
+    if root is not None and root is not model:
+        raise DispatchError(
+            f"{type(model).__name__} is a part of a dispatched {type(root).__name__}, which is dispatched and undone "
+            f"as one: call automap.undispatch on that {type(root).__name__} (a part kept alone, once the whole "
+            "model is gone, is undone by itself)")
     with state.undoing:
         if state_of(model) is not state:
             raise DispatchError(f"{type(model).__name__} was undispatched by another thread meanwhile")
         state.gate.close()
         try:
             with state.lock:
-                restore(model, state, done=lambda: (setattr(state, "undone", True), forget(model)))
+                restore(model, state, done=lambda: (setattr(state, "undone", True), forget(state)))
         finally:
             state.gate.finish() if state.undone else state.gate.reopen()
     return model

@@ -301,7 +301,7 @@ def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_curr
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(TESTS), str(TESTS.parent)])}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=300, env=env)
 
