@@ -24,6 +24,7 @@ from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
+from automap.loading.pretrained_args import FolderOptions, load_options
 from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
                              plan_tasks, verify_loaded)
 from automap.compose import library_tracing, plan_strategy, plan_user_map
@@ -266,7 +267,7 @@ def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: Max
          offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
 
 
 @overload
@@ -274,7 +275,7 @@ def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto",
          *, offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
 
 
 def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
@@ -282,7 +283,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
          dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
          example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
          max_length: int | None = None, strict: bool = True, torch_dtype: DtypeLike = None,
-         offload_folder: PathLike | None = None) -> nn.Module:
+         offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
 
     Two forms:
@@ -327,6 +328,11 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             former, keep the model's own values of the latter (a tensor on meta still
             raises), and say which in a warning.
         quiet: no progress bar (it only appears for loads longer than a second).
+        from_pretrained: the folder form takes ``from_pretrained``'s other keyword arguments
+            with the same meaning (``attn_implementation="eager"``, ``trust_remote_code=True``,
+            ``low_cpu_mem_usage=True``, config attributes such as ``output_attentions=True``)
+            or refuses one with why (``revision``, ``token``: a local folder has neither); see
+            :mod:`automap.loading.pretrained_args` and ``docs/loading.md``.
 
     Returns:
         ``model`` (or the model built from ``folder``), loaded and dispatched;
@@ -337,6 +343,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             or mis-shaped keys; a folder without config.json. Nothing is left half-written in
             ``offload_dir``.
         DependencyError: a folder was given and transformers is not installed.
+        ArgumentError: a ``from_pretrained`` argument automap refuses (named, with why), or
+            one given to the ``load(model, checkpoint)`` form.
         PlanError, DispatchError: as for :func:`automap.dispatch`.
 
     Example:
@@ -346,13 +354,14 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     dtype = _one_of("dtype", dtype, "torch_dtype", torch_dtype)
     offload_dir = _one_of("offload_dir", offload_dir, "offload_folder", offload_folder)
     folder_form = not isinstance(model, nn.Module)
+    options = load_options(model if not folder_form else None, from_pretrained)
+    model = Path(model) / options.subfolder if options.subfolder and folder_form else model
     if dtype == "auto":
         dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
     dtype = as_dtype(dtype)
-    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet, options)
     if folder_form:
         dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
-    release_orphans(model)
     start = time.perf_counter()
     # Claimed from here: the tensors installed below are this call's until its dispatch ends.
     with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
@@ -402,8 +411,8 @@ def _check_named(path: PathLike, call: str) -> None:
                               "checkpoint file or folder, e.g. '.' for the working directory")
 
 
-def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
-                          dtype: torch.dtype | None, quiet: bool = False) -> tuple[nn.Module, PathLike]:
+def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None, dtype: torch.dtype | None,
+                          quiet: bool = False, options: FolderOptions = FolderOptions()) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
     if isinstance(model, nn.Module):
         if checkpoint is None:
@@ -414,6 +423,7 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
             raise CheckpointError(f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
                                   f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}")
         _check_named(checkpoint, f"automap.load({type(model).__name__}, {checkpoint!r})")
+        release_orphans(model)  # a part kept from a dropped dispatched model is loaded as its own
         return model, checkpoint
     if not isinstance(model, (str, os.PathLike)):
         raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
@@ -424,4 +434,4 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
                               "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
                               "or build the model yourself and call automap.load(model, checkpoint)")
     with step(f"automap: building the model in {model}", quiet=quiet):
-        return build_from_folder(model, dtype), model
+        return build_from_folder(model, dtype, options), model

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from automap.errors import AutomapError, SpecError
-from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
+from automap.loading.hf import config_dtype, folder_model, instantiate
+from automap.loading.hf_config import import_transformers, is_model_folder, read_config
 from automap.sizes import format_bytes
 
 log = logging.getLogger(__name__)

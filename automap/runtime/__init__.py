@@ -16,7 +16,8 @@ weights in just before their unit runs (the next one prefetched while it compute
   tensor objects (off meta) with ties kept.
 """
 from automap.runtime.hooks import Hook, MoveInputs, MoveOutputs
-from automap.runtime.place import check_devices_present, dispatch_plan, release_orphans, undispatch
+from automap.runtime.place import check_devices_present, dispatch_plan
+from automap.runtime.undo import release_orphans, undispatch
 from automap.runtime.state import DispatchState, Group, Streamed, check_not_dispatched, claimed, state_of
 from automap.runtime.streaming import StreamWeights
 from automap.runtime.values import send
