@@ -8,9 +8,16 @@ filled, every key used, every shape equal.
 A transformers model's checkpoint goes through transformers' own conversion first
 (:mod:`automap.loading.convert`): keys it renames are matched renamed, and tensors it builds from
 several checkpoint tensors (experts merged into one) are filled by a recipe instead of a key.
+
+Then the keys go through the model's own load path, as ``load_state_dict`` takes them: each
+module's load-state-dict pre-hooks run on stand-ins (meta tensors of the stored shapes), and
+what a hook moved to another key is matched there (:func:`hook_renames`). Legacy weight-norm
+keys (``weight_g``/``weight_v``, as ``torch.nn.utils.weight_norm`` saved them) are accepted so
+by a model using ``torch.nn.utils.parametrizations.weight_norm``, whose hook renames them.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -22,6 +29,8 @@ from automap.errors import CheckpointError
 from automap.loading.checkpoint import EXTRA_STATE, Checkpoint, Stored
 from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.profiling.units import all_named_tensors, names_by_identity
+
+log = logging.getLogger(__name__)
 
 Rename = tuple[str, Callable[[str], str]]
 
@@ -72,6 +81,10 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed and not k.endswith(EXTRA_STATE)}
     how, rename = _best_rename(expected, keys, conversion)
     renamed = {rename(k): k for k in keys}
+    hooked = hook_renames(model, {n: keys[k] for n, k in renamed.items()})
+    if hooked:
+        renamed = {hooked.get(n, n): k for n, k in renamed.items()}
+        how += f", then the model's own load hooks ({len(hooked)} keys renamed, e.g. {next(iter(hooked.items()))})"
     saved = {rename(k): k for k in [*checkpoint.extras, *checkpoint.tensors] if k.endswith(EXTRA_STATE)}
     made = {t: r for r in conversion.recipes for t in r.targets} if conversion is not None else {}
     sources: dict[str, str] = {}
@@ -103,6 +116,30 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
     return Match(sources, how, built, converted, untied, {k: saved[k] for k in extra if k in saved})
+
+
+def hook_renames(model: nn.Module, keys: Mapping[str, Stored]) -> dict[str, str]:
+    """The keys (named as the model names its tensors) that the model's own load-state-dict
+    pre-hooks move to another key, as ``load_state_dict`` runs them (each module's, with its
+    prefix, parents first): key -> the key it ends under. The hooks see meta stand-ins of the
+    stored shapes and dtypes; what one builds anew, or a hook that fails on a stand-in, is left
+    to the key matching (which names what then does not fit)."""
+    hooked = [(name, module) for name, module in model.named_modules() if module._load_state_dict_pre_hooks]
+    if not hooked or not keys:
+        return {}
+    state = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in keys.items()}
+    origin = {id(t): k for k, t in state.items()}
+    for name, module in hooked:
+        prefix = f"{name}." if name else ""
+        if not any(k.startswith(prefix) for k in state):
+            continue
+        for hook in list(module._load_state_dict_pre_hooks.values()):
+            try:
+                hook(state, prefix, {}, True, [], [], [])
+            except Exception as exc:  # noqa: BLE001 - a hook that needs real values: keys as they are
+                log.debug("load hook of %r skipped on stand-ins: %s", name, exc)
+    moved = {origin[id(t)]: k for k, t in state.items() if id(t) in origin and origin[id(t)] != k}
+    return moved
 
 
 def _filled_by_torch(model: nn.Module, name: str) -> bool:
