@@ -29,6 +29,8 @@ from automap.errors import AutomapError, DeviceError, ReportError, SizeError, Sp
 STRATEGY_NAMES = ("balanced", "auto", "balanced_low_0", "sequential")
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp8", "float8")
 FIGURE_FORMATS = ("png", "svg", "pdf")
+# automap.planning.model.EXPORTERS as automap.report.export registers them (tests/api/test_cli.py).
+EMIT_ENGINES = ("accelerate", "split_spec", "torchtitan", "vllm", "llama.cpp")
 
 _PLAN_EXAMPLES = """\
 SPEC names the model, built on the meta device (no weights, nothing downloaded):
@@ -136,17 +138,19 @@ def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
     inputs.add_argument("--example-inputs", metavar="MODULE:FUNCTION",
                         help="a function returning the forward's inputs (a tuple, a dict of keyword "
                              "arguments, or a tensor), called with meta as the default device")
-    plan.add_argument("--max-length", type=_positive, default=None, metavar="N",
-                      help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
-                           "device keeps room for its layers' KV cache, and the report predicts tokens/s")
+    plan.add_argument("--max-length", type=_positive, default=None, metavar="N", help="plan for generate(): --batch "
+                      "sequences grown to N tokens (prompt included); each device keeps room for its layers' KV "
+                      "cache, and the report predicts tokens/s")
     plan.add_argument("--dtype", metavar="DTYPE", type=lambda t: t.strip().lower().removeprefix("torch."),
                       choices=DTYPE_NAMES,
                       help="dtype the model runs in: fp32, fp16, bf16, fp8 (default: a folder's checkpoint "
                            "dtypes, else the config's, else fp32)")
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
-    plan.add_argument("--quiet", action="store_true", help="print no report and no progress "
-                                                           "(still writes --json/--figure)")
+    plan.add_argument("--quiet", action="store_true", help="print no report and no progress (still writes files)")
+    plan.add_argument("--emit", choices=EMIT_ENGINES, metavar="ENGINE", help=f"print the plan as another engine "
+                      f"takes it ({', '.join(EMIT_ENGINES)}; docs/export.md) instead of the report")
+    plan.add_argument("--gguf-arch", metavar="ARCH", help="--emit llama.cpp: the GGUF architecture (default: model_type)")
 
 
 def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -267,7 +271,9 @@ def _plan(args: argparse.Namespace) -> int:
             args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
             seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None,
             max_length=args.max_length, example_inputs=inputs)
-    if not args.quiet:
+    if args.emit:
+        print(_emitted(result, args))
+    elif not args.quiet:
         print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())
     if args.json:
@@ -275,6 +281,18 @@ def _plan(args: argparse.Namespace) -> int:
     if args.figure:
         print(f"wrote {figure(result.plan, args.figure)}")
     return 0
+
+
+def _emitted(result: Any, args: argparse.Namespace) -> str:
+    """``--emit ENGINE``: the plan as that engine takes it (llama.cpp: for the model's architecture)."""
+    from automap.report.export import render
+
+    if args.emit != "llama.cpp":
+        return render(result.plan, args.emit)
+    arch = args.gguf_arch or getattr(getattr(result.built.model, "config", None), "model_type", None)
+    if not arch:
+        raise SpecError("--emit llama.cpp needs the model's GGUF architecture: give --gguf-arch (e.g. llama)")
+    return render(result.plan, args.emit, arch=arch)
 
 
 # Libraries the command calls to build and trace a spec's model: what they warn about is how

@@ -80,17 +80,12 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     consumed = conversion.consumed if conversion is not None else set()
     keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed and not k.endswith(EXTRA_STATE)}
     how, rename = _best_rename(expected, keys, conversion)
-    renamed = {rename(k): k for k in keys}
-    hooked = hook_renames(model, {n: keys[k] for n, k in renamed.items()})
-    if hooked:
-        renamed = {hooked.get(n, n): k for n, k in renamed.items()}
-        how += f", then the model's own load hooks ({len(hooked)} keys renamed, e.g. {next(iter(hooked.items()))})"
+    renamed, how = _through_hooks(model, {rename(k): k for k in keys}, keys, how)
     saved = {rename(k): k for k in [*checkpoint.extras, *checkpoint.tensors] if k.endswith(EXTRA_STATE)}
     made = {t: r for r in conversion.recipes for t in r.targets} if conversion is not None else {}
     sources: dict[str, str] = {}
     built: dict[str, tuple[Recipe, str]] = {}
-    missing = []
-    untied = []
+    missing, untied = [], []
     for names in names_by_identity(expected.items()):
         key = next((renamed[n] for n in names if n in renamed), None)
         target = next((n for n in names if n in made), None)
@@ -116,6 +111,17 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
     return Match(sources, how, built, converted, untied, {k: saved[k] for k in extra if k in saved})
+
+
+def _through_hooks(model: nn.Module, renamed: dict[str, str], keys: Mapping[str, Stored],
+                   how: str) -> tuple[dict[str, str], str]:
+    """``renamed`` (model name -> checkpoint key) after the model's own load hooks moved names."""
+    hooked = hook_renames(model, {n: keys[k] for n, k in renamed.items()})
+    if not hooked:
+        return renamed, how
+    example = next(iter(hooked.items()))
+    return ({hooked.get(n, n): k for n, k in renamed.items()},
+            f"{how}, then the model's own load hooks ({len(hooked)} keys renamed, e.g. {example})")
 
 
 def hook_renames(model: nn.Module, keys: Mapping[str, Stored]) -> dict[str, str]:
