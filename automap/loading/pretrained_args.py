@@ -69,7 +69,8 @@ ARGUMENTS: dict[str, Argument] = {
     "low_cpu_mem_usage": Argument(NO_OP, "automap always loads tensor by tensor, never the whole state dict"),
     "_fast_init": Argument(NO_OP, "ignored by from_pretrained too"),
     "mirror": Argument(NO_OP, "ignored by from_pretrained too"),
-    "offload_state_dict": Argument(NO_OP, "ignored by from_pretrained too; automap never holds a whole state dict"),
+    "offload_state_dict": Argument(
+        NO_OP, "ignored by from_pretrained too; automap never holds a whole state dict"),
     "_from_auto": Argument(NO_OP, "transformers' own bookkeeping"),
     "_from_pipeline": Argument(NO_OP, "transformers' own bookkeeping"),
     "_commit_hash": Argument(NO_OP, "transformers' own bookkeeping"),
@@ -79,27 +80,39 @@ ARGUMENTS: dict[str, Argument] = {
     "cache_dir": Argument(REFUSED, _LOCAL.format(name="cache_dir")),
     "force_download": Argument(REFUSED, _LOCAL.format(name="force_download"), False),
     "proxies": Argument(REFUSED, _LOCAL.format(name="proxies")),
-    "from_tf": Argument(REFUSED, "automap reads PyTorch checkpoints (safetensors, .bin), not TensorFlow ones", False),
-    "from_flax": Argument(REFUSED, "automap reads PyTorch checkpoints (safetensors, .bin), not Flax ones", False),
-    "variant": Argument(REFUSED, "automap reads the folder's default weight files; point it at a folder holding "
+    "from_tf": Argument(
+        REFUSED, "automap reads PyTorch checkpoints (safetensors, .bin), not TensorFlow ones", False),
+    "from_flax": Argument(
+        REFUSED, "automap reads PyTorch checkpoints (safetensors, .bin), not Flax ones", False),
+    "variant": Argument(
+        REFUSED, "automap reads the folder's default weight files; point it at a folder holding "
                                  "the variant's files under the default names"),
-    "gguf_file": Argument(REFUSED, "automap reads safetensors and PyTorch checkpoints, not GGUF; convert it with "
+    "gguf_file": Argument(
+        REFUSED, "automap reads safetensors and PyTorch checkpoints, not GGUF; convert it with "
                                    "from_pretrained(folder, gguf_file=...).save_pretrained(new_folder)"),
-    "state_dict": Argument(REFUSED, "automap.load(folder) reads the folder's weights; for weights in memory build "
+    "state_dict": Argument(
+        REFUSED, "automap.load(folder) reads the folder's weights; for weights in memory build "
                                     "the model and call automap.dispatch"),
-    "ignore_mismatched_sizes": Argument(REFUSED, "automap refuses a tensor whose shape differs from the model's; "
+    "ignore_mismatched_sizes": Argument(
+        REFUSED, "automap refuses a tensor whose shape differs from the model's; "
                                                  "fix the config or the checkpoint", False),
-    "output_loading_info": Argument(REFUSED, "automap.load returns the model; keys skipped are logged as warnings",
+    "output_loading_info": Argument(
+        REFUSED, "automap.load returns the model; keys skipped are logged as warnings",
                                     False),
     "quantization_config": Argument(REFUSED, "automap does not quantize; quantize with transformers and its "
                                              "quantizers, or load an unquantized checkpoint"),
     "key_mapping": Argument(REFUSED, "rename the checkpoint's keys with save_pretrained after "
                                      "from_pretrained(folder, key_mapping=...) once, then load that folder"),
-    "device_mesh": Argument(REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
-    "distributed_config": Argument(REFUSED, _SINGLE + "for parallelism across processes use from_pretrained's own"),
-    "tp_plan": Argument(REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
-    "tp_size": Argument(REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
-    "use_kernels": Argument(REFUSED, "hub kernels are downloaded code; automap builds the model from transformers' "
+    "device_mesh": Argument(
+        REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
+    "distributed_config": Argument(
+        REFUSED, _SINGLE + "for parallelism across processes use from_pretrained's own"),
+    "tp_plan": Argument(
+        REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
+    "tp_size": Argument(
+        REFUSED, _SINGLE + "for tensor parallelism across processes use from_pretrained's own"),
+    "use_kernels": Argument(
+        REFUSED, "hub kernels are downloaded code; automap builds the model from transformers' "
                                      "own modules (call model.kernelize() yourself after loading)", False),
     "kernel_config": Argument(REFUSED, "hub kernels are downloaded code; see use_kernels"),
     "kernels_mode": Argument(REFUSED, "hub kernels are downloaded code; see use_kernels"),
@@ -108,10 +121,13 @@ ARGUMENTS: dict[str, Argument] = {
                                       "(PeftModel.from_pretrained(model, adapter_folder))", "default"),
     "adapter_kwargs": Argument(REFUSED, "load adapters with peft after automap.load "
                                         "(PeftModel.from_pretrained(model, adapter_folder))"),
-    "fusion_config": Argument(REFUSED, "fusions change the model's outputs; automap loads the model as saved"),
-    "disable_mmap": Argument(REFUSED, "automap reads checkpoints through maps: that is how weights stay on disk "
+    "fusion_config": Argument(
+        REFUSED, "fusions change the model's outputs; automap loads the model as saved"),
+    "disable_mmap": Argument(
+        REFUSED, "automap reads checkpoints through maps: that is how weights stay on disk "
                                       "until used", False),
-    "tqdm_class": Argument(REFUSED, "automap shows its own progress bar, on a terminal only; quiet=True hides it"),
+    "tqdm_class": Argument(
+        REFUSED, "automap shows its own progress bar, on a terminal only; quiet=True hides it"),
 }
 
 
