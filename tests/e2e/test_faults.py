@@ -36,7 +36,7 @@ _LAYERS_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "mode
 
 def run_python(code: str, *args: str, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that imports automap and the test builders."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(TESTS), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
 
@@ -158,7 +158,7 @@ def test_two_processes_on_one_offload_dir(tmp_path):
         print("OK")
     """), str(tmp_path / "off"), str(tmp_path / "ready"), str(tmp_path / "done")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(TESTS), str(ROOT)])})
     try:
         deadline = time.time() + 120
         while not (tmp_path / "ready").exists() and first.poll() is None and time.time() < deadline:
@@ -413,7 +413,7 @@ def test_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_pat
         sys.setprofile(pause_at_third_file)
         automap.dispatch(big(), DISK, offload_dir=sys.argv[1], example_inputs=(torch.randn(1, 1024),))
     """), str(tmp_path / "off"), str(tmp_path / "paused")],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(TESTS), str(ROOT)])},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 120

@@ -60,7 +60,7 @@ def digest(folder: Path) -> dict[str, tuple[str, int]]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(TESTS), str(ROOT)])}
 
 
 def run_python(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
