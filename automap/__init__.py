@@ -22,7 +22,7 @@ _HOMES = {
     "placement": "automap.report", "undispatch": "automap.runtime", "clean": "automap.offload",
     "format_bytes": "automap.sizes", "parse_size": "automap.sizes",
     **{name: "automap.errors" for name in (
-        "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
+        "ArgumentError", "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
         "DispatchError", "FormatError", "MapFormatError", "OffloadDirError", "OffloadError", "PipelineError",
         "PlanError", "ProfileError", "ReportError", "SizeError", "SpecError")},
 }

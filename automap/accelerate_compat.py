@@ -22,7 +22,7 @@ from automap.errors import CheckpointError, DispatchError, MapFormatError, PlanE
 from automap.kinds import kind_of
 from automap.loading import empty_model
 from automap.planning import Plan
-from automap.runtime import check_not_dispatched, dispatch_plan, state_of, undispatch
+from automap.runtime import check_not_dispatched, dispatch_plan, release_orphans, state_of, undispatch
 from automap.userfiles import as_path
 
 log = logging.getLogger(__name__)
@@ -267,8 +267,9 @@ def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: lis
 def _redispatchable(model: nn.Module) -> None:
     """A model automap dispatched is undispatched (accelerate dispatches a dispatched model
     again); one accelerate dispatched is refused with the fix."""
-    if state_of(model) is not None:
+    if state_of(model) is not None and state_of(model).model is model:
         undispatch(model)
+    release_orphans(model)
     check_not_dispatched(model)
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
-from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
+from automap.runtime import (check_devices_present, check_not_dispatched, claimed, dispatch_plan, release_orphans,
+                             state_of)
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.interrupts import public
 from automap.progress import silenced, step
@@ -25,6 +26,7 @@ from automap.loading.materialise import store_bytes
 from automap.offload import check_offload_dir
 from automap.userfiles import as_path
 from automap.offload.folder import recorded_folder, store_folder
+from automap.loading.pretrained_args import FolderOptions, load_options
 from automap.loading import build_from_folder, log_summary, noted, open_checkpoint, plan_tasks
 from automap.compose import library_tracing, plan_strategy, plan_user_map, user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
@@ -250,6 +252,7 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
         >>> model = automap.dispatch(model, max_memory={"cpu": "200MB"}, offload_dir="offload")
         >>> model(x)  # same outputs as before
     """
+    release_orphans(model)  # a part kept from a dropped dispatched model is dispatched as its own
     check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir, batch=batch, max_length=max_length)
@@ -264,7 +267,7 @@ def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: Max
          offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
 
 
 @overload
@@ -272,7 +275,7 @@ def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto",
          *, offload_dir: PathLike | None = None, dtype: DtypeLike = None,
          no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
          quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None) -> nn.Module: ...
+         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
 
 
 @public
@@ -281,7 +284,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
          dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
          example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
          max_length: int | None = None, strict: bool = True, torch_dtype: DtypeLike = None,
-         offload_folder: PathLike | None = None) -> nn.Module:
+         offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
 
     Two forms:
@@ -326,6 +329,11 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             former, keep the model's own values of the latter (a tensor on meta still
             raises), and say which in a warning.
         quiet: no progress bar (it only appears for loads longer than a second).
+        from_pretrained: the folder form takes ``from_pretrained``'s other keyword arguments
+            with the same meaning (``attn_implementation="eager"``, ``trust_remote_code=True``,
+            ``low_cpu_mem_usage=True``, config attributes such as ``output_attentions=True``)
+            or refuses one with why (``revision``, ``token``: a local folder has neither); see
+            :mod:`automap.loading.pretrained_args` and ``docs/loading.md``.
 
     Returns:
         ``model`` (or the model built from ``folder``), loaded and dispatched;
@@ -336,6 +344,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             or mis-shaped keys; a folder without config.json. Nothing is left half-written in
             ``offload_dir``.
         DependencyError: a folder was given and transformers is not installed.
+        ArgumentError: a ``from_pretrained`` argument automap refuses (named, with why), or
+            one given to the ``load(model, checkpoint)`` form.
         PlanError, DispatchError: as for :func:`automap.dispatch`.
 
     Example:
@@ -347,10 +357,12 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     if offload_dir is not None:
         as_path(offload_dir, "offload_dir", PlanError)
     folder_form = not isinstance(model, nn.Module)
+    options = load_options(model if not folder_form else None, from_pretrained)
+    model = Path(model) / options.subfolder if options.subfolder and folder_form else model
     if dtype == "auto":
         dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
     dtype = as_dtype(dtype)
-    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet)
+    model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet, options)
     if folder_form:
         dtype = None  # built as from_pretrained builds it: each tensor is read in its skeleton's dtype
     start = time.perf_counter()
@@ -392,8 +404,8 @@ def _check_named(path: PathLike, call: str) -> None:
                               "checkpoint file or folder, e.g. '.' for the working directory")
 
 
-def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None,
-                          dtype: torch.dtype | None, quiet: bool = False) -> tuple[nn.Module, PathLike]:
+def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None, dtype: torch.dtype | None,
+                          quiet: bool = False, options: FolderOptions = FolderOptions()) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
     if isinstance(model, nn.Module):
         if checkpoint is None:
@@ -404,6 +416,7 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
             raise CheckpointError(f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
                                   f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}")
         _check_named(checkpoint, f"automap.load({type(model).__name__}, {checkpoint!r})")
+        release_orphans(model)  # a part kept from a dropped dispatched model is loaded as its own
         return model, checkpoint
     if not isinstance(model, (str, os.PathLike)):
         raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
@@ -414,4 +427,4 @@ def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | No
                               "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
                               "or build the model yourself and call automap.load(model, checkpoint)")
     with step(f"automap: building the model in {model}", quiet=quiet):
-        return build_from_folder(model, dtype), model
+        return build_from_folder(model, dtype, options), model

@@ -34,6 +34,8 @@ from automap.userfiles import check_output_path
 STRATEGY_NAMES = ("balanced", "auto", "balanced_low_0", "sequential")
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp8", "float8")
 FIGURE_FORMATS = ("png", "svg", "pdf")
+# automap.planning.model.EXPORTERS as automap.report.export registers them (tests/api/test_cli.py).
+EMIT_ENGINES = ("accelerate", "split_spec", "torchtitan", "vllm", "llama.cpp")
 
 _PLAN_EXAMPLES = """\
 SPEC names the model, built on the meta device (no weights, nothing downloaded):
@@ -202,6 +204,9 @@ def _add_outputs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--quiet", action="store_true",
                       help="print nothing: no report, no progress, no 'wrote' lines (still writes --json/--figure); "
                            "errors still show")
+    plan.add_argument("--emit", choices=EMIT_ENGINES, metavar="ENGINE", help=f"print the plan as another engine "
+                      f"takes it ({', '.join(EMIT_ENGINES)}; docs/export.md) instead of the report")
+    plan.add_argument("--gguf-arch", metavar="ARCH", help="--emit llama.cpp: the GGUF architecture (default: model_type)")
 
 
 def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -335,7 +340,9 @@ def _plan(args: argparse.Namespace) -> int:
             args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
             seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None,
             max_length=args.max_length, example_inputs=inputs)
-    if not args.quiet:
+    if args.emit:
+        print(_emitted(result, args))
+    elif not args.quiet:
         print(result.headline(time.perf_counter() - start) + "\n")
         print(result.plan.report())
     for path, write in ((args.json, write_json), (args.figure, figure)):
@@ -344,6 +351,18 @@ def _plan(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"wrote {written}")
     return 0
+
+
+def _emitted(result: Any, args: argparse.Namespace) -> str:
+    """``--emit ENGINE``: the plan as that engine takes it (llama.cpp: for the model's architecture)."""
+    from automap.report.export import render
+
+    if args.emit != "llama.cpp":
+        return render(result.plan, args.emit)
+    arch = args.gguf_arch or getattr(getattr(result.built.model, "config", None), "model_type", None)
+    if not arch:
+        raise SpecError("--emit llama.cpp needs the model's GGUF architecture: give --gguf-arch (e.g. llama)")
+    return render(result.plan, args.emit, arch=arch)
 
 
 # Libraries the command calls to build and trace a spec's model: what they warn about is how

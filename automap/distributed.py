@@ -10,13 +10,16 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, pipeline
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from automap.compose import Tracing, plan_strategy, traced_profile
 from automap.devices import detect_devices
 from automap.errors import AutomapError, PipelineError
-from automap.pipelining import Stage, plan_stages, split_batch
+from automap.pipelining import split_batch
+from automap.pipelining.ranks import rank_stages, split_points, split_spec
+
+__all__ = ["build_stage", "make_schedule", "plan_for_ranks", "rank_stages", "split_spec"]
 from automap.planning import Plan
 from automap.profiling import ExampleInputs
 
@@ -26,39 +29,6 @@ SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1
 ScheduleName = Literal["gpipe", "1f1b"]
 # Links between ranks as the planner sees them: effectively free (see plan_for_ranks).
 FREE_LINK_BYTES_PER_SECOND = 1e18
-
-
-def rank_stages(plan: Plan, world_size: int | None = None) -> tuple[Stage, ...]:
-    """The plan's stages, one per rank, checked against ``world_size`` when given.
-
-    Raises:
-        PipelineError: the plan offloads weights, or its stage count differs from ``world_size``.
-    """
-    if plan.offloaded_units:
-        raise PipelineError(f"the plan offloads {len(plan.offloaded_units)} unit(s) to CPU/disk; a distributed "
-                            "plan needs one device per rank: use automap.distributed.plan_for_ranks(model, n)")
-    stages = plan_stages(plan)
-    if world_size is not None and len(stages) != world_size:
-        raise PipelineError(
-            f"the plan has {len(stages)} stage(s) ({', '.join(s.device for s in stages)}) but there are "
-            f"{world_size} rank(s); each rank runs one stage, so plan with "
-            f"automap.distributed.plan_for_ranks(model, world_size={world_size}) or start {len(stages)} processes")
-    return stages
-
-
-def split_spec(plan: Plan) -> dict[str, SplitPoint]:
-    """``torch.distributed.pipelining.pipeline``'s ``split_spec`` for ``plan``: a
-    ``SplitPoint.BEGINNING`` at the first unit of every stage after the first.
-
-    Example:
-        >>> split_spec(plan)
-        {'model.layers.2': <SplitPoint.BEGINNING: 1>}
-    """
-    return _split_points(rank_stages(plan))
-
-
-def _split_points(stages: tuple[Stage, ...]) -> dict[str, SplitPoint]:
-    return {stage.units[0]: SplitPoint.BEGINNING for stage in stages[1:]}
 
 
 def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: ExampleInputs | None = None,
@@ -155,7 +125,7 @@ def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, 
     if not 0 <= rank < world_size:
         raise PipelineError(f"rank {rank} is outside 0..{world_size - 1}")
     stages = rank_stages(plan, world_size)
-    spec = _split_points(stages)
+    spec = split_points(stages)
     mb_args, mb_kwargs = split_batch(tuple(example_args), dict(example_kwargs or {}), chunks)[0]
     try:
         pipe = pipeline(model, mb_args=mb_args, mb_kwargs=mb_kwargs or None, split_spec=spec)

@@ -82,6 +82,12 @@ class SpecError(AutomapError, ValueError):
     """A model SPEC or command-line argument (--set, --max-memory, --dtype) could not be understood."""
 
 
+class ArgumentError(AutomapError, TypeError):
+    """A keyword argument automap does not take in that call (one of ``from_pretrained``'s that
+    makes no sense here, or that automap does not do): the message names it and says why. Also a
+    ``TypeError``, which Python raises for an unexpected keyword."""
+
+
 class DependencyError(AutomapError, ImportError):
     """A library that one call needs (transformers, to build a model from a Hugging Face
     folder's ``config.json``) is not installed; the message says what to install."""

@@ -22,7 +22,8 @@ from torch import nn
 from automap.errors import AutomapError, CheckpointError, SpecError
 from automap.loading.configs import check_config_fields, wrapped
 from automap.presets import PRESETS, check_not_hub_id
-from automap.loading.hf import config_dtype, folder_model, import_transformers, instantiate, is_model_folder, read_config
+from automap.loading.hf import config_dtype, folder_model, instantiate
+from automap.loading.hf_config import import_transformers, is_model_folder, read_config
 from automap.sizes import format_bytes
 from automap.userfiles import read_json_file
 

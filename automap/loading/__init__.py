@@ -8,7 +8,8 @@ its place (:mod:`~automap.loading.materialise`).
 """
 from automap.loading.checkpoint import READERS, Checkpoint, PickleReader, Reader, SafetensorsReader, Stored, open_checkpoint
 from automap.loading.empty import empty_model
-from automap.loading.hf import build_from_folder, is_model_folder
+from automap.loading.hf import build_from_folder
+from automap.loading.hf_config import is_model_folder
 from automap.loading.keys import Match, match_keys
 from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.loading.materialise import (Loaded, Task, log_summary, materialise, noted, offloaded_names, plan_tasks,

@@ -14,13 +14,14 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from automap.errors import CheckpointError, DependencyError
+from automap.errors import ArgumentError, CheckpointError
 from automap.loading.checkpoint import Checkpoint, open_checkpoint
 from automap.kinds import available_ram_bytes
-from automap.loading.configs import (check_config_fields, check_generation_fields, config_from_fields,
-                                     measure_on_meta, wrapped)
+from automap.loading.configs import check_generation_fields, measure_on_meta, wrapped
 from automap.loading.empty import empty_model
+from automap.loading.hf_config import AUTO_CLASSES, configured, import_transformers, remote_class, remote_code_refused
 from automap.loading.keys import Match, match_keys
+from automap.loading.pretrained_args import FolderOptions
 from automap.loading.quantized import CONFIG_NAME, refuse_declared
 from automap.runtime.swap import install
 from automap.sizes import format_bytes
@@ -28,70 +29,19 @@ from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
-# Heads to try when a config names no architecture, most useful first: a family is built as
-# what people run it as.
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
 GENERATION_CONFIG_NAME = "generation_config.json"
 # torch.set_default_dtype takes only these.
 _DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def is_model_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder with a ``config.json`` (a Hugging Face model folder)."""
-    return (Path(path) / CONFIG_NAME).is_file()
 
 
-def import_transformers(purpose: str = "building a model from a Hugging Face folder's config.json") -> Any:
-    """The ``transformers`` module.
-
-    Args:
-        purpose: what needs it, for the error message.
-
-    Raises:
-        DependencyError: transformers is not installed.
-    """
-    try:
-        import transformers
-    except ImportError as exc:
-        raise DependencyError(
-            f"{purpose} needs transformers, which is not installed ({exc}); install it with "
-            "pip install \"automap[hf]\" (or pip install transformers), or build the model yourself under "
-            "automap.empty_model() and call automap.load(model, folder)") from exc
-    return transformers
 
 
-def read_config(folder: str | os.PathLike[str]) -> Any:
-    """The transformers config in ``folder/config.json`` (read locally, never downloaded).
 
-    Raises:
-        CheckpointError: no config.json there, or one transformers cannot read.
-        DependencyError: transformers is not installed.
-    """
-    root = Path(folder)
-    if not os.path.lexists(root):
-        hub = "" if os.path.isabs(str(folder)) or str(folder).count("/") != 1 else (
-            f"; if {str(folder)!r} is a hub id: automap never downloads; download it with "
-            f"hf download {folder} --local-dir ./{root.name} and pass ./{root.name}")
-        raise CheckpointError(f"{root} does not exist; automap.load(path) takes a Hugging Face model folder "
-                              f"(config.json and its weights){hub}")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is a file, not a folder; automap.load(path) takes a Hugging Face model "
-                              "folder (config.json and its weights). For a single checkpoint file, build the "
-                              "model and call automap.load(model, path)")
-    if not is_model_folder(root):
-        raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
-                              "yourself under automap.empty_model() and call automap.load(model, folder)")
-    transformers = import_transformers()
-    path = root / CONFIG_NAME
-    data = read_json_file(path, "config file", error=CheckpointError,
-                          hint="save it again with save_pretrained, or build the model yourself")
-    where = repr(str(path))
-    check_config_fields(data, where, CheckpointError)
-    if "model_type" in data:
-        return config_from_fields(data, where, CheckpointError)
-    # An old config without model_type: transformers guesses the family from the folder's name.
-    return wrapped(lambda: transformers.AutoConfig.from_pretrained(str(root), local_files_only=True), where,
-                   CheckpointError)
+
+
+
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
@@ -101,6 +51,8 @@ def config_dtype(config: Any) -> torch.dtype | None:
     if isinstance(dtype, str):  # a config.json stores "bfloat16"
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
 
 
 def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
@@ -124,16 +76,25 @@ def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
     return None
 
 
-def folder_model(config: Any, folder: str | os.PathLike[str]) -> nn.Module | None:
+def folder_model(config: Any, folder: str | os.PathLike[str], trust_remote_code: bool = False) -> nn.Module | None:
     """The model ``folder``'s config names (None: transformers lacks its class), or, when it
     names none, the head its checkpoint fits (:func:`fitting_head`), built on the current
     default device: what :func:`build_from_folder` loads and ``automap plan FOLDER`` plans.
+    With ``trust_remote_code``, a class of the folder's own code (``auto_map``) when
+    transformers has none.
 
     Raises:
-        CheckpointError: the config declares a quantization (:func:`refuse_declared`).
+        CheckpointError: the config declares a quantization (:func:`refuse_declared`), or
+            maps the model to the folder's own code while ``trust_remote_code`` is off.
     """
     refuse_declared(folder, config)
-    return instantiate(config) if getattr(config, "architectures", None) else fitting_head(config, folder)
+    model = instantiate(config) if getattr(config, "architectures", None) else fitting_head(config, folder)
+    if model is None and getattr(config, "auto_map", None):
+        if not trust_remote_code:
+            raise remote_code_refused(folder, config.auto_map)
+        cls = remote_class(config, folder)
+        model = cls(config) if cls is not None else None
+    return model
 
 
 def fitting_head(config: Any, folder: str | os.PathLike[str]) -> nn.Module | None:
@@ -183,13 +144,16 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None = None) -> nn.Module:
+def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                      options: FolderOptions = FolderOptions()) -> nn.Module:
     """The model of a Hugging Face folder, as a skeleton: parameters on meta, buffers computed.
 
     Args:
         folder: a folder with ``config.json`` (written by ``save_pretrained``).
         dtype: build the parameters in this dtype; default: the config's, as
             ``from_pretrained``'s ``dtype="auto"`` does.
+        options: ``from_pretrained``'s other arguments that shape the build
+            (:mod:`automap.loading.pretrained_args`).
 
     Returns:
         The model in eval mode, ready for :func:`automap.load` to fill from ``folder``.
@@ -204,16 +168,16 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         >>> type(skeleton).__name__, skeleton.lm_head.weight.device
         ('GPT2LMHeadModel', device(type='meta'))
     """
-    config = read_config(folder)
+    config = configured(folder, options)
     dtype = dtype or config_dtype(config)
     if dtype is not None:  # from_pretrained gives the config the dtype it builds at (Apertus' xIELU reads it)
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     where = repr(str(Path(folder) / CONFIG_NAME))
     with default_dtype(dtype):
-        sizes = measure_on_meta(lambda: folder_model(config, folder), where, CheckpointError)
+        sizes = measure_on_meta(lambda: _folder_model(config, folder, options), where, CheckpointError)
         check_fits_in_ram(sizes, where)
         with empty_model():
-            model = wrapped(lambda: folder_model(config, folder), where, CheckpointError)
+            model = wrapped(lambda: _folder_model(config, folder, options), where, CheckpointError)
     if model is None:
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise CheckpointError(
@@ -223,7 +187,21 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
     keep_in_fp32(model, dtype)
     initialise_buffers(model)
     read_generation_config(model, folder)
+    if options.generation_config is not None:
+        model.generation_config = options.generation_config
     return model.eval()
+
+
+def _folder_model(config: Any, folder: str | os.PathLike[str], options: FolderOptions) -> nn.Module | None:
+    """:func:`folder_model`, an implementation transformers refuses for this model (one asked for
+    with ``attn_implementation=`` / ``experts_implementation=``) an :class:`ArgumentError`."""
+    try:
+        return folder_model(config, folder, options.trust_remote_code)
+    except (ValueError, ImportError) as exc:
+        if options.attn_implementation is None and options.experts_implementation is None:
+            raise
+        raise ArgumentError(f"{type(config).__name__}: transformers refused the implementation asked for "
+                            f"({type(exc).__name__}: {exc})") from exc
 
 
 def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:

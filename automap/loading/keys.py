@@ -1,16 +1,12 @@
-"""Which checkpoint key fills which tensor of the model, and what does not fit.
-
-Checkpoints are often saved from a wrapper or a part of the model, so their keys carry one
-leading component more or less than the model's names (``model.``, ``transformer.``,
-``module.``). The rename that matches the most names wins; then every tensor must be
-filled, every key used, every shape equal.
-
-A transformers model's checkpoint goes through transformers' own conversion first
-(:mod:`automap.loading.convert`): keys it renames are matched renamed, and tensors it builds from
-several checkpoint tensors (experts merged into one) are filled by a recipe instead of a key.
+"""Which checkpoint key fills which tensor of the model, and what does not fit: a leading
+component more or less (the rename matching most names wins), transformers' own conversions,
+then the model's own load path (each module's load-state-dict pre-hooks run on stand-ins: legacy
+``weight_g``/``weight_v`` keys are accepted as ``load_state_dict`` takes them); then every tensor
+must be filled, every key used, every shape equal.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -23,6 +19,8 @@ from automap.loading.checkpoint import Checkpoint, Stored
 from automap.loading.pickles import EXTRA_STATE
 from automap.loading.convert import Conversion, Recipe, conversion_for
 from automap.profiling.units import all_named_tensors, names_by_identity
+
+log = logging.getLogger(__name__)
 
 Rename = tuple[str, Callable[[str], str]]
 
@@ -72,13 +70,12 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     consumed = conversion.consumed if conversion is not None else set()
     keys = {k: s for k, s in checkpoint.tensors.items() if k not in consumed and not k.endswith(EXTRA_STATE)}
     how, rename = _best_rename(expected, keys, conversion)
-    renamed = {rename(k): k for k in keys}
+    renamed, how = _through_hooks(model, {rename(k): k for k in keys}, keys, how)
     saved = {rename(k): k for k in [*checkpoint.extras, *checkpoint.tensors] if k.endswith(EXTRA_STATE)}
     made = {t: r for r in conversion.recipes for t in r.targets} if conversion is not None else {}
     sources: dict[str, str] = {}
     built: dict[str, tuple[Recipe, str]] = {}
-    missing = []
-    untied = []
+    missing, untied = [], []
     for names in names_by_identity(expected.items()):
         key = next((renamed[n] for n in names if n in renamed), None)
         target = next((n for n in names if n in made), None)
@@ -104,6 +101,41 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
     return Match(sources, how, built, converted, untied, {k: saved[k] for k in extra if k in saved})
+
+
+def _through_hooks(model: nn.Module, renamed: dict[str, str], keys: Mapping[str, Stored],
+                   how: str) -> tuple[dict[str, str], str]:
+    """``renamed`` (model name -> checkpoint key) after the model's own load hooks moved names."""
+    hooked = hook_renames(model, {n: keys[k] for n, k in renamed.items()})
+    if not hooked:
+        return renamed, how
+    example = next(iter(hooked.items()))
+    return ({hooked.get(n, n): k for n, k in renamed.items()},
+            f"{how}, then the model's own load hooks ({len(hooked)} keys renamed, e.g. {example})")
+
+
+def hook_renames(model: nn.Module, keys: Mapping[str, Stored]) -> dict[str, str]:
+    """The keys (named as the model names its tensors) that the model's own load-state-dict
+    pre-hooks move to another key, as ``load_state_dict`` runs them (each module's, with its
+    prefix, parents first): key -> the key it ends under. The hooks see meta stand-ins of the
+    stored shapes and dtypes; what one builds anew, or a hook that fails on a stand-in, is left
+    to the key matching (which names what then does not fit)."""
+    hooked = [(name, module) for name, module in model.named_modules() if module._load_state_dict_pre_hooks]
+    if not hooked or not keys:
+        return {}
+    state = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in keys.items()}
+    origin = {id(t): k for k, t in state.items()}
+    for name, module in hooked:
+        prefix = f"{name}." if name else ""
+        if not any(k.startswith(prefix) for k in state):
+            continue
+        for hook in list(module._load_state_dict_pre_hooks.values()):
+            try:
+                hook(state, prefix, {}, True, [], [], [])
+            except Exception as exc:  # noqa: BLE001 - a hook that needs real values: keys as they are
+                log.debug("load hook of %r skipped on stand-ins: %s", name, exc)
+    moved = {origin[id(t)]: k for k, t in state.items() if id(t) in origin and origin[id(t)] != k}
+    return moved
 
 
 def _filled_by_torch(model: nn.Module, name: str) -> bool:

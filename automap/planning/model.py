@@ -50,6 +50,25 @@ def _render(kind: str, *args: Any, **options: Any) -> Any:
     return renderer(*args, **options)
 
 
+# The forms other engines take a plan in (accelerate's device_map, vLLM's layer partition,
+# llama.cpp's flags, ...): registered by automap.report.export, found as the renderers are.
+EXPORTERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_exporter(engine: str, exporter: Callable[..., Any]) -> None:
+    """Make ``exporter`` what :meth:`Plan.export` gives for ``engine``."""
+    EXPORTERS[engine] = exporter
+
+
+def _export(engine: str, plan: Plan, **options: Any) -> Any:
+    if not EXPORTERS:
+        raise PlanError("no exporter is registered: import automap.report (``import automap`` does) before "
+                        "exporting a plan")
+    if engine not in EXPORTERS:
+        raise PlanError(f"no exporter for engine {engine!r}; the engines are {', '.join(sorted(EXPORTERS))}")
+    return EXPORTERS[engine](plan, **options)
+
+
 @dataclass(frozen=True)
 class DeviceSummary:
     """One device's share of a plan (what the report and the JSON show per device)."""
@@ -288,6 +307,19 @@ class Plan:
     def report(self) -> str:
         """A human-readable table: per device bytes, share of FLOPs and unit range."""
         return _render("text", self)
+
+    def export(self, engine: str, **options: Any) -> Any:
+        """The plan in the form another engine takes (docs/export.md): ``"accelerate"`` (the
+        ``device_map`` dict), ``"split_spec"`` (torch pipelining's), ``"torchtitan"``
+        (``module_fqns_per_model_part``), ``"vllm"`` (``VLLM_PP_LAYER_PARTITION``'s value),
+        ``"llama.cpp"`` (``-ngl``/``-ot`` arguments for the GGUF of the same model, given
+        ``arch=``).
+
+        Raises:
+            PlanError: an unknown engine (the message lists them), or a plan the engine
+                cannot say (why, and what to plan instead).
+        """
+        return _export(engine, self, **options)
 
     def to_json(self, indent: int | None = 2) -> str:
         """Serialise to JSON (docs/plan-schema.md): the plan's own keys, a top-level

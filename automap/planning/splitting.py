@@ -1,7 +1,9 @@
 """The planner's front door (:func:`make_plan`): lay the model out, split the units that do not fit
 where they must go, round after round, and keep the plan with the smallest predicted forward.
 
-Invariant: if some option keeps everything on the accelerators, only those count.
+Invariant: one splitting rule for every device set (a unit larger than every computing device's
+room, or put on disk whole while CPU RAM could hold a part, is split first); if some option keeps
+everything on the accelerators, only those count.
 """
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ from typing import Callable, Mapping, Sequence
 
 from automap.devices import DeviceSpec
 from automap.errors import MapFormatError, PlanError
-from automap.kinds import is_host_name
+from automap.kinds import is_host_name, kind_of
 from automap.planning.layout_plans import Candidate, level_plans
 from automap.planning.experts_choice import with_experts_apart
-from automap.planning.layout_registry import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room
+from automap.planning.layout_registry import CPU_COMPUTES, EXPERTS, PACKED, RESIDENT, STREAMED, room, tiers
 from automap.planning.model import Plan
 from automap.planning.predict import forward_seconds
 from automap.planning.strategies import get_strategy
@@ -87,7 +89,7 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         levels.append(_Level(current, candidates, splits))
         # Pieces of a unit share a device, so once everything fits on the accelerators (as is,
         # or packed out of order) splitting finer cannot do better.
-        if refine is None or any(_all_on_accelerators(c.plan) for c in candidates):
+        if refine is None or any(_all_computing(c.plan, devices) for c in candidates):
             break
         wanted = {n: why for n, why in split_targets(current, devices, reserve, candidates).items() if n not in refused}
         if not wanted:
@@ -150,15 +152,21 @@ def _kind_rank(plan: Plan) -> int:
 def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
                   candidates: Sequence[Candidate]) -> dict[str, str]:
     """The units that do not fit where they must go, and why (see the module docstring)."""
-    gpus = [d for d in devices if d.is_accelerator]
-    if not gpus:
+    computing, _ = tiers(devices)
+    if not computing:
         return {}
-    largest = max(room(d, reserve) for d in gpus)
+    largest = max(room(d, reserve) for d in computing)
+    what = "any GPU's room" if computing[0].is_accelerator else "the CPU's RAM budget"
     wanted = {}
     for unit in profile.units:
         need = unit.weight_bytes + unit.peak_activation_bytes
         if need > largest:
-            wanted[unit.name] = f"larger than any GPU's room ({format_bytes(need)} > {format_bytes(largest)})"
+            wanted[unit.name] = f"larger than {what} ({format_bytes(need)} > {format_bytes(largest)})"
+    wanted.update((n, why) for n, why in _spilled_whole(profile, devices, reserve, candidates).items()
+                  if n not in wanted)
+    gpus = [d for d in computing if d.is_accelerator]
+    if not gpus:
+        return wanted
     plan = next((c.plan for c in candidates if c.kind == STREAMED), None)
     executor = plan.device(plan.execution_device) if plan is not None else max(gpus, key=lambda d: room(d, reserve))
     limit = STAGING_SHARE * room(executor, reserve)
@@ -169,6 +177,34 @@ def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapp
         if unit.name not in wanted and unit.weight_bytes > limit and not on_gpu:
             wanted[unit.name] = (f"streamed to {executor.name}, it would take more than a quarter of its room "
                                  f"({format_bytes(unit.weight_bytes)} of {format_bytes(room(executor, reserve))})")
+    return wanted
+
+
+def _spilled_whole(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
+                   candidates: Sequence[Candidate]) -> dict[str, str]:
+    """Units a candidate puts on a storage-only tier (disk) whole though CPU RAM could hold a
+    part of them: one larger than RAM's room, and the first one on disk where the RAM that
+    candidate leaves free is at least a sixteenth of it (a piece of it may fill that room).
+    Split, their pieces fill RAM before anything goes to disk."""
+    hosts = [d for d in devices if kind_of(d).is_host]
+    if not hosts or not any(kind_of(d).stores_only for d in devices):
+        return {}
+    ram = max(room(d, reserve) for d in hosts)
+    wanted = {}
+    for candidate in candidates:
+        plan = candidate.plan
+        free = max(room(d, reserve) - plan.placements.bytes_on.get(d.name, 0) for d in hosts)
+        first = True
+        for i, unit in enumerate(profile.units):
+            if not kind_of(plan.device(plan.placement[i])).stores_only or unit.name in wanted:
+                continue
+            if unit.weight_bytes > ram:
+                wanted[unit.name] = (f"larger than the CPU's RAM budget, it would go to disk whole "
+                                     f"({format_bytes(unit.weight_bytes)} > {format_bytes(ram)})")
+            elif first and free * 16 >= unit.weight_bytes:
+                wanted[unit.name] = (f"it would go to disk whole while {format_bytes(free)} of CPU RAM stays free "
+                                     f"({format_bytes(unit.weight_bytes)})")
+            first = False
     return wanted
 
 
@@ -233,6 +269,12 @@ def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]
 
 def _all_on_accelerators(plan: Plan) -> bool:
     return all(plan.device(d).is_accelerator for d in plan.placement)
+
+
+def _all_computing(plan: Plan, devices: Sequence[DeviceSpec]) -> bool:
+    """Every unit on a computing device (the accelerators; CPU RAM when the CPU computes alone)."""
+    computing = {d.name for d in tiers(devices)[0]}
+    return all(d in computing for d in plan.placement)
 
 
 def _describe(candidate: Candidate, level: int) -> str:

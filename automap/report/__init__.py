@@ -13,6 +13,7 @@ from automap.report.facts import format_seconds
 from automap.report.figure import check_figure_path, draw, figure
 from automap.report.schema import check_json_path, plan_dict, read_json, to_json, write_json
 from automap.report.text import render_line, render_text, unit_ranges
+from automap.report import export  # noqa: F401 - registers the engines of Plan.export
 
 register_renderer("text", render_text)
 register_renderer("json", to_json)

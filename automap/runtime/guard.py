@@ -45,16 +45,22 @@ class Guard:
     """
 
     def __init__(self, model: nn.Module, state: DispatchState):
-        # Weak references: the state (which holds this guard) must not keep the model alive.
+        # Weak references: the state (which holds this guard) must not keep the model alive, and
+        # a part of the model the user keeps alone is guarded as the whole model was.
         self._model, self.state = weakref.ref(model), state
         self.name = type(model).__name__
+        self.names: dict[int, str] = {}  # id of each tensor the dispatch placed or offloaded -> its name
         self._converting = threading.local()
         self._installed: list[tuple[weakref.ref[nn.Module], dict[str, Any]]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.hook_ids: set[int] = set()
 
     def install(self) -> Guard:
-        for module in self.model.modules():
+        model = self._model()
+        assert model is not None, "installed while dispatching: the caller holds the model"
+        self.names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
+                                            *model.named_buffers(remove_duplicate=False)]}
+        for module in model.modules():
             prior = {k: module.__dict__[k] for k in OVERRIDES if k in module.__dict__}
             self._installed.append((weakref.ref(module), prior))
             module._apply = self._apply_of(module)
@@ -76,11 +82,9 @@ class Guard:
                 module.__dict__.update(prior)
         self._installed.clear()
 
-    @property
-    def model(self) -> nn.Module:
-        model = self._model()
-        assert model is not None, "the guard lives as long as its model's dispatch state"
-        return model
+    def modules(self) -> list[nn.Module]:
+        """The guarded modules still alive (the model, or the parts of it a user kept)."""
+        return [m for m in (ref() for ref, _ in self._installed) if m is not None]
 
     # -------------------------------------------------------------- what is offloaded
 
@@ -126,8 +130,7 @@ class Guard:
         automap placed to another device, change an offloaded tensor's dtype or move it into
         shared memory."""
         offloaded = self.offloaded(module, recurse)
-        named = {id(t): n for n, t in [*self.model.named_parameters(remove_duplicate=False),
-                                       *self.model.named_buffers(remove_duplicate=False)]}
+        named = {**self.names, **offloaded}
         seen: dict[tuple[torch.dtype, torch.device], tuple[torch.dtype, torch.device, bool]] = {}
         for tensor in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
             placed = id(tensor) in self.state.original
@@ -166,7 +169,7 @@ class Guard:
     def in_forward(self) -> bool:
         """Whether this thread is inside the forward of one of the model's modules (the call
         comes from the model's own code, which the plain model runs too)."""
-        ours = {id(m) for m in self.model.modules()}
+        ours = {id(m) for m in self.modules()}
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code in _CALLS and id(frame.f_locals.get("self")) in ours:

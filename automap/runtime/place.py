@@ -1,4 +1,5 @@
-"""Placing a model as a plan says, hooking it, and undoing both (also on a failed dispatch)."""
+"""Placing a model as a plan says and hooking it (undone by :mod:`automap.runtime.undo`, also on a
+failed dispatch)."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +10,9 @@ import torch
 from torch import nn
 
 from automap.devices import canonical_name, check_present
-from automap.kinds import kind_of, on_host, torch_device
+from automap.kinds import kind_of, torch_device
 from automap.errors import AutomapError, DeviceError, DispatchError
-from automap.interrupts import deferred, public
+from automap.interrupts import deferred
 from automap.progress import step
 from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, WeightSource, make_transfer
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
@@ -24,10 +25,11 @@ from automap.runtime.hooks import MoveInputs, MoveOutputs
 from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, never_called, split_devices
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
-from automap.runtime.state import DispatchState, Group, Streamed, claimed, follow, forget, remember, state_of
+from automap.runtime.state import DispatchState, Group, Streamed, claimed, forget, remember
 from automap.runtime.gradients import RefuseGradientsEarly, refuse_gradients
 from automap.runtime.streaming import CheckFiles, StreamWeights
-from automap.runtime.swap import allocation_failed, install, moved_back
+from automap.runtime.swap import install
+from automap.runtime.undo import release_orphans, restore
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
             (a DispatchError) when disk units have no folder, or one without room for them.
             DispatchError too when another thread is dispatching ``model`` meanwhile.
     """
+    release_orphans(model)
     with claimed(model):
         return _dispatch(model, plan, offload_dir, output_device, source, always_hook, transfer)
 
@@ -83,7 +86,7 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
             remember(model, state)
     except BaseException as exc:
         with deferred():
-            forget(model)
+            forget(state)
             restore(model, state, rollback=True)
         if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
             raise
@@ -335,109 +338,3 @@ def link(groups: list[Group]) -> None:
     or the next token of ``generate``)."""
     for i, group in enumerate(groups):
         group.next = groups[(i + 1) % len(groups)] if len(groups) > 1 else None
-
-
-# ------------------------------------------------------------------ undo
-
-
-def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
-            done: Callable[[], None] | None = None) -> None:
-    """Undo :func:`apply`, keeping the model as it is now: every tensor that still views the
-    weight source (the offloaded ones, and any other the model got from them since) is read
-    into memory of its own — first, so that a tensor whose bytes cannot be read raises, naming
-    it, before anything changes — while what torch's API put into the model since dispatch
-    (new data, new parameters, converted dtypes) is kept as it is. On ``rollback`` (a failed
-    dispatch) the sources this dispatch created are removed again. ``done`` runs when all is
-    undone, before an interrupt that came meanwhile is delivered."""
-    if rollback:
-        install(model, state.replaced)
-    # Every allocation first (may take long, may fail for lack of memory; changes nothing:
-    # interruptible), then only assignments, which cannot fail for memory.
-    try:
-        views = read_views(model, state)
-        back = moved_back(state.original, state.streamed) + views  # assigned in this order, as dispatch's moves are undone first
-    except (MemoryError, RuntimeError) as exc:
-        if not allocation_failed(exc):
-            raise
-        raise DispatchError(
-            f"undispatch could not allocate the memory the weights it brings back need ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); nothing was changed: the model is still dispatched and works as before. Free "
-            "memory (or raise the process's memory or address-space limit) and call automap.undispatch again") from exc
-    with deferred():
-        _undo(model, state, back, rollback)
-        if done is not None:
-            done()
-
-
-def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool) -> None:
-    if state.guard is not None:
-        state.guard.remove()
-    for hook in state.hooks:
-        hook.detach()
-    for handle in state.tensor_hooks:
-        handle.remove()
-    if state.transfer is not None:
-        state.transfer.close()
-    for tensor, copied in back:
-        tensor.data = copied
-    for source in state.owned:
-        source.close(discard=rollback)
-
-
-def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each tensor of ``model`` that views the weight source, with its current values (any
-    write included) copied into memory of its own on the device it had before dispatch (CPU
-    for one that was on meta, or that torch's API put there since).
-
-    Raises:
-        OffloadError: the bytes of one of them cannot be read (its file was truncated under
-            it, or rewritten with other bytes); nothing has changed.
-    """
-    for item in state.streamed.values():
-        follow(item, state.streamed)
-    views = {i.view.untyped_storage().data_ptr(): i for i in state.streamed.values()
-             if i.view is not None and i.view.numel() and on_host(i.view.device)}
-    devices = {id(tensor): device for tensor, device in state.original.values()}
-    holders: dict[int, tuple[torch.Tensor, str]] = {}
-    for tensor in named_tensors(model).values():
-        if tensor.numel() and on_host(tensor.device) and tensor.untyped_storage().data_ptr() in views:
-            holders.setdefault(id(tensor), (tensor, views[tensor.untyped_storage().data_ptr()].name))
-    if state.source is not None and holders:  # one fstat per file, not one per tensor
-        state.source.check_unchanged(sorted({name for _, name in holders.values()}))
-    return [(t, torch.empty_like(t.data, device=devices.get(id(t), t.device)).copy_(t.data))
-            for t, _ in holders.values()]
-
-
-@public
-def undispatch(model: nn.Module) -> nn.Module:
-    """Remove every automap hook from ``model`` and bring every weight back to the device it
-    was on before :func:`dispatch`, the model as it is now: offloaded weights are read back
-    from their source into RAM, with any change made to them, and what torch's API put into
-    the model since dispatch (``param.data = t``, ``load_state_dict(assign=True)``, ...) is
-    kept; tensors that were on meta come back on CPU. Forwards in flight in other threads
-    finish first; one starting meanwhile raises DispatchError. The weights are read from the
-    maps automap holds, so a checkpoint or store file deleted, replaced or moved since dispatch
-    changes nothing. The offload store stays on disk, unlocked, for the next dispatch of the
-    same weights.
-
-    Raises:
-        DispatchError: ``model`` was not dispatched by automap.
-        OffloadError: a tensor's bytes cannot be read (its file was truncated or rewritten
-            under it; the message names it); the model stays dispatched.
-
-    Example:
-        >>> automap.undispatch(automap.dispatch(model, max_memory={"cpu": "1GB"}, offload_dir="off"))
-    """
-    state = state_of(model)
-    if state is None:
-        raise DispatchError(f"{type(model).__name__} is not dispatched by automap; nothing to undo")
-    with state.undoing:
-        if state_of(model) is not state:
-            raise DispatchError(f"{type(model).__name__} was undispatched by another thread meanwhile")
-        state.gate.close()
-        try:
-            with state.lock:
-                restore(model, state, done=lambda: (setattr(state, "undone", True), forget(model)))
-        finally:
-            state.gate.finish() if state.undone else state.gate.reopen()
-    return model

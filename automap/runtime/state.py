@@ -225,6 +225,44 @@ class DispatchState:
     undoing: threading.Lock = field(default_factory=threading.Lock)
     undone: bool = False
     guard: Any = None
+    root: weakref.ref[nn.Module] | None = None
+    members: list[weakref.ref[nn.Module]] = field(default_factory=list)
+    finalizers: list[weakref.finalize] = field(default_factory=list)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module that was dispatched, or None once it was collected (a part of it kept)."""
+        return self.root() if self.root is not None else None
+
+    def live(self) -> list[nn.Module]:
+        """The modules of the dispatch still alive (the whole model, or the parts a user kept)."""
+        return [m for m in (ref() for ref in self.members) if m is not None]
+
+    def release(self) -> None:
+        """The last module of the dispatch was collected without :func:`automap.undispatch`:
+        stop the transfer's workers, drop the hooks on offloaded tensors and give up the
+        sources (the store's lock: the next dispatch of the same weights reuses it). Runs
+        from the garbage collector, in whatever thread it ran in."""
+        if self.undone:
+            return
+        self.undone = True
+        for handle in self.tensor_hooks:
+            handle.remove()
+        for hook in self.hooks:
+            try:
+                hook.detach()
+            except RuntimeError:  # a worker of the hook's own pool collected the model: it stops by itself
+                pass
+        if self.transfer is not None:
+            try:
+                self.transfer.close()
+            except RuntimeError:  # run by one of the transfer's own workers, which cannot join itself
+                pass
+        for source in self.owned:
+            source.close()
+        self.streamed.clear()
+        self.groups.clear()
+        self.original.clear()
 
     def streamed_ids(self) -> set[int]:
         """ids of the model's tensors that live in the weight source now (what torch's API
@@ -239,22 +277,45 @@ class DispatchState:
         return found + SourceStats(pinned_bytes=pinned)
 
 
+# Every module a dispatch hooked or guarded -> that dispatch's state: a part the user keeps after
+# dropping the model (``model = peft_model.merge_and_unload()``, ``backbone = model.backbone;
+# del model``) still knows its dispatch, so it can be converted, undispatched or dispatched again.
 _STATES: weakref.WeakKeyDictionary[nn.Module, DispatchState] = weakref.WeakKeyDictionary()
 
 
 def state_of(model: nn.Module) -> DispatchState | None:
-    """The dispatch state of ``model``, or None when it is not dispatched (or not a module)."""
+    """The dispatch state ``model`` belongs to (it was dispatched, or is a part of a module that
+    was), or None when it is not dispatched (or not a module)."""
     return _STATES.get(model) if isinstance(model, nn.Module) else None
 
 
 def remember(model: nn.Module, state: DispatchState) -> None:
-    """Record that ``model`` is dispatched with ``state``."""
-    _STATES[model] = state
+    """Record that ``model`` and each of its modules belong to ``state``; when the last of them
+    is collected, the state is released (:meth:`DispatchState.release`)."""
+    modules = list(model.modules())
+    left = [len(modules)]
+
+    def collected() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            state.release()
+
+    state.root = weakref.ref(model)
+    for module in modules:
+        _STATES[module] = state
+        state.members.append(weakref.ref(module))
+        state.finalizers.append(weakref.finalize(module, collected))
 
 
-def forget(model: nn.Module) -> None:
-    """Drop ``model``'s dispatch state (after :func:`automap.undispatch` undid it)."""
-    _STATES.pop(model, None)
+def forget(state: DispatchState) -> None:
+    """Drop ``state`` from every module it was recorded on (after :func:`automap.undispatch`
+    undid it, or a dispatch failed)."""
+    for finalizer in state.finalizers:
+        finalizer.detach()
+    state.finalizers.clear()
+    for module in state.live():
+        if _STATES.get(module) is state:
+            del _STATES[module]
 
 
 def _stop_prefetch_in_child() -> None:
@@ -264,7 +325,7 @@ def _stop_prefetch_in_child() -> None:
     reader of guessed experts) starts afresh without prefetching in the child, taking no lock a
     parent's thread may have held at the fork; its forwards read their pages as they fault
     them in, with the same values."""
-    for state in list(_STATES.values()):
+    for state in {id(s): s for s in list(_STATES.values())}.values():
         if state.transfer is not None:
             state.transfer.forget_threads()
         for hook in state.hooks:
@@ -317,7 +378,8 @@ def check_not_dispatched(model: nn.Module) -> None:
     """Raise :class:`DispatchError` when ``model`` is dispatched already, by automap or by
     accelerate (before planning it again, which would fail on the hooked model with a less
     useful message)."""
-    if model in _STATES:
+    state = _STATES.get(model)
+    if state is not None and state.model is model:
         raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
     check_no_overlap(model)
     check_no_accelerate_hooks(model)
@@ -330,7 +392,15 @@ def check_no_overlap(model: nn.Module) -> None:
     either one would leave the other's hooks and overrides behind."""
     mine = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     what = type(model).__name__
-    for other in list(_STATES.keys()) + [m for m in list(_CLAIMS.keys()) if m is not model]:
+    for name, module in model.named_modules(remove_duplicate=False):
+        state = _STATES.get(module)
+        if state is not None and state.model is None and not state.undone:
+            raise DispatchError(
+                f"{what}'s module {name or '(the model)'!r} ({type(module).__name__}) is still hooked by an earlier "
+                "dispatch whose model is gone; call automap.undispatch on it first (automap.dispatch and "
+                "automap.load do that themselves)")
+    roots = {id(r): r for r in (s.model for s in list(_STATES.values())) if r is not None}
+    for other in list(roots.values()) + [m for m in list(_CLAIMS.keys()) if m is not model]:
         theirs = next((name for name, module in other.named_modules() if id(module) in mine), None)
         if theirs is None:
             continue
