@@ -96,6 +96,15 @@ def _parser() -> _Parser:
                     "accelerate (get_balanced_memory + infer_auto_device_map, what device_map='auto' does) "
                     "and compare bytes spilled off the GPUs and the busiest GPU's share of the FLOPs.")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    calibrate = commands.add_parser(
+        "calibrate", parents=[verbose], help="measure this machine's speeds again (about 2 s) and record them",
+        description="Measure the CPU's matmul rate per dtype and memory bandwidth, the disk's read rate (in "
+                    "the file system of --offload-dir) and each GPU's copy, memory and matmul rates, and "
+                    "record them where plans read them: $XDG_CACHE_HOME/automap/machine.json (~/.cache "
+                    "without it), or the file AUTOMAP_CALIBRATION names. Plans measure on first use by "
+                    "themselves; this refreshes the record (after a hardware or driver change, say).")
+    calibrate.add_argument("--offload-dir", metavar="DIR", default=None,
+                           help="measure the disk holding this folder (default: the working directory)")
     return parser
 
 
@@ -330,4 +339,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"plan": _plan, "demo": _demo, "bench": _bench}
+def _calibrate(args: argparse.Namespace) -> int:
+    from automap.machine import describe, machine_record, record_path
+
+    path = record_path()
+    if path is None:
+        raise DeviceError("measuring is off (AUTOMAP_CALIBRATION=off): plans use each kind's default speeds; "
+                          "unset AUTOMAP_CALIBRATION, or set it to a file to record the figures in")
+    record = machine_record(args.offload_dir, refresh=True)
+    print(describe(record))
+    print(f"recorded in {path}")
+    return 0
+
+
+_COMMANDS = {"plan": _plan, "demo": _demo, "bench": _bench, "calibrate": _calibrate}

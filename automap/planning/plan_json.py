@@ -83,12 +83,22 @@ def _devices_of(entries: Any) -> tuple[DeviceSpec, ...]:
     devices = tuple(
         DeviceSpec(d["name"], d["kind"], int(d["capacity_bytes"]), float(d["flops_per_second"]),
                    float(d["link_bytes_per_second"]),
-                   float(d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))))
+                   float(d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))),
+                   _measured_of(d.get("measured", [])))
         for d in entries
     )
     if len({d.name for d in devices}) < len(devices):
         raise PlanError("plan JSON lists one device twice")
     return devices
+
+
+def _measured_of(names: Any) -> tuple[str, ...]:
+    """A device's ``measured``: names of its own figures (absent in JSON written before)."""
+    fields = {"capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second"}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in fields for n in names):
+        raise PlanError(f"plan JSON's device 'measured' is {names!r}, not a list of the figures "
+                        f"{sorted(fields)}")
+    return tuple(names)
 
 
 def _placement_of(units: Any, devices: tuple[DeviceSpec, ...]) -> tuple[str, ...]:
