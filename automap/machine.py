@@ -20,7 +20,7 @@ measures again.
 
 Free space (CPU RAM, disk, an accelerator's memory) changes from one moment to the next, and a
 plan that carried it as measured would differ in every process. So a capacity is rounded down
-to a sixteenth of its power of two and recorded; while a fresh reading is at least the recorded
+to a sixteenth of its power of two, less a sixteenth, and recorded; while a fresh reading is at least the recorded
 figure and less than :data:`GROWTH` times it, the recorded figure is what plans use (it is never
 more than what is free). A plan's devices say which of their figures were measured here
 (:attr:`~automap.devices.DeviceSpec.measured`); the others are the kind's defaults or given.
@@ -223,7 +223,8 @@ def rounded_down(nbytes: int) -> int:
 def stable_capacities(record: dict[str, Any], fresh: dict[str, int]) -> dict[str, int]:
     """The capacities a plan uses for free space read as ``fresh`` (bytes by record key): each
     the recorded figure while the fresh reading is at least it and under :data:`GROWTH` times
-    it, else the reading rounded down (and recorded in ``record``, written once). Only rounded
+    it, else the reading less a sixteenth, rounded down (and recorded in ``record``, written
+    once): room for the free space to shrink a little without changing the plans. Only rounded
     when there is no record (measuring off)."""
     if not record:
         return {key: rounded_down(value) for key, value in fresh.items()}
@@ -234,7 +235,7 @@ def stable_capacities(record: dict[str, Any], fresh: dict[str, int]) -> dict[str
         if isinstance(kept, int) and kept <= value < GROWTH * kept:
             result[key] = kept
         else:
-            result[key] = recorded[key] = rounded_down(value)
+            result[key] = recorded[key] = rounded_down(value - value // 16)
             changed = True
     if changed:
         write_record(record)
