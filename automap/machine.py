@@ -4,8 +4,9 @@ for, as figures recorded once and read back, so that a plan is a pure function o
 On first use on a machine (no record, or one whose hardware fingerprint -- CPU model, cores,
 memory, accelerators, torch version -- differs), a short calibration (under 2 s) measures:
 
-- the CPU's matmul rate per dtype and its memory bandwidth (a matrix-vector product over a
-  matrix larger than any cache: what a decode step does with each weight);
+- the CPU's compute rate per dtype (a transformer layer in miniature, its FLOPs counted as the
+  profiler counts a model's) and its memory bandwidth (a vector through a linear layer larger
+  than any cache: what a decode step does with each weight);
 - the disk's read rate, 4 reads of 4 MiB in flight (as :mod:`automap.offload.readahead`
   reads), of a file written in the offload folder's file system and dropped from the page
   cache first (``posix_fadvise(DONTNEED)`` after ``fsync``), in a folder automap creates and
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -258,11 +260,11 @@ def disk_key(folder: str | os.PathLike[str] | None) -> str:
 
 # ---------------------------------------------------------------------- measuring
 
-def _best_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: int = 30,
+def _median_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: int = 30,
                   within: float = 0.1) -> float:
-    """The fastest of up to ``repeats`` timed runs (after one warm-up) done within ``within``
-    seconds: what the device does when it has its cores (on a shared machine a median
-    measures the neighbours' load of the moment, which the record would keep)."""
+    """The median of up to ``repeats`` timed runs (after one warm-up), at least
+    :data:`_MIN_SAMPLES` and as many more as fit in ``within`` seconds: what a run sees (on a
+    machine shared with other jobs, their load of the moment included)."""
     run()
     sync()
     times: list[float] = []
@@ -271,7 +273,7 @@ def _best_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: in
         run()
         sync()
         times.append(time.perf_counter() - started)
-    return min(times)
+    return statistics.median(times)
 
 
 def measure_computing() -> dict[str, dict[str, Any]]:
@@ -300,7 +302,7 @@ def matmul_rates(device: Any, size: int, sync: Callable[[], None]) -> dict[str, 
         n = size if not _slow(device, dtype, sync) else 256
         a = torch.ones(n // 2, n, device=device, dtype=dtype)
         b = torch.ones(n, n, device=device, dtype=dtype)
-        rates[name] = 2 * (n // 2) * n * n / _best_seconds(lambda: torch.mm(a, b), sync)
+        rates[name] = 2 * (n // 2) * n * n / _median_seconds(lambda: torch.mm(a, b), sync)
     return rates
 
 
@@ -314,7 +316,7 @@ def _slow(device: Any, dtype: Any, sync: Callable[[], None]) -> bool:
     try:
         a = torch.ones(128, 256, device=device, dtype=dtype)
         b = torch.ones(256, 256, device=device, dtype=dtype)
-        return _best_seconds(lambda: torch.mm(a, b), sync, within=0.02) > _SLOW_SECONDS
+        return _median_seconds(lambda: torch.mm(a, b), sync, within=0.02) > _SLOW_SECONDS
     finally:
         torch.set_num_threads(threads)
 
@@ -325,17 +327,77 @@ _MIN_SAMPLES = 5
 _SLOW_SECONDS = 0.005
 
 
-def measure_cpu() -> dict[str, Any]:
-    """The CPU's matmul rate per dtype (up to a 512 x 1024 by 1024 x 1024 product, the size of
-    a small model's layer on a prompt) and its memory bandwidth (a vector times a 64 MiB
-    matrix, as a decode step reads each weight once)."""
+def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128) -> dict[str, float]:
+    """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention,
+    a gated MLP, residuals; ``tokens`` x ``hidden``), its FLOPs counted as the profiler counts
+    a model's (:class:`~torch.utils.flop_counter.FlopCounterMode`: matmuls and attention): the
+    rate a model's counted FLOPs run at, the work between the matmuls included (slow in a
+    dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
+    whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rates = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        if _slow(device, dtype, sync):
+            a = torch.ones(128, 256, device=device, dtype=dtype)
+            b = torch.ones(256, 256, device=device, dtype=dtype)
+            rates[name] = 2 * 128 * 256 * 256 / _median_seconds(lambda: torch.mm(a, b), sync)
+            continue
+        layer = _Layer(hidden, device, dtype)
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
+        with FlopCounterMode(display=False) as counter:
+            layer(x)
+        rates[name] = counter.get_total_flops() / _median_seconds(lambda: layer(x), sync)
+    return rates
+
+
+class _Layer:
+    """A Llama-like layer of plain tensors: RMS norms, attention, a SiLU-gated MLP."""
+
+    def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8) -> None:
+        import torch
+
+        def weight(rows: int, cols: int) -> Any:
+            return (torch.randn(rows, cols, device=device) / cols ** 0.5).to(dtype)
+
+        self.heads, self.hidden = heads, hidden
+        self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
+        self.gate, self.up, self.down = weight(hidden * 11 // 4, hidden), weight(hidden * 11 // 4, hidden), \
+            weight(hidden, hidden * 11 // 4)
+
+    @staticmethod
+    def norm(x: Any) -> Any:
+        """RMS norm computed in float32 and cast back, as transformers' models compute it."""
+        import torch
+
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def __call__(self, x: Any) -> Any:
+        from torch.nn import functional as F
+
+        batch, tokens, _ = x.shape
+        h = self.norm(x)
+        q, k, v = F.linear(h, self.qkv).view(batch, tokens, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+        x = x + F.linear(attention, self.out)
+        h = self.norm(x)
+        return x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+
+
+def measure_cpu() -> dict[str, Any]:
+    """The CPU's compute rate per dtype (:func:`layer_rates`) and its memory bandwidth (a
+    vector through a 64 MiB linear layer, as a decode step reads each weight once)."""
+    import torch
+    from torch.nn import functional as F
 
     with torch.no_grad():
-        rates = matmul_rates(torch.device("cpu"), 1024, lambda: None)
+        rates = layer_rates(torch.device("cpu"), lambda: None)
         weights = torch.ones(4096, 4096)
         vector = torch.ones(1, 4096)
-        seconds = _best_seconds(lambda: torch.mm(vector, weights), lambda: None)
+        seconds = _median_seconds(lambda: F.linear(vector, weights), lambda: None)
     return {"flops_per_second": rates, "memory_bytes_per_second": weights.nbytes / seconds}
 
 
@@ -354,9 +416,9 @@ def measure_accelerator(name: str) -> dict[str, Any]:
         except RuntimeError:
             pass
         target = torch.empty_like(host, device=device)
-        link = host.nbytes / _best_seconds(lambda: target.copy_(host, non_blocking=True), sync, )
+        link = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), sync, )
         other = torch.empty_like(target)
-        memory = 2 * target.nbytes / _best_seconds(lambda: other.copy_(target), sync, )
+        memory = 2 * target.nbytes / _median_seconds(lambda: other.copy_(target), sync, )
         rates = matmul_rates(device, 4096, sync)
     return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
 
