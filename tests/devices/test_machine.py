@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, strategies as st
+from conftest import pin_machine
+from hypothesis import given
+from hypothesis import strategies as st
 
 from automap import machine
 from automap.devices import DEFAULT_FLOPS, DEFAULT_LINK, detect_devices
-from conftest import pin_machine
 
 
 def test_the_record_lives_where_the_environment_says(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "automap"
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
     "errors": 0, "sizes": 0, "progress": 0, "interrupts": 0,
-    "devices": 1, "kinds": 1, "machine": 1,
+    "devices": 1, "kinds": 1, "machine": 1, "machine_probes": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
