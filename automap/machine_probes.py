@@ -182,6 +182,10 @@ def measure_accelerator(name: str) -> dict[str, Any]:
         other = torch.empty_like(target)
         memory = 2 * target.nbytes / _median_seconds(lambda: other.copy_(target), sync, )
         rates = matmul_rates(device, 4096, sync)
+        del host, target, other
+    api = kind.torch_api()
+    if hasattr(api, "empty_cache"):  # the probe's blocks back to the device: free memory reads as before
+        api.empty_cache()
     return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
 
 
