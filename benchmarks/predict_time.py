@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -114,7 +115,9 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
         predicted = plan.forward_seconds
     automap.dispatch(model, plan, offload_dir=offload_dir)
     # Weights the plan puts on disk are read from it: their pages are dropped from the page
-    # cache before each timed run (what a machine without the RAM to cache them sees).
+    # cache before each timed run (what a machine without the RAM to cache them sees). The
+    # store just written is flushed first: the kernel keeps dirty pages whatever it is told.
+    os.sync()
     evict = state_of(model).source.evict if "disk" in plan.placement else (lambda: None)
     warm = None
     try:
