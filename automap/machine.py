@@ -137,13 +137,20 @@ def read_record() -> dict[str, Any]:
 
 def write_record(record: dict[str, Any]) -> None:
     """Write ``record`` into the file under its fingerprint, the file written whole (a
-    temporary file renamed over it); a folder or file that cannot be written leaves the plan
-    on its fresh figures, logged."""
+    temporary file renamed over it). A file there that is not automap's record is left as it
+    is, and a folder or file that cannot be written leaves the plan on its fresh figures: both
+    logged."""
     path = record_path()
     if path is None:
         return
-    data = _read_file(path) or {"format": FORMAT, "machines": {}}
+    data = _read_file(path)
+    if not data and (path.is_symlink() or path.exists()):
+        log.warning("%s is not automap's record of this machine; left as it is (remove it, or point %s "
+                    "at another file)", path, ENV)
+        return
+    data = data or {"format": FORMAT, "machines": {}}
     data["machines"][fingerprint_key(record["fingerprint"])] = record
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=".machine-", suffix=".json", dir=path.parent)
@@ -152,6 +159,8 @@ def write_record(record: dict[str, Any]) -> None:
         os.replace(temporary, path)
     except OSError as exc:
         log.warning("could not record this machine's figures in %s: %s", path, exc)
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
 
 
 def machine_record(folder: str | None = None, *, refresh: bool = False) -> dict[str, Any]:

@@ -63,6 +63,14 @@ def test_a_record_for_another_fingerprint_is_not_read(tmp_path, monkeypatch):
     assert machine.read_record() == {}
 
 
+def test_a_file_that_is_not_a_record_is_never_overwritten(tmp_path, monkeypatch):
+    mine = tmp_path / "notes.json"
+    mine.write_text("my own notes")
+    monkeypatch.setenv("AUTOMAP_CALIBRATION", str(mine))
+    machine.write_record({"fingerprint": machine.fingerprint(), "devices": {}, "capacities": {}})
+    assert mine.read_text() == "my own notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]
+
+
 @given(st.integers(0, 2**50))
 def test_capacities_round_down_by_at_most_a_sixteenth(nbytes):
     value = machine.rounded_down(nbytes)
