@@ -163,16 +163,22 @@ def measure_cpu() -> dict[str, Any]:
     return {"flops_per_second": rates, "memory_bytes_per_second": weights.nbytes / seconds}
 
 
-def measure_accelerator(name: str) -> dict[str, Any]:
-    """An accelerator's copy rate from pinned host memory, its memory bandwidth (a copy reads
-    and writes) and its matmul rate per dtype."""
+def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 2**20) -> dict[str, Any]:
+    """An accelerator's copy rate from pinned host memory (``copy_bytes``), its memory bandwidth
+    (a copy on it reads and writes) and its matmul rate per dtype (``size``, see
+    :func:`matmul_rates`)."""
     import torch
 
     device = torch_device(name)
     kind = kind_of(name)
-    sync = lambda: kind.factory("synchronize")(device)
+    synchronize = kind.factory("synchronize")
+
+    def sync() -> None:
+        if synchronize is not None:
+            synchronize(device)
+
     with torch.no_grad():
-        host = torch.empty(256 * 2**20, dtype=torch.uint8)
+        host = torch.empty(copy_bytes, dtype=torch.uint8)
         try:
             host = host.pin_memory()
         except RuntimeError:
@@ -181,7 +187,7 @@ def measure_accelerator(name: str) -> dict[str, Any]:
         link = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), sync, )
         other = torch.empty_like(target)
         memory = 2 * target.nbytes / _median_seconds(lambda: other.copy_(target), sync, )
-        rates = matmul_rates(device, 4096, sync)
+        rates = matmul_rates(device, size, sync)
         del host, target, other
     api = kind.torch_api()
     if hasattr(api, "empty_cache"):  # the probe's blocks back to the device: free memory reads as before

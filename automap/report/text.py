@@ -4,6 +4,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Sequence
 
+from automap.kinds import kind_of
 from automap.planning.model import Origin
 from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels, short_name,
                                   unit_ranges)
@@ -158,12 +159,17 @@ _FIGURE_NAMES = {"capacity_bytes": "free space", "flops_per_second": "compute", 
                  "memory_bytes_per_second": "memory"}
 
 
+# A tier that only stores is read: its link and memory figures are both its read rate.
+_STORE_FIGURE_NAMES = {**_FIGURE_NAMES, "link_bytes_per_second": "read rate", "memory_bytes_per_second": "read rate"}
+
+
 def _figures(plan: Plan) -> str:
     """Which of each device's figures were measured on this machine; the rest are assumed
     (the kind's defaults, or given: max_memory, speeds, links, bandwidths)."""
     parts = []
     for device in plan.devices:
-        measured = [_FIGURE_NAMES[f] for f in device.measured if f in _FIGURE_NAMES]
+        names = _FIGURE_NAMES if not kind_of(device).stores_only else _STORE_FIGURE_NAMES
+        measured = list(dict.fromkeys(names[f] for f in device.measured if f in names))
         parts.append(f"{device.name} {', '.join(measured)}" if measured else f"{device.name} none")
     text = ("measured here: " + "; ".join(parts) + ". Other figures are assumed (defaults or given); "
             "'automap calibrate' measures again.")

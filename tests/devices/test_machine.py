@@ -114,8 +114,32 @@ def test_the_report_and_json_say_which_figures_were_measured(tmp_path, monkeypat
     pin_machine(tmp_path / "machine.json", monkeypatch)
     plan = automap.plan(torch.nn.Linear(8, 8), max_memory={"cpu": "1GiB"}, offload_dir=tmp_path)
     flat = " ".join(plan.report().split())
-    assert "measured here: cpu compute, memory; disk free space, link, memory" in flat
+    assert "measured here: cpu compute, memory; disk free space, read rate" in flat
     again = automap.Plan.from_json(plan.to_json())
     assert [d.measured for d in again.devices] == [d.measured for d in plan.devices]
     with pytest.raises(automap.AutomapError, match="'measured'"):
         automap.Plan.from_json(plan.to_json().replace('"flops_per_second",', '"speed",', 1))
+
+
+def test_an_accelerator_is_measured_through_its_kind(monkeypatch):
+    """The accelerator probe asks the registry for the device, its synchronisation and its torch
+    module: a kind registered with CPU memory behind it (as a test's fake accelerator) runs it."""
+    import torch
+
+    from automap.kinds import DeviceKind, register_kind, unregister_kind
+    from automap.machine_probes import measure_accelerator
+
+    calls = []
+    register_kind(DeviceKind("fakegpu", rank=1, computes=True, is_storage=False, host_addressable=False,
+                             async_copies=False, flops_per_second=1e12, link_bytes_per_second=1e9,
+                             memory_bytes_per_second=1e11, indexed=True, count=lambda: 1,
+                             synchronize=lambda device: calls.append(device),
+                             torch_device=lambda name: torch.device("cpu")))
+    try:
+        figures = measure_accelerator("fakegpu:0", size=256, copy_bytes=2**20)
+    finally:
+        unregister_kind("fakegpu")
+    assert set(figures["flops_per_second"]) == {"float32", "bfloat16", "float16"}
+    assert all(rate > 0 for rate in figures["flops_per_second"].values())
+    assert figures["link_bytes_per_second"] > 0 and figures["memory_bytes_per_second"] > 0
+    assert calls and all(d == torch.device("cpu") for d in calls)
