@@ -40,6 +40,7 @@ from typing import Any
 
 from automap.kinds import kind_of, registered_kinds
 from automap.machine_probes import measure_computing, measure_disk
+from automap.progress import step
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +174,15 @@ def machine_record(folder: str | None = None, *, refresh: bool = False) -> dict[
     changed = False
     if not data:
         started = time.perf_counter()
-        data = {"fingerprint": fingerprint(), "devices": measure_computing(), "capacities": {}}
+        with step("automap: measuring this machine (once; 'automap calibrate' measures again)"):
+            data = {"fingerprint": fingerprint(), "devices": measure_computing(), "capacities": {}}
         data["seconds"] = round(time.perf_counter() - started, 3)
+        log.info("measured this machine in %.1f s: %s", data["seconds"], describe(data).replace("\n", "; "))
         changed = True
     disk = disk_key(folder)
     if disk not in data["devices"]:
-        rate = measure_disk(existing_folder(folder))
+        with step("automap: measuring the disk's read rate (once per file system)"):
+            rate = measure_disk(existing_folder(folder))
         data["devices"][disk] = {"read_bytes_per_second": rate} if rate else {}
         changed = True
     if changed:

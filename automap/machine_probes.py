@@ -26,11 +26,14 @@ def _median_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: 
                   within: float = 0.1) -> float:
     """The median of up to ``repeats`` timed runs (after one warm-up), at least
     :data:`_MIN_SAMPLES` and as many more as fit in ``within`` seconds: what a run sees (on a
-    machine shared with other jobs, their load of the moment included)."""
+    machine shared with other jobs, their load of the moment included). Runs so slow that
+    the minimum would take over :data:`_CAP` times ``within`` stop there (one run at least):
+    a loaded machine is measured less precisely, not for long."""
     run()
     sync()
     times: list[float] = []
-    while len(times) < repeats and (len(times) < _MIN_SAMPLES or sum(times) < within):
+    while len(times) < repeats and (len(times) < _MIN_SAMPLES or sum(times) < within) \
+            and not (times and sum(times) > _CAP * within):
         started = time.perf_counter()
         run()
         sync()
@@ -83,6 +86,8 @@ def _slow(device: Any, dtype: Any, sync: Callable[[], None]) -> bool:
         torch.set_num_threads(threads)
 
 
+# A probe stops once its runs took this many times its time budget.
+_CAP = 4
 # Timed runs a probe takes at least: on a shared machine one in a few runs gets its cores.
 _MIN_SAMPLES = 5
 # A dtype whose 128 x 256 by 256 x 256 product takes this long is not measured larger.
@@ -97,8 +102,6 @@ def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens
     dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
     whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     rates = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
@@ -109,9 +112,7 @@ def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens
             continue
         layer = _Layer(hidden, device, dtype)
         x = torch.randn(1, tokens, hidden, device=device).to(dtype)
-        with FlopCounterMode(display=False) as counter:
-            layer(x)
-        rates[name] = counter.get_total_flops() / _median_seconds(lambda layer=layer, x=x: layer(x), sync)
+        rates[name] = layer.flops(tokens) / _median_seconds(lambda layer=layer, x=x: layer(x), sync)
     return rates
 
 
@@ -128,6 +129,13 @@ class _Layer:
         self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
         self.gate, self.up, self.down = weight(hidden * 11 // 4, hidden), weight(hidden * 11 // 4, hidden), \
             weight(hidden, hidden * 11 // 4)
+
+    def flops(self, tokens: int) -> int:
+        """The FLOPs of one call on ``tokens`` tokens as :class:`~torch.utils.flop_counter.
+        FlopCounterMode` counts them on meta, as the profiler counts a model's: the linear layers
+        and the attention, whole (``tests/devices/test_machine.py`` checks the two agree)."""
+        linear = sum(w.shape[0] * w.shape[1] for w in (self.qkv, self.out, self.gate, self.up, self.down))
+        return 2 * tokens * linear + 4 * tokens * tokens * self.hidden
 
     @staticmethod
     def norm(x: Any) -> Any:

@@ -143,3 +143,15 @@ def test_an_accelerator_is_measured_through_its_kind(monkeypatch):
     assert all(rate > 0 for rate in figures["flops_per_second"].values())
     assert figures["link_bytes_per_second"] > 0 and figures["memory_bytes_per_second"] > 0
     assert calls and all(d == torch.device("cpu") for d in calls)
+
+
+def test_the_cpu_probe_counts_its_flops_as_the_profiler_counts_a_models():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from automap.machine_probes import _Layer
+
+    layer = _Layer(64, torch.device("meta"), torch.float32, heads=4)
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.empty(1, 16, 64, device="meta"))
+    assert layer.flops(16) == counter.get_total_flops()
