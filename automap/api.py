@@ -118,7 +118,7 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     if offload_dir:
         check_offload_dir(offload_dir)  # a dangling link or /proc: say so, not "the model does not fit"
     devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
-                             speeds=speeds, links=links, bandwidths=bandwidths)
+                             speeds=speeds, links=links, bandwidths=bandwidths, dtype=compute_dtype(model, dtype))
     if batch is not None:
         check_batch(batch)  # fails before any profiling
     if isinstance(device_map, str):
@@ -174,6 +174,20 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
 
 
 DtypeLike = torch.dtype | str | None
+
+
+def compute_dtype(model: nn.Module | Profile, dtype: torch.dtype | None) -> str | None:
+    """The name of the dtype ``model`` computes in (``"bfloat16"``): ``dtype`` when given, else
+    the one most of its floating-point weights have; which measured matmul rate a device gets."""
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    if not isinstance(model, nn.Module):
+        return None
+    counts: dict[torch.dtype, int] = {}
+    for _, t in all_named_tensors(model):
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return str(max(counts, key=counts.__getitem__)).removeprefix("torch.") if counts else None
 
 
 def as_dtype(dtype: DtypeLike) -> torch.dtype | None:

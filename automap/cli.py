@@ -13,18 +13,17 @@ answer at once); only then does a command import the library. The names offered 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import re
 import sys
 import time
 import traceback
-import warnings
-from typing import Any, Iterator, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
+from automap.commands import COMMANDS, CleanPathError, add_commands, libraries_quiet
 from automap.devices import parse_max_memory_text
-from automap.errors import AutomapError, DeviceError, OffloadError, ReportError, SizeError, SpecError
+from automap.errors import AutomapError, DeviceError, ReportError, SizeError, SpecError
 from automap.presets import check_not_hub_id, preset_lines
 from automap.sizes import MAX_COUNT, parse_number, shown
 from automap.userfiles import check_output_path
@@ -111,31 +110,7 @@ def _parser() -> _Parser:
     parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_plan(commands, verbose)
-    clean = commands.add_parser(
-        "clean", parents=[verbose], help="remove automap's offload stores from a folder (and nothing else)",
-        description="Remove the offload stores (automap-store-* folders) that automap wrote under DIR and "
-                    "that no live process uses, and nothing else: files of yours beside or inside them, "
-                    "links and stores in use are left and named. Prints what it removed and the bytes freed.")
-    clean.add_argument("dir", metavar="DIR", nargs="?", default="offload",
-                       help="the offload_dir a model was dispatched with, or one automap-store-* folder "
-                            "(default: offload)")
-    clean.add_argument("--quiet", action="store_true", help="print nothing")
-    demo = commands.add_parser("demo", parents=[verbose],
-                        help="plan, report and run ResNet-50 and a small Llama with part of them on disk",
-                        description="Plan, report and run ResNet-50 and a small Llama (random weights) with "
-                                    "part of their weights on disk, and check the outputs equal the plain "
-                                    "model's. What 'make demo' runs; about a minute on a laptop CPU. The "
-                                    "Llama half needs transformers (pip install \"automap[hf]\").")
-    demo.add_argument("--save", metavar="DIR",
-                      help="instead, write the docs' example model folders (small random-weight Hugging Face "
-                           "folders: DIR/llama, DIR/gptj) and exit; offline, seconds")
-    bench = commands.add_parser(
-        "bench", parents=[verbose],
-        help="compare automap's plans with accelerate's on hypothetical GPUs (seconds)",
-        description="Plan a few real architectures on meta for hypothetical GPU sets with automap and with "
-                    "accelerate (get_balanced_memory + infer_auto_device_map, what device_map='auto' does) "
-                    "and compare bytes spilled off the GPUs and the busiest GPU's share of the FLOPs.")
-    bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_commands(commands, verbose)
     return parser
 
 
@@ -249,9 +224,6 @@ def check_plan_args(args: argparse.Namespace) -> None:
 _USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
 
 
-class _CleanPathError(OffloadError):
-    """``automap clean DIR`` with a DIR that does not exist or is a file: a usage error."""
-
 # The library's errors name the fix in its own arguments; on the command line the fix is a flag.
 # (pattern, replacement), applied in order to the message of an error the command prints.
 _AS_FLAGS = (
@@ -302,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except AutomapError as exc:
         print(f"automap: error: {as_flags(str(exc))}", file=sys.stderr)
-        return 2 if isinstance(exc, (*_USAGE_ERRORS, _CleanPathError)) else 1
+        return 2 if isinstance(exc, (*_USAGE_ERRORS, CleanPathError)) else 1
     except KeyboardInterrupt:
         print("automap: interrupted", file=sys.stderr)
         return 130
@@ -367,77 +339,4 @@ def _emitted(result: Any, args: argparse.Namespace) -> str:
 
 # Libraries the command calls to build and trace a spec's model: what they warn about is how
 # that model will run later (a fallback kernel, a head used alone, a future default), not the plan.
-_LIBRARIES = ("torch", "torchvision", "transformers", "accelerate", "huggingface_hub")
-
-
-@contextlib.contextmanager
-def libraries_quiet(quiet: bool = True) -> Iterator[None]:
-    """While inside (and ``quiet``), the warnings and log warnings of :data:`_LIBRARIES` are not
-    shown; automap's own, and a factory module's, are. ``-v`` shows them all."""
-    if not quiet:
-        yield
-        return
-    loggers = [logging.getLogger(name) for name in _LIBRARIES]
-    levels = [logger.level for logger in loggers]
-    verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module=rf"({'|'.join(_LIBRARIES)})(\.|$)")
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # transformers sets its level as it is first imported
-        try:
-            yield
-        finally:
-            if verbosity is None:
-                os.environ.pop("TRANSFORMERS_VERBOSITY", None)
-            else:
-                os.environ["TRANSFORMERS_VERBOSITY"] = verbosity
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    if args.save:
-        from automap.demo import save_examples
-
-        with libraries_quiet(not getattr(args, "verbose", False)):
-            lines = save_examples(args.save)
-        print("\n".join(lines))
-        return 0
-    from automap.demo import run_demo
-
-    return 0 if run_demo() else 1
-
-
-def _clean(args: argparse.Namespace) -> int:
-    if not os.path.lexists(args.dir):
-        raise _CleanPathError(f"{args.dir} does not exist; give the offload_dir a model was dispatched with, "
-                              "e.g. automap clean offload")
-    if not os.path.isdir(args.dir):
-        raise _CleanPathError(f"{args.dir} is a file, not a folder; give the offload_dir a model was "
-                              "dispatched with, e.g. automap clean offload")
-    from automap.offload import clean
-
-    result = clean(args.dir)
-    if not args.quiet:
-        print(result.summary())
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.json:
-        check_output_path(args.json, "bench rows")
-    from automap.bench import format_table, run_bench, runnable_cases, write_rows
-
-    cases, skipped = runnable_cases()
-    rows = run_bench(cases)
-    print(format_table(rows))
-    if skipped:
-        print(f"skipped {', '.join(c.name for c in skipped)}: they need transformers, which is not installed; "
-              'pip install "automap[hf]"')
-    if args.json:
-        print(f"wrote {write_rows(rows, args.json)}")
-    return 0
-
-
-_COMMANDS = {"plan": _plan, "clean": _clean, "demo": _demo, "bench": _bench}
+_COMMANDS = {"plan": _plan, **COMMANDS}

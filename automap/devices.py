@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from automap.errors import DeviceError, SizeError
 from automap.kinds import available_ram_bytes, find_kind, integer_kind, kind_of, registered_kinds
+from automap.machine import disk_key, machine_record, measured_figures, stable_capacities
 from automap.sizes import MAX_COUNT, MAX_RATE, parse_number, parse_size, shown
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class DeviceSpec:
             GPU, host-to-device for CPU RAM, read bandwidth for disk).
         memory_bytes_per_second: bandwidth of its own memory, read by the computations on it
             (HBM, DDR); for disk, its read bandwidth.
+        measured: the fields above measured on this machine (:mod:`automap.machine`); the
+            others are the kind's defaults, or given (``max_memory``, ``speeds``, ...).
     """
 
     name: str
@@ -54,6 +57,7 @@ class DeviceSpec:
     flops_per_second: float
     link_bytes_per_second: float
     memory_bytes_per_second: float = 0.0
+    measured: tuple[str, ...] = ()
 
     @property
     def is_accelerator(self) -> bool:
@@ -215,13 +219,17 @@ def _detect_accelerators() -> dict[str, int]:
 def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | None = None,
                    speeds: Mapping[str, float] | None = None,
                    links: Mapping[str, float] | None = None,
-                   bandwidths: Mapping[str, float] | None = None) -> tuple[DeviceSpec, ...]:
+                   bandwidths: Mapping[str, float] | None = None,
+                   dtype: str | None = None) -> tuple[DeviceSpec, ...]:
     """The devices a plan may use, fastest tier first.
 
     With ``max_memory`` the devices are exactly the ones it names (they need not exist on
     this machine: that is how hypothetical hardware is planned), plus ``"disk"`` with the
     free space of ``offload_dir`` unless ``max_memory`` sets it. Without it (None or an empty
-    mapping), the real GPUs, CPU RAM and disk of this machine are detected.
+    mapping), the real GPUs, CPU RAM and disk of this machine are detected. Free space is read
+    as :mod:`automap.machine` records it (rounded down, kept while it holds), and the speeds of
+    the devices this machine has are its measured ones (see :func:`automap.machine.machine_record`);
+    a device it lacks keeps its kind's defaults.
 
     Args:
         max_memory: ``{0: "20GiB", "cpu": "64GiB", "disk": "1TB"}`` in the accelerate form.
@@ -231,6 +239,8 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
             for NVLink.
         bandwidths: optional memory bandwidth (bytes/s) per device name or kind, e.g.
             ``{"cuda": 3.35e12, "cpu": 12e9}``: what decode speed predictions read.
+        dtype: the dtype the model computes in (``"bfloat16"``): which measured matmul rate
+            a device gets (float32 when None).
 
     Example:
         >>> detect_devices({0: "20GiB", 1: "20GiB", "cpu": "64GiB"}, speeds={"cuda": 300e12})
@@ -238,11 +248,18 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
     detect = max_memory is None or (isinstance(max_memory, Mapping) and not max_memory)  # {}: as None
     if not detect:
         budget = parse_max_memory(max_memory)  # type: ignore[arg-type]
+        fresh = {}
     else:
-        budget = _detect_accelerators()
-        budget["cpu"] = available_ram_bytes()
-    budget.setdefault("disk", free_disk_bytes(offload_dir))
-    devices = [make_device(name, cap) for name, cap in budget.items()]
+        fresh = {**_detect_accelerators(), "cpu": available_ram_bytes()}
+        budget = {}
+    fresh.update({kind.name: free_disk_bytes(offload_dir) for kind in registered_kinds()
+                  if kind.stores_only and kind.name not in budget})  # disk: the free space of offload_dir
+    record = machine_record(offload_dir)
+    keys = {name: disk_key(offload_dir) if kind_of(name).stores_only else name for name in fresh}
+    stable = stable_capacities(record, {keys[name]: value for name, value in fresh.items()})
+    budget.update({name: stable[keys[name]] for name in fresh})
+    devices = [_measured(make_device(name, cap), name in fresh, record, dtype, offload_dir)
+               for name, cap in budget.items()]
     devices = [_override(d, "flops_per_second", speeds) for d in devices]
     devices = [_override(d, "link_bytes_per_second", links) for d in devices]
     devices = [_override(d, "memory_bytes_per_second", bandwidths) for d in devices]
@@ -272,6 +289,16 @@ def parse_rates(values: object, argument: str) -> dict[str, float]:
                          hint=f"give per-second figures from 0 to {MAX_RATE:g}, "
                               f"e.g. {argument}={{'cuda': 300e12}}")
             for k, v in values.items()}
+def _measured(device: DeviceSpec, capacity: bool, record: Mapping[str, Any], dtype: str | None,
+              folder: str | None) -> DeviceSpec:
+    """``device`` with the figures this machine's record has for it (none for a device it
+    lacks: a hypothetical one keeps its kind's defaults), each named in ``measured``."""
+    figures = measured_figures(dict(record), device.name, dtype, folder) if record else {}
+    names = (("capacity_bytes",) if capacity else ()) + tuple(figures)
+    return replace(device, **figures, measured=tuple(f for f in _SPEED_FIELDS if f in names))
+
+
+_SPEED_FIELDS = ("capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second")
 
 
 def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, float] | None) -> DeviceSpec:
@@ -279,7 +306,8 @@ def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, fl
     by_name = parse_rates(values, _ARGUMENTS[field_name])
     for key in (device.name, device.kind):
         if key in by_name:
-            return replace(device, **{field_name: by_name[key]})
+            measured = tuple(f for f in device.measured if f != field_name)
+            return replace(device, **{field_name: by_name[key]}, measured=measured)
     return device
 
 

@@ -83,5 +83,7 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     built = build_model(spec, overrides)
     chosen_dtype = dtype or built.dtype
     tracing, note = spec_tracing(built.model, example_inputs, batch, seq_len, max_length)
-    made = plan_strategy(built.model, detect_devices(max_memory), strategy, tracing, dtype=chosen_dtype)
+    computes = str(chosen_dtype or torch.float32).removeprefix("torch.")
+    made = plan_strategy(built.model, detect_devices(max_memory, dtype=computes), strategy, tracing,
+                         dtype=chosen_dtype)
     return SpecPlan(built, made, chosen_dtype, note)

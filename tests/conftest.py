@@ -1,9 +1,16 @@
 """Shared builders of real models with small configs (random weights, nothing downloaded)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
+
+# Plans in tests read the kinds' default speeds, never this machine's measured ones (which
+# differ from machine to machine), and no test writes the user's cache: the tests of
+# measuring point AUTOMAP_CALIBRATION at a file under tmp_path. Subprocesses inherit it.
+os.environ["AUTOMAP_CALIBRATION"] = "off"
 
 
 def tiny_llama(layers: int = 4, tie: bool = False):
@@ -165,3 +172,19 @@ def nothing_written_into_the_checkout():
     before = stores()
     yield
     assert not stores() - before, f"tests left offload stores in {root}: {sorted(stores() - before)[:5]}"
+
+
+def pin_machine(path, monkeypatch, folder=None, *, cpu_flops: float = 40e9, cpu_memory: float = 12e9,
+                disk_read: float = 1.5e9):
+    """Point AUTOMAP_CALIBRATION at ``path`` holding this machine's record with the figures
+    given (nothing measured): plans read them as measured here. The disk's are recorded for the
+    file system of ``folder`` (the working directory when None)."""
+    from automap import machine
+
+    monkeypatch.setenv("AUTOMAP_CALIBRATION", str(path))
+    rates = {"float32": cpu_flops, "bfloat16": cpu_flops / 2, "float16": cpu_flops / 50}
+    record = {"fingerprint": machine.fingerprint(), "capacities": {},
+              "devices": {"cpu": {"flops_per_second": rates, "memory_bytes_per_second": cpu_memory},
+                          machine.disk_key(folder): {"read_bytes_per_second": disk_read}}}
+    machine.write_record(record)
+    return record

@@ -115,7 +115,17 @@ def _device_of(d: Any, i: int) -> DeviceSpec:
                       int(_number(d["capacity_bytes"], f"{where}.capacity_bytes", MAX_BYTES, integral=True)),
                       _number(d["flops_per_second"], f"{where}.flops_per_second", MAX_RATE),
                       _number(d["link_bytes_per_second"], f"{where}.link_bytes_per_second", MAX_RATE),
-                      _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE))
+                      _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE),
+                      _measured_of(d.get("measured", [])))
+
+
+def _measured_of(names: Any) -> tuple[str, ...]:
+    """A device's ``measured``: names of its own figures (absent in JSON written before)."""
+    fields = {"capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second"}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in fields for n in names):
+        raise PlanError(f"plan JSON's device 'measured' is {names!r}, not a list of the figures "
+                        f"{sorted(fields)}")
+    return tuple(names)
 
 
 def _placement_of(units: Any, devices: tuple[DeviceSpec, ...]) -> tuple[str, ...]:

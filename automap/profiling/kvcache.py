@@ -39,12 +39,15 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Prompt:
-    """The token input of a generation: which argument, how long, and the encoder's input."""
+    """The input of a generation: the argument it goes in, its batch and length, and for an
+    encoder-decoder the encoder's input (tokens, or Whisper's audio features) as a meta
+    template: the encoder runs on it once, the decoder starts from one token."""
 
     name: str
     batch: int
     length: int
     encoder: bool
+    encoder_input: torch.Tensor | None = None
 
 
 def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -102,23 +105,29 @@ def cache_bytes(cache: Any, producers: Sequence[Mapping[int, str]]) -> tuple[dic
     return held, read, unattributed
 
 
-def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None) -> _Prompt | None:
-    """The token argument of a generation and the prompt's length, from the example inputs
-    (a ``batch x tokens`` tensor under the model's ``main_input_name``, ``input_ids`` or first
-    positional); None when they have none."""
-    name = getattr(model, "main_input_name", "input_ids")
+def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None,
+              dtype: torch.dtype | None = None) -> _Prompt | None:
+    """The input of a generation, from the example inputs: the tensor under the model's
+    ``main_input_name`` (``input_ids`` in a dict without it; the first positional argument).
+    A decoder's is a ``batch x tokens`` token tensor; an encoder-decoder's is whatever its
+    encoder takes (token ids for T5 and BART, ``input_features`` for Whisper), cast to
+    ``dtype`` when it holds floats. None when there is no such input."""
+    main = getattr(model, "main_input_name", "input_ids")
     if isinstance(example_inputs, Mapping):
-        name = name if name in example_inputs else "input_ids"
-        ids = example_inputs.get(name)
-    elif isinstance(example_inputs, (tuple, list)) and example_inputs:
-        ids = example_inputs[0]
+        name = main if main in example_inputs else "input_ids"
+        value = example_inputs.get(name)
     else:
-        ids = example_inputs
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        name = next(iter(inspect.signature(model.forward).parameters), main)
+        value = example_inputs[0] if isinstance(example_inputs, (tuple, list)) and example_inputs else example_inputs
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
-    encoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-    return _Prompt(name if isinstance(example_inputs, Mapping) else "input_ids", int(ids.shape[0]), int(ids.shape[1]),
-                   encoder)
+    if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+        template = to_meta(value, dtype)
+        length = int(value.shape[-1] if value.is_floating_point() else value.shape[1])
+        return _Prompt(name, int(value.shape[0]), length, True, template)
+    if value.dim() != 2 or value.is_floating_point():
+        return None
+    return _Prompt(name, int(value.shape[0]), int(value.shape[1]), False)
 
 
 # Tokens of a derived prompt (when no example inputs are given): a chat turn's worth, at most
@@ -152,8 +161,7 @@ def _token_kwargs(prompt: _Prompt, batch: int, tokens: int) -> dict[str, Any]:
     ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
     if not prompt.encoder:
         return {prompt.name: ids}
-    encoder_ids = torch.zeros(batch, prompt.length, dtype=torch.long, device="meta")
-    return {prompt.name: encoder_ids, "decoder_input_ids": ids}
+    return {prompt.name: prompt.encoder_input, "decoder_input_ids": ids}
 
 
 def _step_kwargs(prompt: _Prompt, batch: int, prefill: TraceResult, cache: tuple[str, Any]) -> dict[str, Any]:
@@ -231,12 +239,13 @@ def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleI
         >>> prof = profile_generation(model, automap.profile(model), None, batch=8, max_length=2048)
         >>> format_bytes(prof.total_kv_bytes)
     """
-    prompt = prompt_of(model, example_inputs)
+    prompt = prompt_of(model, example_inputs, dtype)
     if prompt is None:
         batch = 1 if batch is None else batch
         check_generation(0, batch, max_length, True)
+        main = getattr(model, "main_input_name", "input_ids")
         note = (f"{type(model).__name__} takes no batch x tokens input in the example inputs, so no cache "
-                "was planned; pass example_inputs={'input_ids': ...} to plan one")
+                f"was planned; pass example_inputs={{'{main}': ...}} (the prompt's token ids) to plan one")
         return replace(prof, generation=Generation(batch, max_length, 0, notes=(note,)))
     if batch is not None and batch != prompt.batch:
         raise PlanError(f"batch={batch} but the example inputs hold {prompt.batch} prompt(s); give one prompt per "

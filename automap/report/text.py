@@ -4,6 +4,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Sequence
 
+from automap.kinds import kind_of
 from automap.planning.model import Origin, unit_label
 from automap.planning.predict import forward_seconds
 from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels,
@@ -43,7 +44,7 @@ def render_text(plan: Plan) -> str:
     """
     facts = facts_of(plan)
     sections = [_header(plan, facts), _devices(plan, facts), _cuts(facts), _totals(facts), _generation(plan, facts),
-                _experts(plan), _choices(plan),
+                _experts(plan), _choices(plan), _figures(plan),
                 _warnings(facts)]
     return "\n\n".join(s for s in sections if s)
 
@@ -169,6 +170,28 @@ def _experts(plan: Plan) -> str:
         lines.append(f"  {unit_label(layer.layer):<22} {layer.home:<10} {layer.decode.value:<13} "
                      f"{layer.prefill.value:<13} {crossing}")
     return "\n".join(lines)
+
+
+# A device's figures as the report names them.
+_FIGURE_NAMES = {"capacity_bytes": "free space", "flops_per_second": "compute", "link_bytes_per_second": "link",
+                 "memory_bytes_per_second": "memory"}
+
+
+# A tier that only stores is read: its link and memory figures are both its read rate.
+_STORE_FIGURE_NAMES = {**_FIGURE_NAMES, "link_bytes_per_second": "read rate", "memory_bytes_per_second": "read rate"}
+
+
+def _figures(plan: Plan) -> str:
+    """Which of each device's figures were measured on this machine; the rest are assumed
+    (the kind's defaults, or given: max_memory, speeds, links, bandwidths)."""
+    parts = []
+    for device in plan.devices:
+        names = _FIGURE_NAMES if not kind_of(device).stores_only else _STORE_FIGURE_NAMES
+        measured = list(dict.fromkeys(names[f] for f in device.measured if f in names))
+        parts.append(f"{device.name} {', '.join(measured)}" if measured else f"{device.name} none")
+    text = ("measured here: " + "; ".join(parts) + ". Other figures are assumed (defaults or given); "
+            "'automap calibrate' measures again.")
+    return "\n".join(_wrap(text, " " * 9, first="figures: "))
 
 
 def _choices(plan: Plan) -> str:

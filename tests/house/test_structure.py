@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2] / "automap"
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
     "errors": 0, "sizes": 0, "version": 0, "progress": 0, "interrupts": 0, "userfiles": 0,
-    "devices": 1, "kinds": 1,
+    "devices": 1, "kinds": 1, "machine": 1, "machine_probes": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
@@ -27,7 +27,7 @@ LAYERS = {
     "loading": 6,
     "report": 7, "pipelining": 7, "distributed": 7, "compose": 7,
     "api": 8,
-    "cli": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9,
+    "cli": 9, "commands": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9,
     "accelerate_compat": 8,
 }
 

@@ -50,6 +50,28 @@ def _falcon() -> nn.Module:
                                           multi_query=True, new_decoder_architecture=False, vocab_size=256)).eval()
 
 
+def _bart() -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        decoder_start_token_id=2)
+    return BartForConditionalGeneration(config).eval()
+
+
+def _whisper() -> nn.Module:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                           num_mel_bins=16, max_source_positions=50, max_target_positions=64)
+    return WhisperForConditionalGeneration(config).eval()
+
+
 @dataclass(frozen=True)
 class Family:
     """A model and where its cache's layer ``i`` lives (the unit that computes it)."""
@@ -64,13 +86,22 @@ FAMILIES = {
     "gpt2": Family(lambda: tiny_gpt2(layers=4), "transformer.h.{i}"),
     "mistral-sliding": Family(_mistral, "model.layers.{i}"),
     "t5-encoder-decoder": Family(lambda: tiny_t5(layers=3), "decoder.block.{i}", encoder_decoder=True),
+    "bart-encoder-decoder": Family(_bart, "model.decoder.layers.{i}", encoder_decoder=True),
+    "whisper-audio-encoder": Family(_whisper, "model.decoder.layers.{i}", encoder_decoder=True),
     "mamba-recurrent": Family(_mamba, "backbone.layers.{i}"),
     "falcon-mqa": Family(_falcon, "transformer.h.{i}"),
 }
 
 
-def _prompt(family: Family) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+def _prompt(family: Family, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The generation's input under the model's own name: token ids, or Whisper's audio
+    features (the encoder's input; its decoder starts from one token)."""
+    generator = torch.Generator().manual_seed(1)
+    if model.main_input_name == "input_features":
+        features = torch.randn(BATCH, model.config.num_mel_bins, 2 * model.config.max_source_positions,
+                               generator=generator)
+        return {"input_features": features, "decoder_input_ids": torch.ones(BATCH, 1, dtype=torch.long)}
+    ids = torch.randint(3, 256, (BATCH, PROMPT), generator=generator)
     return {"input_ids": ids, "decoder_input_ids": ids[:, :1]} if family.encoder_decoder else {"input_ids": ids}
 
 
@@ -113,10 +144,10 @@ def _two_gpu_plan(model: nn.Module, prompt: dict) -> automap.Plan:
 def test_planned_kv_per_device_is_the_cache_generate_holds(name):
     family = FAMILIES[name]
     model = family.build()
-    prompt = _prompt(family)
+    prompt = _prompt(family, model)
     plan = _two_gpu_plan(model, prompt)
     assert plan.generation is not None and plan.generation.batch == BATCH
-    out = _generate(model, prompt["input_ids"], MAX_LENGTH)
+    out = _generate(model, prompt[model.main_input_name], MAX_LENGTH)
     actual: dict[str, int] = {}
     for i, layer in enumerate(_layers(_cache_of(out))):
         device = plan.device_of(family.layer_unit.format(i=i))
@@ -335,3 +366,17 @@ def test_a_split_layer_keeps_its_cache_on_the_piece_that_makes_it():
     assert kv["model.layers.0.self_attn"] == whole["model.layers.0"] > 0
     assert kv["model.layers.0.mlp"] == 0
     assert sum(kv.values()) == sum(whole.values())
+
+
+def test_an_encoder_decoder_plans_its_cache_from_its_own_guessed_inputs():
+    """Whisper's encoder takes audio features, not token ids: its cache (self- and
+    cross-attention) is planned from them, guessed or given, as for a text encoder."""
+    model = _whisper()
+    plan = automap.plan(model, max_memory={"cpu": "1GiB"}, max_length=16)
+    assert plan.generation is not None and plan.generation.cache == "EncoderDecoderCache"
+    layers = [u for u in plan.units if u.kv_bytes]
+    assert [u.name for u in layers] == [f"model.decoder.layers.{i}" for i in range(3)]
+    frames = 2 * model.config.max_source_positions
+    cross = 2 * (frames // 2) * model.config.d_model * 4  # keys and values of the encoder's output, fp32
+    self_attention = 2 * 15 * model.config.d_model * 4  # max_length - 1 tokens
+    assert all(u.kv_bytes == cross + self_attention for u in layers), [u.kv_bytes for u in layers]

@@ -1,0 +1,237 @@
+"""How :mod:`automap.machine` measures this machine: short probes, each the median of a few
+timed runs after a warm-up (on a machine shared with other jobs, their load included, as a
+run would see it). Nothing here records anything; :mod:`automap.machine` keeps the figures."""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from automap.kinds import kind_of, registered_kinds, torch_device
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DISK_BYTES = 64 * 2**20
+_DISK_CHUNK = 4 * 2**20
+_DISK_IN_FLIGHT = 4
+
+
+def _median_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: int = 30,
+                  within: float = 0.1) -> float:
+    """The median of up to ``repeats`` timed runs (after one warm-up), at least
+    :data:`_MIN_SAMPLES` and as many more as fit in ``within`` seconds: what a run sees (on a
+    machine shared with other jobs, their load of the moment included). Runs so slow that
+    the minimum would take over :data:`_CAP` times ``within`` stop there (one run at least):
+    a loaded machine is measured less precisely, not for long."""
+    run()
+    sync()
+    times: list[float] = []
+    while len(times) < repeats and (len(times) < _MIN_SAMPLES or sum(times) < within) \
+            and not (times and sum(times) > _CAP * within):
+        started = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_computing() -> dict[str, dict[str, Any]]:
+    """The CPU's and each accelerator's figures, by device name."""
+    figures = {"cpu": measure_cpu()}
+    for kind in registered_kinds():
+        count = kind.present_count() if kind.is_accelerator else None
+        for i in range(count or 0):
+            name = f"{kind.name}:{i}" if kind.indexed else kind.name
+            try:
+                figures[name] = measure_accelerator(name)
+            except Exception as exc:  # a device that cannot run the probe keeps its defaults
+                log.warning("could not measure %s: %s", name, exc)
+    return figures
+
+
+def matmul_rates(device: Any, size: int, sync: Callable[[], None]) -> dict[str, float]:
+    """FLOP/s of a ``size/2 x size`` by ``size x size`` matmul per dtype on ``device``. A dtype
+    the device computes slowly (float16 on most CPUs: a 256-wide product on one thread takes
+    over :data:`_SLOW_SECONDS`) is measured at 256, so the probe stays short."""
+    import torch
+
+    rates = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        n = size if not _slow(device, dtype, sync) else 256
+        a = torch.ones(n // 2, n, device=device, dtype=dtype)
+        b = torch.ones(n, n, device=device, dtype=dtype)
+        rates[name] = 2 * (n // 2) * n * n / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
+    return rates
+
+
+def _slow(device: Any, dtype: Any, sync: Callable[[], None]) -> bool:
+    """Whether a 128 x 256 by 256 x 256 product takes over :data:`_SLOW_SECONDS` on one
+    thread (one thread: no thread waits for a neighbour's core, so the answer is the dtype's)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(128, 256, device=device, dtype=dtype)
+        b = torch.ones(256, 256, device=device, dtype=dtype)
+        return _median_seconds(lambda: torch.mm(a, b), sync, within=0.02) > _SLOW_SECONDS
+    finally:
+        torch.set_num_threads(threads)
+
+
+# A probe stops once its runs took this many times its time budget.
+_CAP = 4
+# Timed runs a probe takes at least: on a shared machine one in a few runs gets its cores.
+_MIN_SAMPLES = 5
+# A dtype whose 128 x 256 by 256 x 256 product takes this long is not measured larger.
+_SLOW_SECONDS = 0.005
+
+
+def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128) -> dict[str, float]:
+    """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention,
+    a gated MLP, residuals; ``tokens`` x ``hidden``), its FLOPs counted as the profiler counts
+    a model's (:class:`~torch.utils.flop_counter.FlopCounterMode`: matmuls and attention): the
+    rate a model's counted FLOPs run at, the work between the matmuls included (slow in a
+    dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
+    whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
+    import torch
+    rates = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        if _slow(device, dtype, sync):
+            a = torch.ones(128, 256, device=device, dtype=dtype)
+            b = torch.ones(256, 256, device=device, dtype=dtype)
+            rates[name] = 2 * 128 * 256 * 256 / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
+            continue
+        layer = _Layer(hidden, device, dtype)
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
+        rates[name] = layer.flops(tokens) / _median_seconds(lambda layer=layer, x=x: layer(x), sync)
+    return rates
+
+
+class _Layer:
+    """A Llama-like layer of plain tensors: RMS norms, attention, a SiLU-gated MLP."""
+
+    def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8) -> None:
+        import torch
+
+        def weight(rows: int, cols: int) -> Any:
+            return (torch.randn(rows, cols, device=device) / cols ** 0.5).to(dtype)
+
+        self.heads, self.hidden = heads, hidden
+        self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
+        self.gate, self.up, self.down = weight(hidden * 11 // 4, hidden), weight(hidden * 11 // 4, hidden), \
+            weight(hidden, hidden * 11 // 4)
+
+    def flops(self, tokens: int) -> int:
+        """The FLOPs of one call on ``tokens`` tokens as :class:`~torch.utils.flop_counter.
+        FlopCounterMode` counts them on meta, as the profiler counts a model's: the linear layers
+        and the attention, whole (``tests/devices/test_machine.py`` checks the two agree)."""
+        linear = sum(w.shape[0] * w.shape[1] for w in (self.qkv, self.out, self.gate, self.up, self.down))
+        return 2 * tokens * linear + 4 * tokens * tokens * self.hidden
+
+    @staticmethod
+    def norm(x: Any) -> Any:
+        """RMS norm computed in float32 and cast back, as transformers' models compute it."""
+        import torch
+
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def __call__(self, x: Any) -> Any:
+        from torch.nn import functional as F
+
+        batch, tokens, _ = x.shape
+        h = self.norm(x)
+        q, k, v = F.linear(h, self.qkv).view(batch, tokens, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+        x = x + F.linear(attention, self.out)
+        h = self.norm(x)
+        return x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+
+
+def measure_cpu() -> dict[str, Any]:
+    """The CPU's compute rate per dtype (:func:`layer_rates`) and its memory bandwidth (a
+    vector through a 64 MiB linear layer, as a decode step reads each weight once)."""
+    import torch
+    from torch.nn import functional as F
+
+    with torch.no_grad():
+        rates = layer_rates(torch.device("cpu"), lambda: None)
+        weights = torch.ones(4096, 4096)
+        vector = torch.ones(1, 4096)
+        seconds = _median_seconds(lambda: F.linear(vector, weights), lambda: None)
+    return {"flops_per_second": rates, "memory_bytes_per_second": weights.nbytes / seconds}
+
+
+def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 2**20) -> dict[str, Any]:
+    """An accelerator's copy rate from pinned host memory (``copy_bytes``), its memory bandwidth
+    (a copy on it reads and writes) and its matmul rate per dtype (``size``, see
+    :func:`matmul_rates`)."""
+    import torch
+
+    device = torch_device(name)
+    kind = kind_of(name)
+    synchronize = kind.factory("synchronize")
+
+    def sync() -> None:
+        if synchronize is not None:
+            synchronize(device)
+
+    with torch.no_grad():
+        host = torch.empty(copy_bytes, dtype=torch.uint8)
+        try:
+            host = host.pin_memory()
+        except RuntimeError:
+            pass
+        target = torch.empty_like(host, device=device)
+        link = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), sync, )
+        other = torch.empty_like(target)
+        memory = 2 * target.nbytes / _median_seconds(lambda: other.copy_(target), sync, )
+        rates = matmul_rates(device, size, sync)
+        host = target = other = None  # the buffers go before the rest is measured
+    api = kind.torch_api()
+    if hasattr(api, "empty_cache"):  # the probe's blocks back to the device: free memory reads as before
+        api.empty_cache()
+    return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
+
+
+def measure_disk(folder: str) -> float:
+    """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache,
+    4 MiB reads 4 in flight; 0.0 when the folder cannot be written (the default is kept)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
+            path = os.path.join(own, "read-rate")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                block = os.urandom(_DISK_CHUNK)
+                for _ in range(_DISK_BYTES // _DISK_CHUNK):
+                    os.write(fd, block)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return max(_read_rate(path) for _ in range(2))
+    except OSError as exc:
+        log.info("disk read rate not measured in %s: %s", folder, exc)
+        return 0.0
+
+
+def _read_rate(path: str) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        offsets = range(0, _DISK_BYTES, _DISK_CHUNK)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
+            done = sum(len(b) for b in pool.map(lambda at: os.pread(fd, _DISK_CHUNK, at), offsets))
+        return done / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
