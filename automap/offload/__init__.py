@@ -17,7 +17,7 @@ from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, loa
                                     write_file)
 from automap.offload.mapped import MappedFile, backing_file
 from automap.offload.reference import CheckpointSource
-from automap.offload.source import MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
+from automap.offload.source import HoldingSource, MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
                                    checksum, read_manifest)
 from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
@@ -25,7 +25,7 @@ from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCop
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CudaOps", "DeviceCopyOps",
            "DeviceOps",
-           "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
+           "Header", "HoldingSource", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
            "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec", "Transfer",
            "WeightSource", "backing_file", "check_offload_dir", "checksum", "load_json", "make_transfer", "read_header",
            "read_manifest", "read_regular", "write_file"]

@@ -50,6 +50,9 @@ PAGE = mmap.PAGESIZE
 # MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
 # compute thread takes no page faults; Python 3.11 lacks the constant.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# MADV_POPULATE_WRITE (Linux 5.14+) on a private file map gives each page a private copy of the
+# file's bytes in one call: pages the page cache's reclaim (or a cold start) no longer drops.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 Signature = tuple[int, int, int, int]
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -160,6 +163,8 @@ class MappedFile:
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
         self._exact: dict[str, int] = {}  # keys whose pages fault in without read-around: readers of each
         self._exact_lock = threading.Lock()
+        self._held: dict[tuple[str, int], tuple[int, int]] = {}  # (key, row) -> its pages held in memory
+        self._held_lock = threading.Lock()  # held and released by the experts' worker, read by others
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype
@@ -256,9 +261,10 @@ class MappedFile:
 
     def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
         """Read ``spans`` (of :meth:`row_spans` or :meth:`spans`) in without the kernel's
-        readahead and map them, unless every page is in memory already (one ``mincore``)."""
+        readahead and map them, but those whose every page is in memory already (``mincore``)."""
         if spans and not _resident(spans):
-            reader.read(spans, self.rows_fd, self.address)
+            # Spans in memory are left out: rows kept in memory (:meth:`hold`) or read before.
+            reader.read([s for s in spans if not _resident([s])], self.rows_fd, self.address)
 
     def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
@@ -275,7 +281,7 @@ class MappedFile:
         if self._mapped_in.issuperset(keys) and _resident(spans):
             return
         if populate and reader is not None:
-            reader.read(spans, self.fd, self.address)
+            reader.read(self._without_held(spans), self.fd, self.address)
             self._mapped_in.update(keys)
             return
         for start, length in spans:
@@ -293,17 +299,84 @@ class MappedFile:
         :meth:`advise`."""
         return _resident(self.spans(keys))
 
+    def hold(self, key: str, row: int) -> int:
+        """Keep the pages of ``row`` of ``key`` (one routed expert's rows) in this process's
+        memory until :meth:`release`: each page becomes a private copy of the file's bytes
+        (``MADV_POPULATE_WRITE``), which neither the kernel's reclaim of the page cache nor
+        :meth:`evict` drops; the tensor still views the same addresses, nothing is swapped.
+        Only the pages wholly inside the row are held (a page shared with a neighbour stays the
+        page cache's). Returns the bytes held now (0: nothing held, as when a page of the row was
+        written by the user — releasing it later would drop the write — or on a kernel without
+        ``MADV_POPULATE_WRITE``)."""
+        with self._held_lock:
+            return self._hold(key, row)
+
+    def _hold(self, key: str, row: int) -> int:
+        if (key, row) in self._held:
+            return self._held[key, row][1]
+        spans = self.row_spans(key, [row])
+        if len(spans) != 1 or self.permutations.get(key) is not None:
+            return 0
+        info = self.header.tensors[key]
+        begin = self.address + info.begin + row * (info.nbytes // info.shape[0])
+        end = begin + info.nbytes // info.shape[0]
+        start, stop = -(-begin // PAGE) * PAGE, end // PAGE * PAGE
+        if stop <= start or private_pages(_page_range(start, stop - start)) != 0:
+            return 0
+        if not madvise(start, stop - start, MADV_POPULATE_WRITE):
+            return 0
+        self._held[key, row] = (start, stop - start)
+        return stop - start
+
+    def release(self, key: str, row: int) -> int:
+        """Give back the pages :meth:`hold` kept of ``row`` of ``key``: the tensor views the
+        file's bytes again (read again from the page cache or the disk when next used).
+        Returns the bytes released."""
+        with self._held_lock:
+            span = self._held.pop((key, row), None)
+            if span is not None:
+                madvise(span[0], span[1], mmap.MADV_DONTNEED)
+        return 0 if span is None else span[1]
+
+    def _without_held(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``spans`` less the pages :meth:`hold` keeps (they need no read)."""
+        with self._held_lock:
+            kept = sorted(self._held.values())
+        if not kept:
+            return spans
+        found = []
+        for start, length in spans:
+            at, end = start, start + length
+            for begin, size in kept:
+                if begin + size <= at or begin >= end:
+                    continue
+                if begin > at:
+                    found.append((at, begin - at))
+                at = max(at, begin + size)
+            if end > at:
+                found.append((at, end - at))
+        return found
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes :meth:`hold` keeps in memory now."""
+        with self._held_lock:
+            return sum(length for _, length in self._held.values())
+
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
-        (whole pages), or None where the kernel does not say."""
+        (whole pages), or None where the kernel does not say. Pages :meth:`hold` keeps are
+        private copies too, of the file's own bytes: they are not counted."""
+        with self._held_lock:
+            held = {p for start, length in self._held.values() for p in _page_range(start, length)}
         pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
-                 for p in _page_range(start, length)]
+                 for p in _page_range(start, length) if p not in held]
         count = private_pages(pages)
         return None if count is None else count * PAGE
 
     def evict(self) -> None:
         """Drop this file's pages from this process and from the page cache, so the next read
-        comes from the disk (a cold start, for benchmarks).
+        comes from the disk (a cold start, for benchmarks); the pages :meth:`hold` keeps stay.
 
         Raises:
             OffloadError: some pages were written in memory; dropping them would lose the writes.
@@ -314,7 +387,16 @@ class MappedFile:
                                "the file's pages would lose them")
         self._mapped_in.clear()
         if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)
+            end = self.address + len(self._map)
+            at = self.address
+            with self._held_lock:
+                kept = sorted(self._held.values())
+            for start, length in kept:
+                if start > at:
+                    madvise(at, start - at, mmap.MADV_DONTNEED)
+                at = max(at, start + length)
+            if end > at:
+                madvise(at, end - at, mmap.MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
