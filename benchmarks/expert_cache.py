@@ -119,7 +119,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     import automap
-    from automap.planning.experts import DECAY, cache_room
+    from automap.planning.experts import DECAY, host_taken
     from automap.runtime.experts import ExpertReads, expert_cache
     from automap.runtime.state import state_of
 
@@ -139,8 +139,7 @@ def main() -> None:
     device_map: dict[str, Any] = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu",
                                   "model.rotary_emb": "cpu"}
     device_map.update({f"model.layers.{i}": "disk" for i in range(args.layers)})
-    big = 1 << 40
-    taken = big - cache_room(automap.plan(model, device_map, max_memory={"cpu": big}))
+    taken = host_taken(automap.plan(model, device_map, max_memory={"cpu": 1 << 30}))
     max_memory = {"cpu": taken + room}
     cached, plain = model, copy.deepcopy(model)
     result: dict[str, Any] = {"offline": found, "room_bytes": room, "expert_bytes": expert_bytes,

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from automap.devices import DeviceSpec
-from automap.kinds import kind_of
+from automap.kinds import available_ram_bytes, kind_of
 from automap.planning.cost import flop_seconds, read_seconds, transfer_seconds
 from automap.profiling import Unit
 
@@ -317,17 +318,30 @@ def belady_hits(trace: Sequence[Sequence[Key]], capacity: int, sizes: Mapping[Ke
     return hits
 
 
+# A host capacity below this share of the RAM free now is a budget the user set (detection gives
+# the RAM free at planning time, which moves a little by dispatch).
+BUDGET_SHARE = 0.9
+
+
 def cache_room(plan: Any) -> int:
     """Host memory a plan leaves free for keeping hot routed experts whose home is a storage
     tier (the disk): the host's capacity less the weights the plan puts there, its reserve and
     the units read ahead into the page cache on the way (two of the largest offloaded); 0 when
-    the host's capacity is unknown or nothing is offloaded to a storage tier. The runtime keeps
-    experts in it only where it finds routed experts in those units."""
-    hosts = [d for d in plan.devices if kind_of(d.name).is_host and d.capacity_bytes > 0]
+    the host's capacity is unknown, nothing is offloaded to a storage tier, or the capacity is
+    no budget below the RAM free now (``max_memory`` not given: the page cache keeps what RAM
+    holds already, and the kernel may take it back, which it may not from experts kept here).
+    The runtime keeps experts in it only where it finds routed experts in those units."""
+    hosts = [d for d in plan.devices if kind_of(d.name).is_host and 0 < d.capacity_bytes]
     stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
-    if not hosts or not stored:
+    if not hosts or not stored or hosts[0].capacity_bytes >= BUDGET_SHARE * available_ram_bytes():
         return 0
-    host = hosts[0]
-    reserve = sum(b for name, b in plan.reserves if name == host.name)
-    ahead = 2 * max((u.weight_bytes for u in stored), default=0)
-    return max(host.capacity_bytes - plan.bytes_on(host.name) - reserve - ahead, 0)
+    return max(hosts[0].capacity_bytes - host_taken(plan, hosts[0].name), 0)
+
+
+def host_taken(plan: Any, host: str = "cpu") -> int:
+    """What :func:`cache_room` takes from the host's capacity before keeping experts: the
+    weights the plan puts there, its reserve there, and two of the largest units offloaded to
+    a storage tier (read ahead into the page cache)."""
+    stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
+    reserve = sum(b for name, b in plan.reserves if name == host)
+    return plan.bytes_on(host) + reserve + 2 * max((u.weight_bytes for u in stored), default=0)

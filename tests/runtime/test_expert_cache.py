@@ -5,13 +5,13 @@ the plan leaves in RAM, and a kept expert read from nothing after a cold start."
 from __future__ import annotations
 
 import torch
+from conftest import tiny_moe
 
 import automap
-from automap.planning.experts import HotExperts, cache_room
+from automap.planning.experts import HotExperts, host_taken
 from automap.profiling.routed import routed_rows
 from automap.runtime.experts import ExpertReads, expert_cache
 from automap.runtime.state import state_of
-from conftest import tiny_moe
 
 LAYERS = 3
 
@@ -24,8 +24,7 @@ def _map() -> dict[str, str]:
 
 def _room_for(model, experts: int) -> dict[str, int]:
     """max_memory whose CPU room holds ``experts`` routed experts of ``model``."""
-    big = 1 << 40
-    taken = big - cache_room(automap.plan(model, _map(), max_memory={"cpu": big}))
+    taken = host_taken(automap.plan(model, _map(), max_memory={"cpu": 1 << 30}))
     return {"cpu": taken + experts * _expert_bytes(model)}
 
 
@@ -103,5 +102,14 @@ def test_experts_written_in_place_are_neither_kept_nor_given_back(tmp_path):
         cache = expert_cache(model)
         assert not any(key[0] == "model.layers.0.mlp.experts" for key in cache.policy.held)
         assert state_of(model).source.stats().written_bytes == written  # nothing of the write dropped
+    finally:
+        automap.undispatch(model)
+
+
+def test_without_a_ram_budget_the_page_cache_is_left_to_keep_what_it_keeps(tmp_path):
+    model = tiny_moe("mixtral", layers=LAYERS, hidden=64, experts=8, shared=0)
+    automap.dispatch(model, _map(), offload_dir=tmp_path)  # RAM detected: no budget was set
+    try:
+        assert expert_cache(model) is None
     finally:
         automap.undispatch(model)
