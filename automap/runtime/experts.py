@@ -40,14 +40,7 @@ from automap.kinds import kind_of, torch_device
 from automap.offload import HoldingSource, WeightSource
 from automap.offload.transfer import read_rows
 from automap.planning.experts import CacheChange, HotExperts, cache_room
-from automap.profiling.routed import (
-    Experts,
-    find_experts,
-    guess_rows,
-    routed_rows,
-    router_of,
-    routing_of,
-)
+from automap.profiling.routed import Experts, find_experts, guess_rows, routed_rows, router_of, routing_of
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
 from automap.runtime.state import DispatchState, Group, Streamed, follow, state_of
