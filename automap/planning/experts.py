@@ -345,3 +345,21 @@ def host_taken(plan: Any, host: str = "cpu") -> int:
     stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
     reserve = sum(b for name, b in plan.reserves if name == host)
     return plan.bytes_on(host) + reserve + 2 * max((u.weight_bytes for u in stored), default=0)
+
+
+# ------------------------------------------------------------------ rows or whole layers
+
+# Routed rows are ranges of a few MB read once the router has run; whole layers are long reads
+# queued ahead. On the development machine's disk the first come in at 1.0-1.3 GB/s, the second
+# at 2.3-2.9 GB/s (benchmarks/read_modes.py, benchmarks/notes/moe.md): ranged reads at about
+# this share of the rate of long ones.
+RANGED_SHARE = 0.45
+
+
+def reads_whole(routed: int, whole: int) -> bool:
+    """Whether a layer's routed experts are predicted faster read whole with its dense part
+    ahead (``whole`` bytes at the disk's rate for long reads) than by the rows a call routes
+    to (``routed`` bytes at :data:`RANGED_SHARE` of it), both counting only what is not kept in
+    memory already. The disk's rate divides out: whole when ``whole <= routed / RANGED_SHARE``;
+    at batch 1 (a quarter of the experts routed) rows, at batch 4 (about 70 %) whole layers."""
+    return whole > 0 and whole * RANGED_SHARE <= routed

@@ -39,7 +39,7 @@ from torch import nn
 from automap.kinds import kind_of, torch_device
 from automap.offload import HoldingSource, WeightSource
 from automap.offload.transfer import read_rows
-from automap.planning.experts import CacheChange, HotExperts, cache_room
+from automap.planning.experts import CacheChange, HotExperts, cache_room, reads_whole
 from automap.profiling.routed import Experts, find_experts, guess_rows, routed_rows, router_of, routing_of
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
@@ -74,7 +74,8 @@ class ReadExperts(Hook):
             return None  # a forward racing undispatch runs on the weights in RAM
         rows = routed_rows(args, kwargs, self.experts.count) if self.experts.stacked else None
         if self.reads is not None and rows is not None:
-            self.reads.observe(len(rows) / self.experts.count)
+            kept = self.cache.kept(self.experts.module) if self.cache is not None else set()
+            self.reads.observe(len(set(rows) - kept), self.experts.count - len(kept))
         if self.guess is not None and rows is not None and not self.group.whole:
             self._guess_next(args, kwargs)  # first: the next layer's reads queue beside this one's
         change = self.cache.routed(self, rows) if self.cache is not None and rows is not None else None
@@ -132,19 +133,11 @@ class Guess:
     reads: ExpertReads
 
 
-# From this share of a layer's experts routed to, the experts of the layers ahead are read
-# whole with their dense part (CPU execution): reading most of a layer in pieces once its routing
-# is known costs more than reading all of it ahead. Measured on Mixtral- and Qwen2-MoE shapes from
-# a cold disk (benchmarks/moe.py): a quarter routed (batch 1) reads 3x fewer bytes and runs faster
-# by rows; two thirds routed (batch 4) ran at 0.43-0.82x the speed of whole layers read ahead.
-WHOLE_SHARE = 0.5
-
-
 class ExpertReads(Hook):
     """The model's reading of routed experts beside their hooks: the background reads of
     guessed experts (one worker, each guess a hint: a failed or late one costs nothing but its
-    bytes), and whether the streamed units read their experts ahead whole (the last call's
-    routed share, against :data:`WHOLE_SHARE`; CPU execution only). Attached to nothing;
+    bytes), and whether the streamed units read their experts ahead whole (what the last call
+    routed to, by :func:`~automap.planning.experts.reads_whole`; CPU execution only). Attached to nothing;
     undispatch detaches it, which stops the worker."""
 
     def __init__(self, groups: list[Group]) -> None:
@@ -153,12 +146,13 @@ class ExpertReads(Hook):
         self.cache: ExpertsCache | None = None
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="automap-experts")
 
-    def observe(self, share: float) -> None:
-        """A call routed ``share`` of its layer's experts: read the experts ahead whole from now
-        on if that share is large, by rows if not."""
-        whole = share >= WHOLE_SHARE
+    def observe(self, routed: int, whole: int) -> None:
+        """A call routed to ``routed`` experts not kept in memory, of ``whole`` not kept in its
+        layer: read the experts ahead whole from now on if the cost model predicts that faster
+        (:func:`~automap.planning.experts.reads_whole`), by rows if not."""
+        ahead = reads_whole(routed, whole)
         for group in self.groups:
-            group.whole = whole
+            group.whole = ahead
 
     def submit(self, source: WeightSource, names: list[str], rows: list[int]) -> None:
         self.run(read_rows, source, names, rows)
@@ -245,6 +239,11 @@ class ExpertsCache:
                     self.source.release_rows(item.name, row)
                 with self._lock:
                     self.policy.refuse((module, row))
+
+    def kept(self, module: str) -> set[int]:
+        """The experts of ``module`` kept now."""
+        with self._lock:
+            return {row for name, row in self.policy.held if name == module}
 
     @property
     def held_bytes(self) -> int:
