@@ -387,16 +387,15 @@ class MappedFile:
                                "the file's pages would lose them")
         self._mapped_in.clear()
         if self._map is not None:
-            end = self.address + len(self._map)
-            at = self.address
             with self._held_lock:
-                kept = sorted(self._held.values())
-            for start, length in kept:
+                kept = sorted((start - self.address, length) for start, length in self._held.values())
+            at = 0
+            for start, length in kept:  # around the rows held
                 if start > at:
-                    madvise(at, start - at, mmap.MADV_DONTNEED)
+                    self._map.madvise(mmap.MADV_DONTNEED, at, start - at)
                 at = max(at, start + length)
-            if end > at:
-                madvise(at, end - at, mmap.MADV_DONTNEED)
+            if len(self._map) > at:
+                self._map.madvise(mmap.MADV_DONTNEED, at, len(self._map) - at)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
