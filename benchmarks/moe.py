@@ -22,8 +22,10 @@ the disk allows (:func:`floors`): each layer's routed experts read once its rout
 (by automap's routed reader and by ``O_DIRECT`` with every request in flight, the faster kept;
 their sum is the least a forward can spend on reads made after each router), everything the
 forward needs read at once (by ``O_DIRECT`` and by automap's reader of whole units, the faster
-kept: the floor with the routing of every layer known in advance), and the forward with every
-page in memory (its compute).
+kept: the floor with the routing of every layer known in advance), the forward with every
+page in memory (its compute), and cold forwards with the experts read as the runtime chooses,
+always by routed rows and always whole with their layer, alternating in the same process
+(:func:`read_choices`).
 
     python -m benchmarks.moe --runs 5 --baseline /tmp/automap-main
 """
@@ -245,6 +247,42 @@ def floors(model: Any, source: Any, routed: list[set[int]], runs: int, forward: 
             "warm_seconds": statistics.median(warm)}
 
 
+def read_choices(model: Any, source: Any, runs: int, forward: Any) -> dict[str, float]:
+    """Cold forwards with the routed experts read as the runtime chooses (``auto``), always by
+    routed rows, and always whole with their layer ahead, the three alternating forward by
+    forward in this process (rotating which goes first); medians of ``runs`` each."""
+    from automap.runtime.experts import ExpertReads
+    from automap.runtime.state import state_of
+
+    reads = next((h for h in state_of(model).hooks if isinstance(h, ExpertReads)), None)
+    if reads is None:
+        return {}
+    chosen = reads.observe
+
+    def forced(whole: bool) -> Any:
+        def observe(routed: int, count: int) -> None:
+            for group in reads.groups:
+                group.whole = whole
+        return observe
+
+    modes = {"auto": chosen, "rows": forced(False), "whole": forced(True)}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    try:
+        for index in range(runs):
+            order = list(modes)[index % 3:] + list(modes)[:index % 3]
+            for mode in order:
+                reads.observe = modes[mode]
+                forward()  # settles the choice (the first layer reads as the last call chose)
+                os.sync()
+                source.evict()
+                began = time.perf_counter()
+                forward()
+                times[mode].append(time.perf_counter() - began)
+    finally:
+        reads.observe = chosen
+    return {f"{mode}_seconds": statistics.median(found) for mode, found in times.items()}
+
+
 # ------------------------------------------------------------------ one measured process
 
 
@@ -286,6 +324,7 @@ def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | No
                 with torch.no_grad():
                     model(ids, use_cache=False)
             floor = floors(model, source, routed, runs, forward)
+            floor["reads"] = read_choices(model, source, runs, forward)
         automap.undispatch(model)
     return {"model": kind, "batch": batch, "cold_seconds": statistics.median(seconds), "all_seconds": seconds,
             "read_bytes": statistics.median(read), "need_bytes": needed,
@@ -342,6 +381,10 @@ def floor_line(row: dict[str, Any]) -> str:
             f"warm forward {floor['warm_seconds'] * 1e3:.0f} ms")
     if "baseline" in row:
         text += f"; 2.5x the baseline would be {row['baseline']['cold_seconds'] / 2.5 * 1e3:.0f} ms"
+    reads = floor.get("reads")
+    if reads:
+        text += (f"; alternating: as chosen {reads['auto_seconds'] * 1e3:.0f} ms, by rows "
+                 f"{reads['rows_seconds'] * 1e3:.0f} ms, whole layers {reads['whole_seconds'] * 1e3:.0f} ms")
     return text
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 import automap
 from automap.planning.decode import predict_decode
+from automap.planning.predict import forward_seconds
 from automap.runtime.state import state_of
 
 
@@ -112,7 +113,7 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
         prediction = predict_decode(plan)
         predicted = prediction.step_seconds if prediction is not None else float("nan")
     else:
-        predicted = plan.forward_seconds
+        predicted = forward_seconds(plan)
     automap.dispatch(model, plan, offload_dir=offload_dir)
     # Weights the plan puts on disk are read from it: their pages are dropped from the page
     # cache before each timed run (what a machine without the RAM to cache them sees). The

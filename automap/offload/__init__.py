@@ -6,7 +6,7 @@ from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, loa
 from automap.offload.cleanup import CleanResult, clean, store_size
 from automap.offload.mapped import MappedFile, backing_file, open_for_map
 from automap.offload.reference import CheckpointSource
-from automap.offload.source import MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
+from automap.offload.source import HoldingSource, MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
                                    checksum, read_manifest)
 from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
@@ -14,7 +14,7 @@ from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCop
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
            "CudaOps", "DeviceCopyOps", "DeviceOps",
-           "Header", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer", "RamSource",
-           "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
+           "Header", "HoldingSource", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer",
+           "RamSource", "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
            "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json",
            "make_transfer", "open_for_map", "read_header", "read_manifest", "read_regular", "store_size", "write_file"]

@@ -6,11 +6,9 @@ mapped and checked, so a truncated file is refused by name before a read could r
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import mmap
 import os
-import stat
 import struct
 import threading
 import warnings
@@ -21,9 +19,10 @@ from typing import Iterable, Iterator, Protocol
 
 import torch
 
-from automap.errors import FormatError, OffloadError
+from automap.errors import OffloadError
 from automap.kinds import on_host
-from automap.offload.format import OPEN_FILE_FIXES, Header, TensorInfo, header_of, permutations_of
+from automap.offload.format import Header, TensorInfo, header_of, permutations_of
+from automap.offload.opening import Identity, Signature, open_for_map, reopen, signature
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +30,9 @@ PAGE = mmap.PAGESIZE
 # MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
 # compute thread takes no page faults; Python 3.11 lacks the constant.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-Signature = tuple[int, int, int, int]
-Identity = tuple[int, int]  # (st_dev, st_ino): which file, whatever its name holds now
+# MADV_POPULATE_WRITE (Linux 5.14+) on a private file map gives each page a private copy of the
+# file's bytes in one call: pages the page cache's reclaim (or a cold start) no longer drops.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -60,56 +60,6 @@ def _resident(spans: Iterable[tuple[int, int]]) -> bool:
         if _LIBC.mincore(start, length, vector) != 0 or vector.raw.translate(None, _RESIDENT):
             return False
     return True
-
-
-def signature(path: str | os.PathLike[str] | int) -> Signature:
-    """What identifies a file's contents cheaply: device, inode, size, modification time (of a
-    path, or of an open file descriptor)."""
-    st = os.fstat(path) if isinstance(path, int) else os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def open_for_map(path: str | os.PathLike[str], *, dir_fd: int | None = None, follow: bool = True) -> int:
-    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` if given;
-    a symbolic link refused unless ``follow``). Opened non-blocking, so a FIFO put in its place
-    never hangs the open, and refused unless it is a regular file.
-
-    Raises:
-        FormatError: the file is missing, not a regular file, a link where none is followed, or
-            cannot be opened (the message says which).
-    """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
-    shown = path if dir_fd is None else f"{path} (in the folder automap holds open)"
-    try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
-    except FileNotFoundError as exc:
-        raise FormatError(f"{shown} is missing") from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow:
-            raise FormatError(f"{shown} is a symbolic link where automap wrote a file; it is not followed. "
-                              "Remove it, and dispatch (or load) again") from exc
-        fix = OPEN_FILE_FIXES.get(exc.errno, "Make it readable")
-        raise FormatError(f"{shown} cannot be read ({exc.strerror or exc}). {fix}") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FormatError(f"{shown} is not a regular file (a folder, pipe, socket or device)")
-    return fd
-
-
-def reopen(fd: int) -> tuple[int, bool]:
-    """``(descriptor, whether it is an open file of its own)``: a new open file (its own
-    offset and readahead state) of the very inode open as ``fd``, through ``/proc/self/fd``
-    (which names the open file, not a path), checked to be that inode; ``os.dup(fd)`` (sharing
-    them) where that cannot be used. Raises OSError."""
-    try:
-        other = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return os.dup(fd), False
-    one, two = os.fstat(fd), os.fstat(other)
-    if (one.st_dev, one.st_ino) != (two.st_dev, two.st_ino):
-        os.close(other)
-        return os.dup(fd), False
-    return other, True
 
 
 def _page_range(address: int, length: int) -> range:
@@ -162,7 +112,7 @@ class MappedFile:
     def __init__(self, path: Path, keys: Iterable[str] | None = None, *, fd: int | None = None,
                  identity: Identity | None = None):
         self.path = Path(os.path.abspath(path))
-        self._hold(fd, identity)
+        self._hold_file(fd, identity)
         try:
             self.header: Header = header_of(self.fd, self.path)
             wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
@@ -192,8 +142,10 @@ class MappedFile:
         self._mapped_in: set[str] = set()  # keys advised before (their pages may since have been reclaimed)
         self._exact: dict[str, int] = {}  # keys whose pages fault in without read-around: readers of each
         self._exact_lock = threading.Lock()
+        self._held: dict[tuple[str, int], tuple[int, int]] = {}  # (key, row) -> its pages held in memory
+        self._held_lock = threading.Lock()  # held and released by the experts' worker, read by others
 
-    def _hold(self, fd: int | None, identity: Identity | None) -> None:
+    def _hold_file(self, fd: int | None, identity: Identity | None) -> None:
         """The file opened once (or handed over open, as ``fd``, which this object then owns);
         its header, its map and every later check go through this descriptor, never through the
         name again: what the name holds later (a link, another file) is never read."""
@@ -312,9 +264,10 @@ class MappedFile:
 
     def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
         """Read ``spans`` (of :meth:`row_spans` or :meth:`spans`) in without the kernel's
-        readahead and map them, unless every page is in memory already (one ``mincore``)."""
+        readahead and map them, but those whose every page is in memory already (``mincore``)."""
         if spans and not _resident(spans):
-            reader.read(spans, self.rows_fd, self.address)
+            # Spans in memory are left out: rows kept in memory (:meth:`hold`) or read before.
+            reader.read([s for s in spans if not _resident([s])], self.rows_fd, self.address)
 
     def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
@@ -331,7 +284,7 @@ class MappedFile:
         if self._mapped_in.issuperset(keys) and _resident(spans):
             return
         if populate and reader is not None:
-            reader.read(spans, self.fd, self.address)
+            reader.read(self._without_held(spans), self.fd, self.address)
             self._mapped_in.update(keys)
             return
         for start, length in spans:
@@ -349,17 +302,84 @@ class MappedFile:
         :meth:`advise`."""
         return _resident(self.spans(keys))
 
+    def hold(self, key: str, row: int) -> int:
+        """Keep the pages of ``row`` of ``key`` (one routed expert's rows) in this process's
+        memory until :meth:`release`: each page becomes a private copy of the file's bytes
+        (``MADV_POPULATE_WRITE``), which neither the kernel's reclaim of the page cache nor
+        :meth:`evict` drops; the tensor still views the same addresses, nothing is swapped.
+        Only the pages wholly inside the row are held (a page shared with a neighbour stays the
+        page cache's). Returns the bytes held now (0: nothing held, as when a page of the row was
+        written by the user — releasing it later would drop the write — or on a kernel without
+        ``MADV_POPULATE_WRITE``)."""
+        with self._held_lock:
+            return self._hold(key, row)
+
+    def _hold(self, key: str, row: int) -> int:
+        if (key, row) in self._held:
+            return self._held[key, row][1]
+        spans = self.row_spans(key, [row])
+        if len(spans) != 1 or self.permutations.get(key) is not None:
+            return 0
+        info = self.header.tensors[key]
+        begin = self.address + info.begin + row * (info.nbytes // info.shape[0])
+        end = begin + info.nbytes // info.shape[0]
+        start, stop = -(-begin // PAGE) * PAGE, end // PAGE * PAGE
+        if stop <= start or private_pages(_page_range(start, stop - start)) != 0:
+            return 0
+        if not madvise(start, stop - start, MADV_POPULATE_WRITE):
+            return 0
+        self._held[key, row] = (start, stop - start)
+        return stop - start
+
+    def release(self, key: str, row: int) -> int:
+        """Give back the pages :meth:`hold` kept of ``row`` of ``key``: the tensor views the
+        file's bytes again (read again from the page cache or the disk when next used).
+        Returns the bytes released."""
+        with self._held_lock:
+            span = self._held.pop((key, row), None)
+            if span is not None:
+                madvise(span[0], span[1], mmap.MADV_DONTNEED)
+        return 0 if span is None else span[1]
+
+    def _without_held(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``spans`` less the pages :meth:`hold` keeps (they need no read)."""
+        with self._held_lock:
+            kept = sorted(self._held.values())
+        if not kept:
+            return spans
+        found = []
+        for start, length in spans:
+            at, end = start, start + length
+            for begin, size in kept:
+                if begin + size <= at or begin >= end:
+                    continue
+                if begin > at:
+                    found.append((at, begin - at))
+                at = max(at, begin + size)
+            if end > at:
+                found.append((at, end - at))
+        return found
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes :meth:`hold` keeps in memory now."""
+        with self._held_lock:
+            return sum(length for _, length in self._held.values())
+
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
-        (whole pages), or None where the kernel does not say."""
+        (whole pages), or None where the kernel does not say. Pages :meth:`hold` keeps are
+        private copies too, of the file's own bytes: they are not counted."""
+        with self._held_lock:
+            held = {p for start, length in self._held.values() for p in _page_range(start, length)}
         pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
-                 for p in _page_range(start, length)]
+                 for p in _page_range(start, length) if p not in held]
         count = private_pages(pages)
         return None if count is None else count * PAGE
 
     def evict(self) -> None:
         """Drop this file's pages from this process and from the page cache, so the next read
-        comes from the disk (a cold start, for benchmarks).
+        comes from the disk (a cold start, for benchmarks); the pages :meth:`hold` keeps stay.
 
         Raises:
             OffloadError: some pages were written in memory; dropping them would lose the writes.
@@ -370,7 +390,15 @@ class MappedFile:
                                "the file's pages would lose them")
         self._mapped_in.clear()
         if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)
+            with self._held_lock:
+                kept = sorted((start - self.address, length) for start, length in self._held.values())
+            at = 0
+            for start, length in kept:  # around the rows held
+                if start > at:
+                    self._map.madvise(mmap.MADV_DONTNEED, at, start - at)
+                at = max(at, start + length)
+            if len(self._map) > at:
+                self._map.madvise(mmap.MADV_DONTNEED, at, len(self._map) - at)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 

@@ -80,6 +80,19 @@ class RowSource(Protocol):
         nothing is correct)."""
 
 
+@runtime_checkable
+class HoldingSource(Protocol):
+    """A :class:`WeightSource` whose tensors live in files and can keep some rows in memory
+    (the hot experts of a tensor that stacks them: :class:`~automap.runtime.experts.HotExperts`)
+    while the rest stays the page cache's, which a cold start or memory pressure drops."""
+
+    def hold_rows(self, name: str, row: int) -> int:
+        """Keep ``row`` of ``name`` in memory; the bytes held (0: it cannot be)."""
+
+    def release_rows(self, name: str, row: int) -> int:
+        """Stop keeping ``row`` of ``name``; the bytes given back."""
+
+
 class RamSource:
     """Tensors kept in host RAM, pinned for fast copies when an accelerator executes.
 
@@ -164,6 +177,14 @@ class MappedSource:
                 continue
             with mapped.faulting_exactly(keys):
                 mapped.read_spans([s for key in keys for s in mapped.row_spans(key, rows)], self.row_reader)
+
+    def hold_rows(self, name: str, row: int) -> int:
+        path, key = self.entries[name]
+        return self.files[path].hold(key, row)
+
+    def release_rows(self, name: str, row: int) -> int:
+        path, key = self.entries[name]
+        return self.files[path].release(key, row)
 
     def _keys_by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         found: dict[Path, list[str]] = {}
@@ -272,6 +293,14 @@ class SourceSet:
     def check_unchanged(self, names: Iterable[str]) -> None:
         for source, part in self._split(names).values():
             source.check_unchanged(part)
+
+    def hold_rows(self, name: str, row: int) -> int:
+        source = self._by_name[name]
+        return source.hold_rows(name, row) if isinstance(source, HoldingSource) else 0
+
+    def release_rows(self, name: str, row: int) -> int:
+        source = self._by_name[name]
+        return source.release_rows(name, row) if isinstance(source, HoldingSource) else 0
 
     def stats(self) -> SourceStats:
         total = SourceStats()

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from automap.devices import DeviceSpec
+from automap.kinds import available_ram_bytes, kind_of
 from automap.planning.cost import flop_seconds, read_seconds, transfer_seconds
 from automap.profiling import Unit
 
@@ -151,3 +154,191 @@ class ExpertsPlan:
         return cls(tuple(ExpertsLayer.from_dict(d) for d in data["layers"]), int(data["decode_tokens"]),
                    int(data["prefill_tokens"]), float(data["tokens_per_second"]),
                    float(data["whole_layer_tokens_per_second"]))
+
+
+# ------------------------------------------------------------------ hot experts kept in memory
+
+# How much an expert's routing count fades per call of any layer's experts: 1 would be plain
+# counts (LFU), a small value "the most recent first" (close to LRU). Chosen by measurement on
+# Zipf-skewed routing traces against Belady's optimal cache (benchmarks/expert_cache.py;
+# figures in benchmarks/notes/moe.md): counts that fade slowly keep what real skew makes hot
+# and still follow a routing that changes over a long generation.
+DECAY = 0.999
+
+Key = tuple[str, int]  # (experts module, expert number)
+
+
+@dataclass
+class CacheChange:
+    """What one call's routing changes in a :class:`HotExperts` cache: the experts to keep
+    (``hold``) and to give back (``drop``), both lists of keys; ``hits`` of the call's
+    experts were held already."""
+
+    hold: list[Key]
+    drop: list[Key]
+    hits: int
+
+
+class HotExperts:
+    """Which routed experts stay in memory within ``budget`` bytes: those routed most often,
+    their counts fading by :data:`DECAY` per call. The policy only, without I/O: the runtime
+    (:class:`~automap.runtime.experts.ExpertsCache`) applies its changes, and a benchmark can run
+    it on a recorded routing trace (:func:`belady_hits` is the optimum to compare it with).
+
+    Each call's routed experts count as hits when held, else misses; a missed expert is kept
+    when there is room, or when the experts it would push out (the least counted first) all
+    count less than it does. Nothing else is ever read for the cache: an expert is kept just
+    after the call that read it.
+
+    Example:
+        >>> cache = HotExperts(budget=2 * expert_bytes)
+        >>> change = cache.access([("layers.0.experts", 3), ("layers.0.experts", 5)], expert_bytes)
+    """
+
+    def __init__(self, budget: int, decay: float = DECAY):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must lie in (0, 1], not {decay}")
+        self.budget, self.decay = max(int(budget), 0), decay
+        self.held: dict[Key, int] = {}  # key -> its bytes
+        self.used = 0
+        self.hits = self.misses = 0
+        self._score: dict[Key, float] = {}
+        self._step = 1.0  # what one routing adds now: grows by 1/decay per call, so older counts weigh less
+        self._refused: set[Key] = set()  # the runtime could not keep these: never asked for again
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over routed experts so far (0.0 before any call)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def score(self, key: Key) -> float:
+        return self._score.get(key, 0.0)
+
+    def access(self, keys: Sequence[Key], nbytes: int | Sequence[int]) -> CacheChange:
+        """One call routed to ``keys`` (each ``nbytes`` big, or each its own size): count it
+        and say what to keep and give back."""
+        sizes = [nbytes] * len(keys) if isinstance(nbytes, int) else list(nbytes)
+        hits = sum(1 for k in keys if k in self.held)
+        self.hits += hits
+        self.misses += len(keys) - hits
+        for key in keys:
+            self._score[key] = self._score.get(key, 0.0) + self._step
+        self._step /= self.decay
+        if self._step > 1e100:  # rescale before the floats overflow; the order stays
+            self._score = {k: v / self._step for k, v in self._score.items()}
+            self._step = 1.0
+        change = CacheChange([], [], hits)
+        missed = sorted(((k, s) for k, s in zip(keys, sizes) if k not in self.held and k not in self._refused),
+                        key=lambda ks: -self._score[ks[0]])
+        for key, size in missed:
+            if size > self.budget:
+                continue
+            victims = self._victims(key, size, set(keys))
+            if victims is None:
+                continue
+            for victim in victims:
+                self.used -= self.held.pop(victim)
+                change.drop.append(victim)
+            self.held[key] = size
+            self.used += size
+            change.hold.append(key)
+        return change
+
+    def _victims(self, key: Key, size: int, now: set[Key]) -> list[Key] | None:
+        """The held experts to give back so that ``key`` fits (the least counted first, each
+        counting less than ``key``), or None when it should not be kept."""
+        free = self.budget - self.used
+        victims: list[Key] = []
+        if free >= size:
+            return victims
+        for other in sorted(self.held, key=self.score):
+            if self.score(other) >= self.score(key) or other in now:
+                return None
+            victims.append(other)
+            free += self.held[other]
+            if free >= size:
+                return victims
+        return None
+
+    def refuse(self, key: Key) -> None:
+        """The runtime could not keep ``key`` (its pages written by the user, an old kernel):
+        forget it was held and never keep it."""
+        self._refused.add(key)
+        size = self.held.pop(key, None)
+        if size is not None:
+            self.used -= size
+
+
+def belady_hits(trace: Sequence[Sequence[Key]], capacity: int, sizes: Mapping[Key, int] | int) -> int:
+    """Hits of Belady's optimal cache on a routing ``trace`` (one list of keys per call):
+    after each call the cache keeps, within ``capacity`` bytes, the experts whose next call
+    comes soonest, leaving out any (also one just read) needed later than the others or never;
+    for experts of one size no cache does better. Offline: it reads the whole trace."""
+    size_of = (lambda key: sizes) if isinstance(sizes, int) else sizes.__getitem__
+    upcoming: dict[Key, list[int]] = {}
+    for step in range(len(trace) - 1, -1, -1):
+        for key in set(trace[step]):
+            upcoming.setdefault(key, []).append(step)  # descending steps: the last is the next use
+    held: set[Key] = set()
+    hits = 0
+    for step, keys in enumerate(trace):
+        for key in set(keys):
+            upcoming[key].pop()
+        hits += sum(1 for k in keys if k in held)
+        candidates = sorted(held | set(keys), key=lambda k: upcoming[k][-1] if upcoming[k] else math.inf)
+        held, used = set(), 0
+        for key in candidates:
+            if not upcoming[key]:
+                break
+            if used + size_of(key) <= capacity:
+                held.add(key)
+                used += size_of(key)
+    return hits
+
+
+# A host capacity below this share of the RAM free now is a budget the user set (detection gives
+# the RAM free at planning time, which moves a little by dispatch).
+BUDGET_SHARE = 0.9
+
+
+def cache_room(plan: Any) -> int:
+    """Host memory a plan leaves free for keeping hot routed experts whose home is a storage
+    tier (the disk): the host's capacity less the weights the plan puts there, its reserve and
+    the units read ahead into the page cache on the way (two of the largest offloaded); 0 when
+    the host's capacity is unknown, nothing is offloaded to a storage tier, or the capacity is
+    no budget below the RAM free now (``max_memory`` not given: the page cache keeps what RAM
+    holds already, and the kernel may take it back, which it may not from experts kept here).
+    The runtime keeps experts in it only where it finds routed experts in those units."""
+    hosts = [d for d in plan.devices if kind_of(d.name).is_host and 0 < d.capacity_bytes]
+    stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
+    if not hosts or not stored or hosts[0].capacity_bytes >= BUDGET_SHARE * available_ram_bytes():
+        return 0
+    return max(hosts[0].capacity_bytes - host_taken(plan, hosts[0].name), 0)
+
+
+def host_taken(plan: Any, host: str = "cpu") -> int:
+    """What :func:`cache_room` takes from the host's capacity before keeping experts: the
+    weights the plan puts there, its reserve there, and two of the largest units offloaded to
+    a storage tier (read ahead into the page cache)."""
+    stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
+    reserve = sum(b for name, b in plan.reserves if name == host)
+    return plan.placements.bytes_on.get(host, 0) + reserve + 2 * max((u.weight_bytes for u in stored), default=0)
+
+
+# ------------------------------------------------------------------ rows or whole layers
+
+# Routed rows are ranges of a few MB read once the router has run; whole layers are long reads
+# queued ahead. On the development machine's disk the first come in at 1.0-1.3 GB/s, the second
+# at 2.3-2.9 GB/s (benchmarks/read_modes.py, benchmarks/notes/moe.md): ranged reads at about
+# this share of the rate of long ones.
+RANGED_SHARE = 0.45
+
+
+def reads_whole(routed: int, whole: int) -> bool:
+    """Whether a layer's routed experts are predicted faster read whole with its dense part
+    ahead (``whole`` bytes at the disk's rate for long reads) than by the rows a call routes
+    to (``routed`` bytes at :data:`RANGED_SHARE` of it), both counting only what is not kept in
+    memory already. The disk's rate divides out: whole when ``whole <= routed / RANGED_SHARE``;
+    at batch 1 (a quarter of the experts routed) rows, at batch 4 (about 70 %) whole layers."""
+    return whole > 0 and whole * RANGED_SHARE <= routed

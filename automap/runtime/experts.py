@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from automap.kinds import kind_of, torch_device
-from automap.offload import WeightSource
+from automap.offload import HoldingSource, WeightSource
 from automap.offload.transfer import read_rows
-from automap.profiling.routed import Experts, find_experts, guess_rows, router_of, routed_rows, routing_of
+from automap.planning.experts import CacheChange, HotExperts, cache_room, reads_whole
+from automap.profiling.routed import Experts, find_experts, guess_rows, routed_rows, router_of, routing_of
 from automap.runtime._compile import skip_when_compiling
 from automap.runtime.hooks import Hook
-from automap.runtime.state import DispatchState, Group, Streamed, follow
+from automap.runtime.state import DispatchState, Group, Streamed, follow, state_of
 from automap.runtime.values import send
 
 log = logging.getLogger(__name__)
@@ -43,16 +44,21 @@ class ReadExperts(Hook):
         self.device = torch_device(state.plan.execution_device)
         self.guess: Guess | None = None  # the next layer's experts, read while this one computes
         self.reads: ExpertReads | None = None  # the model's: whether experts are read ahead whole
+        self.cache: ExpertsCache | None = None  # the model's hot experts kept in memory
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.state.undone:
             return None  # a forward racing undispatch runs on the weights in RAM
         rows = routed_rows(args, kwargs, self.experts.count) if self.experts.stacked else None
         if self.reads is not None and rows is not None:
-            self.reads.observe(len(rows) / self.experts.count)
+            kept = self.cache.kept(self.experts.module) if self.cache is not None else set()
+            self.reads.observe(len(set(rows) - kept), self.experts.count - len(kept))
         if self.guess is not None and rows is not None and not self.group.whole:
             self._guess_next(args, kwargs)  # first: the next layer's reads queue beside this one's
+        change = self.cache.routed(self, rows) if self.cache is not None and rows is not None else None
         self._bring(rows)
+        if change is not None and (change.hold or change.drop):
+            self.cache.apply(change)  # in the background: the rows just read are kept from the page cache
         return None
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -104,41 +110,40 @@ class Guess:
     reads: ExpertReads
 
 
-# From this share of a layer's experts routed to, the experts of the layers ahead are read
-# whole with their dense part (CPU execution): reading most of a layer in pieces once its routing
-# is known costs more than reading all of it ahead. Measured on Mixtral- and Qwen2-MoE shapes from
-# a cold disk (benchmarks/moe.py): a quarter routed (batch 1) reads 3x fewer bytes and runs faster
-# by rows; two thirds routed (batch 4) ran at 0.43-0.82x the speed of whole layers read ahead.
-WHOLE_SHARE = 0.5
-
-
 class ExpertReads(Hook):
     """The model's reading of routed experts beside their hooks: the background reads of
     guessed experts (one worker, each guess a hint: a failed or late one costs nothing but its
-    bytes), and whether the streamed units read their experts ahead whole (the last call's
-    routed share, against :data:`WHOLE_SHARE`; CPU execution only). Attached to nothing;
+    bytes), and whether the streamed units read their experts ahead whole (what the last call
+    routed to, by :func:`~automap.planning.experts.reads_whole`; CPU execution only). Attached to nothing;
     undispatch detaches it, which stops the worker."""
 
     def __init__(self, groups: list[Group]) -> None:
         super().__init__()
         self.groups = groups
+        self.cache: ExpertsCache | None = None
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="automap-experts")
 
-    def observe(self, share: float) -> None:
-        """A call routed ``share`` of its layer's experts: read the experts ahead whole from now
-        on if that share is large, by rows if not."""
-        whole = share >= WHOLE_SHARE
+    def observe(self, routed: int, whole: int) -> None:
+        """A call routed to ``routed`` experts not kept in memory, of ``whole`` not kept in its
+        layer: read the experts ahead whole from now on if the cost model predicts that faster
+        (:func:`~automap.planning.experts.reads_whole`), by rows if not."""
+        ahead = reads_whole(routed, whole)
         for group in self.groups:
-            group.whole = whole
+            group.whole = ahead
 
     def submit(self, source: WeightSource, names: list[str], rows: list[int]) -> None:
+        self.run(read_rows, source, names, rows)
+
+    def run(self, work: Any, *args: Any) -> None:
+        """Run ``work(*args)`` on the worker, after what was submitted before (a hint: dropped
+        once undispatch stopped the worker)."""
         pool = self._pool
         if pool is None:
             return
         try:
-            pool.submit(read_rows, source, names, rows)
+            pool.submit(work, *args)
         except RuntimeError:  # undispatch stopped the worker meanwhile: a hint, dropped
-            log.debug("a guess of %d experts dropped: the model was undispatched", len(rows))
+            log.debug("background work on experts dropped: the model was undispatched")
 
     def settle(self) -> None:
         """Wait for the reads submitted so far (one worker: they run in order)."""
@@ -153,6 +158,87 @@ class ExpertReads(Hook):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ExpertsCache:
+    """The model's hot experts kept in host memory: :class:`~automap.planning.experts.HotExperts`
+    (which experts, within the room the plan leaves in host RAM: :func:`cache_room`) applied to
+    a source of files (:class:`~automap.offload.HoldingSource`). A kept expert's rows are private
+    pages of the same map the parameter views (nothing swapped, nothing copied on the compute
+    path): a cold start or the kernel's reclaim of the page cache leaves them, so its next call
+    reads nothing. Kept and given back on the experts' worker, after the call that read it.
+
+    A module whose tensors were written in place since dispatch (their version counter moved)
+    is left as it is: giving back its pages would drop the write.
+
+    ``policy.hits``/``policy.misses`` count the routed experts found kept or not, per call
+    (:func:`expert_cache` gives it for a dispatched model).
+    """
+
+    def __init__(self, policy: HotExperts, source: HoldingSource, reads: ExpertReads):
+        self.policy, self.source, self.reads = policy, source, reads
+        self._lock = threading.Lock()  # forwards may run on several threads
+        self._tensors: dict[str, list[Streamed]] = {}
+        self._versions: dict[str, list[int]] = {}
+        self._row_bytes: dict[str, int] = {}
+
+    def add(self, hook: ReadExperts) -> None:
+        items = [i for i in hook.items if i.streams]
+        if items:
+            self._tensors[hook.experts.module] = items
+            self._versions[hook.experts.module] = [i.tensor._version for i in items]
+            self._row_bytes[hook.experts.module] = sum(i.home.nbytes // hook.experts.count for i in items)
+            hook.cache = self
+
+    def routed(self, hook: ReadExperts, rows: list[int]) -> CacheChange | None:
+        """Count one call of ``hook``'s experts on ``rows``; what to keep and give back."""
+        module = hook.experts.module
+        if module not in self._tensors:
+            return None
+        with self._lock:
+            return self.policy.access([(module, r) for r in rows], self._row_bytes[module])
+
+    def apply(self, change: CacheChange) -> None:
+        self.reads.run(self._apply, change)
+
+    def _written(self, module: str) -> bool:
+        return [i.tensor._version for i in self._tensors[module]] != self._versions[module]
+
+    def _apply(self, change: CacheChange) -> None:
+        for module, row in change.drop:
+            if not self._written(module):
+                for item in self._tensors[module]:
+                    self.source.release_rows(item.name, row)
+        for module, row in change.hold:
+            held = [self.source.hold_rows(item.name, row) for item in self._tensors[module]]
+            if self._written(module) or not all(held):
+                for item in self._tensors[module]:
+                    self.source.release_rows(item.name, row)
+                with self._lock:
+                    self.policy.refuse((module, row))
+
+    def kept(self, module: str) -> set[int]:
+        """The experts of ``module`` kept now."""
+        with self._lock:
+            return {row for name, row in self.policy.held if name == module}
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of experts kept now (as the policy counts them)."""
+        return self.policy.used
+
+
+def link_cache(hooks: list[ReadExperts], reads: ExpertReads, state: DispatchState) -> None:
+    """A cache of hot experts for the stacked experts hooks, where the plan leaves host room
+    and the experts live in files (a store or a checkpoint)."""
+    room = cache_room(state.plan)
+    if room <= 0 or not isinstance(state.source, HoldingSource):
+        return
+    cache = ExpertsCache(HotExperts(room), state.source, reads)
+    for hook in hooks:
+        cache.add(hook)
+    reads.cache = cache
+    log.debug("hot experts kept in up to %d bytes of host memory", room)
 
 
 def link_guesses(hooks: list[ReadExperts], modules: dict[str, nn.Module], state: DispatchState) -> None:
@@ -171,7 +257,16 @@ def link_guesses(hooks: list[ReadExperts], modules: dict[str, nn.Module], state:
         names = [i.name for i in after.items]
         if router is not None and names:
             hook.guess = Guess(router, names, reads)
+    link_cache(stacked, reads, state)
     state.hooks.append(reads)
+
+
+def expert_cache(model: nn.Module) -> ExpertsCache | None:
+    """The hot experts a dispatched ``model`` keeps in memory (hit rate: ``.policy.hit_rate``),
+    or None when it keeps none."""
+    state = state_of(model)
+    reads = next((h for h in state.hooks if isinstance(h, ExpertReads)), None) if state is not None else None
+    return reads.cache if reads is not None else None
 
 
 def hook_experts(state: DispatchState, modules: dict[str, nn.Module]) -> None:

@@ -235,3 +235,16 @@ def test_experts_the_cpu_computes_get_the_per_call_choice_at_the_planned_token_c
     finally:
         for hook in state.hooks:
             hook.detach()
+
+
+def test_experts_are_read_whole_ahead_when_most_of_what_is_not_kept_is_routed_to():
+    from automap.planning.experts import RANGED_SHARE, reads_whole
+
+    assert not reads_whole(2, 8)  # batch 1 of top-2-of-8: rows
+    assert reads_whole(6, 8)  # batch 4: about 70 % of the layer routed to: whole
+    assert not reads_whole(1, 6)  # two of eight kept in memory, one of the rest routed to: rows
+    assert not reads_whole(0, 0) and not reads_whole(3, 0)  # nothing left to read
+    for whole in range(1, 40):
+        flips = [routed for routed in range(whole + 1) if reads_whole(routed, whole)]
+        assert flips == list(range(flips[0], whole + 1)) if flips else True  # more routed: never back to rows
+        assert all(routed >= whole * RANGED_SHARE for routed in flips)
