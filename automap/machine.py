@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from automap.errors import AutomapError
 from automap.kinds import kind_of, registered_kinds
 from automap.machine_probes import measure_computing, measure_disk
 from automap.progress import step
+from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,8 @@ def fingerprint_key(found: dict[str, Any]) -> str:
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json_file(path, "machine record", hint="", error=AutomapError)
+    except AutomapError:
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("machines"), dict):
         return {}

@@ -9,9 +9,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from automap.errors import AutomapError, FormatError, ReportError
 
@@ -21,6 +24,13 @@ MAX_JSON_BYTES = 64 * 2**20
 # No offset, size or checksum in a valid file has more digits than this (2**64 has 20); a longer
 # number only costs time (Python refuses ints of over 4,300 digits with a ValueError).
 MAX_DIGITS = 40
+# No config, index, manifest or plan nests deeper than a dozen levels. Python's parser recurses
+# once per level: thousands of levels reach the recursion limit, where a finalizer that runs
+# meanwhile fails too, so depth is counted before parsing.
+MAX_DEPTH = 100
+_STEPS = np.zeros(256, np.int8)  # each byte's change of depth: +1 opens, -1 closes
+_STEPS[[ord("["), ord("{")]], _STEPS[[ord("]"), ord("}")]] = 1, -1
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 
 class _Refused(ValueError):
@@ -55,6 +65,15 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return found
 
 
+def too_deep(raw: bytes) -> bool:
+    """Whether the arrays and objects of the JSON text ``raw`` nest deeper than
+    :data:`MAX_DEPTH` (brackets inside strings not counted), found without parsing it."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    steps = _STEPS[np.frombuffer(_STRING.sub(b"", raw), np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0)) > MAX_DEPTH
+
+
 def load_json(raw: bytes | str, what: str, hint: str, error: type[AutomapError] = FormatError) -> Any:
     """Parse ``raw`` as JSON, raising only ``error`` — never ``RecursionError``,
     ``OverflowError``, ``UnicodeDecodeError`` or the ``ValueError`` of a huge number. The
@@ -66,6 +85,8 @@ def load_json(raw: bytes | str, what: str, hint: str, error: type[AutomapError] 
         {'a': [1, 2]}
     """
     try:
+        if too_deep(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)):
+            raise _Refused(f"its JSON nests deeper than {MAX_DEPTH} levels")
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
         return json.loads(
             text, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object

@@ -7,7 +7,6 @@ asks on a terminal.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -92,8 +91,8 @@ def read_config(folder: str | os.PathLike[str], trust_remote_code: bool = False)
 def _auto_map(root: Path) -> dict[str, Any]:
     """config.json's ``auto_map`` (the folder's own code per Auto class), without running anything."""
     try:
-        found = json.loads((root / CONFIG_NAME).read_text()).get("auto_map")
-    except (OSError, ValueError, AttributeError):
+        found = read_json_file(root / CONFIG_NAME, "config file", hint="", error=CheckpointError).get("auto_map")
+    except (CheckpointError, AttributeError):
         return {}
     return found if isinstance(found, dict) else {}
 

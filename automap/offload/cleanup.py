@@ -5,7 +5,6 @@ removed). ``offload_dir`` itself and everything else in it are never touched.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from automap.offload.store import STORE_PREFIX
 from automap.offload.store_files import StoreDir, is_temp_of, remove_folders
 from automap.offload.store_lock import LOCK, StoreLock, holder_of
 from automap.sizes import format_bytes
+from automap.userfiles import load_json
 
 STORE_NAME = re.compile(rf"^{re.escape(STORE_PREFIX)}[0-9a-f]{{16}}-\d+$")
 
@@ -134,8 +134,8 @@ def _owned_files(folder: StoreDir) -> set[str] | None:
     """The names a store's manifest makes automap's (its files, the manifest, the lock file),
     whatever the manifest's version; None when there is no manifest of automap's format."""
     try:
-        data = json.loads(folder.read(MANIFEST, MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, RecursionError):
+        data = load_json(folder.read(MANIFEST, MAX_MANIFEST_BYTES), "manifest", "", OffloadError)
+    except (OSError, OffloadError):
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return None

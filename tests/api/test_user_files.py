@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import automap
-from automap.errors import AutomapError, PlanError, ReportError, SpecError
+from automap.errors import AutomapError, FormatError, PlanError, ReportError, SpecError
 from automap.report import check_figure_path, check_json_path, read_json, write_json
 from automap.specs import build_model
-from automap.userfiles import MAX_JSON_BYTES, check_output_path, read_json_file
+from automap.userfiles import MAX_DEPTH, MAX_JSON_BYTES, check_output_path, load_json, read_json_file
 
 HOSTILE_FILES = [
     "missing",
@@ -150,3 +154,43 @@ def test_output_paths_are_refused_before_any_work(tmp_path, kind):
     plan = automap.plan(nn.Linear(4, 4), max_memory={"cpu": "1GB"})
     with pytest.raises(ReportError):
         write_json(plan, target)
+
+
+# ------------------------------------------------------------------ nesting, counted before parsing
+
+_SCALARS = st.one_of(st.integers(-10**6, 10**6), st.text(alphabet='[]{}"\\ab', max_size=6), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(depth=st.integers(1, 160), leaf=_SCALARS, as_object=st.lists(st.booleans(), min_size=160, max_size=160))
+def test_nesting_is_counted_past_brackets_inside_strings(depth, leaf, as_object):
+    value = leaf
+    for wrap in as_object[:depth]:
+        value = {"k]}": value} if wrap else [value, "[{"]
+    text = json.dumps(value)
+    if depth <= MAX_DEPTH:
+        assert load_json(text, "x.json is not valid", "fix it") == value
+    else:
+        with pytest.raises(FormatError, match=rf"x.json is not valid \(its JSON nests deeper than {MAX_DEPTH} levels\); fix it"):
+            load_json(text, "x.json is not valid", "fix it")
+
+
+def test_a_deeply_nested_file_is_refused_without_reaching_the_recursion_limit(tmp_path):
+    # Python's parser recurses once per level; near the recursion limit a finalizer that runs
+    # meanwhile fails too ("Exception ignored in ..."): the depth is refused before parsing.
+    script = (
+        "import gc, sys\n"
+        "from automap.userfiles import load_json\n"
+        "from automap.errors import FormatError\n"
+        "class Finalized:\n"
+        "    def __del__(self): [0 for _ in range(3)]\n"
+        "for n in (10**3, 10**5):\n"
+        "    junk = [Finalized() for _ in range(1000)]\n"
+        "    for j in junk: j.me = j\n"
+        "    del junk\n"
+        "    try: load_json('[' * n + ']' * n, 'x', '')\n"
+        "    except FormatError as e: print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.count(f"nests deeper than {MAX_DEPTH} levels") == 2
