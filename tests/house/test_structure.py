@@ -174,56 +174,66 @@ def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
         assert [t for t, _, _ in found] == ["automap.planning.partition"]
 
 
-# ------------------------------------------------------------------ sizes (issue 24)
+# ------------------------------------------------------------------ sizes
 
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 40
+# Counted in statements (the lines on which one begins), not physical lines: a call the formatter
+# lays over six lines is one statement, so the layout of the code does not move the count. The
+# limits match what 450 lines a module and 40 a function held before the formatter came.
+MAX_MODULE_STATEMENTS, MAX_FUNCTION_STATEMENTS = 300, 35
 # What is still over, and what brings it under; a module or function that comes under must leave
 # this table (the test says so), and nothing new may join it.
 STILL_OVER: dict[str, str] = {}
 
 
-def function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """Lines from ``def`` to the end, the docstring not counted (a long docstring is welcome)."""
+def statements(nodes: list[ast.stmt]) -> int:
+    """How many lines a statement of ``nodes`` (or one nested in them) begins on."""
+    return len({n.lineno for node in nodes for n in ast.walk(node) if isinstance(n, ast.stmt)})
+
+
+def function_statements(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The statements of a function's body, its docstring not counted (a long docstring is welcome)."""
     body = node.body
     first = body[0]
     doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-    docstring = first.end_lineno - first.lineno + 1 if doc and len(body) > 1 else 0
-    return node.end_lineno - node.lineno + 1 - docstring
+    return statements(body[1:] if doc else body)
 
 
 def oversized(paths: dict[str, Path], root: Path = ROOT.parent) -> dict[str, int]:
-    """``{"automap/x.py": lines}`` for each module over the limit, ``{"automap/x.py:f": lines}``
-    for each function."""
+    """``{"automap/x.py": statements}`` for each module over the limit, ``{"automap/x.py:f":
+    statements}`` for each function."""
     found = {}
     for path in paths.values():
-        text = path.read_text()
+        tree = ast.parse(path.read_text())
         rel = str(path.relative_to(root))
-        if text.count("\n") > MAX_MODULE_LINES:
-            found[rel] = text.count("\n")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and function_lines(node) > MAX_FUNCTION_LINES:
-                found[f"{rel}:{node.name}"] = function_lines(node)
+        if statements(tree.body) > MAX_MODULE_STATEMENTS:
+            found[rel] = statements(tree.body)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if function_statements(node) > MAX_FUNCTION_STATEMENTS:
+                    found[f"{rel}:{node.name}"] = function_statements(node)
     return found
 
 
 def test_modules_and_functions_stay_small():
     found = oversized(modules())
     new = {k: v for k, v in found.items() if k not in STILL_OVER}
-    assert not new, (f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function (docstring "
-                     f"not counted): {new}; split it by concern")
+    assert not new, (f"over {MAX_MODULE_STATEMENTS} statements a module or {MAX_FUNCTION_STATEMENTS} a function "
+                     f"(docstring not counted): {new}; split it by concern")
     under = sorted(set(STILL_OVER) - set(found))
     assert not under, f"{under} came under the limits: take them out of STILL_OVER"
 
 
-def test_the_size_check_sees_a_long_function_and_module(tmp_path):
+def test_the_size_check_sees_a_long_function_and_module_whatever_their_layout(tmp_path):
     probe = tmp_path / "automap" / "probe.py"
     probe.parent.mkdir()
     documented = "def short():\n    \"\"\"doc\n\n\n\n    more doc\"\"\"\n" + "    x = 1\n" * 35
-    probe.write_text(documented + "\n\ndef long():\n" + "    x = 1\n" * 40 + "\n" * 400)
-    assert oversized({"probe": probe}, root=tmp_path) == {"automap/probe.py": 484, "automap/probe.py:long": 41}
+    spread = "def spread():\n" + "    f(\n        1,\n        2,\n    )\n" * 35
+    long = "def long():\n" + "    x = 1\n" * 36
+    probe.write_text("\n\n".join([documented, spread, long]) + "\ny = 2\n" * 191)
+    assert oversized({"probe": probe}, root=tmp_path) == {"automap/probe.py": 301, "automap/probe.py:long": 36}
 
 
-# ------------------------------------------------------------------ device kinds (issue 24)
+# ------------------------------------------------------------------ device kinds
 
 # DESIGN.md: a rule about a kind of device or tier lives with that kind in the registry
 # (automap/kinds.py), never in an ``if kind == "disk"`` elsewhere. "meta" is not a kind (it holds
