@@ -224,28 +224,29 @@ def check_plan_args(args: argparse.Namespace) -> None:
 _USAGE_ERRORS = (SpecError, SizeError, DeviceError, ReportError)
 
 
-# The library's errors name the fix in its own arguments; on the command line the fix is a flag.
-# (pattern, replacement), applied in order to the message of an error the command prints.
-_AS_FLAGS = (
-    (r"dtype=torch\.(\w+)", r"--dtype \1"),
-    (r"max_memory=\{'(\w+)': '([^']+)'(, \.\.\.)?\}", lambda m: f"--max-memory {m[1]}={m[2]}" + (",..." if m[3] else "")),
-    (r"raise max_memory, free space where offload_dir points", "raise the budgets in --max-memory (disk= too)"),
-    (r"free space where offload_dir points", "raise disk= in --max-memory"),
-    (r"a smaller batch\b", "a smaller --batch"),
-    (r"a shorter prompt in example_inputs", "a shorter prompt (--seq-len)"),
-    (r"(?<![\w.-])max_memory(?!\w)", "--max-memory"),
-    (r"(?<![\w.-])max_length(?!\w)", "--max-length"),
-    (r"(?<![\w.-])example_inputs(?!\w)", "--example-inputs"),
-)
+# The library's errors name the fix in its own arguments; printed here, the message stays the
+# library's word for word and is followed by the flags those arguments are on this command.
+def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``{argument name: flag}`` for each flag of ``parser``'s subcommands, named by the
+    argument it fills (its ``dest``: ``max_memory`` -> ``--max-memory``)."""
+    found: dict[str, str] = {}
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for sub in [p for action in commands for p in action.choices.values()]:
+        for action in sub._actions:
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long and action.dest not in ("help", "verbose", "debug"):
+                found.setdefault(action.dest, long[0])
+    return found
 
 
-def as_flags(message: str) -> str:
-    """``message`` (a library error's) on one line, its fixes spelled as this command's flags:
-    ``raise max_memory ... (dtype=torch.float16 ...)`` -> ``raise --max-memory ... (--dtype float16 ...)``."""
+def with_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` (a library error's) on one line, unchanged, then the flags of the arguments
+    it names: ``... raise max_memory['cpu'] ... (on the command line: max_memory is --max-memory)``."""
     text = " ".join(message.split())
-    for pattern, replacement in _AS_FLAGS:
-        text = re.sub(pattern, replacement, text)
-    return text
+    named = [n for n in flags if re.search(rf"(?<![\w.-]){re.escape(n)}(?!\w)", text)]
+    if not named:
+        return text
+    return f"{text} (on the command line: {', '.join(f'{n} is {flags[n]}' for n in named)})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_plan_args(args)
         return _COMMANDS[args.command](args)
     except AutomapError as exc:
-        print(f"automap: error: {as_flags(str(exc))}", file=sys.stderr)
+        print(f"automap: error: {with_flags(str(exc), flags_of(parser))}", file=sys.stderr)
         return 2 if isinstance(exc, (*_USAGE_ERRORS, CleanPathError)) else 1
     except KeyboardInterrupt:
         print("automap: interrupted", file=sys.stderr)

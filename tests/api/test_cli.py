@@ -180,7 +180,7 @@ def test_max_length_shorter_than_the_prompt_exits_1_with_one_line(capsys):
     code, out, err = _run(capsys, "plan", "hf:gpt2", "--set", "n_layer=2", "--max-memory", "cpu=2GiB",
                           "--seq-len", "64", "--max-length", "32")
     assert code == 1 and err.count("\n") == 1
-    assert "--max-length=32 is not longer than the prompt (64 tokens)" in err and "(--seq-len)" in err
+    assert "max_length=32 is not longer than the prompt (64 tokens)" in err and "max_length is --max-length" in err
 
 
 def test_set_resolves_config_aliases_and_nested_keys():
@@ -318,21 +318,27 @@ def test_output_paths_that_cannot_be_files_are_refused_before_any_work(capsys, t
     assert "folder" in err.err and "does not exist" in err.err and err.out == ""
 
 
-def test_errors_name_the_fix_as_flags(capsys):
+def test_errors_keep_the_librarys_words_and_name_the_flags_of_its_arguments(capsys):
     """The library's errors say ``raise max_memory`` and ``dtype=torch.float16``; printed by the
-    command, the fix is spelled as its flags."""
+    command, the message is the library's, followed by the flag of each argument it names."""
     code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
                           "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert "--max-memory (disk= too)" in err and "--dtype float16" in err and "--max-length" in err, err
-    assert "max_memory" not in err and "dtype=torch" not in err and "offload_dir" not in err, err
+    assert "raise max_memory" in err and "dtype=torch.float16" in err, err
+    assert err.rstrip().endswith(")") and "(on the command line: " in err, err
+    glossary = err[err.rindex("(on the command line: "):]
+    assert "max_memory is --max-memory" in glossary and "dtype is --dtype" in glossary, glossary
 
 
-def test_flag_spelling_leaves_names_that_only_contain_the_words():
-    from automap.cli import as_flags
+def test_the_flags_are_read_from_the_parser_and_only_whole_names_are_matched():
+    from automap.cli import _parser, flags_of, with_flags
 
-    assert as_flags("unit 'model.max_memory' and my_max_length, max_memory={'cpu': '16GiB', ...}") == \
-        "unit 'model.max_memory' and my_max_length, --max-memory cpu=16GiB,..."
+    flags = flags_of(_parser())
+    assert {"max_memory": "--max-memory", "dtype": "--dtype", "max_length": "--max-length",
+            "example_inputs": "--example-inputs"}.items() <= flags.items()
+    message = "unit 'model.max_memory' and my_max_length, max_memory={'cpu': '16GiB', ...}"
+    assert with_flags(message, flags) == message + " (on the command line: max_memory is --max-memory)"
+    assert with_flags("no argument named", flags) == "no argument named"
 
 
 @pytest.mark.parametrize("spec", [
