@@ -41,12 +41,15 @@ DERIVED = ("out_features", "out_indices")
 # linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
 # vision RoPE of LLaVA-OneVision-1.5 needs hidden_size divisible by 4 * num_heads.
 _ONEVISION15 = {"num_heads": 4, "out_hidden_size": 32}
+_TIMM_TINY = {"backbone": "test_resnet", "architecture": "test_resnet"}
 CHANGES: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
     "qwen3_5_text": {"num_hidden_layers": 4},
     "olmo_hybrid": {"num_hidden_layers": 4},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
                          "mamba_n_groups": 1},
+    # a timm backbone: timm's own tiny test architecture instead of a ResNet-50
+    **dict.fromkeys(["ConditionalDetrModel", "DetrModel", "deformable_detr", "timm_wrapper"], _TIMM_TINY),
     **dict.fromkeys(["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision"],
                     _ONEVISION15),
 }
@@ -57,7 +60,6 @@ MAX_TINY_BYTES = 16_000_000
 # Entries of the registry that do not build as a tiny model on a CPU here, and why (found by building
 # each with this transformers; worth trying again when it changes).
 _NO_CLASS = "the registry names a class or model type transformers has no model class for"
-_TIMM = "its backbone needs the timm library, not installed"
 _TOO_BIG = "the tiny sizes do not reach a part of it (over MAX_TINY_BYTES: its own field names)"
 _VALIDATOR = "its config validator rejects the generic tiny sizes (needs a per-family CHANGES entry)"
 _CONSTRUCTOR = "its constructor fails on the generic tiny config"
@@ -65,8 +67,6 @@ NOT_BUILT: dict[str, str] = {
     **dict.fromkeys(["MaskFormerDetrDecoder", "MtpModel", "PPChart2TableModel", "UnlimitedOcrSamVisionEncoder",
                      "UnlimitedOcrVisionEncoder", "xCLIPTextModel", "xCLIPVisionModel", "mlcd_vision", "colqwen2",
                      "dots3_note_audio_encoder", "jev", "pp_doclayout_v2", "step3p5_vision", "tipsv2_dpt"], _NO_CLASS),
-    **dict.fromkeys(["ConditionalDetrForSegmentation", "ConditionalDetrModel", "DetrForSegmentation", "DetrModel",
-                     "deformable_detr", "timm_wrapper"], _TIMM),
     **dict.fromkeys(["MimiEncoderModel", "NemotronH_Omni_Reasoning_V3", "Qwen3OmniMoeThinkerForConditionalGeneration",
                      "Qwen3OmniMoeThinkerModel", "Tipsv2DptForDepthEstimation", "Tipsv2DptForNormalEstimation",
                      "Tipsv2DptForSemanticSegmentation", "VibeVoiceAsrModel", "dinov3_convnext", "hy_v4", "hy_v4_vl",
@@ -80,6 +80,9 @@ NOT_BUILT: dict[str, str] = {
                      "hunyuan_vl", "t5gemma2_encoder"], _CONSTRUCTOR),
     **dict.fromkeys(["Dots3NoteForConditionalGeneration", "Dots3NoteModel", "gemma4_unified"],
                     "its config keeps settings per layer index of the full-size model (per_layer_config)"),
+    **dict.fromkeys(["ConditionalDetrForSegmentation", "DetrForSegmentation"],
+                    "its mask head's pyramid takes the backbone's feature levels (out_indices), which the generic "
+                    "tiny config drops as derived from the full-size backbone"),
     "gemma3n_text": "its layer types cut to 2 layers leave a cache-sharing layer without its source",
     "inkling_mm_model": "building it from the tiny config takes over a minute",
 }
@@ -91,7 +94,8 @@ SAVED_AS_NAMED = {
     "AltCLIPVisionModel", "CLIPSegTextModel", "CLIPSegVisionModel", "CLIPTextModel", "CLIPVisionModel",
     "ChineseCLIPVisionModel", "MetaClip2TextModel", "MetaClip2VisionModel", "Qwen2VLModel", "Qwen2_5OmniThinkerModel",
     "Qwen2_5_VLModel", "Siglip2TextModel", "Siglip2VisionModel", "SiglipTextModel", "SiglipVisionModel",
-    "UltrabertModel", "apertus1p5_text", "emu3", "exaone", "mlcd", "mllama", "qwen3_5_text", "qwen3_vl_moe"}
+    "UltrabertModel", "apertus1p5_text", "emu3", "exaone", "mlcd", "mllama", "qwen3_5_text", "qwen3_vl_moe",
+    "timm_wrapper"}
 
 # Families whose experts run torch._grouped_mm: on a CPU its float32 result depends on where the
 # tensors sit in memory (from_pretrained's mmap-backed weights and the model that was saved differ
