@@ -212,6 +212,11 @@ class MappedSource:
             lost = mapped.lost(size=now[2])
             if lost:
                 raise OffloadError(self.truncated(mapped, now[2], lost))
+            why = mapped.attach()  # after a writer came, the file is read again only under a lease
+            if why:
+                raise OffloadError(f"{self.kind} {mapped.path} changed: another process wrote it while tensors were "
+                                   f"read from it, and automap keeps copies of their bytes in memory until it can "
+                                   f"read the file again, which it cannot now ({why}); {self.fix}")
             self.accept_change(mapped, now)
             mapped.signature = now
 
