@@ -213,3 +213,52 @@ def test_an_empty_mapped_file_needs_no_lease(tmp_path):
     save_file({"e": torch.empty(0)}, tmp_path / "e.safetensors")
     mapped = MappedFile(tmp_path / "e.safetensors")
     assert mapped.tensor("e").numel() == 0 and mapped.detached is None
+
+
+# Random files, random writes in memory, random truncation points, restored with random bytes of
+# the same layout: every tensor always reads what the process saw when the writer came, and once
+# restored, the file again (or, with writes in memory, an error naming the file).
+RANDOM_WRITERS = """
+    import os, random, sys, torch
+    from safetensors.torch import save_file
+    from automap.errors import OffloadError
+    from automap.offload import CheckpointSource
+
+    folder, rng = sys.argv[1], random.Random(int(sys.argv[2]))
+    for case in range(25):
+        shapes = {f"t{i}": [rng.choice([0, 1, 3, 700, 5000])] + [rng.randint(1, 9)] * rng.randint(0, 2)
+                  for i in range(rng.randint(1, 5))}
+        dtype = rng.choice([torch.float32, torch.float16, torch.int8])
+        made = lambda: {k: torch.randint(-100, 100, s).to(dtype) for k, s in shapes.items()}
+        path, other = os.path.join(folder, f"{case}.safetensors"), os.path.join(folder, f"{case}.new")
+        save_file(made(), path)
+        save_file(made(), other)
+        source = CheckpointSource({k: (path, k) for k in shapes})
+        (mapped,) = source.files.values()
+        assert mapped.unleased is None, mapped.unleased
+        written = rng.random() < 0.3 and any(t.numel() for t in map(source.get, shapes))
+        if written:
+            next(t for t in map(source.get, shapes) if t.numel()).fill_(7)
+        seen = {k: source.get(k).clone() for k in shapes}
+        os.truncate(path, rng.randint(0, os.path.getsize(path)))  # this thread waits for the copy
+        assert mapped.detached is not None and all(torch.equal(source.get(k), seen[k]) for k in shapes)
+        with open(path, "r+b") as out:
+            out.write(open(other, "rb").read())
+        # a change the signature is sure to see, whatever the file system's timestamp granularity
+        os.utime(path, ns=(mapped.signature[3] + 10**6, mapped.signature[3] + 10**6))
+        try:
+            source.check_unchanged(list(shapes))
+            assert not written and mapped.detached is None, "accepted with writes in memory"
+            new = CheckpointSource({k: (other, k) for k in shapes})
+            assert all(torch.equal(source.get(k), new.get(k)) for k in shapes), "not the file's new bytes"
+        except OffloadError as exc:
+            assert written and path in str(exc), exc
+            assert all(torch.equal(source.get(k), seen[k]) for k in shapes)
+    print("OK")
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_files_truncated_and_restored_read_what_was_seen_or_the_new_file(tmp_path, seed):
+    result = _run(RANDOM_WRITERS, str(tmp_path), str(seed))
+    assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
