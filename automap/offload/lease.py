@@ -84,7 +84,10 @@ class _Watcher:
         started.set()
         while True:
             signal.sigwaitinfo({self.signal})
-            self.serve()
+            try:
+                self.serve()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one break
+                log.exception("serving a lease break failed")
 
     def serve(self) -> None:
         """Detach every leased file whose lease a writer is breaking, then let the writer go."""
