@@ -4,7 +4,8 @@ read in place, RAM) and how they reach the execution device (transfers).
 from automap.offload.format import (DTYPE_NAMES, DTYPES, Header, TensorInfo, load_json, read_header, read_regular,
                                     write_file)
 from automap.offload.cleanup import CleanResult, clean, store_size
-from automap.offload.mapped import MappedFile, backing_file, open_for_map
+from automap.offload.mapped import MappedFile, open_for_map
+from automap.offload.opening import backing_file
 from automap.offload.reference import CheckpointSource
 from automap.offload.source import HoldingSource, MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,

@@ -1,7 +1,9 @@
 """A safetensors file mapped copy-on-write: one real CPU tensor per entry, zero-copy.
 
 Invariants: a write into a tensor never reaches the file; the open file (not its name) is what is
-mapped and checked, so a truncated file is refused by name before a read could raise SIGBUS.
+mapped and checked, so a truncated file is refused by name before a read could raise SIGBUS; and
+the file is held with a read lease where the kernel grants one, so that another process writing
+or truncating it first waits while the tensors' bytes are copied out of it (:mod:`.lease`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 
 from automap.errors import OffloadError
-from automap.kinds import on_host
+from automap.offload import lease
 from automap.offload.format import Header, TensorInfo, header_of, permutations_of
 from automap.offload.opening import Identity, Signature, open_for_map, reopen, signature
 
@@ -144,6 +146,11 @@ class MappedFile:
         self._exact_lock = threading.Lock()
         self._held: dict[tuple[str, int], tuple[int, int]] = {}  # (key, row) -> its pages held in memory
         self._held_lock = threading.Lock()  # held and released by the experts' worker, read by others
+        self._lease_lock = threading.RLock()  # detaching (the lease thread) and attaching again, one at a time
+        self.detached: int | None = None  # since a writer came: the bytes the user had written in memory
+        self.unleased = lease.take(self) if self._map is not None else None  # why no lease (None: held)
+        if self.unleased:
+            log.info("%s: %s; it is checked before each read only", self.path, self.unleased)
 
     def _hold_file(self, fd: int | None, identity: Identity | None) -> None:
         """The file opened once (or handed over open, as ``fd``, which this object then owns);
@@ -177,7 +184,8 @@ class MappedFile:
         return info.st_dev, info.st_ino
 
     def close(self) -> None:
-        """Close the descriptors (the map stays while tensors view it)."""
+        """Close the descriptors, which ends the lease (the map stays while tensors view it)."""
+        lease.drop(self)
         self._finalizer()
         rows = getattr(self, "_rows_finalizer", None)
         if rows is not None:
@@ -196,6 +204,36 @@ class MappedFile:
         its name changes nothing here: the map still holds the bytes read."""
         now = signature(self.fd)
         return None if now == self.signature else now
+
+    def detach(self) -> None:
+        """A writer came (the lease is breaking): the bytes of every tensor are copied into this
+        process's memory, in place, so that nothing the writer does reaches them (their size in
+        RAM). The checks then see the file's change as before; :meth:`attach` maps it again."""
+        with self._lease_lock:
+            if self.detached is not None or self._map is None:
+                return
+            written = self.written_bytes() or 0
+            copied = lease.detach(self.spans(self._tensors))
+            self.detached = written
+        log.warning("%s is being written by another process while tensors are read from it; automap copied "
+                    "their %.1f MiB into memory (reads of the file would crash once it is cut short), and refuses "
+                    "the file until it reads as before", self.path, copied / 2**20)
+
+    def attach(self) -> str | None:
+        """After :meth:`detach`, map the file again (the lease taken again): None when done (or
+        never detached), else why it cannot be (it is open for writing now; the user wrote to
+        tensors in memory, which mapping the file again would drop)."""
+        with self._lease_lock:
+            if self.detached is None:
+                return None
+            if self.detached:
+                return f"{self.detached} bytes of its tensors were written in memory and would be lost"
+            why = lease.take(self)
+            if why or lease.breaking(self.fd) or self.lost():
+                return why or "another process is writing it"
+            lease.attach(self.spans(self._tensors), self.fd, self.address)
+            self.detached = None
+            return None
 
     def lost(self, keys: Iterable[str] | None = None, size: int | None = None) -> list[str]:
         """The ``keys`` (default: all mapped) whose bytes lie past the file's end now (the
@@ -337,7 +375,7 @@ class MappedFile:
         Returns the bytes released."""
         with self._held_lock:
             span = self._held.pop((key, row), None)
-            if span is not None:
+            if span is not None and self.detached is None:  # a copy of its own now: nothing to give back
                 madvise(span[0], span[1], mmap.MADV_DONTNEED)
         return 0 if span is None else span[1]
 
@@ -369,7 +407,10 @@ class MappedFile:
     def written_bytes(self, keys: Iterable[str] | None = None) -> int | None:
         """Bytes of ``keys`` (default: all mapped) that were written in memory since mapping
         (whole pages), or None where the kernel does not say. Pages :meth:`hold` keeps are
-        private copies too, of the file's own bytes: they are not counted."""
+        private copies too, of the file's own bytes: they are not counted; nor the copies made when
+        a writer came (:meth:`detach`): the figure is the one taken then."""
+        if self.detached is not None:
+            return self.detached
         with self._held_lock:
             held = {p for start, length in self._held.values() for p in _page_range(start, length)}
         pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
@@ -385,6 +426,8 @@ class MappedFile:
             OffloadError: some pages were written in memory; dropping them would lose the writes.
         """
         written = self.written_bytes()
+        if self.detached is not None:
+            return  # no page of the tensors is the file's (a writer came): nothing to drop
         if written:
             raise OffloadError(f"{written} bytes of {self.path} were written in memory (copy-on-write); evicting "
                                "the file's pages would lose them")
@@ -400,28 +443,3 @@ class MappedFile:
             if len(self._map) > at:
                 self._map.madvise(mmap.MADV_DONTNEED, at, len(self._map) - at)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-# Mappings /proc/self/maps names by a path though no file holds their bytes: shared anonymous
-# memory (pinned host memory from the CUDA allocator shows as "/dev/zero (deleted)") and memfds.
-ANONYMOUS_FILES = ("/dev/zero", "/memfd:")
-
-
-def backing_file(tensor: torch.Tensor) -> Path | None:
-    """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
-    they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
-    store or checkpoint file, from one held in RAM."""
-    if not on_host(tensor.device) or tensor.numel() == 0:
-        return None
-    address = tensor.data_ptr()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    path = fields[5].strip() if len(fields) > 5 else ""
-                    return Path(path) if path.startswith("/") and not path.startswith(ANONYMOUS_FILES) else None
-    except OSError:
-        return None
-    return None

@@ -7,8 +7,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
+
+import torch
 
 from automap.errors import FormatError
+from automap.kinds import on_host
 from automap.offload.format import OPEN_FILE_FIXES
 
 Signature = tuple[int, int, int, int]
@@ -63,3 +67,28 @@ def reopen(fd: int) -> tuple[int, bool]:
         os.close(other)
         return os.dup(fd), False
     return other, True
+
+
+# Mappings /proc/self/maps names by a path though no file holds their bytes: shared anonymous
+# memory (pinned host memory from the CUDA allocator shows as "/dev/zero (deleted)") and memfds.
+ANONYMOUS_FILES = ("/dev/zero", "/memfd:")
+
+
+def backing_file(tensor: torch.Tensor) -> Path | None:
+    """The file whose mapping holds ``tensor``'s bytes (from ``/proc/self/maps``), or None when
+    they are anonymous memory (or not on the CPU): how to tell an offloaded weight, a view of a
+    store or checkpoint file, from one held in RAM."""
+    if not on_host(tensor.device) or tensor.numel() == 0:
+        return None
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return Path(path) if path.startswith("/") and not path.startswith(ANONYMOUS_FILES) else None
+    except OSError:
+        return None
+    return None

@@ -212,6 +212,11 @@ class MappedSource:
             lost = mapped.lost(size=now[2])
             if lost:
                 raise OffloadError(self.truncated(mapped, now[2], lost))
+            why = mapped.attach()  # after a writer came, the file is read again only under a lease
+            if why:
+                raise OffloadError(f"{self.kind} {mapped.path} changed: another process wrote it while tensors were "
+                                   f"read from it, and automap keeps copies of their bytes in memory until it can "
+                                   f"read the file again, which it cannot now ({why}); {self.fix}")
             self.accept_change(mapped, now)
             mapped.signature = now
 
@@ -220,9 +225,11 @@ class MappedSource:
         by_key = {key: name for name, (p, key) in self.entries.items() if p == mapped.path}
         names = [by_key.get(k, k) for k in lost]
         listed = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        fate = ("reading them would kill the process (SIGBUS)" if mapped.detached is None else
+                "automap copied them into memory when the writer came, so no read of them raises SIGBUS")
         return (f"{self.kind} {mapped.path} is truncated: {size} bytes in place, its header needs "
-                f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone, and "
-                "reading them would kill the process (SIGBUS): restore it (its former contents: the model then works "
+                f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone from "
+                f"it, and {fate}: restore it (its former contents: the model then works "
                 "again, and automap.undispatch reads them back); if they are lost, drop this model and load or build it "
                 "again")
 
