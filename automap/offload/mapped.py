@@ -11,7 +11,6 @@ import ctypes
 import logging
 import mmap
 import os
-import struct
 import threading
 import warnings
 import weakref
@@ -25,71 +24,17 @@ from automap.errors import OffloadError
 from automap.offload import lease
 from automap.offload.format import Header, TensorInfo, header_of, permutations_of
 from automap.offload.opening import Identity, Signature, open_for_map, reopen, signature
+from automap.offload.pages import (
+    MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, madvise, page_range, private_pages, resident_spans,
+)
 
 log = logging.getLogger(__name__)
-
-PAGE = mmap.PAGESIZE
-# MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
-# compute thread takes no page faults; Python 3.11 lacks the constant.
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-# MADV_POPULATE_WRITE (Linux 5.14+) on a private file map gives each page a private copy of the
-# file's bytes in one call: pages the page cache's reclaim (or a cold start) no longer drops.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-_RESIDENT = bytes(range(1, 256, 2))  # mincore's byte per page: bit 0 set = in memory (the rest reserved)
-
 
 class SpanReader(Protocol):
     """What reads page-aligned ``(address, length)`` spans of the file ``fd`` mapped at ``base``
     in (:class:`~automap.offload.readahead.ReadAhead`)."""
 
     def read(self, spans: Iterable[tuple[int, int]], fd: int, base: int) -> None: ...
-
-
-def madvise(address: int, length: int, advice: int) -> bool:
-    """``madvise`` through ctypes, which releases the GIL for the call: ``mmap.madvise`` keeps
-    it, so a prefetch waiting on the disk would stall the thread running the model."""
-    return _LIBC.madvise(address, length, advice) == 0
-
-
-def _resident(spans: Iterable[tuple[int, int]]) -> bool:
-    """Whether every page of the page-aligned ``(address, length)`` spans is in memory."""
-    for start, length in spans:
-        vector = ctypes.create_string_buffer((length + PAGE - 1) // PAGE)
-        if _LIBC.mincore(start, length, vector) != 0 or vector.raw.translate(None, _RESIDENT):
-            return False
-    return True
-
-
-def _page_range(address: int, length: int) -> range:
-    return range(address // PAGE, (address + length - 1) // PAGE + 1) if length > 0 else range(0)
-
-
-def private_pages(pages: Iterable[int]) -> int | None:
-    """How many of the virtual ``pages`` (page numbers) hold a private copy — written since
-    they were mapped — according to ``/proc/self/pagemap``; None where it cannot be read."""
-    wanted = sorted(set(pages))
-    if not wanted:
-        return 0
-    count = 0
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            start = 0
-            while start < len(wanted):
-                end = start
-                while end + 1 < len(wanted) and wanted[end + 1] == wanted[end] + 1:
-                    end += 1
-                pagemap.seek(wanted[start] * 8)
-                for (entry,) in struct.iter_unpack("<Q", pagemap.read((end - start + 1) * 8)):
-                    present, swapped, file_page = entry >> 63 & 1, entry >> 62 & 1, entry >> 61 & 1
-                    count += bool(swapped or (present and not file_page))
-                start = end + 1
-    except OSError:
-        return None
-    return count
 
 
 class MappedFile:
@@ -303,9 +248,9 @@ class MappedFile:
     def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
         """Read ``spans`` (of :meth:`row_spans` or :meth:`spans`) in without the kernel's
         readahead and map them, but those whose every page is in memory already (``mincore``)."""
-        if spans and not _resident(spans):
+        if spans and not resident_spans(spans):
             # Spans in memory are left out: rows kept in memory (:meth:`hold`) or read before.
-            reader.read([s for s in spans if not _resident([s])], self.rows_fd, self.address)
+            reader.read([s for s in spans if not resident_spans([s])], self.rows_fd, self.address)
 
     def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
@@ -319,7 +264,7 @@ class MappedFile:
         prefetch takes no CPU from the threads computing."""
         keys = list(keys)
         spans = self.spans(keys)
-        if self._mapped_in.issuperset(keys) and _resident(spans):
+        if self._mapped_in.issuperset(keys) and resident_spans(spans):
             return
         if populate and reader is not None:
             reader.read(self._without_held(spans), self.fd, self.address)
@@ -338,7 +283,7 @@ class MappedFile:
         """Whether every page of ``keys`` is in memory now (``mincore``: a byte per page, about
         0.1 ms for 200 MB). Pages the kernel reclaimed since are read again by the next
         :meth:`advise`."""
-        return _resident(self.spans(keys))
+        return resident_spans(self.spans(keys))
 
     def hold(self, key: str, row: int) -> int:
         """Keep the pages of ``row`` of ``key`` (one routed expert's rows) in this process's
@@ -362,7 +307,7 @@ class MappedFile:
         begin = self.address + info.begin + row * (info.nbytes // info.shape[0])
         end = begin + info.nbytes // info.shape[0]
         start, stop = -(-begin // PAGE) * PAGE, end // PAGE * PAGE
-        if stop <= start or private_pages(_page_range(start, stop - start)) != 0:
+        if stop <= start or private_pages(page_range(start, stop - start)) != 0:
             return 0
         if not madvise(start, stop - start, MADV_POPULATE_WRITE):
             return 0
@@ -412,9 +357,9 @@ class MappedFile:
         if self.detached is not None:
             return self.detached
         with self._held_lock:
-            held = {p for start, length in self._held.values() for p in _page_range(start, length)}
+            held = {p for start, length in self._held.values() for p in page_range(start, length)}
         pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
-                 for p in _page_range(start, length) if p not in held]
+                 for p in page_range(start, length) if p not in held]
         count = private_pages(pages)
         return None if count is None else count * PAGE
 

@@ -11,7 +11,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterable, NamedTuple
 
-from automap.offload.mapped import MADV_POPULATE_READ, PAGE, madvise
+from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
 
 log = logging.getLogger(__name__)
 

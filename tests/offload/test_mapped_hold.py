@@ -9,7 +9,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from automap.offload.mapped import PAGE, MappedFile
+from automap.offload.mapped import MappedFile
+from automap.offload.pages import PAGE
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)

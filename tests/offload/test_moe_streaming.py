@@ -17,7 +17,7 @@ from torch import nn
 
 import automap
 from automap.offload import HostCopyOps, StagedTransfer
-from automap.offload.mapped import MADV_POPULATE_READ, PAGE, madvise
+from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
 from automap.offload.readahead import Chunk, ReadAhead
 from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
 from automap.runtime.experts import ExpertReads, ExpertsByCall

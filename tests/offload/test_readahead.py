@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from automap.offload import CheckpointSource
-from automap.offload.mapped import PAGE
+from automap.offload.pages import PAGE
 from automap.offload.readahead import Chunk, ReadAhead, chunked, coalesce
 
 
