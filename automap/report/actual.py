@@ -60,8 +60,9 @@ def placement(model: nn.Module) -> Plan:
 
 def unreadable_note(state: DispatchState, streamed: set[int]) -> str:
     """What the weight source says of the bytes behind the offloaded tensors, when they can no
-    longer be read: a file truncated in place under them (reading one — ``state_dict()``
-    saved, a print, a forward of torch's own — would kill the process with SIGBUS), or a store
+    longer be read: a file truncated in place under them (their bytes copied into memory
+    first where the file was leased; else reading one — ``state_dict()`` saved, a print, a
+    forward of torch's own — would kill the process with SIGBUS), or a store
     file rewritten with other bytes. One ``fstat`` per file; nothing is read."""
     names = [i.name for i in state.streamed.values() if id(i.tensor) in streamed]
     if state.source is None or not names:

@@ -100,7 +100,7 @@ class Guard:
 
     def check_readable(self, module: nn.Module, recurse: bool = True) -> None:
         """Raise OffloadError naming offloaded tensors of ``module`` whose file was truncated
-        under them (reading them would kill the process with SIGBUS), or whose store file was
+        under them (without a lease, reading them would kill the process with SIGBUS), or whose store file was
         rewritten with other bytes."""
         names = list(self.offloaded(module, recurse).values())
         if names and self.state.source is not None:
