@@ -247,6 +247,13 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str, transfer: C
     return model, lambda: state_of(model).source.evict()
 
 
+def setup_automap_direct(root: Path, layers: int, hidden: int, device: str):
+    """automap with its offloaded units read past the page cache (``AUTOMAP_COLD_READS=direct``),
+    as it reads a model whose offloaded bytes do not fit in the page cache."""
+    os.environ["AUTOMAP_COLD_READS"] = "direct"
+    return setup_automap(root, layers, hidden, device)
+
+
 def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     from transformers import LlamaForCausalLM
@@ -264,6 +271,9 @@ def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
 
 
 SETUPS = {"ram": setup_ram, "automap": setup_automap, "accelerate": setup_accelerate}
+# Run beside them with --cold-runs: automap's reads past the page cache (the path it takes when the
+# offloaded bytes do not fit in the page cache), not part of the interleaved warm rounds.
+COLD_SETUPS = {"automap_direct": setup_automap_direct}
 
 
 def preload() -> None:
@@ -312,7 +322,7 @@ def worker(kind: str, root: Path, layers: int, hidden: int, device: str, runs: i
     preload()
     if kind == "timing":
         return interleaved(root, layers, hidden, device, runs)
-    setup = SETUPS[kind]
+    setup = {**SETUPS, **COLD_SETUPS}[kind]
     result = measure(lambda: setup(root, layers, hidden, device), device, runs, cold_runs if kind != "ram" else 0)
     if device == "cuda":
         result["pinned_h2d_bytes_per_second"] = pinned_bandwidth()
@@ -393,7 +403,7 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="main", choices=["main", "timing", *SETUPS])
+    parser.add_argument("role", nargs="?", default="main", choices=["main", "timing", *SETUPS, *COLD_SETUPS])
     parser.add_argument("--root", type=Path, default=Path("/tmp/automap-bench"))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -421,13 +431,17 @@ def main(argv: list[str] | None = None) -> None:
     flags = ["--root", str(args.root), "--layers", str(args.layers), "--hidden", str(args.hidden), "--device",
              args.device, "--runs", str(args.runs), "--cold-runs", str(args.cold_runs), "--threads", str(args.threads)]
     results = {}
-    for kind in ("ram", "automap", "accelerate", "timing"):
+    for kind in ("ram", "automap", "accelerate", "timing", *(COLD_SETUPS if args.cold_runs else ())):
         log.info("running %s in a fresh process", kind)
         results[kind] = run_fresh("benchmarks.offload", kind, *flags)
     summary = summarise(results, plan_path, bandwidth, args.device)
     if bound is not None:
-        summary.update(cold_ratios(results["automap"], results["accelerate"],
-                                   best_disk_bound(args.root, plan_path, bound)))
+        best = best_disk_bound(args.root, plan_path, bound)
+        summary.update(cold_ratios(results["automap"], results["accelerate"], best))
+        direct = cold_ratios(results["automap_direct"], results["accelerate"], best)
+        summary.update({f"{k.replace('automap', 'automap_direct', 1)}": v for k, v in direct.items() if k != "disk_bound"})
+        summary["automap_direct_cold_forward_seconds"] = results["automap_direct"]["cold_forward_median_seconds"]
+        summary["automap_direct_warm_forward_seconds"] = results["automap_direct"]["forward_median_seconds"]
     report = {"summary": {**summary, "threads": args.threads}, "runs": results}
     text = json.dumps(report, indent=1)
     (args.out or args.root / f"offload-{args.device}.json").write_text(text)
@@ -437,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                  summary["automap_cold_vs_disk_bound"], summary["disk_bound"]["bound_seconds"],
                  summary["disk_bound"]["bytes"] / 1e9, summary["disk_bound"]["best_bytes_per_second"] / 1e9,
                  summary["automap_cold_vs_accelerate_cold"] or float("nan"))
+        log.info("cold forward past the page cache (O_DIRECT): %.2f x the disk bound, %.2f x accelerate's cold forward",
+                 summary["automap_direct_cold_vs_disk_bound"], summary["automap_direct_cold_vs_accelerate_cold"] or float("nan"))
 
 
 if __name__ == "__main__":

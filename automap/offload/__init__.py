@@ -9,11 +9,11 @@ from automap.offload.reference import CheckpointSource
 from automap.offload.source import HoldingSource, MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
                                    checksum, read_manifest)
-from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
-                                      Transfer, make_transfer)
+from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, DirectTransfer, HostCopyOps, PageTransfer,
+                                      StagedTransfer, Transfer, make_transfer)
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
-           "CudaOps", "DeviceCopyOps", "DeviceOps",
+           "CudaOps", "DeviceCopyOps", "DeviceOps", "DirectTransfer",
            "Header", "HoldingSource", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer",
            "RamSource", "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
            "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json",
