@@ -9,8 +9,9 @@ from automap.offload.reference import CheckpointSource
 from automap.offload.source import HoldingSource, MappedSource, RamSource, RowSource, SourceSet, SourceStats, WeightSource
 from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, Record, TensorSpec, check_offload_dir,
                                    checksum, read_manifest)
-from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, DirectTransfer, HostCopyOps, PageTransfer,
-                                      StagedTransfer, Transfer, make_transfer)
+from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
+                                      Transfer, make_transfer)
+from automap.offload.direct import DirectTransfer
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
            "CudaOps", "DeviceCopyOps", "DeviceOps", "DirectTransfer",

@@ -21,9 +21,11 @@ from typing import Sequence
 import torch
 
 from automap.errors import OffloadError
+from automap.kinds import attach
 from automap.offload.mapped import MappedFile
 from automap.offload.readahead import coalesce
 from automap.offload.source import MappedSource, SourceSet, WeightSource
+from automap.offload.transfer import PageTransfer, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ class Ring:
 
 class DirectReads:
     """Reads units' tensors past the page cache into :class:`Ring` buffers (``read``), for
-    :class:`~automap.offload.transfer.DirectTransfer`. Built by :func:`direct_reads`."""
+    :class:`DirectTransfer`. Built by :func:`direct_reads`."""
 
     def __init__(self, source: WeightSource, descriptors: dict[Path, int]):
         self.source, self.descriptors = source, descriptors
@@ -337,3 +339,74 @@ def direct_reads(source: WeightSource) -> DirectReads | None:
             return None
         descriptors[path] = fd
     return DirectReads(source, descriptors) if descriptors else None
+
+
+class DirectTransfer(Transfer):
+    """CPU execution past the page cache: each unit's tensors read with ``O_DIRECT`` into a ring
+    buffer (:mod:`automap.offload.direct`), up to two units ahead as the ring has room. The
+    runtime swaps the parameters to them for the unit's forward and back to their homes (the
+    mapped tensors, which ``state_dict()`` sees) after, as for staged copies.
+
+    Example:
+        >>> transfer = DirectTransfer(store, direct_reads(store))
+    """
+
+    swaps = True
+    lookahead = 2
+
+    def __init__(self, source: WeightSource, reads: DirectReads):
+        super().__init__(source)
+        self.reads = reads
+        self._written: set[str] = set()  # units whose tensors were written since their last read
+
+    def _ahead(self, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+        return self.reads.read(names, spare=True)
+
+    def discard(self, key: str) -> None:
+        # The runtime saw the unit's tensors written in place through their parameters (which
+        # hold the homes between forwards): from here on, the homes are what holds their values.
+        with self._state:
+            self._written.add(key)
+        super().discard(key)
+
+    def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        self.source.check_unchanged(names)
+        with self._state:
+            if key in self._written:
+                self._written.discard(key)
+                self.reads.written.update(names)
+        future = self._claim(key)
+        # A read ahead that failed is read again now, which raises its error properly.
+        got = None if future is None or future.exception() is not None else future.result()
+        if got is None or any(n not in got for n in names):
+            got = self.reads.read(names, spare=False)
+        return {n: got[n] for n in names}
+
+    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+        # Routed experts: the rows the routing chose, read through the page cache as the page
+        # path reads them (a few small ranges); their homes are what the runtime swaps in.
+        self._read_rows(names, rows)
+        return {n: self.source.get(n) for n in names}
+
+    def forget_threads(self) -> None:
+        super().forget_threads()
+        self.reads.forget_threads()
+
+    def close(self) -> None:
+        super().close()
+        self.reads.close()
+
+
+def host_transfer(source: WeightSource) -> Transfer:
+    """The CPU's transfer: :class:`DirectTransfer` where :func:`reads_direct` says the offloaded
+    files do not fit in the page cache and their file system has ``O_DIRECT``, else
+    :class:`~automap.offload.transfer.PageTransfer`.
+
+    Raises:
+        OffloadError: ``AUTOMAP_COLD_READS`` holds no setting.
+    """
+    reads = direct_reads(source) if reads_direct(file_bytes(source), page_cache_bytes()) else None
+    return PageTransfer(source) if reads is None else DirectTransfer(source, reads)
+
+
+attach("cpu", transfer=host_transfer)  # the registry in automap.kinds names no module above it

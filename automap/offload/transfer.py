@@ -17,7 +17,6 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from automap.kinds import attach, kind_of, torch_device
-from automap.offload.direct import DirectReads, direct_reads, file_bytes, page_cache_bytes, reads_direct
 from automap.offload.format import dense_order
 from automap.offload.source import RowSource, WeightSource
 
@@ -202,56 +201,6 @@ def read_rows(source: WeightSource, names: Sequence[str], rows: Sequence[int] | 
         source.prefetch_rows(names, rows)
     else:
         source.prefetch(names)
-
-
-class DirectTransfer(Transfer):
-    """CPU execution past the page cache: each unit's tensors read with ``O_DIRECT`` into a ring
-    buffer (:mod:`automap.offload.direct`), up to two units ahead as the ring has room. The
-    runtime swaps the parameters to them for the unit's forward and back to their homes (the
-    mapped tensors, which ``state_dict()`` sees) after, as for staged copies.
-
-    Example:
-        >>> transfer = DirectTransfer(store, direct_reads(store))
-    """
-
-    swaps = True
-    lookahead = 2
-
-    def __init__(self, source: WeightSource, reads: DirectReads):
-        super().__init__(source)
-        self.reads = reads
-        self._written: set[str] = set()  # units whose tensors were written since their last read
-
-    def _ahead(self, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
-        return self.reads.read(names, spare=True)
-
-    def discard(self, key: str) -> None:
-        # The runtime saw the unit's tensors written in place through their parameters (which
-        # hold the homes between forwards): from here on, the homes are what holds their values.
-        with self._state:
-            self._written.add(key)
-        super().discard(key)
-
-    def take(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        self.source.check_unchanged(names)
-        with self._state:
-            if key in self._written:
-                self._written.discard(key)
-                self.reads.written.update(names)
-        future = self._claim(key)
-        # A read ahead that failed is read again now, which raises its error properly.
-        got = None if future is None or future.exception() is not None else future.result()
-        if got is None or any(n not in got for n in names):
-            got = self.reads.read(names, spare=False)
-        return {n: got[n] for n in names}
-
-    def forget_threads(self) -> None:
-        super().forget_threads()
-        self.reads.forget_threads()
-
-    def close(self) -> None:
-        super().close()
-        self.reads.close()
 
 
 class DeviceOps(Protocol):
@@ -464,19 +413,18 @@ class DeviceCopyOps(HostCopyOps):
 def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
     """The transfer for an execution device (a ``torch.device`` or a plan's device name), as
     its kind says: staged copies through the kind's :class:`DeviceOps` for an accelerator; on
-    the CPU, pages where the offloaded files fit in the page cache, reads past it where they do
-    not (:func:`~automap.offload.direct.reads_direct`, ``AUTOMAP_COLD_READS``) and the file
-    system allows it.
+    a kind computing on host memory, the transfer its kind names (the CPU's:
+    :func:`~automap.offload.direct.host_transfer`, pages or reads past the page cache), else pages.
 
     Raises:
         DeviceError: ``device`` is of no registered kind.
         OffloadError: ``AUTOMAP_COLD_READS`` holds no setting.
     """
-    ops = kind_of(device).factory("ops")
+    kind = kind_of(device)
+    ops, host = kind.factory("ops"), kind.factory("transfer")
     if ops is not None:
         return StagedTransfer(source, ops(torch_device(str(device))))
-    reads = direct_reads(source) if reads_direct(file_bytes(source), page_cache_bytes()) else None
-    return PageTransfer(source) if reads is None else DirectTransfer(source, reads)
+    return host(source) if host is not None else PageTransfer(source)
 
 
 # The built-in accelerators' staged copies, attached to their kinds here (the registry in
