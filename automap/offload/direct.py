@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -247,7 +247,9 @@ class DirectReads:
         finally:
             if held is not None:
                 held[1].release()
-        for future in [self._pool.submit(self._request, buffer, r) for r in layout.requests]:
+        futures = [self._pool.submit(self._request, buffer, r) for r in layout.requests]
+        wait(futures)  # every request ended before an error is raised: none writes into a buffer reused since
+        for future in futures:
             future.result()
         for piece in layout.pieces:
             if piece.at % self._entry(piece.name)[0].info(piece.key).torch_dtype.itemsize:
