@@ -38,8 +38,8 @@ ENV = "AUTOMAP_COLD_READS"
 SETTINGS = ("auto", "direct", "mapped")
 
 
-def page_cache_bytes() -> int:
-    """What the page cache can hold now: ``MemAvailable`` of ``/proc/meminfo`` (0 if unknown)."""
+def page_cache_bytes() -> int | None:
+    """What the page cache can hold now: ``MemAvailable`` of ``/proc/meminfo`` (None if unknown)."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -47,14 +47,15 @@ def page_cache_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
 
 
-def reads_direct(file_bytes: int, cache_bytes: int, setting: str | None = None) -> bool:
+def reads_direct(file_bytes: int, cache_bytes: int | None, setting: str | None = None) -> bool:
     """The rule: offloaded units are read past the page cache when their file-backed bytes do
     not fit in it (the mapped path would read every byte from the disk on every forward, and pay
     the kernel's page-cache work for it), through the page cache (zero-copy, warm after the
-    first forward) when they do. ``setting`` (default: ``AUTOMAP_COLD_READS``) overrides it:
+    first forward) when they do, or when the page cache's room is not known (None).
+    ``setting`` (default: ``AUTOMAP_COLD_READS``) overrides it:
     ``direct`` or ``mapped``; ``auto`` is the rule.
 
     Raises:
@@ -65,7 +66,7 @@ def reads_direct(file_bytes: int, cache_bytes: int, setting: str | None = None) 
         raise OffloadError(f"{ENV}={setting!r} is not a setting; give one of {', '.join(SETTINGS)} (or unset it)")
     if setting != "auto":
         return setting == "direct"
-    return file_bytes > cache_bytes
+    return cache_bytes is not None and file_bytes > cache_bytes
 
 
 def file_bytes(source: WeightSource) -> int:
