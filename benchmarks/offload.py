@@ -355,6 +355,9 @@ def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: in
                 samples[kind] += time_forwards(models[kind][0], device, 1, before=models[kind][1])
             if kind == "automap":  # then warm, its pages just read: the compute's own floor
                 warm += time_forwards(models[kind][0], device, 1)
+                # Pages mapped into this process are not dropped by the bound's eviction (nor by
+                # the others'): unmapped here, the bound and the other contenders read cold.
+                models[kind][1]()
     cold = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     bound, floor = statistics.median(bounds), max(statistics.median(bounds), statistics.median(w for w, _ in warm))
     return {"kind": "cold", "rounds": runs, "median_cold_forward_seconds": cold, "bound_seconds": bounds,
