@@ -81,6 +81,7 @@ class DeviceKind:
     torch_device: Factory = None
     ops: Factory = None
     source: Factory = None
+    transfer: Factory = None  # a kind computing on host memory: its transfer from a weight source
 
     @property
     def is_accelerator(self) -> bool:
@@ -120,7 +121,7 @@ class DeviceKind:
 
 
 _REGISTRY: dict[str, DeviceKind] = {}
-FACTORY_FIELDS = frozenset({"detect", "count", "synchronize", "torch_device", "ops", "source"})
+FACTORY_FIELDS = frozenset({"detect", "count", "synchronize", "torch_device", "ops", "source", "transfer"})
 
 
 def register_kind(kind: DeviceKind, *, replace: bool = False) -> DeviceKind:

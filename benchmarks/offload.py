@@ -17,6 +17,11 @@ better of one reader and four in flight, measured before and after the contender
 kept): ``automap_cold_vs_disk_bound`` and ``automap_cold_vs_accelerate_cold``. A fourth process, ``timing``, sets up all three and times their warm forwards
 in interleaved, shuffled rounds: on a machine shared with other work this is the comparison
 that holds (the load hits all three alike); CPU time of the process is reported beside wall time.
+With ``--cold-runs``, two more: ``automap_direct``, automap reading its offloaded units past the
+page cache (``AUTOMAP_COLD_READS=direct``: ``O_DIRECT`` into its own buffers, the path it takes when
+they do not fit in the page cache), and ``cold``, which sets up automap both ways and accelerate
+in one process and times one cold forward of each and the disk's bound in shuffled rounds
+(``interleaved_cold``: ``automap_direct_cold_vs_disk_bound``, ``..._vs_accelerate_cold``).
 
     python -m benchmarks.offload --root /tmp/automap-bench            # CPU execution
     python -m benchmarks.offload --root /tmp/automap-bench --device cuda
@@ -247,6 +252,19 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str, transfer: C
     return model, lambda: state_of(model).source.evict()
 
 
+def setup_automap_direct(root: Path, layers: int, hidden: int, device: str):
+    """automap with its offloaded units read past the page cache (``AUTOMAP_COLD_READS=direct``),
+    as it reads a model whose offloaded bytes do not fit in the page cache."""
+    before = os.environ.get("AUTOMAP_COLD_READS")
+    os.environ["AUTOMAP_COLD_READS"] = "direct"
+    try:
+        return setup_automap(root, layers, hidden, device)
+    finally:
+        os.environ.pop("AUTOMAP_COLD_READS")
+        if before is not None:
+            os.environ["AUTOMAP_COLD_READS"] = before
+
+
 def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     from transformers import LlamaForCausalLM
@@ -264,6 +282,9 @@ def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
 
 
 SETUPS = {"ram": setup_ram, "automap": setup_automap, "accelerate": setup_accelerate}
+# Run beside them with --cold-runs: automap's reads past the page cache (the path it takes when the
+# offloaded bytes do not fit in the page cache), not part of the interleaved warm rounds.
+COLD_SETUPS = {"automap_direct": setup_automap_direct}
 
 
 def preload() -> None:
@@ -308,11 +329,54 @@ def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
             "automap_vs_accelerate_cpu_time": cpu["automap"] / cpu["accelerate"]}
 
 
+def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: int) -> dict:
+    """automap through the page cache, automap past it and accelerate set up in this one process,
+    then in shuffled rounds: each one's offloaded files evicted, one cold forward each, and the
+    disk's bound measured again (:func:`benchmarks.diskbound.disk_bound`): the load of a shared
+    machine hits all of them alike."""
+    import random
+
+    setups = {"automap": setup_automap, "automap_direct": setup_automap_direct, "accelerate": setup_accelerate}
+    models = {kind: setup(root, layers, hidden, device) for kind, setup in setups.items()}
+    os.sync()
+    for model, _ in models.values():
+        time_forwards(model, device, 1)
+    ranges = offloaded_ranges(root, root / f"plan-{device}.json")
+    samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
+    bounds: list[float] = []
+    warm: list[tuple[float, float]] = []
+    for _ in range(runs):
+        order = [*models, "bound"]
+        random.shuffle(order)
+        for kind in order:
+            if kind == "bound":
+                bounds.append(disk_bound(root / CHECKPOINT, ranges)["bound_seconds"])
+            else:
+                samples[kind] += time_forwards(models[kind][0], device, 1, before=models[kind][1])
+            if kind == "automap":  # then warm, its pages just read: the compute's own floor
+                warm += time_forwards(models[kind][0], device, 1)
+                # Pages mapped into this process are not dropped by the bound's eviction (nor by
+                # the others'): unmapped here, the bound and the other contenders read cold.
+                models[kind][1]()
+    cold = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    bound, floor = statistics.median(bounds), max(statistics.median(bounds), statistics.median(w for w, _ in warm))
+    return {"kind": "cold", "rounds": runs, "median_cold_forward_seconds": cold, "bound_seconds": bounds,
+            "median_bound_seconds": bound, "cold_forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
+            "median_cold_forward_cpu_seconds": {k: statistics.median(c for _, c in v) for k, v in samples.items()},
+            "automap_warm_forward_seconds": [w for w, _ in warm],
+            "median_automap_warm_forward_cpu_seconds": statistics.median(c for _, c in warm),
+            **{f"{k}_cold_vs_max_of_bound_and_warm": cold[k] / floor for k in ("automap", "automap_direct")},
+            **{f"{k}_cold_vs_disk_bound": cold[k] / bound for k in ("automap", "automap_direct")},
+            **{f"{k}_cold_vs_accelerate_cold": cold[k] / cold["accelerate"] for k in ("automap", "automap_direct")}}
+
+
 def worker(kind: str, root: Path, layers: int, hidden: int, device: str, runs: int, cold_runs: int) -> dict:
     preload()
     if kind == "timing":
         return interleaved(root, layers, hidden, device, runs)
-    setup = SETUPS[kind]
+    if kind == "cold":
+        return interleaved_cold(root, layers, hidden, device, cold_runs)
+    setup = {**SETUPS, **COLD_SETUPS}[kind]
     result = measure(lambda: setup(root, layers, hidden, device), device, runs, cold_runs if kind != "ram" else 0)
     if device == "cuda":
         result["pinned_h2d_bytes_per_second"] = pinned_bandwidth()
@@ -393,7 +457,7 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="main", choices=["main", "timing", *SETUPS])
+    parser.add_argument("role", nargs="?", default="main", choices=["main", "timing", "cold", *SETUPS, *COLD_SETUPS])
     parser.add_argument("--root", type=Path, default=Path("/tmp/automap-bench"))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -421,13 +485,18 @@ def main(argv: list[str] | None = None) -> None:
     flags = ["--root", str(args.root), "--layers", str(args.layers), "--hidden", str(args.hidden), "--device",
              args.device, "--runs", str(args.runs), "--cold-runs", str(args.cold_runs), "--threads", str(args.threads)]
     results = {}
-    for kind in ("ram", "automap", "accelerate", "timing"):
+    for kind in ("ram", "automap", "accelerate", "timing", *((*COLD_SETUPS, "cold") if args.cold_runs else ())):
         log.info("running %s in a fresh process", kind)
         results[kind] = run_fresh("benchmarks.offload", kind, *flags)
     summary = summarise(results, plan_path, bandwidth, args.device)
     if bound is not None:
-        summary.update(cold_ratios(results["automap"], results["accelerate"],
-                                   best_disk_bound(args.root, plan_path, bound)))
+        best = best_disk_bound(args.root, plan_path, bound)
+        summary.update(cold_ratios(results["automap"], results["accelerate"], best))
+        direct = cold_ratios(results["automap_direct"], results["accelerate"], best)
+        summary.update({f"{k.replace('automap', 'automap_direct', 1)}": v for k, v in direct.items() if k != "disk_bound"})
+        summary["automap_direct_cold_forward_seconds"] = results["automap_direct"]["cold_forward_median_seconds"]
+        summary["automap_direct_warm_forward_seconds"] = results["automap_direct"]["forward_median_seconds"]
+        summary["interleaved_cold"] = {k: v for k, v in results["cold"].items() if k != "kind"}
     report = {"summary": {**summary, "threads": args.threads}, "runs": results}
     text = json.dumps(report, indent=1)
     (args.out or args.root / f"offload-{args.device}.json").write_text(text)
@@ -437,6 +506,12 @@ def main(argv: list[str] | None = None) -> None:
                  summary["automap_cold_vs_disk_bound"], summary["disk_bound"]["bound_seconds"],
                  summary["disk_bound"]["bytes"] / 1e9, summary["disk_bound"]["best_bytes_per_second"] / 1e9,
                  summary["automap_cold_vs_accelerate_cold"] or float("nan"))
+        log.info("cold forward past the page cache (O_DIRECT): %.2f x the disk bound, %.2f x accelerate's cold forward",
+                 summary["automap_direct_cold_vs_disk_bound"], summary["automap_direct_cold_vs_accelerate_cold"] or float("nan"))
+        cold = summary["interleaved_cold"]
+        log.info("interleaved cold rounds: O_DIRECT %.2f x the disk bound, %.2f x accelerate; through the page cache "
+                 "%.2f x, %.2f x", cold["automap_direct_cold_vs_disk_bound"], cold["automap_direct_cold_vs_accelerate_cold"],
+                 cold["automap_cold_vs_disk_bound"], cold["automap_cold_vs_accelerate_cold"])
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ from automap.offload.store import (LOCK, MANIFEST, STORE_PREFIX, OffloadStore, R
                                    checksum, read_manifest)
 from automap.offload.transfer import (CudaOps, DeviceCopyOps, DeviceOps, HostCopyOps, PageTransfer, StagedTransfer,
                                       Transfer, make_transfer)
+from automap.offload.direct import DirectTransfer
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "LOCK", "MANIFEST", "STORE_PREFIX", "CheckpointSource", "CleanResult",
-           "CudaOps", "DeviceCopyOps", "DeviceOps",
+           "CudaOps", "DeviceCopyOps", "DeviceOps", "DirectTransfer",
            "Header", "HoldingSource", "HostCopyOps", "MappedFile", "MappedSource", "OffloadStore", "PageTransfer",
            "RamSource", "Record", "RowSource", "SourceSet", "SourceStats", "StagedTransfer", "TensorInfo", "TensorSpec",
            "Transfer", "WeightSource", "backing_file", "check_offload_dir", "checksum", "clean", "load_json",

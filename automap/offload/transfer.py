@@ -412,14 +412,19 @@ class DeviceCopyOps(HostCopyOps):
 
 def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
     """The transfer for an execution device (a ``torch.device`` or a plan's device name), as
-    its kind says: staged copies through the kind's :class:`DeviceOps` for an accelerator,
-    pages where the weights already are host memory (the CPU).
+    its kind says: staged copies through the kind's :class:`DeviceOps` for an accelerator; on
+    a kind computing on host memory, the transfer its kind names (the CPU's:
+    :func:`~automap.offload.direct.host_transfer`, pages or reads past the page cache), else pages.
 
     Raises:
         DeviceError: ``device`` is of no registered kind.
+        OffloadError: ``AUTOMAP_COLD_READS`` holds no setting.
     """
-    ops = kind_of(device).factory("ops")
-    return StagedTransfer(source, ops(torch_device(str(device)))) if ops is not None else PageTransfer(source)
+    kind = kind_of(device)
+    ops, host = kind.factory("ops"), kind.factory("transfer")
+    if ops is not None:
+        return StagedTransfer(source, ops(torch_device(str(device))))
+    return host(source) if host is not None else PageTransfer(source)
 
 
 # The built-in accelerators' staged copies, attached to their kinds here (the registry in

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import automap
-from automap.offload import HostCopyOps, StagedTransfer
+from automap.offload import DirectTransfer, HostCopyOps, StagedTransfer
+from automap.offload.direct import direct_reads
 from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
 from automap.offload.readahead import Chunk, ReadAhead
 from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
@@ -204,7 +205,8 @@ BUILDERS = {
     "qwen2_moe": lambda: tiny_moe("qwen2_moe", layers=2, hidden=64, experts=8, shared=96),
     "listed": lambda: ListedNet(),
 }
-STAGED = {"pages": None, "staged": lambda source, _: StagedTransfer(source, HostCopyOps())}
+STAGED = {"pages": None, "staged": lambda source, _: StagedTransfer(source, HostCopyOps()),
+          "direct": lambda source, _: DirectTransfer(source, direct_reads(source))}
 
 
 @pytest.mark.parametrize("path", sorted(STAGED))
