@@ -34,7 +34,7 @@ _HOMES = {
     **{name: "automap.errors" for name in (
         "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
         "DispatchError", "FormatError", "MapFormatError", "OffloadDirError", "OffloadError", "PipelineError",
-        "PlanError", "ProfileError", "ReportError", "SizeError", "SpecError")},
+        "PlanError", "ProfileError", "ReportError", "RuntimeBudgetError", "SizeError", "SpecError")},
 }
 
 __all__ = sorted(_HOMES)
@@ -69,7 +69,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from automap.devices import DeviceSpec, detect_devices
     from automap.errors import (AutomapError, CheckpointError, ConversionError, DependencyError, DeviceError,
                                 DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadDirError,
-                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
+                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, RuntimeBudgetError,
+                                SizeError, SpecError)
     from automap.loading import empty_model
     from automap.pipelining import pipeline
     from automap.planning import Plan

@@ -17,10 +17,12 @@ from torch.nn.parameter import UninitializedTensorMixin
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
 from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
 from automap.runtime.swap import install
+from automap.runtime.trim import trim_host_memory
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
 from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
+from automap.loading.peak import load_peak_bytes
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
@@ -253,7 +255,9 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir, batch=batch, max_length=max_length)
-    return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
+    dispatched = dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
+    trim_host_memory()  # what writing the store freed goes back to the system (runtime/trim.py)
+    return dispatched
 
 
 PathLike = str | os.PathLike[str]
@@ -359,6 +363,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
                             batch=batch, max_length=max_length), match)
         check_devices_present(chosen)  # before reading anything
         tasks = plan_tasks(model, chosen, match, dtype)
+        chosen = replace(chosen, load_peak_bytes=load_peak_bytes(tasks))
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
         loaded = materialise(tasks, ckpt, folder, quiet=quiet)  # cleans up what it wrote if it fails
         on_purpose = offloaded_names(model, tasks)
@@ -372,6 +377,8 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             loaded.discard()  # and no store this load created is left on disk
             raise
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
+    del tasks, loaded, undo
+    trim_host_memory()  # what reading and converting freed goes back to the system (runtime/trim.py)
     return model
 
 

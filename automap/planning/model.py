@@ -13,6 +13,7 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
 from automap.planning.experts import ExpertsPlan
+from automap.planning.memory import DeviceMemory, device_memory
 from automap.planning.placement import Placement, placements_of, resolve
 from automap.profiling import Unit
 from automap.profiling.result import Generation
@@ -68,10 +69,12 @@ class DeviceSummary:
     flops_share: float
     stage_seconds: float
     kv_bytes: int = 0  # the generation cache of the units computing there
+    overhead_bytes: int = 0  # the runtime's own memory where it computes (automap.planning.memory)
 
     @property
     def used_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes
+        """The predicted peak: weights, activations, reserve (staging), cache and overhead."""
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes + self.overhead_bytes
 
     @property
     def over_capacity(self) -> bool:
@@ -123,6 +126,13 @@ class Plan:
             disk units there when given no other folder; None when planned without one.
         experts: where each layer's routed experts live apart from their layer and how they
             run per phase (:mod:`automap.planning.experts`); None when layers stay whole.
+        activation_peak_bytes: the most activation bytes alive at once in the forward the plan
+            is for, from the traced forward's liveness (a model in training mode: with what
+            autograd keeps for the backward); 0 when unknown (each unit's own peak stands in).
+            :meth:`memory` reads it.
+        load_peak_bytes: the host RAM :func:`automap.load` predicted it would hold at its most
+            while loading (``automap.loading.peak``: weights in RAM, automap's state, the
+            largest conversion); 0 for a plan no load made.
     """
 
     units: tuple[Unit, ...]
@@ -140,6 +150,8 @@ class Plan:
     choices: tuple[str, ...] = ()
     offload_dir: str | None = None
     experts: ExpertsPlan | None = None
+    activation_peak_bytes: int = 0
+    load_peak_bytes: int = 0
 
     def __repr__(self) -> str:
         """One line a person can read (the dataclass's own repr lists every unit: thousands of
@@ -245,15 +257,24 @@ class Plan:
         """Where units placed on ``device_name`` compute (offloaded ones on the execution device)."""
         return resolve(device_name, self.execution_device).compute
 
+    def memory(self) -> tuple[DeviceMemory, ...]:
+        """Per device, the predicted peak memory of a run and what makes it up: weights, cache,
+        staging, activations, the runtime's overhead (:mod:`automap.planning.memory`)."""
+        return self._memory
+
+    @cached_property
+    def _memory(self) -> tuple[DeviceMemory, ...]:
+        return device_memory(self)
+
     def cuts(self) -> tuple[Cut, ...]:
         """Every boundary where consecutive units compute on different devices."""
         return self._cuts
 
     def summary(self) -> tuple[DeviceSummary, ...]:
         """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
-        streaming of offloaded weights, plus the transfers into it). Activations count on
-        accelerators, those of offloaded units on the execution device, where they run; the
-        generation cache counts where its units compute (offloaded ones' on the execution device)."""
+        streaming of offloaded weights, plus the transfers into it). Activations, the runtime's
+        overhead and the generation cache count where units compute (offloaded ones' on the
+        execution device), the CPU included (:meth:`memory`)."""
         return self._summary
 
     # Cached like execution_device: the report, the JSON and the predicted times each read them.
@@ -274,13 +295,7 @@ class Plan:
         incoming: dict[str, float] = {}
         for cut in self.cuts():
             incoming[cut.dst_device] = incoming.get(cut.dst_device, 0.0) + cut.seconds
-        reserves = dict(self.reserves)
-        peak: dict[str, int] = {}
-        kv: dict[str, int] = {}
-        for unit, where in zip(self.units, self.placement):
-            compute = self.compute_device(where)
-            peak[compute] = max(peak.get(compute, 0), unit.peak_activation_bytes)
-            kv[compute] = kv.get(compute, 0) + unit.kv_bytes
+        memory = {row.device: row for row in self.memory()}
         rows = []
         for device in self.devices:
             units = [u for u, d in zip(self.units, self.placement) if d == device.name]
@@ -290,11 +305,9 @@ class Plan:
             streamed = self.link_seconds(weights, device.name, compute.name) if self.is_offloaded(device.name) else 0.0
             seconds = stage_seconds(flop_seconds(flops, compute.flops_per_second), streamed,
                                     incoming.get(device.name, 0.0) if units else 0.0)
-            # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
-            activations = peak.get(device.name, 0) if device.is_accelerator else 0
-            rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
-                                      reserves.get(device.name, 0), flops, flops / total_flops, seconds,
-                                      kv.get(device.name, 0)))
+            mem = memory[device.name]  # activations and overhead count where the device computes
+            rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, mem.activations, mem.staging,
+                                      flops, flops / total_flops, seconds, mem.cache, mem.overhead))
         return tuple(rows)
 
     def compute_seconds(self) -> dict[str, float]:

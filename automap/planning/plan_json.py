@@ -68,6 +68,9 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         # Absent (None) in JSON written before the plan recorded it.
         offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
         experts=ExpertsPlan.from_dict(data.get("experts")),
+        # 0 in JSON written before they were recorded
+        activation_peak_bytes=_bytes_of("activation_peak_bytes", data.get("activation_peak_bytes", 0)),
+        load_peak_bytes=_bytes_of("load_peak_bytes", data.get("load_peak_bytes", 0)),
     )
     executor = str(data.get("execution_device", ""))
     # Only a chosen executor is a field; the usual one (first GPU used, else CPU) is derived.
@@ -77,6 +80,12 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         raise PlanError(f"plan JSON's execution_device {executor!r} is not a device that computes, such as "
                         "'cpu' or 'cuda:0'")
     return replace(plan, executor=executor)
+
+
+def _bytes_of(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PlanError(f"plan JSON's {key} is {value!r}; it must be a count of bytes (an int >= 0)")
+    return value
 
 
 def _devices_of(entries: Any) -> tuple[DeviceSpec, ...]:

@@ -198,6 +198,9 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
         strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
         routed=routed,
+        forward_peak_bytes=0 if trace.stopped else trace.forward_peak,
+        train_peak_bytes=0 if trace.stopped else trace.train_peak,
+        training=model.training,
     )
 
 

@@ -1,0 +1,42 @@
+"""The load's own peak: what :func:`automap.load` holds in host RAM at its most, predicted from
+its tasks before it reads anything.
+
+While loading, host RAM holds the weights placed in it (read one tensor at a time into their
+final tensors), automap's own state (the traced plan, the skeleton's Python objects, hooks),
+and, for a moment, the tensors one conversion makes: a transformers recipe that merges one
+tensor per expert into one (``MergeModulelist`` then ``Concatenate``) holds the experts it read,
+the stacked halves and the merged result at once, about three times what it builds. Weights
+that stay on disk are read in place (page cache, not the process's memory), or written to the
+store unit by unit through the same conversions. After the load, :mod:`automap.runtime.trim`
+gives what was freed back, so the run starts from the weights and automap's state.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from automap.loading.materialise import Task
+
+MiB = 2**20
+
+# automap's and Python's own state after a load (the plan and its trace's leftovers, the
+# skeleton's objects, hooks): measured 12 MiB above the post-import baseline with every weight
+# on disk (benchmarks/fit.py, Llama and Mixtral cases); also part of the CPU kind's runtime base.
+LOAD_BASE_BYTES = 12 * MiB
+# A merge holds its sources, the stacked pieces and the merged tensor at once (see above).
+MERGE_COPIES = 3
+
+
+def load_peak_bytes(tasks: Iterable[Task]) -> int:
+    """Predicted peak host RAM of loading ``tasks`` (bytes above the process's state before it)."""
+    tasks = list(tasks)
+    resident = sum(t.nbytes for t in tasks if _in_ram(t))
+    transient: dict[int, int] = {}  # per recipe: what its merge holds beyond the resident result
+    for t in tasks:
+        if t.built is not None:
+            copies = MERGE_COPIES - 1 if _in_ram(t) else MERGE_COPIES
+            transient[id(t.built[0])] = transient.get(id(t.built[0]), 0) + copies * t.nbytes
+    return LOAD_BASE_BYTES + resident + max(transient.values(), default=0)
+
+
+def _in_ram(task: Task) -> bool:
+    return task.device is not None and task.device.type == "cpu"

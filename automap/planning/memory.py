@@ -1,0 +1,101 @@
+"""The memory model of a run: what each device of a plan holds at its peak, and what makes it up.
+
+Per device, from the plan's own inputs (nothing is measured here):
+
+- ``weights``: the units whose home is the device (resident there; a tier that only stores
+  units streamed elsewhere holds their weights too, a disk's are not memory).
+- ``cache``: the generation cache of the units that compute there (offloaded ones' where
+  they compute).
+- ``staging``: the room a streamed layout keeps there, the largest streamed unit on the
+  execution device and the pinned staging buffer in CPU RAM, with the user's ``reserve``
+  (:attr:`Plan.reserves`).
+- ``activations``: where the device computes every unit, the liveness peak of the traced
+  forward (:attr:`Plan.activation_peak_bytes`: what is alive at once, inputs, the outputs kept
+  for later such as logits and encoder states, tensors crossing units; a training forward's
+  also what autograd keeps for the backward); where it computes part, the largest peak of
+  those units (each with its inputs); 0 where it computes nothing.
+- ``overhead``: the runtime's own memory where the device computes: a base plus a share of
+  the activation peak, per device kind (``DeviceKind.runtime_base_bytes``, ``runtime_share``:
+  glibc's arenas and the freed blocks it keeps, oneDNN's scratch space on CPU), fitted from
+  ``benchmarks/fit.py``'s measurements.
+
+The planner places against the same figures (:func:`runtime_bytes` reserves activations and
+overhead on the CPU where the CPU alone computes), and the report shows them
+(``Plan.memory()``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from automap.kinds import kind_of
+
+if TYPE_CHECKING:
+    from automap.devices import DeviceSpec
+    from automap.planning.model import Plan
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's predicted peak and its parts, in bytes (see the module docstring)."""
+
+    device: str
+    capacity_bytes: int
+    weights: int
+    cache: int
+    staging: int
+    activations: int
+    overhead: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights + self.cache + self.staging + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        """The peak stays within the budget (a capacity of 0 is unknown, and fits)."""
+        return self.capacity_bytes == 0 or self.peak_bytes <= self.capacity_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "cache": self.cache, "staging": self.staging,
+                "activations": self.activations, "overhead": self.overhead, "peak": self.peak_bytes}
+
+
+def runtime_overhead(device: DeviceSpec | str, activations: int) -> int:
+    """The runtime's own bytes on ``device`` while it computes with ``activations`` at their peak."""
+    kind = kind_of(device)
+    return int(kind.runtime_base_bytes + kind.runtime_share * activations)
+
+
+def runtime_bytes(device: DeviceSpec | str, activations: int) -> int:
+    """What computing on ``device`` needs beside weights and cache: the activation peak and the
+    runtime's overhead."""
+    return activations + runtime_overhead(device, activations)
+
+
+def device_memory(plan: Plan) -> tuple[DeviceMemory, ...]:
+    """Every device of ``plan``, its predicted peak and what makes it up."""
+    computes: dict[str, list[int]] = {}
+    for i, placement in enumerate(plan.placements):
+        computes.setdefault(placement.compute, []).append(i)
+    reserves = dict(plan.reserves)
+    rows = []
+    for device in plan.devices:
+        mine = computes.get(device.name, [])
+        weights = sum(u.weight_bytes for u, d in zip(plan.units, plan.placement) if d == device.name)
+        cache = sum(plan.units[i].kv_bytes for i in mine)
+        activations = _activations(plan, mine)
+        overhead = runtime_overhead(device, activations) if mine else 0
+        rows.append(DeviceMemory(device.name, device.capacity_bytes, weights, cache, reserves.get(device.name, 0),
+                                 activations, overhead))
+    return tuple(rows)
+
+
+def _activations(plan: Plan, computed: list[int]) -> int:
+    """The activation peak of a device computing the units ``computed`` (indices)."""
+    if not computed:
+        return 0
+    largest = max(plan.units[i].peak_activation_bytes for i in computed)
+    if len(computed) == len(plan.units) and plan.activation_peak_bytes:
+        return max(plan.activation_peak_bytes, largest)
+    return largest
