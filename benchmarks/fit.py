@@ -29,6 +29,7 @@ import json
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -298,6 +299,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="6 cases")
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--jobs", type=int, default=2, help="cases run at once (each in its own interpreter)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BUDGET", "ROOT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -310,13 +312,16 @@ def main() -> None:
         return
     cases = [c for c in (QUICK if args.quick else CASES) if args.only in c.name]
     root = Path(tempfile.mkdtemp(prefix="automap-fit-"))
-    rows = []
+    def one(case: Case) -> dict[str, Any]:
+        row = judged(run_fresh("benchmarks.fit", "--worker", case.model, case.mode, case.budget, str(root)))
+        print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+        return row
+
     try:
-        for case in cases:
-            write_model(case.model, root)
-            row = judged(run_fresh("benchmarks.fit", "--worker", case.model, case.mode, case.budget, str(root)))
-            rows.append(row)
-            print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+        for model in dict.fromkeys(c.model for c in cases):
+            write_model(model, root)
+        with ThreadPoolExecutor(args.jobs) as pool:  # each case is a process of its own: its memory apart
+            rows = list(pool.map(one, cases))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(table(rows))

@@ -75,9 +75,9 @@ def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Str
     """
     cuts = all_cut_bytes(profile)
     items = make_items(profile, cuts)
-    runtime = cpu_runtime(profile, devices)
+    runtime = runtime_room(profile, devices, reserve)
     try:
-        check_runtime_fits(profile, devices, reserve, runtime)
+        check_runtime_fits(profile, devices, reserve)
         placing = {**reserve, **{name: reserve.get(name, 0) + nbytes for name, nbytes in runtime.items()}}
         check_items_fit(profile, items, devices, placing)
         ctx = LayoutContext.of(items, devices, strategy, placing)
@@ -96,37 +96,52 @@ def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Str
     return found
 
 
-def cpu_runtime(profile: Profile, devices: Sequence[DeviceSpec]) -> dict[str, int]:
-    """Bytes the CPU keeps beside weights and cache when it computes the whole model (no
-    accelerator in the plan): the forward's activation peak and the runtime's overhead
-    (:mod:`automap.planning.memory`); empty otherwise."""
+def cpu_activations(profile: Profile, devices: Sequence[DeviceSpec]) -> int:
+    """The activation peak the CPU holds when it computes the whole model (no accelerator in the
+    plan); 0 otherwise."""
     if any(d.is_accelerator for d in devices):
+        return 0
+    return max([profile.run_peak_bytes, *(u.peak_activation_bytes for u in profile.units)])
+
+
+def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> dict[str, int]:
+    """Bytes of the CPU's budget kept from weights where it computes the whole model: the
+    forward's activation peak and the runtime's overhead (:mod:`automap.planning.memory`), as
+    much of them as the budget holds (a budget below them keeps no weight in RAM, and the plan
+    says it goes over: ``Plan.memory()``, the report's warnings)."""
+    activations = cpu_activations(profile, devices)
+    if not activations:
         return {}
-    activations = max([profile.run_peak_bytes, *(u.peak_activation_bytes for u in profile.units)])
-    return {d.name: runtime_bytes(d, activations) for d in devices if kind_of(d).is_host}
+    return {d.name: min(runtime_bytes(d, activations), room(d, reserve)) for d in devices if kind_of(d).is_host}
 
 
-def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
-                       runtime: Mapping[str, int]) -> None:
-    """The CPU that computes must hold the forward's activations and overhead, whatever else it holds.
+def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> None:
+    """A CPU budget given for the CPU that computes must hold at least one unit's activations.
+    A budget between that and what the run needs (:func:`runtime_room`) keeps no weight in RAM
+    and the plan says the run goes over it (``Plan.memory()``, the report's warnings); a budget
+    of 0 is accelerate's reading, no weights in RAM, and is not refused either.
 
     Raises:
-        RuntimeBudgetError: the budget is smaller than that, with the numbers.
+        RuntimeBudgetError: a budget smaller than one unit's activations, with the numbers.
     """
+    activations = cpu_activations(profile, devices)
+    one_unit = max((u.peak_activation_bytes for u in profile.units), default=0)
     for device in devices:
-        need = runtime.get(device.name, 0)
-        if need and room(device, reserve) < need:
-            activations = max([profile.run_peak_bytes, *(u.peak_activation_bytes for u in profile.units)])
+        if not activations or not kind_of(device).is_host:
+            continue
+        need = runtime_bytes(device, activations)
+        if 0 < room(device, reserve) < one_unit:
             raise RuntimeBudgetError(
                 f"{device.name} computes {profile.model_name} and needs {format_bytes(need)} while it runs "
                 f"({format_bytes(activations)} of activations at the planned inputs, {profile.example or 'unknown'}, "
                 f"+ {format_bytes(need - activations)} of runtime overhead) before any weight, but its budget is "
                 f"{format_bytes(room(device, reserve))}; raise max_memory[{device.map_value!r}] to at least "
-                f"{format_bytes(need + reserve.get(device.name, 0))}, or plan a smaller batch or sequence")
+                f"{format_bytes(need + reserve.get(device.name, 0))} (it cannot hold even one unit's "
+                f"{format_bytes(one_unit)}), or plan a smaller batch or sequence")
 
 
 def _with_runtime_note(exc: PlanError, runtime: Mapping[str, int]) -> PlanError:
-    if not runtime or isinstance(exc, RuntimeBudgetError):
+    if not any(runtime.values()) or isinstance(exc, RuntimeBudgetError):
         return exc
     kept = ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in runtime.items())
     return PlanError(f"{exc} (the budgets above are what is left after the forward's activations and the runtime's "

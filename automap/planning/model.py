@@ -375,10 +375,11 @@ def unit_label(unit_name: str) -> str:
 
 
 def over_capacity_notes(plan: Plan) -> list[str]:
-    """A warning per device that holds more than its budget."""
+    """A warning per device that holds more than its budget (its units, or the run of the units
+    it computes: their activations and the runtime's overhead)."""
     return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
             f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
-            for row in plan.summary() if row.units and row.over_capacity]
+            for row in plan.summary() if (row.units or row.activation_bytes) and row.over_capacity]
 
 
 def tie_split_notes(plan: Plan) -> list[str]:
