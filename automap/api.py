@@ -377,7 +377,6 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
             loaded.discard()  # and no store this load created is left on disk
             raise
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
-    del tasks, loaded, undo
     trim_host_memory()  # what reading and converting freed goes back to the system (runtime/trim.py)
     return model
 

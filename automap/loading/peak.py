@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from automap.kinds import on_host
 from automap.loading.materialise import Task
 
 MiB = 2**20
@@ -39,4 +40,4 @@ def load_peak_bytes(tasks: Iterable[Task]) -> int:
 
 
 def _in_ram(task: Task) -> bool:
-    return task.device is not None and task.device.type == "cpu"
+    return task.device is not None and on_host(task.device)

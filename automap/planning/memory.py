@@ -26,13 +26,25 @@ overhead on the CPU where the CPU alone computes), and the report shows them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
+from automap.devices import DeviceSpec
 from automap.kinds import kind_of
+from automap.planning.placement import Placement
+from automap.profiling import Unit
 
-if TYPE_CHECKING:
-    from automap.devices import DeviceSpec
-    from automap.planning.model import Plan
+
+class Planned(Protocol):
+    """What the memory model reads of a :class:`~automap.planning.model.Plan`."""
+
+    units: tuple[Unit, ...]
+    devices: tuple[DeviceSpec, ...]
+    placement: tuple[str, ...]
+    reserves: tuple[tuple[str, int], ...]
+    activation_peak_bytes: int
+
+    @property
+    def placements(self) -> Sequence[Placement]: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ def runtime_bytes(device: DeviceSpec | str, activations: int) -> int:
     return activations + runtime_overhead(device, activations)
 
 
-def device_memory(plan: Plan) -> tuple[DeviceMemory, ...]:
+def device_memory(plan: Planned) -> tuple[DeviceMemory, ...]:
     """Every device of ``plan``, its predicted peak and what makes it up."""
     computes: dict[str, list[int]] = {}
     for i, placement in enumerate(plan.placements):
@@ -91,7 +103,7 @@ def device_memory(plan: Plan) -> tuple[DeviceMemory, ...]:
     return tuple(rows)
 
 
-def _activations(plan: Plan, computed: list[int]) -> int:
+def _activations(plan: Planned, computed: list[int]) -> int:
     """The activation peak of a device computing the units ``computed`` (indices)."""
     if not computed:
         return 0
