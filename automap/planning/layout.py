@@ -112,7 +112,9 @@ def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mappi
     activations = cpu_activations(profile, devices)
     if not activations:
         return {}
-    return {d.name: min(runtime_bytes(d, activations), room(d, reserve)) for d in devices if kind_of(d).is_host}
+    transient = min(activations, profile.forward_peak_bytes or activations)
+    return {d.name: min(runtime_bytes(d, activations, transient), room(d, reserve))
+            for d in devices if kind_of(d).is_host}
 
 
 def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> None:
@@ -129,7 +131,7 @@ def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve:
     for device in devices:
         if not activations or not kind_of(device).is_host:
             continue
-        need = runtime_bytes(device, activations)
+        need = runtime_bytes(device, activations, min(activations, profile.forward_peak_bytes or activations))
         if 0 < room(device, reserve) < one_unit:
             raise RuntimeBudgetError(
                 f"{device.name} computes {profile.model_name} and needs {format_bytes(need)} while it runs "
@@ -234,7 +236,8 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
                 tie_groups=profile.tie_groups, cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
                 example=profile.example, generation=profile.generation,
                 reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)),
-                executor=executor, activation_peak_bytes=profile.run_peak_bytes)
+                executor=executor, activation_peak_bytes=profile.run_peak_bytes,
+                inference_peak_bytes=profile.forward_peak_bytes)
     found = list(notes)
     if plan.offloaded_units:
         count = len(plan.offloaded_units)

@@ -9,13 +9,14 @@ Per device, from the plan's own inputs (nothing is measured here):
 - ``staging``: the room a streamed layout keeps there, the largest streamed unit on the
   execution device and the pinned staging buffer in CPU RAM, with the user's ``reserve``
   (:attr:`Plan.reserves`).
-- ``activations``: where the device computes every unit, the liveness peak of the traced
+- ``activations``: where the CPU computes every unit, the liveness peak of the traced
   forward (:attr:`Plan.activation_peak_bytes`: what is alive at once, inputs, the outputs kept
   for later such as logits and encoder states, tensors crossing units; a training forward's
-  also what autograd keeps for the backward); where it computes part, the largest peak of
-  those units (each with its inputs); 0 where it computes nothing.
+  also what autograd keeps for the backward); where it computes part, and on accelerators
+  (whose half of this model awaits measurements on a GPU), the largest peak of those units
+  (each with its inputs); 0 where it computes nothing.
 - ``overhead``: the runtime's own memory where the device computes: a base plus a share of
-  the activation peak, per device kind (``DeviceKind.runtime_base_bytes``, ``runtime_share``:
+  the activation peak of an inference forward (what is freed and allocated again), per device kind (``DeviceKind.runtime_base_bytes``, ``runtime_share``:
   glibc's arenas and the freed blocks it keeps, oneDNN's scratch space on CPU), fitted from
   ``benchmarks/fit.py``'s measurements.
 
@@ -42,6 +43,7 @@ class Planned(Protocol):
     placement: tuple[str, ...]
     reserves: tuple[tuple[str, int], ...]
     activation_peak_bytes: int
+    inference_peak_bytes: int
 
     @property
     def placements(self) -> Sequence[Placement]: ...
@@ -73,16 +75,19 @@ class DeviceMemory:
                 "activations": self.activations, "overhead": self.overhead, "peak": self.peak_bytes}
 
 
-def runtime_overhead(device: DeviceSpec | str, activations: int) -> int:
-    """The runtime's own bytes on ``device`` while it computes with ``activations`` at their peak."""
+def runtime_overhead(device: DeviceSpec | str, activations: int, transient: int | None = None) -> int:
+    """The runtime's own bytes on ``device`` while it computes with ``activations`` at their peak.
+    The allocator's slack grows with what a forward frees and allocates again, ``transient``: the
+    inference forward's peak (a training forward keeps its saved tensors, which are never freed
+    in it); default ``activations``."""
     kind = kind_of(device)
-    return int(kind.runtime_base_bytes + kind.runtime_share * activations)
+    return int(kind.runtime_base_bytes + kind.runtime_share * (activations if transient is None else transient))
 
 
-def runtime_bytes(device: DeviceSpec | str, activations: int) -> int:
+def runtime_bytes(device: DeviceSpec | str, activations: int, transient: int | None = None) -> int:
     """What computing on ``device`` needs beside weights and cache: the activation peak and the
     runtime's overhead."""
-    return activations + runtime_overhead(device, activations)
+    return activations + runtime_overhead(device, activations, transient)
 
 
 def device_memory(plan: Planned) -> tuple[DeviceMemory, ...]:
@@ -96,18 +101,21 @@ def device_memory(plan: Planned) -> tuple[DeviceMemory, ...]:
         mine = computes.get(device.name, [])
         weights = sum(u.weight_bytes for u, d in zip(plan.units, plan.placement) if d == device.name)
         cache = sum(plan.units[i].kv_bytes for i in mine)
-        activations = _activations(plan, mine)
-        overhead = runtime_overhead(device, activations) if mine else 0
+        activations = _activations(plan, device, mine)
+        transient = min(activations, plan.inference_peak_bytes or activations)
+        overhead = runtime_overhead(device, activations, transient) if mine else 0
         rows.append(DeviceMemory(device.name, device.capacity_bytes, weights, cache, reserves.get(device.name, 0),
                                  activations, overhead))
     return tuple(rows)
 
 
-def _activations(plan: Planned, computed: list[int]) -> int:
-    """The activation peak of a device computing the units ``computed`` (indices)."""
+def _activations(plan: Planned, device: DeviceSpec, computed: list[int]) -> int:
+    """The activation peak of ``device`` computing the units ``computed`` (indices). The whole
+    forward's liveness counts on the host; accelerators are still planned with their units'
+    own peaks (the GPU half of the memory model is measured on a GPU, not yet here)."""
     if not computed:
         return 0
     largest = max(plan.units[i].peak_activation_bytes for i in computed)
-    if len(computed) == len(plan.units) and plan.activation_peak_bytes:
+    if len(computed) == len(plan.units) and plan.activation_peak_bytes and kind_of(device).is_host:
         return max(plan.activation_peak_bytes, largest)
     return largest

@@ -130,6 +130,8 @@ class Plan:
             is for, from the traced forward's liveness (a model in training mode: with what
             autograd keeps for the backward); 0 when unknown (each unit's own peak stands in).
             :meth:`memory` reads it.
+        inference_peak_bytes: the same for an inference forward (equal to it unless the model is in
+            training mode); the runtime's overhead grows with it.
         load_peak_bytes: the host RAM :func:`automap.load` predicted it would hold at its most
             while loading (``automap.loading.peak``: weights in RAM, automap's state, the
             largest conversion); 0 for a plan no load made.
@@ -151,6 +153,7 @@ class Plan:
     offload_dir: str | None = None
     experts: ExpertsPlan | None = None
     activation_peak_bytes: int = 0
+    inference_peak_bytes: int = 0
     load_peak_bytes: int = 0
 
     def __repr__(self) -> str:

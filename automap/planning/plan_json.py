@@ -70,6 +70,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         experts=ExpertsPlan.from_dict(data.get("experts")),
         # 0 in JSON written before they were recorded
         activation_peak_bytes=_bytes_of("activation_peak_bytes", data.get("activation_peak_bytes", 0)),
+        inference_peak_bytes=_bytes_of("inference_peak_bytes", data.get("inference_peak_bytes", 0)),
         load_peak_bytes=_bytes_of("load_peak_bytes", data.get("load_peak_bytes", 0)),
     )
     executor = str(data.get("execution_device", ""))

@@ -49,6 +49,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "choices": list(plan.choices),
         "reserves": {name: nbytes for name, nbytes in plan.reserves},
         "activation_peak_bytes": plan.activation_peak_bytes,
+        "inference_peak_bytes": plan.inference_peak_bytes,
         "load_peak_bytes": plan.load_peak_bytes,
         "totals": _totals_dict(plan, facts),
         "report_warnings": list(facts.warnings),
