@@ -102,4 +102,4 @@ def test_the_run_stays_within_the_budget_and_near_the_prediction(tmp_path, kind,
     assert 0 < r["in_ram"] <= share * r["weights"] + 1 * MiB  # the room beside the run holds the share asked
     assert r["measured"] <= r["budget"], r
     for predicted, measured in [(r["predicted"], r["measured"]), (r["load_predicted"], r["load_measured"])]:
-        assert abs(measured - predicted) <= max(0.25 * predicted, 24 * MiB), r
+        assert abs(measured - predicted) <= max(0.25 * predicted, 32 * MiB), r
