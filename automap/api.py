@@ -4,42 +4,37 @@ folder itself). Profile -> plan is wired once, in :mod:`automap.compose`, which 
 line shares; this module checks the arguments and chooses the library's tracing."""
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, overload
+from typing import Any, Iterable, Mapping, overload
 
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
-from automap.runtime import check_devices_present, check_not_dispatched, claimed, dispatch_plan, state_of
+from automap.runtime import check_not_dispatched, claimed, dispatch_plan, state_of
 from automap.runtime.swap import install
 from automap.runtime.trim import trim_host_memory
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.progress import silenced, step
-from automap.sizes import format_bytes
 from automap.loading.matching import matched, set_extra_states
 from automap.loading.materialise import store_bytes
-from automap.loading.peak import load_peak_bytes
+from automap.loading.peak import load_plan
 from automap.offload import check_offload_dir
 from automap.offload.folder import recorded_folder, store_folder
-from automap.loading import (build_from_folder, log_summary, materialise, noted, offloaded_names, open_checkpoint,
-                             plan_tasks, verify_loaded)
+from automap.loading import (build_from_folder, log_summary, materialise, offloaded_names, open_checkpoint,
+                             verify_loaded)
 from automap.compose import library_tracing, plan_strategy, plan_user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
-from automap.planning.model import Origin
 from automap.planning.usermap import expressible
 from automap.profiling import ExampleInputs, Profile
 from automap.profiling.kvcache import check_batch
 from automap.profiling.units import all_named_tensors
 
 DeviceMap = str | Mapping[str, int | str] | Plan
-
-log = logging.getLogger(__name__)
 
 
 def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
@@ -363,7 +358,7 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     # Claimed from here: the tensors installed below are this call's until its dispatch ends.
     with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = matched(model, ckpt, strict, folder_form)
-        chosen, tasks = _load_plan(model, match, dtype, lambda reserve: plan(
+        chosen, tasks = load_plan(model, match, dtype, lambda reserve: plan(
             model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs, dtype=dtype,
             offload_dir=None if offload_dir is None else Path(offload_dir), batch=batch, max_length=max_length,
             reserve=reserve))
@@ -382,28 +377,6 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
     trim_host_memory()  # what reading and converting freed goes back to the system (runtime/trim.py)
     return model
-
-
-def _load_plan(model: nn.Module, match: Any, dtype: torch.dtype | None,
-               planned: Callable[[Reserve], Plan]) -> tuple[Plan, list[Any]]:
-    """The plan of a load and its tasks, with the load's predicted peak (``loading/peak.py``).
-    When the load's conversions (merged experts) would take the CPU over its budget, planned
-    again keeping that much of the budget free, so the load holds it too.
-
-    Raises:
-        DeviceError: a device of the plan is not on this machine (before anything is read).
-    """
-    chosen = noted(planned(None), match)
-    check_devices_present(chosen)  # before reading anything
-    tasks = plan_tasks(model, chosen, match, dtype)
-    budget = next((d.capacity_bytes for d in chosen.devices if d.name == "cpu"), 0)
-    over = load_peak_bytes(tasks) - budget if budget else 0
-    if over > 0 and chosen.origin is Origin.STRATEGY:
-        log.info("the load's conversions need %s more than the CPU's room beside the run: planned again keeping it",
-                 format_bytes(over))
-        chosen = noted(planned({"cpu": over}), match)
-        tasks = plan_tasks(model, chosen, match, dtype)
-    return replace(chosen, load_peak_bytes=load_peak_bytes(tasks)), tasks
 
 
 def _one_of(name: str, value: object, alias: str, aliased: object) -> Any:

@@ -165,7 +165,6 @@ def inputs(model: str, mode: str) -> Any:
 
 
 def worker(case: Case, folder: Path, offload: Path) -> dict[str, Any]:
-    import torch
 
     import automap
     from automap.runtime.state import state_of

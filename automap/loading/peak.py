@@ -12,10 +12,21 @@ gives what was freed back, so the run starts from the weights and automap's stat
 """
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Iterable
 
-from automap.kinds import on_host
-from automap.loading.materialise import Task
+import torch
+from torch import nn
+
+from automap.kinds import kind_of, on_host
+from automap.loading.materialise import Task, noted, plan_tasks
+from automap.planning import Plan
+from automap.planning.model import Origin
+from automap.runtime import check_devices_present
+from automap.sizes import format_bytes
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 
@@ -41,3 +52,25 @@ def load_peak_bytes(tasks: Iterable[Task]) -> int:
 
 def _in_ram(task: Task) -> bool:
     return task.device is not None and on_host(task.device)
+
+
+def load_plan(model: nn.Module, match: Any, dtype: torch.dtype | None,
+              planned: Callable[[Any], Plan]) -> tuple[Plan, list[Task]]:
+    """The plan of a load and its tasks, with the load's predicted peak (:func:`load_peak_bytes`).
+    When the load's conversions (merged experts) would take the CPU over its budget, planned
+    again keeping that much of the budget free, so the load holds it too.
+
+    Raises:
+        DeviceError: a device of the plan is not on this machine (before anything is read).
+    """
+    chosen = noted(planned(None), match)
+    check_devices_present(chosen)  # before reading anything
+    tasks = plan_tasks(model, chosen, match, dtype)
+    host = next((d for d in chosen.devices if kind_of(d).is_host), None)
+    over = load_peak_bytes(tasks) - host.capacity_bytes if host is not None and host.capacity_bytes else 0
+    if over > 0 and chosen.origin is Origin.STRATEGY:
+        log.info("the load's conversions need %s more than the CPU's room beside the run: planned again keeping it",
+                 format_bytes(over))
+        chosen = noted(planned({host.name: over}), match)
+        tasks = plan_tasks(model, chosen, match, dtype)
+    return replace(chosen, load_peak_bytes=load_peak_bytes(tasks)), tasks
