@@ -76,12 +76,22 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
         return getattr(transformers, auto).from_config(config).eval()
 
 
+def beside_the_run(model: torch.nn.Module, nbytes: int, dtype: torch.dtype | None = None) -> int:
+    """A CPU budget that holds ``nbytes`` of weights beside the run of ``model`` on the CPU (its
+    activations at automap's guessed inputs and the runtime's overhead: planning/memory.py)."""
+    import automap
+    from automap.planning.memory import runtime_bytes
+
+    prof = automap.profile(model, dtype=dtype)
+    return nbytes + runtime_bytes("cpu", prof.run_peak_bytes, prof.forward_peak_bytes)
+
+
 def part_on_disk(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
     """A CPU budget of 40 % of ``model``'s bytes (its floating-point tensors counted at ``dtype``
-    when given): the rest goes to disk."""
+    when given) beside the run: the rest goes to disk."""
     size = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
                for t in model.state_dict().values())
-    return {"cpu": int(size * 0.4)}
+    return {"cpu": beside_the_run(model, int(size * 0.4), dtype)}
 
 
 def run_dispatched(model: torch.nn.Module, call):

@@ -3,6 +3,8 @@ promise on real architectures (built on meta), capacities, tie groups, determini
 and errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 
@@ -321,8 +323,8 @@ def test_identical_inputs_give_identical_plans(resnet50_profile, llama_2g_profil
     for prof, devices in ((resnet50_profile, hypothetical(resnet50_profile, 4, 1.3)),
                           (llama_2g_profile, hypothetical(llama_2g_profile, 8, 0.5))):
         plans = [make_plan(prof, devices) for _ in range(3)]
-        rebuilt = Profile(prof.model_name, tuple(Unit(**vars(u)) for u in prof.units), prof.tie_groups,
-                          nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))), prof.example)
+        rebuilt = dataclasses.replace(prof, units=tuple(Unit(**vars(u)) for u in prof.units),
+                                      graph=nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))))
         plans.append(make_plan(rebuilt, devices))
         assert all(p == plans[0] and p.to_json() == plans[0].to_json() for p in plans)
 
