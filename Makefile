@@ -38,8 +38,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m automap demo
 
-# CI runs `make test`. Checks that run before the suite (a linter) go on the line above pytest.
+# CI runs `make test`: the linter (pyproject.toml's [tool.ruff]), then the suite.
 test: $(STAMP)
+	$(PY) -m ruff check --quiet .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -162,7 +162,11 @@ def config_from_fields(data: dict[str, Any], where: str, error: type[AutomapErro
             f"({transformers.__version__}) does not know; a transformers config.json names its family in "
             "'model_type'"
         )
-    return wrapped(lambda: transformers.CONFIG_MAPPING[model_type].from_dict(dict(data)), where, error)
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    # transformers writes floats JSON lacks as {"__float__": "Infinity"} and reads them back so
+    # (Falcon-H1's time_step_limit): decoded by its own method, as from_pretrained does.
+    decode = getattr(config_class, "_decode_special_floats", lambda value: value)
+    return wrapped(lambda: config_class.from_dict(decode(dict(data))), where, error)
 
 
 def wrapped(make: Callable[[], Any], where: str, error: type[AutomapError]) -> Any:
