@@ -76,14 +76,17 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
         return getattr(transformers, auto).from_config(config).eval()
 
 
-def beside_the_run(model: torch.nn.Module, nbytes: int, dtype: torch.dtype | None = None) -> int:
+def beside_the_run(model: torch.nn.Module, nbytes: int, dtype: torch.dtype | None = None,
+                   example_inputs=None) -> int:
     """A CPU budget that holds ``nbytes`` of weights beside the run of ``model`` on the CPU (its
-    activations at automap's guessed inputs and the runtime's overhead: planning/memory.py)."""
-    import automap
+    activations at automap's guessed inputs, or at ``example_inputs``, and the runtime's
+    overhead), by the planner's own figures (planning/layout_plans.py, planning/memory.py)."""
+    from automap.planning.layout_plans import cpu_activations
     from automap.planning.memory import runtime_bytes
 
-    prof = automap.profile(model, dtype=dtype)
-    return nbytes + runtime_bytes("cpu", prof.run_peak_bytes, prof.forward_peak_bytes)
+    prof = automap.profile(model, dtype=dtype, example_inputs=example_inputs)
+    activations = cpu_activations(prof, ())
+    return nbytes + runtime_bytes("cpu", activations, min(activations, prof.forward_peak_bytes or activations))
 
 
 def part_on_disk(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:

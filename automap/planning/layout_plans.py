@@ -106,12 +106,13 @@ def cpu_activations(profile: Profile, devices: Sequence[DeviceSpec]) -> int:
 
 def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> dict[str, int]:
     """Bytes of the CPU's budget kept from weights where it computes the whole model: the
-    forward's activation peak and the runtime's overhead (:mod:`automap.planning.memory`), as
-    much of them as the budget holds (a budget below them keeps no weight in RAM, and the plan
+    forward's activation peak (none known where the forward was not traced) and the runtime's
+    overhead (:mod:`automap.planning.memory`), as much of them as the budget holds (a budget below them keeps no weight in RAM, and the plan
     says it goes over: ``Plan.memory()``, the report's warnings)."""
-    activations = cpu_activations(profile, devices)
-    if not activations:
+    if any(d.is_accelerator for d in devices):
         return {}
+    # An untraced forward has no activation figures, but the runtime's own overhead still counts.
+    activations = cpu_activations(profile, devices)
     transient = min(activations, profile.forward_peak_bytes or activations)
     return {d.name: min(runtime_bytes(d, activations, transient), room(d, reserve))
             for d in devices if kind_of(d).is_host}
