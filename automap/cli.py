@@ -231,6 +231,7 @@ _AS_FLAGS = (
     (r"max_memory=\{'(\w+)': '([^']+)'(, \.\.\.)?\}", lambda m: f"--max-memory {m[1]}={m[2]}" + (",..." if m[3] else "")),
     (r"raise max_memory, free space where offload_dir points", "raise the budgets in --max-memory (disk= too)"),
     (r"free space where offload_dir points", "raise disk= in --max-memory"),
+    (r"(?<![\w.-])max_memory\['?(\w+)'?\]", r"\1= in --max-memory"),
     (r"a smaller batch\b", "a smaller --batch"),
     (r"a shorter prompt in example_inputs", "a shorter prompt (--seq-len)"),
     (r"(?<![\w.-])max_memory(?!\w)", "--max-memory"),

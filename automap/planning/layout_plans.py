@@ -159,8 +159,8 @@ def _less_reserve(option: Option, extra: Mapping[str, int]) -> Option:
 
 
 def _with_kv_note(exc: PlanError, profile: Profile) -> PlanError:
-    if not profile.total_kv_bytes or profile.generation is None:
-        return exc
+    if not profile.total_kv_bytes or profile.generation is None or isinstance(exc, RuntimeBudgetError):
+        return exc  # the run's bytes come before any weight or cache
     g = profile.generation
     return PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
                      f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs less)")

@@ -322,10 +322,16 @@ def test_errors_name_the_fix_as_flags(capsys):
     """The library's errors say ``raise max_memory`` and ``dtype=torch.float16``; printed by the
     command, the fix is spelled as its flags."""
     code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
-                          "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
+                          "--max-memory", "cpu=2GB,disk=10MB", "--max-length", "4096")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "--max-memory (disk= too)" in err and "--dtype float16" in err and "--max-length" in err, err
     assert "max_memory" not in err and "dtype=torch" not in err and "offload_dir" not in err, err
+    # a CPU budget that cannot hold the run (max_memory['cpu'] in the library's words)
+    code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
+                          "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "while it runs" in err and "raise cpu= in --max-memory to at least" in err, err
+    assert "max_memory" not in err and "KV cache" not in err, err
 
 
 def test_flag_spelling_leaves_names_that_only_contain_the_words():
@@ -333,6 +339,8 @@ def test_flag_spelling_leaves_names_that_only_contain_the_words():
 
     assert as_flags("unit 'model.max_memory' and my_max_length, max_memory={'cpu': '16GiB', ...}") == \
         "unit 'model.max_memory' and my_max_length, --max-memory cpu=16GiB,..."
+    assert as_flags("raise max_memory['cpu'] to at least 9 MiB, or max_memory[0]; x.max_memory['cpu']") == \
+        "raise cpu= in --max-memory to at least 9 MiB, or 0= in --max-memory; x.max_memory['cpu']"
 
 
 @pytest.mark.parametrize("spec", [
