@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import automap
-from automap.planning.memory import runtime_bytes
 from automap.errors import CheckpointError, DispatchError, OffloadDirError
 from automap.offload import backing_file
 from automap.planning.placement import Placement, Route
 from conftest import store_dirs
+from tiny_configs import beside_the_run
 
 DATA = Path(__file__).parents[1] / "data"
 OLD_JSON = DATA / "plan_before_offload_dir.json"  # written by main at b0b0985, before "offload_dir"
@@ -174,8 +174,8 @@ def test_placements_of_a_plan_with_gpu_cpu_and_disk_units():
 def test_placements_when_the_cpu_computes():
     model = mlp()
     # The CPU's budget holds the run (activations, overhead) and 200 kB of weights beside it.
-    run = runtime_bytes("cpu", automap.profile(model, inputs()).run_peak_bytes)
-    plan = automap.plan(model, max_memory={"cpu": run + 200_000, "disk": "1GB"}, example_inputs=inputs())
+    budget = {"cpu": beside_the_run(model, 200_000, example_inputs=inputs()), "disk": "1GB"}
+    plan = automap.plan(model, max_memory=budget, example_inputs=inputs())
     assert set(plan.placement) == {"cpu", "disk"} and plan.execution_device == "cpu"
     routes = {p.home: (p.compute, p.route) for p in plan.placements}
     assert routes == {"cpu": ("cpu", Route.RESIDENT), "disk": ("cpu", Route.STREAMED)}  # pages read in place
@@ -196,7 +196,9 @@ def test_load_and_dispatch_follow_the_placements(tmp_path):
     expected = model(*inputs())
     checkpoint = tmp_path / "model.bin"
     torch.save(model.state_dict(), checkpoint)
-    plan = automap.plan(model, max_memory={"cpu": 200_000}, offload_dir=tmp_path / "off", example_inputs=inputs())
+    budget = {"cpu": beside_the_run(model, 200_000, example_inputs=inputs())}
+    plan = automap.plan(model, max_memory=budget, offload_dir=tmp_path / "off", example_inputs=inputs())
+    assert {p.in_store for p in plan.placements} == {True, False}, plan.device_map
     with automap.empty_model():
         skeleton = mlp()
     loaded = automap.load(skeleton, checkpoint, plan, quiet=True)  # the plan's folder: none given here

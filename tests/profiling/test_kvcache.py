@@ -17,11 +17,11 @@ from torch import nn
 import automap
 from automap.errors import PlanError
 from automap.planning.predict import summary
-from automap.planning.memory import runtime_bytes
 from automap.profiling.kvcache import held_tensors
 from automap.report import plan_dict
 from automap.runtime import send
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
+from tiny_configs import beside_the_run
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 BATCH, PROMPT, MAX_LENGTH = 2, 6, 40
@@ -343,7 +343,7 @@ def test_load_plans_for_generation_and_generates_the_same_tokens(tmp_path):
     save_model(real, str(tmp_path / "llama.safetensors"))
     prompt = {"input_ids": ids}
     # 1000 KiB for weights and cache beside the CPU's run (activations, overhead: planning/memory.py)
-    budget = {"cpu": runtime_bytes("cpu", automap.profile(real, prompt).forward_peak_bytes) + 1000 * 1024}
+    budget = {"cpu": beside_the_run(real, 1000 * 1024, example_inputs=prompt)}
     with_kv = automap.plan(real, max_memory=budget, example_inputs=prompt, max_length=64)
     assert with_kv.offloaded_units != automap.plan(real, max_memory=budget, example_inputs=prompt).offloaded_units
     with automap.empty_model():
