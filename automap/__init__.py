@@ -24,7 +24,7 @@ _HOMES = {
     **{name: "automap.errors" for name in (
         "ArgumentError", "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
         "DispatchError", "FormatError", "MapFormatError", "OffloadDirError", "OffloadError", "PipelineError",
-        "PlanError", "ProfileError", "ReportError", "SizeError", "SpecError")},
+        "PlanError", "ProfileError", "ReportError", "RuntimeBudgetError", "SizeError", "SpecError")},
 }
 
 __all__ = sorted(_HOMES)
@@ -66,7 +66,8 @@ if _typing.TYPE_CHECKING:  # what type checkers and editors see: the same names,
     from automap.devices import DeviceSpec, detect_devices
     from automap.errors import (AutomapError, CheckpointError, ConversionError, DependencyError, DeviceError,
                                 DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadDirError,
-                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, SizeError, SpecError)
+                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, RuntimeBudgetError,
+                                SizeError, SpecError)
     from automap.loading import empty_model
     from automap.offload import clean
     from automap.pipelining import pipeline

@@ -15,19 +15,21 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
-from automap.runtime import (check_devices_present, check_not_dispatched, claimed, dispatch_plan, release_orphans,
+from automap.runtime import (check_not_dispatched, claimed, dispatch_plan, release_orphans,
                              state_of)
+from automap.runtime.trim import trim_host_memory
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.interrupts import public
 from automap.progress import silenced, step
 from automap.loading.matching import matched
 from automap.loading.commit import load_and_dispatch
 from automap.loading.materialise import store_bytes
+from automap.loading.peak import load_plan
 from automap.offload import check_offload_dir
 from automap.userfiles import as_path
 from automap.offload.folder import recorded_folder, store_folder
 from automap.loading.pretrained_args import FolderOptions, load_options
-from automap.loading import build_from_folder, log_summary, noted, open_checkpoint, plan_tasks
+from automap.loading import build_from_folder, log_summary, open_checkpoint
 from automap.compose import library_tracing, plan_strategy, plan_user_map, user_map
 from automap.planning import STRATEGIES, Plan, get_strategy
 from automap.planning.usermap import expressible
@@ -270,7 +272,9 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     check_not_dispatched(model)
     chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
                   offload_dir=offload_dir, batch=batch, max_length=max_length)
-    return dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
+    dispatched = dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
+    trim_host_memory()  # what writing the store freed goes back to the system (runtime/trim.py)
+    return dispatched
 
 
 PathLike = str | os.PathLike[str]
@@ -383,14 +387,14 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     # Claimed from here: the tensors installed below are this call's until its dispatch ends.
     with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = matched(model, ckpt, strict, folder_form)
-        chosen = noted(plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                            dtype=dtype, offload_dir=None if offload_dir is None else Path(offload_dir),
-                            batch=batch, max_length=max_length), match)
-        check_devices_present(chosen)  # before reading anything
-        tasks = plan_tasks(model, chosen, match, dtype)
+        chosen, tasks = load_plan(model, match, dtype, lambda reserve: plan(
+            model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs, dtype=dtype,
+            offload_dir=None if offload_dir is None else Path(offload_dir), batch=batch, max_length=max_length,
+            reserve=reserve))
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
         loaded = load_and_dispatch(model, chosen, tasks, ckpt, folder, match, quiet)
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
+    trim_host_memory()  # what reading and converting freed goes back to the system (runtime/trim.py)
     return model
 
 

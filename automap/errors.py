@@ -29,6 +29,11 @@ class PlanError(AutomapError):
     """No valid placement exists, or a strategy name is unknown."""
 
 
+class RuntimeBudgetError(PlanError):
+    """A device that computes cannot hold the forward's activations and the runtime's overhead
+    within its budget, even with every weight elsewhere (the message has the numbers)."""
+
+
 class DeviceMapError(PlanError):
     """A user-given device map names unknown modules or leaves tensors without a device."""
 

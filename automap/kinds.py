@@ -57,6 +57,10 @@ class DeviceKind:
         source: ``(tensors, groups, offload_dir, execution) -> WeightSource`` for a storage
             tier: holds the tensors ``groups`` names (tensor name -> unit name) for the
             execution device named ``execution``.
+        runtime_base_bytes, runtime_share: the runtime's own memory where the kind computes,
+            beyond weights, cache and activations: ``runtime_base_bytes + runtime_share x`` the
+            activation peak (the allocator's slack and the kernels' scratch space; measured by
+            ``benchmarks/fit.py``, see :mod:`automap.planning.memory`).
     """
 
     name: str
@@ -82,6 +86,8 @@ class DeviceKind:
     ops: Factory = None
     source: Factory = None
     transfer: Factory = None  # a kind computing on host memory: its transfer from a weight source
+    runtime_base_bytes: int = 0
+    runtime_share: float = 0.0
 
     @property
     def is_accelerator(self) -> bool:
@@ -311,6 +317,12 @@ def available_ram_bytes() -> int:
 
 
 _ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False, overlaps=True)
+# The CPU's runtime overhead where it computes (benchmarks/fit.py, notes/fit.md): 12 MiB of
+# automap's and Python's own state after a load or dispatch (the plan, the skeleton's objects,
+# hooks) and 10 MiB that oneDNN/MKL allocate at their first matmul; glibc keeps freed
+# activation blocks in its arenas (its mmap threshold rises to the largest block freed), about
+# 0.9 times the activation peak more at the run's peak (0.5-1.4 measured).
+_CPU_RUNTIME = dict(runtime_base_bytes=22 * 2**20, runtime_share=0.9)
 register_kind(DeviceKind("cuda", 0, **_ACCELERATOR, async_copies=True, flops_per_second=100e12,
                          link_bytes_per_second=25e9, memory_bytes_per_second=2e12, indexed=True,
                          integer_keys=True, detect=_detect_cuda, count=_cuda_count, synchronize=_sync_cuda,
@@ -322,7 +334,8 @@ register_kind(DeviceKind("mps", 2, **_ACCELERATOR, async_copies=False, flops_per
                          link_bytes_per_second=50e9, memory_bytes_per_second=2e11, index_alias=True,
                          detect=_detect_mps, count=_mps_count, synchronize=_sync_mps, torch_module="mps"))
 register_kind(DeviceKind("cpu", 3, computes=True, is_storage=True, host_addressable=True, async_copies=False,
-                         flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10))
+                         flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10,
+                         **_CPU_RUNTIME))
 register_kind(DeviceKind("disk", 4, computes=False, is_storage=True, host_addressable=True, async_copies=False,
                          flops_per_second=0.0, link_bytes_per_second=2e9, memory_bytes_per_second=2e9,
                          staged_via_host=True))

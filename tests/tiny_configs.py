@@ -76,12 +76,38 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
         return getattr(transformers, auto).from_config(config).eval()
 
 
-def part_on_disk(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
+def beside_the_run(model: torch.nn.Module | automap.Profile, nbytes: int, dtype: torch.dtype | None = None,
+                   example_inputs=None) -> int:
+    """A CPU budget that holds ``nbytes`` of weights beside the run of ``model`` on the CPU (its
+    activations at automap's guessed inputs, or at ``example_inputs``, or those of ``model``'s
+    profile, and the runtime's overhead), by the planner's own figures (planning/layout_plans.py,
+    planning/memory.py)."""
+    from automap.planning.layout_plans import cpu_activations
+    from automap.planning.memory import runtime_bytes
+
+    prof = model if isinstance(model, automap.Profile) else automap.profile(model, dtype=dtype,
+                                                                            example_inputs=example_inputs)
+    activations = cpu_activations(prof, ())
+    return nbytes + runtime_bytes("cpu", activations, min(activations, prof.forward_peak_bytes or activations))
+
+
+def part_on_disk(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                 example_inputs=None) -> dict[str, int]:
     """A CPU budget of 40 % of ``model``'s bytes (its floating-point tensors counted at ``dtype``
-    when given): the rest goes to disk."""
+    when given) beside the run (at ``example_inputs`` when given): the rest goes to disk."""
+    return {"cpu": beside_the_run(model, _two_fifths(model, dtype), dtype, example_inputs)}
+
+
+def accelerates_part_on_disk(model: torch.nn.Module) -> dict[str, int]:
+    """The budget of :func:`part_on_disk` for accelerate's own planner, which counts weights
+    only: 40 % of ``model``'s bytes."""
+    return {"cpu": _two_fifths(model)}
+
+
+def _two_fifths(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     size = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
                for t in model.state_dict().values())
-    return {"cpu": int(size * 0.4)}
+    return int(size * 0.4)
 
 
 def run_dispatched(model: torch.nn.Module, call):

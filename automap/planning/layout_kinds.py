@@ -11,7 +11,8 @@ from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import grouped, sub_chain
 from automap.planning.layout_registry import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
-                                      LayoutContext, LayoutKind, Option, register_layout)
+                                              LayoutContext, LayoutKind, Option, register_layout, room)
+from automap.planning.memory import runtime_bytes
 from automap.planning.offloading import (MAX_OFFLOADED_HEAD, Offload, choose_offload, offload_seconds, store,
                                          store_staged)
 from automap.planning.packing import pack_out_of_order
@@ -179,6 +180,17 @@ class CpuComputes(LayoutKind):
         return ctx.accelerated and ctx.total_fits and ctx.host_stores
 
     def build(self, ctx: LayoutContext) -> list[Layout]:
+        # The CPU's budget keeps room for the run of the units it computes (any of them: the
+        # largest activations, and the runtime's overhead), which shows as its activations and
+        # overhead (Plan.memory), not as a reserve.
+        extra = {d.name: min(runtime_bytes(d, max(ctx.items.chain.activation, default=0)), room(d, ctx.reserve))
+                 for d in ctx.storage if kind_of(d).is_host}
+        inner = ctx.with_reserve({**ctx.reserve, **{n: ctx.reserve.get(n, 0) + b for n, b in extra.items()}})
+        return [replace(layout, reserves={n: b - extra.get(n, 0) for n, b in layout.reserves.items()
+                                          if b - extra.get(n, 0)})
+                for layout in self._layouts(inner)]
+
+    def _layouts(self, ctx: LayoutContext) -> list[Layout]:
         run = cpu_computes_run(ctx)
         if run is None or not is_host_name(run.executor):
             return [run] if run is not None else []

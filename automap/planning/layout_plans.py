@@ -12,11 +12,12 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from automap.devices import DeviceSpec
-from automap.errors import PlanError
+from automap.errors import PlanError, RuntimeBudgetError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import Items, all_cut_bytes, make_items
 from automap.planning.layout_kinds import layout_options
 from automap.planning.layout_registry import Layout, LayoutContext, Option, room
+from automap.planning.memory import runtime_bytes
 from automap.planning.model import Origin, Plan, PlanInputs, Provenance, unit_label
 from automap.planning.strategies import Strategy
 from automap.profiling import Profile
@@ -74,14 +75,19 @@ def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Str
     """
     cuts = all_cut_bytes(profile)
     items = make_items(profile, cuts)
+    runtime = runtime_room(profile, devices, reserve)
     try:
-        check_items_fit(profile, items, devices, reserve)
-        ctx = LayoutContext.of(items, devices, strategy, reserve)
+        check_runtime_fits(profile, devices, reserve)
+        placing = {**reserve, **{name: reserve.get(name, 0) + nbytes for name, nbytes in runtime.items()}}
+        check_items_fit(profile, items, devices, placing)
+        ctx = LayoutContext.of(items, devices, strategy, placing)
         options = layout_options(ctx)
         if profile.total_kv_bytes:
             options = offloaded_kv_options(profile, ctx, options)
     except PlanError as exc:
-        raise _with_kv_note(exc, profile) from exc
+        raise _with_runtime_note(_with_kv_note(exc, profile), runtime) from exc
+    # The runtime's room shows as the device's activations and overhead (Plan.memory), not as a reserve.
+    options = [_less_reserve(option, runtime) for option in options]
     found = []
     for option in options:
         plan = build_plan(profile, devices, _unit_devices(items, option.layout, len(profile.units)), strategy.name,
@@ -90,9 +96,71 @@ def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Str
     return found
 
 
-def _with_kv_note(exc: PlanError, profile: Profile) -> PlanError:
-    if not profile.total_kv_bytes or profile.generation is None:
+def cpu_activations(profile: Profile, devices: Sequence[DeviceSpec]) -> int:
+    """The activation peak the CPU holds when it computes the whole model (no accelerator in the
+    plan); 0 otherwise."""
+    if any(d.is_accelerator for d in devices):
+        return 0
+    return max([profile.run_peak_bytes, *(u.peak_activation_bytes for u in profile.units)])
+
+
+def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> dict[str, int]:
+    """Bytes of the CPU's budget kept from weights where it computes the whole model: the
+    forward's activation peak (none known where the forward was not traced) and the runtime's
+    overhead (:mod:`automap.planning.memory`), as much of them as the budget holds (a budget below them keeps no weight in RAM, and the plan
+    says it goes over: ``Plan.memory()``, the report's warnings)."""
+    if any(d.is_accelerator for d in devices):
+        return {}
+    # An untraced forward has no activation figures, but the runtime's own overhead still counts.
+    activations = cpu_activations(profile, devices)
+    transient = min(activations, profile.forward_peak_bytes or activations)
+    return {d.name: min(runtime_bytes(d, activations, transient), room(d, reserve))
+            for d in devices if kind_of(d).is_host}
+
+
+def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> None:
+    """A CPU budget given for the CPU that computes must hold at least one unit's activations.
+    A budget between that and what the run needs (:func:`runtime_room`) keeps no weight in RAM
+    and the plan says the run goes over it (``Plan.memory()``, the report's warnings); a budget
+    of 0 is accelerate's reading, no weights in RAM, and is not refused either.
+
+    Raises:
+        RuntimeBudgetError: a budget smaller than one unit's activations, with the numbers.
+    """
+    activations = cpu_activations(profile, devices)
+    one_unit = max((u.peak_activation_bytes for u in profile.units), default=0)
+    for device in devices:
+        if not activations or not kind_of(device).is_host:
+            continue
+        need = runtime_bytes(device, activations, min(activations, profile.forward_peak_bytes or activations))
+        if 0 < room(device, reserve) < one_unit:
+            raise RuntimeBudgetError(
+                f"{device.name} computes {profile.model_name} and needs {format_bytes(need)} while it runs "
+                f"({format_bytes(activations)} of activations at the planned inputs, {profile.example or 'unknown'}, "
+                f"+ {format_bytes(need - activations)} of runtime overhead) before any weight, but its budget is "
+                f"{format_bytes(room(device, reserve))}; raise max_memory[{device.map_value!r}] to at least "
+                f"{format_bytes(need + reserve.get(device.name, 0))} (it cannot hold even one unit's "
+                f"{format_bytes(one_unit)}), or plan a smaller batch or sequence")
+
+
+def _with_runtime_note(exc: PlanError, runtime: Mapping[str, int]) -> PlanError:
+    if not any(runtime.values()) or isinstance(exc, RuntimeBudgetError):
         return exc
+    kept = ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in runtime.items())
+    return PlanError(f"{exc} (the budgets above are what is left after the forward's activations and the runtime's "
+                     f"overhead where the CPU computes: {kept})")
+
+
+def _less_reserve(option: Option, extra: Mapping[str, int]) -> Option:
+    if not extra:
+        return option
+    reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in option.layout.reserves.items()}
+    return replace(option, layout=replace(option.layout, reserves={k: v for k, v in reserves.items() if v > 0}))
+
+
+def _with_kv_note(exc: PlanError, profile: Profile) -> PlanError:
+    if not profile.total_kv_bytes or profile.generation is None or isinstance(exc, RuntimeBudgetError):
+        return exc  # the run's bytes come before any weight or cache
     g = profile.generation
     return PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
                      f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs less)")
@@ -169,7 +237,9 @@ def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Seq
                         cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
                         example=profile.example, generation=profile.generation,
                         reserves=tuple((d.name, int(reserves[d.name])) for d in devices
-                                       if reserves.get(d.name)))
+                                       if reserves.get(d.name)),
+                        activation_peak_bytes=profile.run_peak_bytes,
+                        inference_peak_bytes=profile.forward_peak_bytes)
     plan = Plan(units=profile.units, devices=devices, placement=tuple(placement),
                 provenance=Provenance(strategy, origin), inputs=inputs, executor=executor)
     found = list(notes)

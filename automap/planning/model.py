@@ -82,10 +82,12 @@ class DeviceSummary:
     flops_share: float
     stage_seconds: float
     kv_bytes: int = 0  # the generation cache of the units computing there
+    overhead_bytes: int = 0  # the runtime's own memory where it computes (automap.planning.memory)
 
     @property
     def used_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes
+        """The predicted peak: weights, activations, reserve (staging), cache and overhead."""
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes + self.overhead_bytes
 
     @property
     def over_capacity(self) -> bool:
@@ -147,6 +149,15 @@ class PlanInputs:
         offload_dir: the folder the plan was sized for: the disk budget is the free space
             there (unless ``max_memory`` set it), and dispatch and load write the store of its
             disk units there when given no other folder; None when planned without one.
+        activation_peak_bytes: the most activation bytes alive at once in the forward the plan
+            is for, from the traced forward's liveness (a model in training mode: with what
+            autograd keeps for the backward); 0 when unknown (each unit's own peak stands in).
+            :func:`automap.planning.predict.memory` reads it.
+        inference_peak_bytes: the same for an inference forward (equal to it unless the model is in
+            training mode); the runtime's overhead grows with it.
+        load_peak_bytes: the host RAM :func:`automap.load` predicted it would hold at its most
+            while loading (``automap.loading.peak``: weights in RAM, automap's state, the
+            largest conversion); 0 for a plan no load made.
     """
 
     tie_groups: tuple[tuple[str, ...], ...] = ()
@@ -155,6 +166,9 @@ class PlanInputs:
     reserves: tuple[tuple[str, int], ...] = ()
     generation: Generation | None = None
     offload_dir: str | None = None
+    activation_peak_bytes: int = 0
+    inference_peak_bytes: int = 0
+    load_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,7 +182,8 @@ class Plan:
         devices: the devices the plan could use, fastest tier first.
         placement: the device name of each unit (aligned with ``units``).
         provenance: the strategy or origin that gave it, its warnings and choices.
-        inputs: the ties, cuts, reserves, generation and folder it was sized for.
+        inputs: the ties, cuts, reserves, generation, activation and load peaks and the folder it
+            was sized for.
         executor: the execution device when the planner chose it (``"cpu"`` while GPUs
             keep some units: the CPU computes the units placed on it and streams those on
             disk); ``""``: the first accelerator used, else the CPU.
@@ -239,6 +254,18 @@ class Plan:
     @property
     def offload_dir(self) -> str | None:
         return self.inputs.offload_dir
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.inputs.activation_peak_bytes
+
+    @property
+    def inference_peak_bytes(self) -> int:
+        return self.inputs.inference_peak_bytes
+
+    @property
+    def load_peak_bytes(self) -> int:
+        return self.inputs.load_peak_bytes
 
     # -------------------------------------------------------------- lookups
 

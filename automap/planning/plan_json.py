@@ -79,6 +79,10 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
             generation=_generation_of(data.get("generation")),
             # Absent (None) in JSON written before the plan recorded it.
             offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
+            # 0 in JSON written before they were recorded
+            activation_peak_bytes=_bytes_of("activation_peak_bytes", data.get("activation_peak_bytes", 0)),
+            inference_peak_bytes=_bytes_of("inference_peak_bytes", data.get("inference_peak_bytes", 0)),
+            load_peak_bytes=_bytes_of("load_peak_bytes", data.get("load_peak_bytes", 0)),
         ),
         experts=ExpertsPlan.from_dict(data.get("experts")),
     )
@@ -97,6 +101,8 @@ def _number(value: Any, field: str, maximum: float, integral: bool = False) -> f
     (:func:`~automap.sizes.parse_number`): finite, >= 0, at most ``maximum``."""
     return parse_number(value, f"plan JSON's {field}", integral=integral, maximum=maximum, error=PlanError,
                         hint=_REWRITE)
+def _bytes_of(key: str, value: Any) -> int:
+    return int(_number(value, key, MAX_BYTES, integral=True))
 
 
 def _devices_of(entries: Any) -> tuple[DeviceSpec, ...]:

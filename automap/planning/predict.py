@@ -10,6 +10,7 @@ import weakref
 from typing import Any, Callable, TypeVar
 
 from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
+from automap.planning.memory import DeviceMemory, device_memory
 from automap.planning.model import Cut, DeviceSummary, Plan
 from automap.profiling.units import longest_prefix
 from automap.sizes import format_bytes, format_seconds
@@ -54,11 +55,17 @@ def _cuts(plan: Plan) -> tuple[Cut, ...]:
     return tuple(result)
 
 
+def memory(plan: Plan) -> tuple[DeviceMemory, ...]:
+    """Per device, the predicted peak memory of a run and what makes it up: weights, cache,
+    staging, activations, the runtime's overhead (:mod:`automap.planning.memory`)."""
+    return _once(plan, "memory", device_memory)
+
+
 def summary(plan: Plan) -> tuple[DeviceSummary, ...]:
     """Per device: units, bytes, FLOPs share and predicted stage time (compute there, plus
-    streaming of offloaded weights, plus the transfers into it). Activations count on
-    accelerators, those of offloaded units on the execution device, where they run; the
-    generation cache counts where its units compute (offloaded ones' on the execution device)."""
+    streaming of offloaded weights, plus the transfers into it). Activations, the runtime's
+    overhead and the generation cache count where units compute (offloaded ones' on the
+    execution device), the CPU included (:func:`memory`)."""
     return _once(plan, "summary", _summary)
 
 
@@ -67,13 +74,8 @@ def _summary(plan: Plan) -> tuple[DeviceSummary, ...]:
     incoming: dict[str, float] = {}
     for cut in cuts(plan):
         incoming[cut.dst_device] = incoming.get(cut.dst_device, 0.0) + cut.seconds
-    reserves = dict(plan.reserves)
     table = plan.placements
-    peak: dict[str, int] = {}
-    kv: dict[str, int] = {}
-    for unit, placed in zip(plan.units, table):
-        peak[placed.compute] = max(peak.get(placed.compute, 0), unit.peak_activation_bytes)
-        kv[placed.compute] = kv.get(placed.compute, 0) + unit.kv_bytes
+    held = {row.device: row for row in memory(plan)}
     rows = []
     for device in plan.devices:
         units = [u for u, d in zip(plan.units, plan.placement) if d == device.name]
@@ -84,11 +86,9 @@ def _summary(plan: Plan) -> tuple[DeviceSummary, ...]:
         streamed = link_seconds(plan, weights, device.name, compute.name) if placed.offloaded else 0.0
         seconds = stage_seconds(flop_seconds(flops, compute.flops_per_second), streamed,
                                 incoming.get(device.name, 0.0) if units else 0.0)
-        # Activations are reserved on accelerators; a CPU budget bounds weights (accelerate's reading).
-        activations = peak.get(device.name, 0) if device.is_accelerator else 0
-        rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, activations,
-                                  reserves.get(device.name, 0), flops, flops / total_flops, seconds,
-                                  kv.get(device.name, 0)))
+        mem = held[device.name]  # activations and overhead count where the device computes
+        rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, mem.activations, mem.staging,
+                                  flops, flops / total_flops, seconds, mem.cache, mem.overhead))
     return tuple(rows)
 
 
@@ -130,10 +130,11 @@ def forward_seconds(plan: Plan) -> float:
 
 
 def over_capacity_notes(plan: Plan) -> list[str]:
-    """A warning per device that holds more than its budget."""
+    """A warning per device that holds more than its budget (its units, or the run of the units
+    it computes: their activations and the runtime's overhead)."""
     return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
             f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
-            for row in summary(plan) if row.units and row.over_capacity]
+            for row in summary(plan) if (row.units or row.activation_bytes) and row.over_capacity]
 
 
 def tie_split_notes(plan: Plan) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -198,7 +198,15 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
         strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
         routed=routed,
+        **_peaks(trace, model.training),
     )
+
+
+def _peaks(trace: TraceResult, training: bool) -> dict[str, Any]:
+    """The profile's activation peaks: unknown (0) when the forward stopped before its end."""
+    if trace.stopped:
+        return {"training": training}
+    return {"forward_peak_bytes": trace.forward_peak, "train_peak_bytes": trace.train_peak, "training": training}
 
 
 def _stopped(trace: TraceResult, how: str) -> str:

@@ -38,7 +38,9 @@ def default_example_inputs(model: nn.Module, seq_len: int = 128, batch: int = 1)
     image from their first conv (H = the model's ``image_size`` or 224), or a vector for their
     first linear layer (the first such layer the forward calls, found by running it on meta
     until it calls one, else the first one defined), with ``None`` for any further required
-    positional argument. Every tensor is on the meta device.
+    positional argument. Every tensor is on the meta device, floating-point ones at the dtype
+    of most of the model's floating-point parameters (a model built at bfloat16 takes bfloat16
+    features or pixels, not float32 ones its first convolution refuses).
 
     Args:
         model: the model.
@@ -53,11 +55,22 @@ def default_example_inputs(model: nn.Module, seq_len: int = 128, batch: int = 1)
         'image 1x3x224x224 (first conv)'
     """
     config = getattr(model, "config", None)
-    if config is not None:
-        found = _transformers_inputs(model, config, seq_len, batch)
-        if found[0] is not None:
-            return found
-    return _generic_inputs(model, batch)
+    found = _transformers_inputs(model, config, seq_len, batch) if config is not None else (None, "")
+    if found[0] is None:
+        found = _generic_inputs(model, batch)
+    dtype = _float_dtype(model)
+    if found[0] is None or dtype in (None, torch.get_default_dtype()):
+        return found
+    return to_meta(found[0], dtype), found[1]
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of most of ``model``'s floating-point parameters (by elements); None if none."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int) -> tuple[ExampleInputs | None, str]:

@@ -206,6 +206,15 @@ class Profile:
         return sum(u.kv_bytes for u in self.units)
     strays: tuple[str, ...] = ()
     routed: tuple[str, ...] = ()
+    forward_peak_bytes: int = 0
+    train_peak_bytes: int = 0
+    training: bool = False
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The activation peak of the forwards the model will run: a training forward's when it
+        is in training mode and a backward was traced, else an inference forward's."""
+        return self.train_peak_bytes if self.training and self.train_peak_bytes else self.forward_peak_bytes
 
     @property
     def total_flops(self) -> int:

@@ -19,7 +19,7 @@ from automap.errors import ProfileError
 from automap.interrupts import completed, deferred
 from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
-from automap.profiling.metaops import pack_saved, tensors_in, unpack_saved
+from automap.profiling.metaops import tensors_in, unpack_saved
 from automap.profiling.tracer import Tracer, TraceResult
 from automap.profiling.units import call_with, has_user_hooks
 
@@ -138,7 +138,7 @@ def _traced(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kw
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
         if backward:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(tracer.pack_saved, unpack_saved))
         stack.enter_context(traceable_experts(model))  # eager experts cannot run on meta (experts.py)
         stack.enter_context(stand_ins(modules, units, tracer.result.failed))
         stack.enter_context(_entered(tracer, _python_dispatch._get_current_dispatch_mode_stack))

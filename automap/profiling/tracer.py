@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automap.profiling.fallback import MetaLimit, meta_limit
 from automap.profiling.metarules import flop_formulas
-from automap.profiling.metaops import MemoTable, arg_specs, op_tensors, storage_of, tensors_in, unique_bytes
+from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
+                                      unique_bytes)
 from automap.profiling.result import INPUT, OUTPUT, Flow
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class TraceResult:
     stopped: str = ""  # where and why the forward ended early ("" = it ran to the end)
     guess_failed: bool = False  # it ended on an error of the guessed example inputs, not a meta limit
     interrupted: tuple[str, ...] = ()  # units running when it ended, outermost first
+    forward_peak: int = 0  # most bytes of activations (inputs included) alive at once in the forward
+    train_peak: int = 0  # the same with what a forward with grad keeps for its backward (0: not traced)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class _Storage:
     segment: int
     nbytes: int
     ref: weakref.ref
+    saved: bool = False  # autograd saved it for the backward: a forward with grad keeps it
 
 
 @dataclass
@@ -95,6 +99,9 @@ class Tracer(TorchDispatchMode):
         self.active: list[_Call] = []
         self.storages: dict[int, _Storage] = {}
         self.live = 0
+        self.peak = 0
+        self.kept = 0  # bytes freed in this trace that a forward with grad would keep for its backward
+        self.train_peak = 0
         self.raw_flows: dict[tuple[int, int, tuple], tuple[int, int]] = {}
         self.seg_use: dict[str, int] = {}
         self.readers: defaultdict[str, set[str | None]] = defaultdict(set)
@@ -206,6 +213,8 @@ class Tracer(TorchDispatchMode):
     def _count(self, rec: _Storage, nbytes: int) -> None:
         rec.nbytes = nbytes
         self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self.train_peak = max(self.train_peak, self.live + self.kept)
         for call in self.active:
             call.peak_live = max(call.peak_live, self.live)
 
@@ -222,6 +231,17 @@ class Tracer(TorchDispatchMode):
         if rec is not None and rec.uid == uid:
             del self.storages[key]
             self.live -= rec.nbytes
+            if rec.saved and not self.in_backward:
+                self.kept += rec.nbytes
+
+    def pack_saved(self, t: torch.Tensor) -> tuple:
+        """:func:`~automap.profiling.metaops.pack_saved`, noting that a forward with grad keeps
+        ``t``'s storage until the backward (``train_peak``)."""
+        st = storage_of(t)
+        rec = self.storages.get(id(st)) if st is not None and not self.in_backward else None
+        if rec is not None:
+            rec.saved = True
+        return pack_saved(t)
 
     def _backward_op(self, flops: int) -> None:
         node = torch._C._current_autograd_node()
@@ -307,6 +327,8 @@ class Tracer(TorchDispatchMode):
         r.readers = {name: frozenset(units) for name, units in self.readers.items()}
         r.flows = self._flows(owner, tpos)
         r.total_flops = total_flops
+        r.forward_peak = self.peak
+        r.train_peak = self.train_peak if self.probe_backward else 0
         return r
 
     def producers(self) -> dict[int, str]:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from automap.kinds import kind_of
 from automap.planning.model import Origin, unit_label
-from automap.planning.predict import forward_seconds
+from automap.planning.predict import forward_seconds, memory
 from automap.report.facts import (Facts, device_notes, facts_of, format_seconds, layer_labels,
                                   unit_ranges)
 from automap.sizes import format_bytes, format_rate
@@ -100,11 +100,21 @@ def _devices(plan: Plan, facts: Facts) -> str:
         kv = f" {format_bytes(s.kv_bytes) if s.kv_bytes else '-':>10}" if with_kv else ""
         lines.append(f"{s.device.name:<8} {s.device.kind:<5} {format_bytes(cap):>10} {format_bytes(s.used_bytes):>10}"
                      f"{kv} {pct:>5} {headroom:>10} {flops:>6} {stage:>{_stage_width(with_kv)}}")
-        for note in device_notes(plan, s):
+        for note in [*_memory_note(plan, s.device.name), *device_notes(plan, s)]:
             lines += _wrap(note, " " * 11, first=" " * 9 + "- ")
         span = unit_ranges(layer_labels(plan, [unit_label(n) for n in s.units])) if s.units else "(nothing placed)"
         lines += _wrap(span, " " * 16, first=" " * 9 + "units: ")
     return "\n".join(lines)
+
+
+def _memory_note(plan: Plan, device: str) -> list[str]:
+    """What makes up a computing device's predicted peak ("used"), as ``memory(plan)`` has it."""
+    row = next(m for m in memory(plan) if m.device == device)
+    if not (row.activations or row.overhead):
+        return []
+    parts = [(row.weights, "weights"), (row.cache, "cache"), (row.staging, "staging and reserve"),
+             (row.activations, "activations"), (row.overhead, "runtime overhead")]
+    return [f"peak {format_bytes(row.peak_bytes)} = " + " + ".join(f"{format_bytes(n)} {what}" for n, what in parts if n)]
 
 
 def _cuts(facts: Facts) -> str:

@@ -322,12 +322,18 @@ def test_errors_keep_the_librarys_words_and_name_the_flags_of_its_arguments(caps
     """The library's errors say ``raise max_memory`` and ``dtype=torch.float16``; printed by the
     command, the message is the library's, followed by the flag of each argument it names."""
     code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
-                          "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
+                          "--max-memory", "cpu=2GB,disk=10MB", "--max-length", "4096")
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "raise max_memory" in err and "dtype=torch.float16" in err, err
     assert err.rstrip().endswith(")") and "(on the command line: " in err, err
     glossary = err[err.rindex("(on the command line: "):]
     assert "max_memory is --max-memory" in glossary and "dtype is --dtype" in glossary, glossary
+    # a CPU budget that cannot hold the run (max_memory['cpu'] in the library's words)
+    code, out, err = _run(capsys, "plan", "hf:llama", "--set", "num_hidden_layers=2",
+                          "--max-memory", "cpu=10MB,disk=10MB", "--max-length", "4096")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "while it runs" in err and "raise max_memory['cpu'] to at least" in err, err
+    assert "max_memory is --max-memory" in err and "KV cache" not in err, err
 
 
 def test_the_flags_are_read_from_the_parser_and_only_whole_names_are_matched():

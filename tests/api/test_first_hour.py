@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 import automap
 from automap.cli import main
 from automap.presets import PRESETS, check_not_hub_id
+from automap.spec_plan import plan_spec
 from automap.specs import SpecError, build_model
 from automap.version import SOURCE_VERSION
+from tiny_configs import part_on_disk
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -151,8 +153,9 @@ def test_demo_save_writes_loadable_folders_offline_and_keeps_existing_ones(capsy
     assert f"wrote {tmp_path / 'llama'}" in out and f"kept {tmp_path / 'gptj'}" in out
     assert sorted(p.name for p in (tmp_path / "gptj").iterdir()) == ["mine.txt"]
     assert main(["plan", str(tmp_path / "llama"), "--max-memory", "cpu=1GB", "--quiet"]) == 0
-    model = automap.load(str(tmp_path / "llama"), max_memory={"cpu": "4MB"}, offload_dir=tmp_path / "offload",
-                         quiet=True)
-    assert type(model).__name__ == "LlamaForCausalLM"
+    built = plan_spec(str(tmp_path / "llama"), max_memory={"cpu": "1GB"}).built.model
+    model = automap.load(str(tmp_path / "llama"), max_memory=part_on_disk(built),
+                         offload_dir=tmp_path / "offload", quiet=True)
+    assert type(model).__name__ == "LlamaForCausalLM" and "disk" in automap.placement(model).placement
     automap.undispatch(model)
     assert not (tmp_path / "offload").exists()  # its safetensors are read in place: no store written

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import automap
-from tiny_configs import part_on_disk, run_dispatched, tiny
+from tiny_configs import accelerates_part_on_disk, part_on_disk, run_dispatched, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,8 +118,9 @@ def test_planning_with_a_cache_in_the_example_inputs_leaves_the_users_cache_as_i
         past = model(IDS, use_cache=True).past_key_values
     untouched = copy.deepcopy(past)
     step = {"input_ids": IDS[:, :1], "past_key_values": past, "use_cache": True}
-    automap.plan(model, max_memory=part_on_disk(model), example_inputs=step)
-    automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), example_inputs=step,
+    budget = part_on_disk(model, example_inputs=step)
+    automap.plan(model, max_memory=budget, example_inputs=step)
+    automap.dispatch(model, device_map="auto", max_memory=budget, example_inputs=step,
                      offload_dir=tmp_path)
     assert int(past.get_seq_length()) == int(untouched.get_seq_length()) == IDS.shape[1]
     got = run_dispatched(model, lambda m: m(**step).logits)
@@ -273,7 +274,7 @@ def test_a_map_from_accelerates_infer_auto_device_map_with_a_whole_layer_list_on
     inputs = {"input_features": features, "decoder_input_ids": torch.tensor([[1, 5, 6]])}
     with torch.no_grad():
         expected = twin(**inputs).logits
-    device_map = accelerate.infer_auto_device_map(model, max_memory=part_on_disk(model),
+    device_map = accelerate.infer_auto_device_map(model, max_memory=accelerates_part_on_disk(model),
                                                   no_split_module_classes=model._no_split_modules)
     lists = [k for k, v in device_map.items() if v == "disk" and isinstance(model.get_submodule(k), torch.nn.ModuleList)]
     assert lists, f"accelerate mapped no layer list whole to disk: {device_map}"

@@ -10,6 +10,7 @@ import torch
 import automap
 from automap.errors import DeviceError, DeviceMapError, OffloadError, PlanError
 from conftest import assert_offloaded_in_files, ids_and_logits, logits_of, store_dirs, tiny_llama, weight_bytes
+from tiny_configs import part_on_disk
 
 
 def _snapshot(model):
@@ -52,7 +53,7 @@ def test_llama_with_part_on_disk_matches_plain(tmp_path):
     model = tiny_llama(layers=4)
     ids, expected = ids_and_logits(model, (2, 12))
     snapshot = _snapshot(model)
-    automap.dispatch(model, max_memory={"cpu": int(weight_bytes(model) * 0.4)}, offload_dir=tmp_path / "off")
+    automap.dispatch(model, max_memory=part_on_disk(model), offload_dir=tmp_path / "off")
     (store,) = store_dirs(tmp_path / "off")
     assert os.path.exists(store / "automap-store.json")
     assert_offloaded_in_files(model, under=store)

@@ -17,6 +17,7 @@ from automap.errors import ConversionError, DispatchError
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.runtime import dispatch_plan, state_of
 from conftest import streamed_files, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from tiny_configs import beside_the_run, part_on_disk
 
 IDS = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 # GPT-2's tied embedding (wte = lm_head) and Llama's embedding, last norm and head on disk.
@@ -27,11 +28,11 @@ LLAMA_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layer
 
 
 def dispatched(build, tmp_path, device_map=None, **options):
-    """``build(**options)`` dispatched with part of it on disk (40 % of its bytes in RAM, or
-    ``device_map``)."""
+    """``build(**options)`` dispatched with part of it on disk (40 % of its bytes in RAM beside
+    the run, or ``device_map``)."""
     model = build(**options)
     if device_map is None:
-        automap.dispatch(model, max_memory={"cpu": int(weight_bytes(model) * 0.4)}, offload_dir=tmp_path)
+        automap.dispatch(model, max_memory=part_on_disk(model), offload_dir=tmp_path)
     else:
         automap.dispatch(model, device_map, offload_dir=tmp_path)
     assert streamed_files(model), "part of the model must be offloaded"
@@ -105,7 +106,8 @@ def test_a_decode_loop_passing_past_key_values_gives_the_plain_logits(tmp_path):
 def test_t5_with_its_shared_embedding_offloaded_generates_and_scores_like_the_plain_one(tmp_path):
     plain = tiny_t5()
     placed = tiny_t5()
-    automap.dispatch(placed, max_memory={"cpu": int(weight_bytes(placed) * 0.3)}, offload_dir=tmp_path)
+    automap.dispatch(placed, max_memory={"cpu": beside_the_run(placed, int(weight_bytes(placed) * 0.3))},
+                     offload_dir=tmp_path)
     for options in (dict(max_new_tokens=5), dict(max_new_tokens=5, num_beams=3)):
         assert torch.equal(placed.generate(IDS, **options), plain.generate(IDS, **options))
     with torch.no_grad():

@@ -17,6 +17,7 @@ from automap.errors import CheckpointError
 from automap.loading.checkpoint import open_checkpoint
 from automap.profiling.inputs import default_example_inputs
 from conftest import logits_of, tiny_gpt2, tiny_llama
+from tiny_configs import part_on_disk
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,8 +148,8 @@ def test_a_model_built_on_plain_meta_gets_the_buffers_no_checkpoint_holds_comput
     with torch.device("meta"):
         skeleton = type(real)(real.config).eval()
     assert any(b.is_meta for b in skeleton.buffers())
-    model = automap.load(skeleton, tmp_path, max_memory={"cpu": "100KB", "disk": "1GB"}, offload_dir=tmp_path / "off",
-                         quiet=True)
+    model = automap.load(skeleton, tmp_path, max_memory={**part_on_disk(real), "disk": "1GB"},
+                         offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         got, want = model(ids), real(ids)
     key = "logits" if family == "llama" else "last_hidden_state"

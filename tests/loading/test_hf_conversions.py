@@ -23,6 +23,7 @@ from automap.cli import main
 from automap.errors import CheckpointError
 from conftest import store_dirs, weight_bytes
 from test_hf_folder import measure_plan_rss, save
+from tiny_configs import beside_the_run, part_on_disk
 
 transformers = pytest.importorskip("transformers")
 conversion_mapping = pytest.importorskip("transformers.conversion_mapping")
@@ -110,15 +111,15 @@ def converted_keys(folder: Path, model: torch.nn.Module) -> bool:
 
 
 def load_both_ways(real: torch.nn.Module, folder: Path, tmp_path: Path) -> tuple[list, list]:
-    """automap.load(folder) and the drop-in, each with about half the weights on disk."""
-    budget = weight_bytes(real) // 2
-    model = automap.load(folder, max_memory={"cpu": budget}, offload_dir=tmp_path / "off", quiet=True)
+    """automap.load(folder) and the drop-in, each with part of the weights on disk."""
+    budget = part_on_disk(real)
+    model = automap.load(folder, max_memory=budget, offload_dir=tmp_path / "off", quiet=True)
     assert "disk" in automap.placement(model).placement
     by_load = greedy(model)
     automap.undispatch(model)
     with init_empty_weights():
         skeleton = type(real)(real.config)
-    dropped = load_checkpoint_and_dispatch(skeleton.eval(), folder, device_map="auto", max_memory={"cpu": budget},
+    dropped = load_checkpoint_and_dispatch(skeleton.eval(), folder, device_map="auto", max_memory=budget,
                                            offload_folder=tmp_path / "off2")
     assert "disk" in dropped.hf_device_map.values()
     by_dropin = greedy(dropped)
@@ -137,7 +138,7 @@ def test_moe_folder_loads_like_from_pretrained(model_type, fmt, tmp_path, caplog
     assert converted_keys(folder, real), "transformers saves experts one by one: the case this test is for"
     expected = reference(folder)
     with caplog.at_level(logging.INFO, logger="automap"):
-        model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off",
+        model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
                              quiet=True)
     assert greedy(model) == expected
     line = f"(transformers' conversion for {model_type})"
@@ -189,7 +190,9 @@ def test_moe_family_loads_like_from_pretrained(model_type, tmp_path):
 def test_plan_folder_reports_the_conversion_and_counts_the_built_tensors(capsys, tmp_path):
     real = tiny("qwen2_moe").to(torch.bfloat16)
     folder = save(real, tmp_path / "model", "sharded")
-    code = main(["plan", str(folder), "--max-memory", "cpu=50KB,disk=1GB", "--json", str(tmp_path / "p.json")])
+    cpu = beside_the_run(real, 50_000)  # part on disk
+    budget = f"cpu={cpu},disk=1GB"
+    code = main(["plan", str(folder), "--max-memory", budget, "--json", str(tmp_path / "p.json")])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "no weights read" in out and "converted at load:" in out and "conversion for qwen2_moe" in out, out
@@ -251,7 +254,7 @@ def test_merged_tensors_on_disk_need_an_offload_dir(tmp_path):
     real = tiny("mixtral")
     folder = save(real, tmp_path / "model", "single")
     with pytest.raises(CheckpointError, match="merged by transformers' checkpoint conversion.*offload_dir"):
-        automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, quiet=True)
+        automap.load(folder, max_memory=part_on_disk(real), quiet=True)
 
 
 # ------------------------------------------------------------------ transformers' legacy renames
@@ -275,7 +278,7 @@ def test_legacy_gamma_beta_keys_load_like_from_pretrained(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = transformers.AutoModelForMaskedLM.from_pretrained(folder).eval()(ids).logits
-    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected.detach())
     assert any("keys renamed (transformers' conversion for bert)" in c for c in automap.placement(model).choices)
@@ -300,7 +303,7 @@ def test_llava_saved_in_its_old_layout_loads_like_from_pretrained(tmp_path):
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         expected = LlavaForConditionalGeneration.from_pretrained(folder).eval()(input_ids=ids).logits
-    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, expected)
     assert any("keys renamed (transformers' conversion for llava)" in c for c in automap.placement(model).choices)

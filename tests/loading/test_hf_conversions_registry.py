@@ -17,6 +17,7 @@ import automap
 from conftest import weight_bytes
 from test_hf_conversions import converted_keys
 from test_hf_folder import save
+from tiny_configs import part_on_disk
 
 transformers = pytest.importorskip("transformers")
 conversion_mapping = pytest.importorskip("transformers.conversion_mapping")
@@ -202,8 +203,7 @@ def test_registry_family_loads_like_from_pretrained(family, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = type(real).from_pretrained(folder).eval()
-    model = automap.load(folder, max_memory={"cpu": weight_bytes(real) // 2}, offload_dir=tmp_path / "off",
-                         quiet=True)
+    model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     assert type(model) is type(real) and "disk" in automap.placement(model).placement
     reference = text_output(expected)
     assert reference is not None or not is_text_model(real), "a text model's forward must be compared"

@@ -20,7 +20,8 @@ import automap
 from automap.cli import main
 from automap.errors import CheckpointError, DependencyError
 from automap.spec_plan import plan_spec
-from conftest import store_dirs, tiny_gpt2, tiny_llama, tiny_t5, weight_bytes
+from conftest import store_dirs, tiny_gpt2, tiny_llama, tiny_t5
+from tiny_configs import beside_the_run, part_on_disk
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "t5": tiny_t5}
@@ -51,8 +52,7 @@ def test_folder_loads_in_one_call_with_part_on_disk(name, fmt, tmp_path):
     inputs = _inputs(name)
     with torch.no_grad():
         expected = real(**inputs).logits
-    budget = weight_bytes(real) // 2
-    model = automap.load(folder, max_memory={"cpu": budget}, offload_dir=tmp_path / "offload", quiet=True)
+    model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "offload", quiet=True)
     assert type(model) is type(real) and not model.training
     placement = automap.placement(model)
     assert "disk" in placement.placement and "cpu" in placement.placement
@@ -108,7 +108,9 @@ def test_plan_folder_counts_the_checkpoint_dtypes_not_the_config(capsys, tmp_pat
     result = plan_spec(str(folder), max_memory={"cpu": "1GB"})
     params = sum(u.param_bytes for u in result.plan.units)
     assert params == sum(p.numel() * 2 for p in real.parameters())  # bf16 as stored, not fp32 as configured
-    code = main(["plan", str(folder), "--max-memory", "cpu=100KB,disk=1GB", "--json", str(tmp_path / "p.json")])
+    cpu = beside_the_run(real, 100_000)  # part on disk
+    budget = f"cpu={cpu},disk=1GB"
+    code = main(["plan", str(folder), "--max-memory", budget, "--json", str(tmp_path / "p.json")])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "LlamaForCausalLM" in out and "at bfloat16" in out and "no weights read" in out and "disk" in out
@@ -202,7 +204,7 @@ def test_a_folder_with_keys_older_versions_saved_loads_as_from_pretrained_loads_
     ids = _inputs("llama")
     expected = LlamaForCausalLM.from_pretrained(folder).eval()(**ids).logits
     with pytest.warns(UserWarning, match="rotary_emb.inv_freq"):
-        model = automap.load(folder, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+        model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         assert torch.equal(model(**ids).logits, expected)
     with automap.empty_model():
@@ -220,10 +222,13 @@ def test_a_folder_at_a_half_dtype_is_what_from_pretrained_builds(name, dtype, tm
     disk, and gives the same logits."""
     from transformers import AutoModelForCausalLM, T5ForConditionalGeneration
 
-    folder = save(BUILDERS[name](), tmp_path / name, "single")
+    real = BUILDERS[name]()
+    folder = save(real, tmp_path / name, "single")
     cls = T5ForConditionalGeneration if name == "t5" else AutoModelForCausalLM
     plain = cls.from_pretrained(folder, dtype=dtype).eval()
-    model = automap.load(folder, dtype=dtype, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(folder, dtype=dtype, max_memory=part_on_disk(real, dtype),
+                         offload_dir=tmp_path / "off", quiet=True)
+    assert "disk" in automap.placement(model).placement
     state = {n: t.dtype for n, t in model.state_dict().items()}
     assert {n: t.dtype for n, t in plain.state_dict().items()} == state
     assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in plain.named_buffers()}

@@ -19,6 +19,7 @@ from automap.errors import CheckpointError, DeviceError, DispatchError, PlanErro
 from automap.loading.checkpoint import Checkpoint
 from conftest import (assert_offloaded_in_files, file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama, tiny_t5,
                       weight_bytes)
+from tiny_configs import beside_the_run, part_on_disk
 
 
 def _empty(model: torch.nn.Module) -> torch.nn.Module:
@@ -384,10 +385,12 @@ def test_progress_bar_on_stderr_unless_quiet(tmp_path, capfd, monkeypatch):
 
 
 def _mixed_plan(model: torch.nn.Module, nbytes: int) -> automap.Plan:
-    """The planner's own plan for the smallest CPU budget that keeps part of ``model`` in RAM."""
+    """The planner's own plan for the smallest CPU budget that keeps part of ``model`` in RAM
+    (``nbytes`` times a fraction beside the run)."""
     for fraction in (0.5, 1, 1.5, 2, 3, 4):
         try:
-            plan = automap.plan(model, max_memory={"cpu": int(nbytes * fraction), "disk": "1GB"})
+            budget = {"cpu": beside_the_run(model, int(nbytes * fraction)), "disk": "1GB"}
+            plan = automap.plan(model, max_memory=budget)
         except PlanError:
             continue
         if set(plan.device_map.values()) == {"cpu", "disk"}:
@@ -433,7 +436,8 @@ def test_an_index_file_given_as_the_checkpoint_reads_the_shards_it_names(tmp_pat
     expected = logits_of(real, ids)
     real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     index = tmp_path / "ckpt" / "model.safetensors.index.json"
-    model = automap.load(_empty(real), index, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(_empty(real), index, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
+                         quiet=True)
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -449,7 +453,8 @@ def test_what_training_saves_beside_the_weights_is_not_read_as_weights(tmp_path)
     for name in ("training_args.bin", "optimizer.bin", "scheduler.pt", "rng_state.pth"):
         with open(folder / name, "wb") as f:
             pickle.dump(_Arguments(), f)  # code a safe load will not run: read, it would refuse the folder
-    model = automap.load(_empty(real), folder, max_memory={"cpu": 60_000}, offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(_empty(real), folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
+                         quiet=True)
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -470,8 +475,8 @@ def test_a_batchnorm_checkpoint_without_num_batches_tracked_loads_as_torch_loads
     plain.load_state_dict(torch.load(tmp_path / "old.pth"), strict=True)
     with automap.empty_model():
         skeleton = torchvision.models.resnet18(num_classes=10).eval()
-    model = automap.load(skeleton, tmp_path / "old.pth", max_memory={"cpu": 4_000_000}, offload_dir=tmp_path / "off",
-                         quiet=True)
+    model = automap.load(skeleton, tmp_path / "old.pth", max_memory=part_on_disk(real),
+                         offload_dir=tmp_path / "off", quiet=True)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))

@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import automap
-from conftest import weight_bytes
 from test_hf_conversions_registry import CHANGES, shrink
-from tiny_configs import run_dispatched
+from tiny_configs import part_on_disk, run_dispatched
 
 transformers = pytest.importorskip("transformers")
 modeling_auto = pytest.importorskip("transformers.models.auto.modeling_auto")
@@ -122,7 +121,7 @@ def test_each_head_loads_from_its_folder_as_from_pretrained_does(kind, family, t
     model = _saved(kind, family, tmp_path / "m")
     reference = type(model).from_pretrained(tmp_path / "m").eval()
     inputs = _inputs(model)
-    loaded = automap.load(tmp_path / "m", max_memory={"cpu": weight_bytes(model) // 2, "disk": "1GB"},
+    loaded = automap.load(tmp_path / "m", max_memory={**part_on_disk(model), "disk": "1GB"},
                           offload_dir=tmp_path / "off", quiet=True)
     assert type(loaded) is type(model)
     _assert_same(run_dispatched(loaded, lambda m: _outputs(m, inputs)), _outputs(reference, inputs))
@@ -146,7 +145,7 @@ def test_each_kind_loads_in_bfloat16_from_bin_shards_and_accelerates_script(kind
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = _outputs(type(model).from_pretrained(folder, dtype=dtype).eval(), inputs)
-    budget = {"cpu": weight_bytes(model) // (4 if form == "bfloat16" else 2), "disk": "1GB"}
+    budget = {**part_on_disk(model, dtype), "disk": "1GB"}
     if form == "accelerate":
         with init_empty_weights():
             empty = type(model)(transformers.AutoConfig.from_pretrained(folder))
@@ -259,7 +258,7 @@ def test_a_config_without_architectures_builds_the_head_its_checkpoint_holds(arc
     _edit_config(folder, architectures=architectures)
     reference = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
     inputs = _inputs(model)
-    loaded = automap.load(folder, max_memory={"cpu": weight_bytes(model) // 2, "disk": "1GB"},
+    loaded = automap.load(folder, max_memory={**part_on_disk(model), "disk": "1GB"},
                           offload_dir=tmp_path / "off", quiet=True)
     assert type(loaded) is transformers.BertForSequenceClassification
     _assert_same(run_dispatched(loaded, lambda m: _outputs(m, inputs)), _outputs(reference, inputs))

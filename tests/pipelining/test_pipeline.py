@@ -18,6 +18,7 @@ from automap.pipelining import (StageCost, best_chunks, chunk_sizes, chunks_for_
                               plan_stages, split_batch)
 from automap.pipelining.cost import HANDOFF_SECONDS
 from conftest import tiny_llama, weight_bytes
+from tiny_configs import beside_the_run
 
 ON_CPU = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
 
@@ -172,7 +173,8 @@ def test_dispatched_model_pipelines_with_its_own_plan():
     x = torch.randn(6, 32)
     with torch.no_grad():
         expected = model(x)
-    automap.dispatch(model, max_memory={"cpu": "10MB"}, example_inputs=(x,))
+    everything = beside_the_run(model, weight_bytes(model), example_inputs=(x,))  # all in RAM
+    automap.dispatch(model, max_memory={"cpu": everything}, example_inputs=(x,))
     pipe = automap.pipeline(model, chunks=3)
     with torch.no_grad():
         got = pipe(x)

@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Built in each process from configs (random weights, seeded): a decoder planned for a
 # generation, an encoder-decoder, and a SPEC planned by the command line; CPU RAM too small for
-# the weights, so part of each goes to disk.
+# the weights beside the run, so part of each goes to disk.
 SCRIPT = r'''
 import sys
 from pathlib import Path
 import torch, transformers, automap
 from automap.cli import main
+from tiny_configs import beside_the_run
 
 out, store = Path(sys.argv[1]), Path(sys.argv[2])
 torch.manual_seed(0)
@@ -28,7 +29,8 @@ gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
 t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
     d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4, vocab_size=256, decoder_start_token_id=0)).eval()
 for name, model, kwargs in (("gpt2", gpt2, {"max_length": 64}), ("t5", t5, {})):
-    for disk, budget in (("no-disk-budget", {"cpu": "200KB"}), ("disk-budget", {"cpu": "200KB", "disk": "1GB"})):
+    cpu = beside_the_run(model, 200_000)
+    for disk, budget in (("no-disk-budget", {"cpu": cpu}), ("disk-budget", {"cpu": cpu, "disk": "1GB"})):
         plan = automap.plan(model, max_memory=budget, offload_dir=store, **kwargs)
         (out / f"{name}-{disk}.json").write_text(plan.to_json())
 for disk, budget in (("no-disk-budget", "cpu=2MB"), ("disk-budget", "cpu=2MB,disk=1GB")):
@@ -46,7 +48,7 @@ def test_plan_json_is_byte_identical_across_processes_and_hash_seeds(tmp_path, m
     for seed in ("0", "1", "4242"):
         out = tmp_path / f"seed-{seed}"
         out.mkdir()
-        env = {**os.environ, "PYTHONHASHSEED": seed, "AUTOMAP_CALIBRATION": str(record), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONHASHSEED": seed, "AUTOMAP_CALIBRATION": str(record), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
         done = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(tmp_path / "store")],
                               capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -17,6 +17,7 @@ from automap.errors import CheckpointError, DispatchError, OffloadDirError
 from automap.offload import backing_file
 from automap.planning.placement import Placement, Route
 from conftest import store_dirs
+from tiny_configs import beside_the_run
 
 DATA = Path(__file__).parents[1] / "data"
 OLD_JSON = DATA / "plan_before_offload_dir.json"  # written by main at b0b0985, before "offload_dir"
@@ -47,14 +48,14 @@ def assert_unchanged(model, before):
 
 def test_the_plan_records_its_offload_dir_and_json_round_trips_it(tmp_path):
     model = mlp()
-    plan = automap.plan(model, max_memory={"cpu": 1000}, offload_dir=tmp_path / "off")
+    plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
     assert plan.offload_dir == os.path.abspath(tmp_path / "off")
     assert plan.offloaded_units  # the disk budget came from that folder, and units went there
     data = json.loads(plan.to_json())
     assert data["offload_dir"] == plan.offload_dir
     again = automap.Plan.from_json(plan.to_json())
     assert again.offload_dir == plan.offload_dir and again.placement == plan.placement
-    assert automap.plan(model, max_memory={"cpu": 1000, "disk": "1GB"}).offload_dir is None
+    assert automap.plan(model, max_memory={"cpu": 0, "disk": "1GB"}).offload_dir is None
 
 
 def test_json_from_before_the_field_still_reads():
@@ -71,7 +72,7 @@ def test_json_from_before_the_field_still_reads():
 def test_dispatch_uses_the_plans_folder_when_given_none(tmp_path):
     model = mlp()
     expected = model(*inputs())
-    plan = automap.plan(model, max_memory={"cpu": 1000}, offload_dir=tmp_path / "off")
+    plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
     automap.dispatch(model, plan)
     try:
         assert len(store_dirs(tmp_path / "off")) == 1
@@ -82,7 +83,7 @@ def test_dispatch_uses_the_plans_folder_when_given_none(tmp_path):
 
 def test_dispatch_and_load_raise_one_error_for_no_offload_dir(tmp_path):
     model = mlp()
-    plan = automap.plan(model, max_memory={"cpu": 1000, "disk": "1GB"})
+    plan = automap.plan(model, max_memory={"cpu": 0, "disk": "1GB"})
     before = snapshot(model)
     with pytest.raises(OffloadDirError, match=r"offloads \d+ units .* to disk but no offload_dir") as dispatched:
         automap.dispatch(model, plan)
@@ -114,7 +115,7 @@ def small_folder(tmp_path):
 
 def test_another_folder_too_small_is_refused_before_anything_is_written(tmp_path, small_folder):
     model = mlp()  # 8 x 66 KiB, nearly all on disk: more than the 256 KiB there
-    plan = automap.plan(model, max_memory={"cpu": 1000}, offload_dir=tmp_path / "big")
+    plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path / "big")
     before = snapshot(model)
     with pytest.raises(OffloadDirError, match=f"sized for offload_dir '{tmp_path / 'big'}'.*'{small_folder}'.*"
                                               "free.*plan again with offload_dir") as info:
@@ -135,7 +136,7 @@ def test_another_folder_too_small_is_refused_before_anything_is_written(tmp_path
 def test_another_folder_with_room_is_used(tmp_path):
     model = mlp()
     expected = model(*inputs())
-    plan = automap.plan(model, max_memory={"cpu": 1000}, offload_dir=tmp_path / "a")
+    plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path / "a")
     automap.dispatch(model, plan, offload_dir=tmp_path / "b")
     try:
         assert len(store_dirs(tmp_path / "b")) == 1 and not store_dirs(tmp_path / "a")
@@ -171,7 +172,10 @@ def test_placements_of_a_plan_with_gpu_cpu_and_disk_units():
 
 
 def test_placements_when_the_cpu_computes():
-    plan = automap.plan(mlp(), max_memory={"cpu": 200_000, "disk": "1GB"}, example_inputs=inputs())
+    model = mlp()
+    # The CPU's budget holds the run (activations, overhead) and 200 kB of weights beside it.
+    budget = {"cpu": beside_the_run(model, 200_000, example_inputs=inputs()), "disk": "1GB"}
+    plan = automap.plan(model, max_memory=budget, example_inputs=inputs())
     assert set(plan.placement) == {"cpu", "disk"} and plan.execution_device == "cpu"
     routes = {p.home: (p.compute, p.route) for p in plan.placements}
     assert routes == {"cpu": ("cpu", Route.RESIDENT), "disk": ("cpu", Route.STREAMED)}  # pages read in place
@@ -192,7 +196,9 @@ def test_load_and_dispatch_follow_the_placements(tmp_path):
     expected = model(*inputs())
     checkpoint = tmp_path / "model.bin"
     torch.save(model.state_dict(), checkpoint)
-    plan = automap.plan(model, max_memory={"cpu": 200_000}, offload_dir=tmp_path / "off", example_inputs=inputs())
+    budget = {"cpu": beside_the_run(model, 200_000, example_inputs=inputs())}
+    plan = automap.plan(model, max_memory=budget, offload_dir=tmp_path / "off", example_inputs=inputs())
+    assert {p.in_store for p in plan.placements} == {True, False}, plan.device_map
     with automap.empty_model():
         skeleton = mlp()
     loaded = automap.load(skeleton, checkpoint, plan, quiet=True)  # the plan's folder: none given here

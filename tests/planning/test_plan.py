@@ -3,6 +3,8 @@ promise on real architectures (built on meta), capacities, tie groups, determini
 and errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 
@@ -21,6 +23,7 @@ from automap.planning.layout_plans import all_cut_bytes, build_plan
 from automap.planning.predict import bottleneck_seconds, compute_seconds, cuts, summary
 from automap.profiling import Profile, Unit
 from conftest import tiny_gpt2, tiny_llama, weight_bytes
+from tiny_configs import beside_the_run, part_on_disk
 
 MB = 10**6
 
@@ -321,8 +324,8 @@ def test_identical_inputs_give_identical_plans(resnet50_profile, llama_2g_profil
     for prof, devices in ((resnet50_profile, hypothetical(resnet50_profile, 4, 1.3)),
                           (llama_2g_profile, hypothetical(llama_2g_profile, 8, 0.5))):
         plans = [make_plan(prof, devices) for _ in range(3)]
-        rebuilt = Profile(prof.model_name, tuple(Unit(**vars(u)) for u in prof.units), prof.tie_groups,
-                          nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))), prof.example)
+        rebuilt = dataclasses.replace(prof, units=tuple(Unit(**vars(u)) for u in prof.units),
+                                      graph=nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))))
         plans.append(make_plan(rebuilt, devices))
         assert all(p == plans[0] and p.to_json() == plans[0].to_json() for p in plans)
 
@@ -427,7 +430,7 @@ def test_plan_device_map_works_with_accelerate_and_transformers(tmp_path):
     ids = torch.randint(0, 256, (1, 10))
     with torch.no_grad():
         expected = model(ids).logits
-    plan = automap.plan(model, max_memory={"cpu": weight_bytes(model), "disk": "1GB"})
+    plan = automap.plan(model, max_memory={**part_on_disk(model), "disk": "1GB"})
     assert "disk" in plan.device_map.values() and "cpu" in plan.device_map.values()
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=plan.device_map,
                                               offload_folder=str(tmp_path / "hf-off"))
@@ -526,4 +529,4 @@ def test_room_enough_in_total_but_not_where_a_unit_runs_is_said_so():
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
     with pytest.raises(PlanError, match=r"is enough, but its largest piece \(259.00 KiB .* a device that computes to "
                                         r"run, and the most one has is 195.31 KiB"):
-        automap.plan(model, max_memory={"cpu": "200KB", "disk": "700KB"})
+        automap.plan(model, max_memory={"cpu": beside_the_run(model, 200_000), "disk": "700KB"})

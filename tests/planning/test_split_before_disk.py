@@ -11,6 +11,7 @@ from torch import nn
 import automap
 from automap.kinds import kind_of
 from conftest import weight_bytes
+from tiny_configs import beside_the_run
 
 
 def bert(layers: int = 4):
@@ -40,8 +41,8 @@ def test_a_backbone_larger_than_ram_is_split_before_it_goes_to_disk(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(bert(), Head()).eval()
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(1))
-    budget = {"cpu": int(0.75 * weight_bytes(model)), "disk": "1GB"}
     for inputs in ((ids,), None):
+        budget = {"cpu": beside_the_run(model, int(0.75 * weight_bytes(model)), example_inputs=inputs), "disk": "1GB"}
         plan = automap.plan(model, max_memory=budget, offload_dir=tmp_path, example_inputs=inputs)
         assert plan.device_map.get("0") != "disk", plan.device_map
         assert ram_share(plan) >= 0.5, plan.device_map
@@ -56,7 +57,7 @@ def test_a_backbone_larger_than_ram_is_split_before_it_goes_to_disk(tmp_path):
 
 def test_units_that_fit_ram_whole_are_not_split():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
-    plan = automap.plan(model, max_memory={"cpu": "10MB", "disk": "1GB"}, offload_dir="unused")
+    plan = automap.plan(model, max_memory={"cpu": beside_the_run(model, 10**7), "disk": "1GB"}, offload_dir="unused")
     assert set(plan.device_map.values()) == {"cpu"} and not any("split" in c for c in plan.choices)
 
 
@@ -78,8 +79,9 @@ def sentence_model(tmp_path):
 def test_a_sentence_transformer_keeps_most_of_its_encoder_in_ram(sentence_model, tmp_path):
     sentences = ["w1 w2 w3", "w4 w5 w6 w7 w8"]
     expected = sentence_model.encode(sentences, convert_to_tensor=True)
-    budget = {"cpu": int(0.75 * weight_bytes(sentence_model)), "disk": "1GB"}
     features = sentence_model.tokenize(sentences)
+    kept = int(0.75 * weight_bytes(sentence_model))
+    budget = {"cpu": beside_the_run(sentence_model, kept, example_inputs=(features,)), "disk": "1GB"}
     plan = automap.plan(sentence_model, max_memory=budget, offload_dir=tmp_path, example_inputs=(features,))
     assert ram_share(plan) >= 0.5, plan.device_map
     automap.dispatch(sentence_model, plan, offload_dir=tmp_path)

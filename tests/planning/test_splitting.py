@@ -175,7 +175,8 @@ def test_predicted_time_counts_hooks(resnet50_meta):
 
 def test_cpu_execution_charges_nothing_for_disk_units(resnet50_meta):
     total = weight_bytes(resnet50_meta)
-    for share in (0.3, 0.1, 0.0):
+    # (10 % of the weights, 9.8 MiB, cannot hold the 10 MiB of one unit's activations: refused.)
+    for share in (0.3, 0.0):
         plan = automap.plan(resnet50_meta, max_memory={"cpu": int(share * total), "disk": "10GB"})
         assert plan.reserves == (), "mmap'd disk units need no staging room in RAM"
         held = plan.placements.bytes_on

@@ -17,6 +17,7 @@ from torch import nn
 import automap
 from automap.errors import ProfileError
 from automap.profiling.inputs import to_meta
+from tiny_configs import beside_the_run
 from conftest import tiny_gpt2, weight_bytes
 from conftest import tiny_moe as moe_lm
 from test_profile import reference_flops, snapshot
@@ -116,8 +117,9 @@ def training_flags(model: nn.Module) -> list[bool]:
 
 
 def dispatch_part_on_disk(model: nn.Module, tmp_path, share: float = 0.4) -> automap.Plan:
-    """Plan ``model`` with "auto" and a CPU budget of ``share`` of its weights; dispatch it."""
-    plan = automap.plan(model, "auto", max_memory={"cpu": int(share * weight_bytes(model))}, offload_dir=tmp_path)
+    """Plan ``model`` with "auto" and a CPU budget of ``share`` of its weights beside the run; dispatch it."""
+    budget = beside_the_run(model, int(share * weight_bytes(model)))
+    plan = automap.plan(model, "auto", max_memory={"cpu": budget}, offload_dir=tmp_path)
     held = plan.placements.bytes_on
     assert held.get("disk", 0) > 0 and held.get("cpu", 0) > 0, plan.device_map
     automap.dispatch(model, plan, offload_dir=tmp_path / "offload")

@@ -21,6 +21,7 @@ from automap.profiling.kvcache import held_tensors
 from automap.report import plan_dict
 from automap.runtime import send
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
+from tiny_configs import beside_the_run
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 BATCH, PROMPT, MAX_LENGTH = 2, 6, 40
@@ -340,7 +341,9 @@ def test_load_plans_for_generation_and_generates_the_same_tokens(tmp_path):
     ids = torch.randint(3, 256, (8, 6), generator=torch.Generator().manual_seed(4))
     expected = _generate(real, ids, 64).sequences
     save_model(real, str(tmp_path / "llama.safetensors"))
-    budget, prompt = {"cpu": "1000KiB"}, {"input_ids": ids}
+    prompt = {"input_ids": ids}
+    # 1000 KiB for weights and cache beside the CPU's run (activations, overhead: planning/memory.py)
+    budget = {"cpu": beside_the_run(real, 1000 * 1024, example_inputs=prompt)}
     with_kv = automap.plan(real, max_memory=budget, example_inputs=prompt, max_length=64)
     assert with_kv.offloaded_units != automap.plan(real, max_memory=budget, example_inputs=prompt).offloaded_units
     with automap.empty_model():

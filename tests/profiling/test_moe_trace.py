@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import automap
 from automap.profiling.metarules import grouped_mm_flops, grouped_mm_shape
 from conftest import tiny_moe
+from tiny_configs import beside_the_run
 
 BATCH, SEQ = 2, 16
 TOKENS = BATCH * SEQ
@@ -171,7 +172,8 @@ def test_a_traced_moe_model_dispatches_with_part_on_disk_and_gives_the_plain_out
     with torch.no_grad():
         expected = model(*ids()).logits
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    plan = automap.plan(model, "auto", max_memory={"cpu": int(0.4 * weights)}, offload_dir=tmp_path)
+    budget = {"cpu": beside_the_run(model, int(0.4 * weights))}
+    plan = automap.plan(model, "auto", max_memory=budget, offload_dir=tmp_path)
     held = plan.placements.bytes_on
     assert held.get("disk", 0) > 0 and held.get("cpu", 0) > 0, plan.device_map
     assert not [u.name for u in plan.units if u.untraced]

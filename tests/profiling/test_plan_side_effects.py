@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import automap
+from tiny_configs import part_on_disk
 
 
 class GrownRotary(nn.Module):
@@ -74,8 +75,9 @@ def test_planning_leaves_the_models_python_state_as_it_was(call, tmp_path):
     elif call == "infer_auto_device_map":
         automap.infer_auto_device_map(model, max_memory={"cpu": "1GB"})
     else:
-        automap.dispatch(model, device_map="auto", max_memory={"cpu": "4KB"}, offload_dir=tmp_path,
-                         example_inputs=(torch.zeros(1, 128, dtype=torch.long),))
+        inputs = (torch.zeros(1, 128, dtype=torch.long),)
+        automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model, example_inputs=inputs),
+                         offload_dir=tmp_path, example_inputs=inputs)
         assert "disk" in automap.placement(model).placement
     assert _state(model) == before
     with torch.no_grad():

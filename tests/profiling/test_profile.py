@@ -322,6 +322,19 @@ def test_derived_inputs_say_what_they_are():
 # --------------------------------------------------------------- the model is unchanged
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_derived_inputs_of_a_half_model_are_at_its_dtype_and_trace(dtype):
+    """A model built (or loaded) at a half dtype gets its guessed image at that dtype: float32
+    pixels made its first convolution refuse, and the whole forward went untraced (no
+    activations in the memory model)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).to(dtype).eval()
+    (image,), how = default_example_inputs(model)
+    assert image.dtype == dtype and how == "image 1x3x224x224 (first conv)"
+    prof = automap.profile(model)
+    assert not prof.untraced and prof.run_peak_bytes > 0
+    assert default_example_inputs(model.float())[0][0].dtype == torch.float32
+
+
 def test_profiling_leaves_the_model_as_it_was():
     model = tiny_llama(layers=2).train()
     before = snapshot(model)

@@ -29,6 +29,7 @@ from automap.accelerate_compat import infer_auto_device_map, init_empty_weights,
 from automap.profiling.units import longest_prefix
 from conftest import tiny_gpt2, tiny_llama, tiny_t5
 from test_fallback import item_model, tiny_moe
+from tiny_configs import beside_the_run
 
 # ---------------------------------------------------------------------------- custom models
 
@@ -300,7 +301,7 @@ def test_load_checkpoint_and_dispatch_on_cpu_and_disk_matches_the_plain_model(na
     checkpoint = tmp_path / "model.safetensors"
     save_model(plain, str(checkpoint))
     model = build(case, meta=case.on_meta)
-    budget = int(0.4 * weight_total(plain))
+    budget = beside_the_run(plain, int(0.4 * weight_total(plain)))
     loaded = load_checkpoint_and_dispatch(model, checkpoint, device_map="auto", max_memory={"cpu": budget},
                                           offload_folder=tmp_path / "offload")
     placed = bytes_per_device(plain, loaded.hf_device_map)  # every tensor has a device

@@ -16,7 +16,9 @@ from automap.cli import EMIT_ENGINES, main
 from automap.distributed import plan_for_ranks, split_spec
 from automap.errors import PipelineError, PlanError
 from automap.planning.model import EXPORTERS
+from automap.spec_plan import plan_spec
 from conftest import tiny_llama, tiny_moe
+from tiny_configs import beside_the_run
 
 IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -149,8 +151,9 @@ def test_llama_cpp_refuses_an_architecture_it_does_not_name(llama):
 
 # ------------------------------------------------------------------ the command
 
-LLAMA = ["plan", "hf:llama", "--set", "num_hidden_layers=4,hidden_size=64,intermediate_size=128,"
-         "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--quiet"]
+LLAMA_SET = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256)
+LLAMA = ["plan", "hf:llama", "--set", ",".join(f"{k}={v}" for k, v in LLAMA_SET.items()), "--quiet"]
 
 
 def test_the_command_emits_llama_cpp_flags_for_the_models_architecture(capsys):
@@ -164,5 +167,7 @@ def test_the_command_emits_json_and_env_forms(capsys):
     assert '"model.embed_tokens": 0' in capsys.readouterr().out
     assert main([*LLAMA, "--max-memory", "cpu=1GB", "--emit", "vllm"]) == 0
     assert capsys.readouterr().out.strip() == "VLLM_PP_LAYER_PARTITION=4"  # one stage, every layer
-    assert main([*LLAMA, "--max-memory", "cpu=100KB,disk=1GB", "--emit", "vllm"]) == 1
+    llama = plan_spec("hf:llama", LLAMA_SET, max_memory={"cpu": "1GB"}).built.model
+    cpu = beside_the_run(llama, 100_000)  # part on disk
+    assert main([*LLAMA, "--max-memory", f"cpu={cpu},disk=1GB", "--emit", "vllm"]) == 1
     assert "plan_for_ranks" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from automap.errors import OffloadError
 from automap.offload import HostCopyOps, StagedTransfer
 from automap.runtime import dispatch_plan, state_of
 from conftest import assert_offloaded_in_files, file_backing, logits_of, tiny_gpt2, tiny_llama, weight_bytes
+from tiny_configs import beside_the_run
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,8 @@ def test_units_streamed_on_cpu_compile_whole_and_their_files_are_still_checked(t
     model = tiny_llama(layers=2)
     ids = _ids()
     expected = logits_of(model, ids)
-    automap.dispatch(model, max_memory={"cpu": weight_bytes(model) // 2}, offload_dir=tmp_path)
+    half = beside_the_run(model, weight_bytes(model) // 2)
+    automap.dispatch(model, max_memory={"cpu": half}, offload_dir=tmp_path)
     assert len(state_of(model).groups) >= 2
     explained = explain(model, ids)
     assert explained.graph_break_count <= hooked_units(model)

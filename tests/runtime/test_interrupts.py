@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tiny_configs import beside_the_run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
@@ -23,7 +25,7 @@ SCRIPT = textwrap.dedent('''
     import automap
     from automap.runtime import state_of
 
-    root, count = sys.argv[1], int(sys.argv[2])
+    root, count, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
     def build():
         torch.manual_seed(0)
@@ -35,7 +37,7 @@ SCRIPT = textwrap.dedent('''
     signal.signal(signal.SIGALRM, interrupt)
     x = torch.randn(2, 256)
     expected = build()(x)
-    budget = {"cpu": "1MB"}  # most layers on disk: a store is written
+    budget = {"cpu": cpu}  # 1 MB of weights beside the run, most layers on disk: a store is written
     times = []
     for k in range(4):  # the first call pays for imports: the median of the rest
         warm = build()
@@ -93,9 +95,17 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _budget() -> str:
+    """The scripts' CPU budget: 1 MB of their model's 3.2 MB of weights beside its run."""
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)]).eval()
+    return str(beside_the_run(model, 10**6))
+
+
 def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch_as_they_were(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "64", _budget()], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] >= result["count"] // 2, f"the alarms fell after the calls: {result}"
@@ -109,7 +119,7 @@ LOAD_SCRIPT = textwrap.dedent('''
     import automap
     from automap.runtime import state_of
 
-    root, count = sys.argv[1], int(sys.argv[2])
+    root, count, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     PACKAGE = os.path.dirname(automap.__file__)
 
     def build():
@@ -149,7 +159,7 @@ LOAD_SCRIPT = textwrap.dedent('''
         expected = real(x)
     checkpoint = os.path.join(root, "pytorch_model.bin")  # a pickle: offloaded tensors are written to a store
     torch.save(real.state_dict(), checkpoint)
-    budget = {"cpu": "1MB"}  # most layers on disk
+    budget = {"cpu": cpu}  # 1 MB of weights beside the run: most layers on disk
 
     def load(model, folder, tracer=None):
         sys.settrace(tracer)
@@ -222,8 +232,8 @@ def test_an_interrupt_at_any_statement_of_load_leaves_the_skeleton_and_the_folde
     """64 moments chosen among the statements automap runs in a load (planning, the checkpoint's
     reading, the store's writing, the install, the dispatch), each a real signal: half spread
     over the whole call, half over the steps from the tensors' install to the dispatch."""
-    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=900)
+    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64", _budget()],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] >= result["count"] // 2, f"the signals fell after the calls: {result}"
