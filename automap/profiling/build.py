@@ -19,7 +19,7 @@ from automap.profiling.inputs import ExampleInputs, default_example_inputs, spli
 from automap.profiling.graph import build_graph
 from automap.profiling.result import Profile, Unit
 from automap.profiling.timing import measure_units
-from automap.profiling.tracer import TraceResult
+from automap.profiling.result import TraceResult
 from automap.profiling.traced_run import run_trace
 from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, has_forward,
                                    stray_reads, tensor_bytes, tie_groups, unit_aliases)

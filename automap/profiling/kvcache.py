@@ -16,7 +16,7 @@ from automap.errors import PlanError, ProfileError
 from automap.profiling.fallback import eval_mode
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, to_meta
 from automap.profiling.result import Generation, Profile
-from automap.profiling.tracer import TraceResult
+from automap.profiling.result import TraceResult
 from automap.profiling.traced_run import run_trace
 from automap.profiling.units import all_named_tensors
 from automap.sizes import MAX_COUNT, format_bytes, parse_number

@@ -5,7 +5,7 @@ Plain frozen data, no torch: the planner reads these and never re-measures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:  # networkx is imported when a graph is built, not with automap
     import networkx as nx
@@ -322,3 +322,29 @@ def _timed(unit: Unit, rate: float, overall_train_ratio: float) -> Unit:
     work = round(unit.seconds * rate)
     ratio = unit.train_flops / unit.flops if unit.flops else overall_train_ratio
     return replace(unit, flops=work, train_flops=round(work * ratio))
+
+
+@dataclass
+class TraceResult:
+    """Per-unit measurements of one traced run, keyed by unit name."""
+
+    order: list[str] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    flops: dict[str, int] = field(default_factory=dict)
+    train_flops: dict[str, int] = field(default_factory=dict)
+    input_bytes: dict[str, int] = field(default_factory=dict)
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    first_use: dict[str, str] = field(default_factory=dict)
+    readers: dict[str, frozenset[str | None]] = field(default_factory=dict)
+    flows: list[Flow] = field(default_factory=list)
+    unit_inputs: dict[str, Any] = field(default_factory=dict)
+    total_flops: int = 0
+    output: Any = None  # what the forward returned, when run with keep_output
+    producers: dict[int, str] = field(default_factory=dict)  # id of a storage alive at the end -> its unit
+    failed: dict[str, str] = field(default_factory=dict)  # units that stood in (profiling/fallback.py), why
+    stopped: str = ""  # where and why the forward ended early ("" = it ran to the end)
+    guess_failed: bool = False  # it ended on an error of the guessed example inputs, not a meta limit
+    interrupted: tuple[str, ...] = ()  # units running when it ended, outermost first
+    forward_peak: int = 0  # most bytes of activations (inputs included) alive at once in the forward
+    train_peak: int = 0  # the same with what a forward with grad keeps for its backward (0: not traced)

@@ -20,7 +20,8 @@ from automap.interrupts import completed, deferred
 from automap.profiling.experts import traceable_experts
 from automap.profiling.fallback import describe, is_meta_limit, stand_ins
 from automap.profiling.metaops import tensors_in, unpack_saved
-from automap.profiling.tracer import Tracer, TraceResult
+from automap.profiling.result import TraceResult
+from automap.profiling.tracer import Tracer
 from automap.profiling.units import call_with, has_user_hooks
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import bisect
 import logging
 import weakref
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -19,37 +19,11 @@ from automap.profiling.fallback import MetaLimit, meta_limit
 from automap.profiling.metarules import flop_formulas
 from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
                                       unique_bytes)
-from automap.profiling.result import INPUT, OUTPUT, Flow
+from automap.profiling.result import INPUT, OUTPUT, Flow, TraceResult
 
 log = logging.getLogger(__name__)
 
 _INPUT_SEG, _OUTPUT_SEG = -1, -2
-
-
-@dataclass
-class TraceResult:
-    """Per-unit measurements of one traced run, keyed by unit name."""
-
-    order: list[str] = field(default_factory=list)
-    calls: dict[str, int] = field(default_factory=dict)
-    flops: dict[str, int] = field(default_factory=dict)
-    train_flops: dict[str, int] = field(default_factory=dict)
-    input_bytes: dict[str, int] = field(default_factory=dict)
-    output_bytes: dict[str, int] = field(default_factory=dict)
-    peak_bytes: dict[str, int] = field(default_factory=dict)
-    first_use: dict[str, str] = field(default_factory=dict)
-    readers: dict[str, frozenset[str | None]] = field(default_factory=dict)
-    flows: list[Flow] = field(default_factory=list)
-    unit_inputs: dict[str, Any] = field(default_factory=dict)
-    total_flops: int = 0
-    output: Any = None  # what the forward returned, when run with keep_output
-    producers: dict[int, str] = field(default_factory=dict)  # id of a storage alive at the end -> its unit
-    failed: dict[str, str] = field(default_factory=dict)  # units that stood in (profiling/fallback.py), why
-    stopped: str = ""  # where and why the forward ended early ("" = it ran to the end)
-    guess_failed: bool = False  # it ended on an error of the guessed example inputs, not a meta limit
-    interrupted: tuple[str, ...] = ()  # units running when it ended, outermost first
-    forward_peak: int = 0  # most bytes of activations (inputs included) alive at once in the forward
-    train_peak: int = 0  # the same with what a forward with grad keeps for its backward (0: not traced)
 
 
 @dataclass
