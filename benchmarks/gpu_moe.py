@@ -96,7 +96,7 @@ def check_mode(ctx: Context, base: nn.Module, device_map: Any, name: str,
     plan = planned(model, PLANNED[device_map]) if isinstance(device_map, str) else automap.plan(model, device_map)
     experts = plan.experts.as_dict() if getattr(plan, "experts", None) is not None else None
     dispatch_plan(model, plan, offload_dir=ctx.scratch / f"moe-{name}",
-                  transfer=lambda source, _: StagedTransfer(source, ops))
+                  transfer=lambda source, *_: StagedTransfer(source, ops))
     try:
         logits = forward(model, ids)
         tokens = model.generate(**gen).cpu()

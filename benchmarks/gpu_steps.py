@@ -54,7 +54,7 @@ class Context:
             torch.cuda.synchronize()
 
 
-def staged_on_host(source: WeightSource, device: torch.device) -> StagedTransfer:
+def staged_on_host(source: WeightSource, device: torch.device, buffers: int | None = None) -> StagedTransfer:
     """The dry run's transfer: the accelerator path (copies swapped in per unit) on the CPU."""
     return StagedTransfer(source, HostCopyOps())
 
@@ -354,7 +354,7 @@ def h2d(ctx: Context) -> dict[str, Any]:
     write_plan(ctx, root, device_map)
     ops: list[TimedOps] = []
 
-    def timed(source: WeightSource, device: torch.device) -> StagedTransfer:
+    def timed(source: WeightSource, device: torch.device, buffers: int | None = None) -> StagedTransfer:
         ops.append(TimedOps(HostCopyOps() if ctx.dry else CudaOps(device)))
         return StagedTransfer(source, ops[-1])
     model, _ = setup_automap(root, layers, hidden, "cpu" if ctx.dry else "cuda", transfer=timed)

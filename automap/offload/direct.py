@@ -400,15 +400,20 @@ class DirectTransfer(Transfer):
         self.reads.close()
 
 
-def host_transfer(source: WeightSource) -> Transfer:
+def host_transfer(source: WeightSource, buffers: int | None = None) -> Transfer:
     """The CPU's transfer: :class:`DirectTransfer` where :func:`reads_direct` says the offloaded
-    files do not fit in the page cache and their file system has ``O_DIRECT``, else
-    :class:`~automap.offload.transfer.PageTransfer`.
+    files do not fit in the page cache, their file system has ``O_DIRECT``, and the budget has
+    room for the ring (``buffers``: how many buffers of the largest offloaded unit fit beside the
+    plan's predicted peak; None: unknown), else :class:`~automap.offload.transfer.PageTransfer`.
 
     Raises:
         OffloadError: ``AUTOMAP_COLD_READS`` holds no setting.
     """
-    reads = direct_reads(source) if reads_direct(file_bytes(source), page_cache_bytes()) else None
+    fits = buffers is None or buffers > SLOTS  # the ring, and one buffer of its own when every slot is held
+    if not fits and reads_direct(file_bytes(source), page_cache_bytes()):
+        log.info("reads past the page cache need %d buffers of the largest offloaded unit beside the run; "
+                 "the budget has room for %d: offloaded units are read through the page cache", SLOTS + 1, buffers)
+    reads = direct_reads(source) if fits and reads_direct(file_bytes(source), page_cache_bytes()) else None
     return PageTransfer(source) if reads is None else DirectTransfer(source, reads)
 
 

@@ -410,11 +410,12 @@ class DeviceCopyOps(HostCopyOps):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
 
-def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
+def make_transfer(source: WeightSource, device: torch.device | str, buffers: int | None = None) -> Transfer:
     """The transfer for an execution device (a ``torch.device`` or a plan's device name), as
     its kind says: staged copies through the kind's :class:`DeviceOps` for an accelerator; on
     a kind computing on host memory, the transfer its kind names (the CPU's:
-    :func:`~automap.offload.direct.host_transfer`, pages or reads past the page cache), else pages.
+    :func:`~automap.offload.direct.host_transfer`, pages or reads past the page cache, the
+    latter only where ``buffers`` of the largest offloaded unit fit the budget), else pages.
 
     Raises:
         DeviceError: ``device`` is of no registered kind.
@@ -424,7 +425,7 @@ def make_transfer(source: WeightSource, device: torch.device | str) -> Transfer:
     ops, host = kind.factory("ops"), kind.factory("transfer")
     if ops is not None:
         return StagedTransfer(source, ops(torch_device(str(device))))
-    return host(source) if host is not None else PageTransfer(source)
+    return host(source, buffers) if host is not None else PageTransfer(source)
 
 
 # The built-in accelerators' staged copies, attached to their kinds here (the registry in

@@ -28,6 +28,9 @@ class Planned(Protocol):
     @property
     def placements(self) -> Sequence[Placement]: ...
 
+    @property
+    def execution_device(self) -> str: ...
+
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -87,6 +90,17 @@ def device_memory(plan: Planned) -> tuple[DeviceMemory, ...]:
         rows.append(DeviceMemory(device.name, device.capacity_bytes, weights, cache, reserves.get(device.name, 0),
                                  activations, overhead))
     return tuple(rows)
+
+
+def streaming_buffers(plan: Planned) -> int | None:
+    """How many buffers the size of the largest offloaded unit the execution device has room for:
+    its staging reserve plus what its budget leaves beside the predicted peak. None when the
+    budget's size is unknown (0) or nothing is offloaded."""
+    offloaded = [u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded]
+    row = next((r for r in device_memory(plan) if r.device == plan.execution_device), None)
+    if not offloaded or row is None or row.capacity_bytes == 0:
+        return None
+    return (row.staging + max(row.capacity_bytes - row.peak_bytes, 0)) // max(max(offloaded), 1)
 
 
 def _activations(plan: Planned, device: DeviceSpec, computed: list[int]) -> int:

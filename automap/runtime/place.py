@@ -18,6 +18,7 @@ from automap.offload import OffloadStore, SourceSet, TensorSpec, Transfer, Weigh
 from automap.offload.folder import no_offload_dir, store_folder, stored_bytes
 from automap.offload.store import collecting
 from automap.planning import Plan, unit_label
+from automap.planning.memory import streaming_buffers
 from automap.planning.placement import Placement
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
@@ -33,8 +34,9 @@ from automap.runtime.undo import release_orphans, restore
 
 log = logging.getLogger(__name__)
 
-# Builds the transfer from a weight source to the execution device, given by its name in the plan.
-TransferFactory = Callable[[WeightSource, str], Transfer]
+# Builds the transfer from a weight source to the execution device, given by its name in the plan,
+# and how many buffers of the largest offloaded unit fit beside the plan's peak (None: unknown).
+TransferFactory = Callable[[WeightSource, str, "int | None"], Transfer]
 
 
 def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
@@ -249,7 +251,7 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     if state.groups:
         assert state.source is not None
         link(state.groups)
-        state.transfer = transfer(state.source, plan.execution_device)
+        state.transfer = transfer(state.source, plan.execution_device, streaming_buffers(plan))
         files = CheckFiles(state.gate, name) if state.transfer.swaps else \
             CheckFiles(state.gate, name, state.groups, state.transfer)
         for group in state.groups:

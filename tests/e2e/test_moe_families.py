@@ -24,7 +24,7 @@ FAMILIES = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "ernie4_5_moe"
 # Pages: the CPU computes on views of the store (reads only decide residency). Staged: each call
 # copies the routed rows into a tensor of the experts' shape, as on a GPU (HostCopyOps stands in
 # for the device), so a row read wrong gives wrong outputs.
-PATHS = {"pages": None, "staged": lambda source, _: StagedTransfer(source, HostCopyOps())}
+PATHS = {"pages": None, "staged": lambda source, *_: StagedTransfer(source, HostCopyOps())}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))

@@ -44,7 +44,7 @@ def staged(build, tmp_path, device_map):
     run on the CPU with real copies."""
     model = build()
     dispatch_plan(model, automap.plan(model, device_map), offload_dir=tmp_path,
-                  transfer=lambda source, device: StagedTransfer(source, HostCopyOps()))
+                  transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
     assert state_of(model).transfer.swaps
     return model
 

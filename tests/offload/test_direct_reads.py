@@ -209,3 +209,27 @@ def test_dispatch_chooses_pages_when_the_offloaded_files_fit(tmp_path, monkeypat
     automap.dispatch(model, device_map=device_map(3, range(1, 3)), offload_dir=tmp_path)
     assert isinstance(state_of(model).transfer, PageTransfer)  # a few hundred KB fit in any page cache
     automap.undispatch(model)
+
+
+def test_the_ring_is_used_only_where_the_budget_has_room_for_it(tmp_path, monkeypatch):
+    # The ring (SLOTS buffers, and one of its own when every slot is held) is anonymous memory the
+    # mapped path does not take: it must fit beside the plan's predicted peak, or the budget breaks.
+    monkeypatch.setenv("AUTOMAP_COLD_READS", "direct")
+    from automap.planning.memory import streaming_buffers
+    from tiny_configs import beside_the_run
+
+    model = tiny_llama(6)
+    layer = sum(t.numel() * t.element_size() for t in model.model.layers[1].state_dict().values())
+    resident = sum(t.numel() * t.element_size() for t in model.state_dict().values()) - 5 * layer
+    ids = torch.randint(0, 256, (2, 8))
+    for room, ring in [(2 * layer, False), (8 * layer, True)]:
+        budget = {"cpu": beside_the_run(model, resident + room, example_inputs=(ids,)), "disk": "1GB"}
+        plan = automap.plan(model, device_map(6, range(1, 6)), max_memory=budget, offload_dir=tmp_path,
+                            example_inputs=(ids,))
+        buffers = streaming_buffers(plan)
+        assert (buffers > SLOTS) == ring, (buffers, room // layer)
+        automap.dispatch(model, plan, offload_dir=tmp_path)
+        assert isinstance(state_of(model).transfer, DirectTransfer if ring else PageTransfer)
+        automap.undispatch(model)
+    source = CheckpointSource({})
+    assert isinstance(make_transfer(source, "cpu", SLOTS), PageTransfer)

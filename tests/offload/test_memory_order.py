@@ -101,7 +101,7 @@ def test_the_staged_path_copies_each_weight_into_its_own_strides(tmp_path):
         expected = plain(x)
     model = copy.deepcopy(plain)
     dispatch_plan(model, automap.plan(model, {"": "disk"}), offload_dir=tmp_path,
-                  transfer=lambda source, _: StagedTransfer(source, HostCopyOps()))
+                  transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
     seen = {}
     model.layer1[0].conv1.register_forward_pre_hook(lambda m, a: seen.update(stride=m.weight.stride()))
     with torch.no_grad():

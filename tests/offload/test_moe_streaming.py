@@ -205,8 +205,8 @@ BUILDERS = {
     "qwen2_moe": lambda: tiny_moe("qwen2_moe", layers=2, hidden=64, experts=8, shared=96),
     "listed": lambda: ListedNet(),
 }
-STAGED = {"pages": None, "staged": lambda source, _: StagedTransfer(source, HostCopyOps()),
-          "direct": lambda source, _: DirectTransfer(source, direct_reads(source))}
+STAGED = {"pages": None, "staged": lambda source, *_: StagedTransfer(source, HostCopyOps()),
+          "direct": lambda source, *_: DirectTransfer(source, direct_reads(source))}
 
 
 @pytest.mark.parametrize("path", sorted(STAGED))

@@ -178,7 +178,7 @@ def test_a_real_model_through_the_fake_matches_and_breaks_no_rule(tmp_path):
     loss_expected = model.train()(ids, labels=ids).loss.detach()
     ops = FakeOps()
     dispatch_plan(model, automap.plan(model, _LLAMA_MAP), offload_dir=tmp_path,
-                  transfer=lambda source, device: StagedTransfer(source, ops))
+                  transfer=lambda source, *_: StagedTransfer(source, ops))
     with ComputeReads(ops):
         got = logits_of(model.eval(), ids)
         loss = model.train()(ids, labels=ids).loss

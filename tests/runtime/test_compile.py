@@ -82,7 +82,7 @@ def test_swapped_in_weights_compile_and_go_back_home(tmp_path):
     device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
                   "transformer.h.0": "disk", "transformer.h.1": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
     plan = automap.plan(model, device_map)
-    dispatch_plan(model, plan, offload_dir=tmp_path, transfer=lambda source, _: StagedTransfer(source, HostCopyOps()))
+    dispatch_plan(model, plan, offload_dir=tmp_path, transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
     explained = explain(model, ids)
     assert 0 < explained.graph_break_count <= hooked_units(model)
     for reason in explained.break_reasons:  # every break is at the call of a streamed unit's hook body

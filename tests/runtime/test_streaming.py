@@ -19,7 +19,7 @@ from automap.runtime import dispatch_plan, state_of
 from conftest import ids_and_logits, logits_of, tiny_gpt2, tiny_llama
 
 
-def _staged(source, device):
+def _staged(source, device, buffers=None):
     return StagedTransfer(source, HostCopyOps())
 
 

@@ -59,7 +59,7 @@ def dispatched(tmp_path: Path, swap: bool = False, seed: int = 0) -> nn.Sequenti
     if swap:
         plan = automap.plan(model, DISK)
         return dispatch_plan(model, plan, offload_dir=tmp_path / "off",
-                             transfer=lambda source, _: StagedTransfer(source, HostCopyOps()))
+                             transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
     return automap.dispatch(model, DISK, offload_dir=tmp_path / "off")
 
 
