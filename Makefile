@@ -38,9 +38,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m automap demo
 
-# CI runs `make test`: the linter (pyproject.toml's [tool.ruff]), then the suite.
+# CI runs `make test`: the linter and the formatter's check (pyproject.toml's [tool.ruff]), then the suite.
 test: $(STAMP)
 	$(PY) -m ruff check --quiet .
+	$(PY) -m ruff format --check --quiet .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -4,6 +4,7 @@ The public names are imported on first use (PEP 562), so ``import automap`` and 
 answer before torch is imported; accelerate's big-model functions have drop-ins in
 :mod:`automap.accelerate_compat`.
 """
+
 from __future__ import annotations
 
 import importlib as _importlib
@@ -13,18 +14,50 @@ import typing as _typing
 
 # public name -> the module that defines it
 _HOMES = {
-    "dispatch_model": "automap.accelerate_compat", "infer_auto_device_map": "automap.accelerate_compat",
-    "init_empty_weights": "automap.accelerate_compat", "load_checkpoint_and_dispatch": "automap.accelerate_compat",
-    "dispatch": "automap.api", "load": "automap.api", "plan": "automap.api",
-    "DeviceSpec": "automap.devices", "detect_devices": "automap.devices",
-    "Plan": "automap.planning", "Profile": "automap.profiling", "Unit": "automap.profiling",
-    "profile": "automap.profiling", "empty_model": "automap.loading", "pipeline": "automap.pipelining",
-    "placement": "automap.report", "undispatch": "automap.runtime", "clean": "automap.offload",
-    "format_bytes": "automap.sizes", "parse_size": "automap.sizes",
-    **{name: "automap.errors" for name in (
-        "ArgumentError", "AutomapError", "CheckpointError", "ConversionError", "DependencyError", "DeviceError", "DeviceMapError",
-        "DispatchError", "FormatError", "MapFormatError", "OffloadDirError", "OffloadError", "PipelineError",
-        "PlanError", "ProfileError", "ReportError", "RuntimeBudgetError", "SizeError", "SpecError")},
+    "dispatch_model": "automap.accelerate_compat",
+    "infer_auto_device_map": "automap.accelerate_compat",
+    "init_empty_weights": "automap.accelerate_compat",
+    "load_checkpoint_and_dispatch": "automap.accelerate_compat",
+    "dispatch": "automap.api",
+    "load": "automap.api",
+    "plan": "automap.api",
+    "DeviceSpec": "automap.devices",
+    "detect_devices": "automap.devices",
+    "Plan": "automap.planning",
+    "Profile": "automap.profiling",
+    "Unit": "automap.profiling",
+    "profile": "automap.profiling",
+    "empty_model": "automap.loading",
+    "pipeline": "automap.pipelining",
+    "placement": "automap.report",
+    "undispatch": "automap.runtime",
+    "clean": "automap.offload",
+    "format_bytes": "automap.sizes",
+    "parse_size": "automap.sizes",
+    **{
+        name: "automap.errors"
+        for name in (
+            "ArgumentError",
+            "AutomapError",
+            "CheckpointError",
+            "ConversionError",
+            "DependencyError",
+            "DeviceError",
+            "DeviceMapError",
+            "DispatchError",
+            "FormatError",
+            "MapFormatError",
+            "OffloadDirError",
+            "OffloadError",
+            "PipelineError",
+            "PlanError",
+            "ProfileError",
+            "ReportError",
+            "RuntimeBudgetError",
+            "SizeError",
+            "SpecError",
+        )
+    },
 }
 
 __all__ = sorted(_HOMES)
@@ -60,14 +93,34 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
-    from automap.accelerate_compat import (dispatch_model, infer_auto_device_map, init_empty_weights,
-                                           load_checkpoint_and_dispatch)
+    from automap.accelerate_compat import (
+        dispatch_model,
+        infer_auto_device_map,
+        init_empty_weights,
+        load_checkpoint_and_dispatch,
+    )
     from automap.api import dispatch, load, plan
     from automap.devices import DeviceSpec, detect_devices
-    from automap.errors import (AutomapError, CheckpointError, ConversionError, DependencyError, DeviceError,
-                                DeviceMapError, DispatchError, FormatError, MapFormatError, OffloadDirError,
-                                OffloadError, PipelineError, PlanError, ProfileError, ReportError, RuntimeBudgetError,
-                                SizeError, SpecError)
+    from automap.errors import (
+        AutomapError,
+        CheckpointError,
+        ConversionError,
+        DependencyError,
+        DeviceError,
+        DeviceMapError,
+        DispatchError,
+        FormatError,
+        MapFormatError,
+        OffloadDirError,
+        OffloadError,
+        PipelineError,
+        PlanError,
+        ProfileError,
+        ReportError,
+        RuntimeBudgetError,
+        SizeError,
+        SpecError,
+    )
     from automap.loading import empty_model
     from automap.offload import clean
     from automap.pipelining import pipeline

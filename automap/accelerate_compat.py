@@ -5,6 +5,7 @@ Each takes accelerate's argument names and returns what accelerate returns; an a
 cannot honour raises an :class:`~automap.errors.AutomapError` naming what to do instead
 (``docs/accelerate-compat.md`` lists every difference).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,11 +50,17 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
         yield
 
 
-def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
-                          no_split_module_classes: ClassNames = None, dtype: DtypeLike = None,
-                          special_dtypes: Mapping[str, DtypeLike] | None = None, verbose: bool = False,
-                          clean_result: bool = True, offload_buffers: bool = False,
-                          fallback_allocation: bool = False) -> OrderedDict[str, int | str]:
+def infer_auto_device_map(
+    model: nn.Module,
+    max_memory: MaxMemory | None = None,
+    no_split_module_classes: ClassNames = None,
+    dtype: DtypeLike = None,
+    special_dtypes: Mapping[str, DtypeLike] | None = None,
+    verbose: bool = False,
+    clean_result: bool = True,
+    offload_buffers: bool = False,
+    fallback_allocation: bool = False,
+) -> OrderedDict[str, int | str]:
     """accelerate's ``infer_auto_device_map``, planned by :func:`automap.plan` (``"auto"``).
 
     Args:
@@ -88,11 +95,14 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
         >>> infer_auto_device_map(model, max_memory={0: "10GiB", 1: "10GiB", "cpu": "30GiB"})
     """
     if special_dtypes:
-        raise PlanError("special_dtypes is not supported: automap counts each tensor at its own dtype; set those "
-                        "tensors' dtype on the model (e.g. model.get_submodule(name).to(torch.float32)) and pass "
-                        "dtype=None")
-    check_argument_types(model, offload_dir=None, no_split=no_split_module_classes, example_inputs=None,
-                         max_memory=max_memory)
+        raise PlanError(
+            "special_dtypes is not supported: automap counts each tensor at its own dtype; set those "
+            "tensors' dtype on the model (e.g. model.get_submodule(name).to(torch.float32)) and pass "
+            "dtype=None"
+        )
+    check_argument_types(
+        model, offload_dir=None, no_split=no_split_module_classes, example_inputs=None, max_memory=max_memory
+    )
     chosen = _map_only_plan(model, max_memory, _class_names(model, no_split_module_classes), as_dtype(dtype))
     if verbose:
         log.info("%s", chosen.report())
@@ -100,11 +110,18 @@ def infer_auto_device_map(model: nn.Module, max_memory: MaxMemory | None = None,
     return OrderedDict(grouped(device_map) if clean_result else device_map)
 
 
-def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | torch.device | None = None,
-                   state_dict: Mapping[str, torch.Tensor] | None = None,
-                   offload_dir: str | os.PathLike[str] | None = None, offload_index: Mapping[str, Any] | None = None,
-                   offload_buffers: bool = False, skip_keys: str | Sequence[str] | None = None,
-                   preload_module_classes: Sequence[str] | None = None, force_hooks: bool = False) -> nn.Module:
+def dispatch_model(
+    model: nn.Module,
+    device_map: DeviceMap,
+    main_device: str | torch.device | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
+    offload_index: Mapping[str, Any] | None = None,
+    offload_buffers: bool = False,
+    skip_keys: str | Sequence[str] | None = None,
+    preload_module_classes: Sequence[str] | None = None,
+    force_hooks: bool = False,
+) -> nn.Module:
     """accelerate's ``dispatch_model``: :func:`automap.dispatch` with ``device_map``.
 
     Args:
@@ -139,15 +156,23 @@ def dispatch_model(model: nn.Module, device_map: DeviceMap, main_device: str | t
     return _with_device_map(model, device_map)
 
 
-def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike[str],
-                                 device_map: DeviceMap | None = None, max_memory: MaxMemory | None = None,
-                                 no_split_module_classes: ClassNames = None,
-                                 offload_folder: str | os.PathLike[str] | None = None, offload_buffers: bool = False,
-                                 dtype: DtypeLike = None, offload_state_dict: bool | None = None,
-                                 skip_keys: str | Sequence[str] | None = None,
-                                 preload_module_classes: Sequence[str] | None = None, force_hooks: bool = False,
-                                 strict: bool = False, full_state_dict: bool = True,
-                                 broadcast_from_rank0: bool = False) -> nn.Module:
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: DeviceMap | None = None,
+    max_memory: MaxMemory | None = None,
+    no_split_module_classes: ClassNames = None,
+    offload_folder: str | os.PathLike[str] | None = None,
+    offload_buffers: bool = False,
+    dtype: DtypeLike = None,
+    offload_state_dict: bool | None = None,
+    skip_keys: str | Sequence[str] | None = None,
+    preload_module_classes: Sequence[str] | None = None,
+    force_hooks: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> nn.Module:
     """accelerate's ``load_checkpoint_and_dispatch``: :func:`automap.load`.
 
     Args:
@@ -177,12 +202,21 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
         ...                                      no_split_module_classes=["GPTJBlock"])
     """
     if not full_state_dict or broadcast_from_rank0:
-        raise CheckpointError("full_state_dict=False and broadcast_from_rank0=True load sharded across processes, "
-                              "which automap does not; load in one process with the defaults")
+        raise CheckpointError(
+            "full_state_dict=False and broadcast_from_rank0=True load sharded across processes, "
+            "which automap does not; load in one process with the defaults"
+        )
     _redispatchable(model)
-    loaded = load(model, checkpoint, {"": "cpu"} if device_map is None else device_map, max_memory,
-                  offload_dir=offload_folder, dtype=as_dtype(dtype), strict=strict,
-                  no_split=_class_names(model, no_split_module_classes))
+    loaded = load(
+        model,
+        checkpoint,
+        {"": "cpu"} if device_map is None else device_map,
+        max_memory,
+        offload_dir=offload_folder,
+        dtype=as_dtype(dtype),
+        strict=strict,
+        no_split=_class_names(model, no_split_module_classes),
+    )
     if device_map is None:
         return undispatch(loaded)  # in RAM and unhooked, as accelerate leaves it
     return _with_device_map(loaded, device_map)
@@ -199,7 +233,11 @@ def grouped(device_map: Mapping[str, int | str]) -> dict[str, int | str]:
     for prefix in sorted(_prefixes(result), key=lambda p: p.count(".") if p else -1):
         under = [k for k in result if _within(k, prefix)]
         values = {result[k][1] for k in under}
-        if len(under) > 1 and len(values) == 1 and not kind_of(canonical_name(next(iter(values)))).stores_only:
+        if (
+            len(under) > 1
+            and len(values) == 1
+            and not kind_of(canonical_name(next(iter(values)))).stores_only
+        ):
             first = min(result[k] for k in under)
             for key in under:
                 del result[key]
@@ -229,20 +267,24 @@ def _class_names(model: nn.Module, names: ClassNames) -> list[str] | None:
     present = {type(m).__name__ for m in model.modules()}
     absent = [n for n in wanted if n not in present]
     if absent:
-        log.debug("no_split_module_classes: %s has no module of class %s; ignored", type(model).__name__, absent)
+        log.debug(
+            "no_split_module_classes: %s has no module of class %s; ignored", type(model).__name__, absent
+        )
     return [n for n in wanted if n in present]
 
 
-def _map_only_plan(model: nn.Module, max_memory: MaxMemory | None, no_split: list[str] | None,
-                   dtype: torch.dtype | None) -> Plan:
+def _map_only_plan(
+    model: nn.Module, max_memory: MaxMemory | None, no_split: list[str] | None, dtype: torch.dtype | None
+) -> Plan:
     """The plan whose device map alone says it (see :func:`automap.planning.usermap.expressible`).
     When every plan as good as the planner's best is one the format cannot say, the
     lowest-numbered GPU is left out and the rest planned again, while something else can still
     compute: a GPU that could only take the streamed units (it holds none) is one the format
     cannot name. Failing that, the best plan it can say for the budgets given (all on the CPU,
     say)."""
-    budgets: dict[int | str, int | str] = (dict(max_memory) if max_memory is not None else
-                                           {d.name: d.capacity_bytes for d in detect_devices()})
+    budgets: dict[int | str, int | str] = (
+        dict(max_memory) if max_memory is not None else {d.name: d.capacity_bytes for d in detect_devices()}
+    )
     if not any(kind_of(make_device(key, 0)).is_host for key in budgets):
         # accelerate computes on the CPU what no GPU can run even when max_memory gives the CPU
         # no budget: RAM then holds nothing and every such unit streams from disk.
@@ -276,9 +318,11 @@ def _redispatchable(model: nn.Module) -> None:
 def _refuse(function: Any, **given: Any) -> None:
     unsupported = [name for name, value in given.items() if value is not None]
     if unsupported:
-        raise DispatchError(f"{function.__name__}({unsupported[0]}=...) is not supported by automap: it streams "
-                            "offloaded weights from the model itself or, through load_checkpoint_and_dispatch / "
-                            "automap.load, from the checkpoint in place; give the model its weights instead")
+        raise DispatchError(
+            f"{function.__name__}({unsupported[0]}=...) is not supported by automap: it streams "
+            "offloaded weights from the model itself or, through load_checkpoint_and_dispatch / "
+            "automap.load, from the checkpoint in place; give the model its weights instead"
+        )
 
 
 def _check_main_device(main_device: str | torch.device | None, chosen: Plan) -> None:
@@ -291,9 +335,11 @@ def _check_main_device(main_device: str | torch.device | None, chosen: Plan) -> 
         return
     used = torch.device(streamed_to)
     if (wanted.type, wanted.index or 0) != (used.type, used.index or 0):
-        raise DispatchError(f"main_device={str(main_device)!r}: automap runs offloaded units on the plan's first "
-                            f"accelerator, {chosen.execution_device}; drop main_device, or map the model so that "
-                            f"{wanted} comes first")
+        raise DispatchError(
+            f"main_device={str(main_device)!r}: automap runs offloaded units on the plan's first "
+            f"accelerator, {chosen.execution_device}; drop main_device, or map the model so that "
+            f"{wanted} comes first"
+        )
 
 
 def _with_device_map(model: nn.Module, asked: DeviceMap) -> nn.Module:

@@ -2,6 +2,7 @@
 dispatch, and checkpoint -> plan -> dispatch (``load`` also builds the model of a Hugging Face
 folder itself). Profile -> plan is wired once, in :mod:`automap.compose`, which the command
 line shares; this module checks the arguments and chooses the library's tracing."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from automap.devices import MaxMemory, Reserve, canonical_name, detect_devices, parse_reserve
-from automap.runtime import (check_not_dispatched, claimed, dispatch_plan, release_orphans,
-                             state_of)
+from automap.runtime import check_not_dispatched, claimed, dispatch_plan, release_orphans, state_of
 from automap.runtime.trim import trim_host_memory
 from automap.errors import CheckpointError, DeviceError, DeviceMapError, PlanError
 from automap.interrupts import public
@@ -41,12 +41,23 @@ DeviceMap = str | Mapping[str, int | str] | Plan
 
 
 @public
-def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
-         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         dtype: DtypeLike = None, offload_dir: str | Path | None = None,
-         reserve: Reserve = None, batch: int | None = None, max_length: int | None = None,
-         speeds: Mapping[str, float] | None = None, links: Mapping[str, float] | None = None,
-         bandwidths: Mapping[str, float] | None = None, map_only: bool = False) -> Plan:
+def plan(
+    model: nn.Module | Profile,
+    device_map: DeviceMap = "auto",
+    max_memory: MaxMemory | None = None,
+    *,
+    no_split: Iterable[str | type] | None = None,
+    example_inputs: ExampleInputs | None = None,
+    dtype: DtypeLike = None,
+    offload_dir: str | Path | None = None,
+    reserve: Reserve = None,
+    batch: int | None = None,
+    max_length: int | None = None,
+    speeds: Mapping[str, float] | None = None,
+    links: Mapping[str, float] | None = None,
+    bandwidths: Mapping[str, float] | None = None,
+    map_only: bool = False,
+) -> Plan:
     """Decide where each placement unit of ``model`` goes.
 
     ``"auto"``/``"balanced"`` keep everything on the accelerators when they can hold it
@@ -109,8 +120,15 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
     """
     if isinstance(device_map, Plan):
         return device_map
-    check_argument_types(model, offload_dir=offload_dir, no_split=no_split, example_inputs=example_inputs,
-                         speeds=speeds, links=links, bandwidths=bandwidths)
+    check_argument_types(
+        model,
+        offload_dir=offload_dir,
+        no_split=no_split,
+        example_inputs=example_inputs,
+        speeds=speeds,
+        links=links,
+        bandwidths=bandwidths,
+    )
     device_map, dtype = one_device_map(device_map), as_dtype(dtype)
     if isinstance(model, nn.Module) and state_of(model) is not None:
         raise PlanError(
@@ -119,26 +137,45 @@ def plan(model: nn.Module | Profile, device_map: DeviceMap = "auto", max_memory:
         )
     if offload_dir:
         check_offload_dir(offload_dir)  # a dangling link or /proc: say so, not "the model does not fit"
-    devices = detect_devices(max_memory, offload_dir=str(offload_dir) if offload_dir else None,
-                             speeds=speeds, links=links, bandwidths=bandwidths, dtype=compute_dtype(model, dtype))
+    devices = detect_devices(
+        max_memory,
+        offload_dir=str(offload_dir) if offload_dir else None,
+        speeds=speeds,
+        links=links,
+        bandwidths=bandwidths,
+        dtype=compute_dtype(model, dtype),
+    )
     if batch is not None:
         check_batch(batch)  # fails before any profiling
     if isinstance(device_map, str):
         get_strategy(device_map)  # an unknown name fails before any profiling
         tracing = library_tracing(model, example_inputs, batch, max_length)
-        made = plan_strategy(model, devices, device_map, tracing, no_split=no_split, dtype=dtype,
-                             reserve=parse_reserve(reserve, devices), accept=expressible if map_only else None)
+        made = plan_strategy(
+            model,
+            devices,
+            device_map,
+            tracing,
+            no_split=no_split,
+            dtype=dtype,
+            reserve=parse_reserve(reserve, devices),
+            accept=expressible if map_only else None,
+        )
         return replace(made, inputs=replace(made.inputs, offload_dir=recorded_folder(offload_dir)))
     if isinstance(device_map, Mapping):
         if isinstance(model, Profile):
-            raise DeviceMapError("a dict device_map needs the model itself, not a Profile, to check its names")
-        made = plan_user_map(model, user_map(model, device_map), devices, example_inputs, dtype, batch, max_length)
+            raise DeviceMapError(
+                "a dict device_map needs the model itself, not a Profile, to check its names"
+            )
+        made = plan_user_map(
+            model, user_map(model, device_map), devices, example_inputs, dtype, batch, max_length
+        )
         return replace(made, inputs=replace(made.inputs, offload_dir=recorded_folder(offload_dir)))
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}")
 
 
-def check_argument_types(model: object, *, offload_dir: object, no_split: object, example_inputs: object,
-                         **mappings: object) -> None:
+def check_argument_types(
+    model: object, *, offload_dir: object, no_split: object, example_inputs: object, **mappings: object
+) -> None:
     """Refuse arguments of the wrong kind before anything reads them, naming what each takes.
 
     Raises:
@@ -149,30 +186,49 @@ def check_argument_types(model: object, *, offload_dir: object, no_split: object
             or a speeds/links/bandwidths argument not a dict.
     """
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list, Mapping, torch.Tensor)):
-        raise PlanError(f"example_inputs={example_inputs!r}: give the forward's arguments as a tuple, e.g. "
-                        "(torch.randn(1, 3, 224, 224),), or its keyword arguments as a dict")
+        raise PlanError(
+            f"example_inputs={example_inputs!r}: give the forward's arguments as a tuple, e.g. "
+            "(torch.randn(1, 3, 224, 224),), or its keyword arguments as a dict"
+        )
     if not isinstance(model, (nn.Module, Profile)):
-        raise PlanError(f"automap plans an nn.Module (or a Profile), not {type(model).__name__}; pass the model")
+        raise PlanError(
+            f"automap plans an nn.Module (or a Profile), not {type(model).__name__}; pass the model"
+        )
     named = all_named_tensors(model) if isinstance(model, nn.Module) else ()
     lazy = next((n for n, t in named if isinstance(t, UninitializedTensorMixin)), None)
     if lazy is not None:
-        raise PlanError(f"{lazy!r} is a lazy module's uninitialized tensor (nn.LazyLinear and the like): its shape is "
-                        "not known until the model has run once; run one forward on an example input first")
-    scripted = next((n or "the model" for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)),
-                    None) if isinstance(model, nn.Module) else None
+        raise PlanError(
+            f"{lazy!r} is a lazy module's uninitialized tensor (nn.LazyLinear and the like): its shape is "
+            "not known until the model has run once; run one forward on an example input first"
+        )
+    scripted = (
+        next(
+            (n or "the model" for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)),
+            None,
+        )
+        if isinstance(model, nn.Module)
+        else None
+    )
     if scripted is not None:
-        raise PlanError(f"{scripted!r} is a TorchScript module (torch.jit.script or trace), which takes no hooks: "
-                        "automap can neither measure nor move it; dispatch the eager model, and script it after "
-                        "if you need to")
+        raise PlanError(
+            f"{scripted!r} is a TorchScript module (torch.jit.script or trace), which takes no hooks: "
+            "automap can neither measure nor move it; dispatch the eager model, and script it after "
+            "if you need to"
+        )
     if offload_dir is not None:
         as_path(offload_dir, "offload_dir", PlanError)
     items = [no_split] if isinstance(no_split, (str, type)) else no_split
-    if items is not None and (not isinstance(items, Iterable)
-                              or not all(isinstance(n, (str, type)) for n in items)):  # type: ignore[union-attr]
-        raise PlanError(f"no_split={no_split!r}: give module class names or classes, e.g. no_split=['LlamaDecoderLayer']")
+    if items is not None and (
+        not isinstance(items, Iterable) or not all(isinstance(n, (str, type)) for n in items)
+    ):  # type: ignore[union-attr]
+        raise PlanError(
+            f"no_split={no_split!r}: give module class names or classes, e.g. no_split=['LlamaDecoderLayer']"
+        )
     for name, value in mappings.items():
         if value is not None and not isinstance(value, Mapping):
-            raise PlanError(f"{name}={value!r}: give a dict keyed by device kind, e.g. {name}={{'cpu': 20e9}}")
+            raise PlanError(
+                f"{name}={value!r}: give a dict keyed by device kind, e.g. {name}={{'cpu': 20e9}}"
+            )
 
 
 DtypeLike = torch.dtype | str | None
@@ -206,11 +262,19 @@ def as_dtype(dtype: DtypeLike) -> torch.dtype | None:
     if isinstance(found, torch.dtype) and found.is_floating_point:
         return found
     hint = " ('auto' takes the checkpoint's dtype, in automap.load)" if name == "auto" else ""
-    raise PlanError(f"dtype={dtype!r} is not a floating-point dtype{hint}; give a torch.dtype or its name, "
-                    "e.g. torch.bfloat16, 'bfloat16', 'float16' or 'float32'")
+    raise PlanError(
+        f"dtype={dtype!r} is not a floating-point dtype{hint}; give a torch.dtype or its name, "
+        "e.g. torch.bfloat16, 'bfloat16', 'float16' or 'float32'"
+    )
 
 
-_DTYPE_SHORT = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_SHORT = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 def one_device_map(device_map: DeviceMap | int | torch.device) -> DeviceMap:
@@ -225,19 +289,32 @@ def one_device_map(device_map: DeviceMap | int | torch.device) -> DeviceMap:
         return device_map
     if isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
         try:
-            return {"": canonical_name(str(device_map) if isinstance(device_map, torch.device) else device_map)}
+            return {
+                "": canonical_name(str(device_map) if isinstance(device_map, torch.device) else device_map)
+            }
         except DeviceError as exc:
-            raise PlanError(f"device_map={device_map!r} is neither a strategy ({', '.join(STRATEGIES)}) nor a "
-                            f"device ({exc}); or give a dict or a Plan") from None
-    raise PlanError(f"device_map must be a strategy name, a device, a dict or a Plan, not {type(device_map).__name__}")
+            raise PlanError(
+                f"device_map={device_map!r} is neither a strategy ({', '.join(STRATEGIES)}) nor a "
+                f"device ({exc}); or give a dict or a Plan"
+            ) from None
+    raise PlanError(
+        f"device_map must be a strategy name, a device, a dict or a Plan, not {type(device_map).__name__}"
+    )
 
 
 @public
-def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None, *,
-             offload_dir: str | Path | None = None, no_split: Iterable[str | type] | None = None,
-             example_inputs: ExampleInputs | None = None,
-             output_device: str | torch.device | None = None, batch: int | None = None,
-             max_length: int | None = None) -> nn.Module:
+def dispatch(
+    model: nn.Module,
+    device_map: DeviceMap = "auto",
+    max_memory: MaxMemory | None = None,
+    *,
+    offload_dir: str | Path | None = None,
+    no_split: Iterable[str | type] | None = None,
+    example_inputs: ExampleInputs | None = None,
+    output_device: str | torch.device | None = None,
+    batch: int | None = None,
+    max_length: int | None = None,
+) -> nn.Module:
     """Place ``model`` across devices and hook it so that it runs there transparently.
 
     Offloaded units compute on the execution device (the fastest accelerator in the plan, else
@@ -270,8 +347,16 @@ def dispatch(model: nn.Module, device_map: DeviceMap = "auto", max_memory: MaxMe
     """
     release_orphans(model)  # a part kept from a dropped dispatched model is dispatched as its own
     check_not_dispatched(model)
-    chosen = plan(model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs,
-                  offload_dir=offload_dir, batch=batch, max_length=max_length)
+    chosen = plan(
+        model,
+        device_map,
+        max_memory,
+        no_split=no_split,
+        example_inputs=example_inputs,
+        offload_dir=offload_dir,
+        batch=batch,
+        max_length=max_length,
+    )
     dispatched = dispatch_plan(model, chosen, offload_dir=offload_dir, output_device=output_device)
     trim_host_memory()  # what writing the store freed goes back to the system (runtime/trim.py)
     return dispatched
@@ -281,28 +366,66 @@ PathLike = str | os.PathLike[str]
 
 
 @overload
-def load(folder: PathLike, /, *, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
-         offload_dir: PathLike | None = None, dtype: DtypeLike = None,
-         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
+def load(
+    folder: PathLike,
+    /,
+    *,
+    device_map: DeviceMap = "auto",
+    max_memory: MaxMemory | None = None,
+    offload_dir: PathLike | None = None,
+    dtype: DtypeLike = None,
+    no_split: Iterable[str | type] | None = None,
+    example_inputs: ExampleInputs | None = None,
+    quiet: bool = False,
+    batch: int | None = None,
+    max_length: int | None = None,
+    strict: bool = True,
+    torch_dtype: DtypeLike = None,
+    offload_folder: PathLike | None = None,
+    **from_pretrained: Any,
+) -> nn.Module: ...
 
 
 @overload
-def load(model: nn.Module, checkpoint: PathLike, device_map: DeviceMap = "auto", max_memory: MaxMemory | None = None,
-         *, offload_dir: PathLike | None = None, dtype: DtypeLike = None,
-         no_split: Iterable[str | type] | None = None, example_inputs: ExampleInputs | None = None,
-         quiet: bool = False, batch: int | None = None, max_length: int | None = None, strict: bool = True,
-         torch_dtype: DtypeLike = None, offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module: ...
+def load(
+    model: nn.Module,
+    checkpoint: PathLike,
+    device_map: DeviceMap = "auto",
+    max_memory: MaxMemory | None = None,
+    *,
+    offload_dir: PathLike | None = None,
+    dtype: DtypeLike = None,
+    no_split: Iterable[str | type] | None = None,
+    example_inputs: ExampleInputs | None = None,
+    quiet: bool = False,
+    batch: int | None = None,
+    max_length: int | None = None,
+    strict: bool = True,
+    torch_dtype: DtypeLike = None,
+    offload_folder: PathLike | None = None,
+    **from_pretrained: Any,
+) -> nn.Module: ...
 
 
 @public
-def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device_map: DeviceMap = "auto",
-         max_memory: MaxMemory | None = None, *, offload_dir: PathLike | None = None,
-         dtype: DtypeLike = None, no_split: Iterable[str | type] | None = None,
-         example_inputs: ExampleInputs | None = None, quiet: bool = False, batch: int | None = None,
-         max_length: int | None = None, strict: bool = True, torch_dtype: DtypeLike = None,
-         offload_folder: PathLike | None = None, **from_pretrained: Any) -> nn.Module:
+def load(
+    model: nn.Module | PathLike,
+    checkpoint: PathLike | None = None,
+    device_map: DeviceMap = "auto",
+    max_memory: MaxMemory | None = None,
+    *,
+    offload_dir: PathLike | None = None,
+    dtype: DtypeLike = None,
+    no_split: Iterable[str | type] | None = None,
+    example_inputs: ExampleInputs | None = None,
+    quiet: bool = False,
+    batch: int | None = None,
+    max_length: int | None = None,
+    strict: bool = True,
+    torch_dtype: DtypeLike = None,
+    offload_folder: PathLike | None = None,
+    **from_pretrained: Any,
+) -> nn.Module:
     """Load ``checkpoint`` into ``model``, each tensor straight to its planned device or store.
 
     Two forms:
@@ -378,7 +501,9 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     options = load_options(model if not folder_form else None, from_pretrained)
     model = Path(model) / options.subfolder if options.subfolder and folder_form else model
     if dtype == "auto":
-        dtype = None if folder_form else _stored_dtype(checkpoint)  # a folder's model is built in its config's
+        dtype = (
+            None if folder_form else _stored_dtype(checkpoint)
+        )  # a folder's model is built in its config's
     dtype = as_dtype(dtype)
     model, checkpoint = _model_and_checkpoint(model, checkpoint, dtype, quiet, options)
     if folder_form:
@@ -387,10 +512,23 @@ def load(model: nn.Module | PathLike, checkpoint: PathLike | None = None, device
     # Claimed from here: the tensors installed below are this call's until its dispatch ends.
     with claimed(model), silenced(quiet), open_checkpoint(checkpoint) as ckpt:
         match = matched(model, ckpt, strict, folder_form)
-        chosen, tasks = load_plan(model, match, dtype, lambda reserve: plan(
-            model, device_map, max_memory, no_split=no_split, example_inputs=example_inputs, dtype=dtype,
-            offload_dir=None if offload_dir is None else Path(offload_dir), batch=batch, max_length=max_length,
-            reserve=reserve))
+        chosen, tasks = load_plan(
+            model,
+            match,
+            dtype,
+            lambda reserve: plan(
+                model,
+                device_map,
+                max_memory,
+                no_split=no_split,
+                example_inputs=example_inputs,
+                dtype=dtype,
+                offload_dir=None if offload_dir is None else Path(offload_dir),
+                batch=batch,
+                max_length=max_length,
+                reserve=reserve,
+            ),
+        )
         folder = store_folder(chosen, offload_dir, store_bytes(tasks, ckpt))  # room checked before any read
         loaded = load_and_dispatch(model, chosen, tasks, ckpt, folder, match, quiet)
     log_summary(model, tasks, loaded, match, time.perf_counter() - start)
@@ -418,31 +556,46 @@ def _stored_dtype(checkpoint: PathLike | None) -> torch.dtype | None:
 def _check_named(path: PathLike, call: str) -> None:
     """Refuse an empty path: ``Path("")`` is the working directory, which the caller did not name."""
     if not os.fspath(path):
-        raise CheckpointError(f"{call}: the path is empty, which would read the working directory; name the "
-                              "checkpoint file or folder, e.g. '.' for the working directory")
+        raise CheckpointError(
+            f"{call}: the path is empty, which would read the working directory; name the "
+            "checkpoint file or folder, e.g. '.' for the working directory"
+        )
 
 
-def _model_and_checkpoint(model: nn.Module | PathLike, checkpoint: PathLike | None, dtype: torch.dtype | None,
-                          quiet: bool = False, options: FolderOptions = FolderOptions()) -> tuple[nn.Module, PathLike]:
+def _model_and_checkpoint(
+    model: nn.Module | PathLike,
+    checkpoint: PathLike | None,
+    dtype: torch.dtype | None,
+    quiet: bool = False,
+    options: FolderOptions = FolderOptions(),
+) -> tuple[nn.Module, PathLike]:
     """Which form of :func:`load` was called: (skeleton, checkpoint), or a folder to build from."""
     if isinstance(model, nn.Module):
         if checkpoint is None:
-            raise CheckpointError(f"automap.load({type(model).__name__}) needs the checkpoint to read: "
-                                  "automap.load(model, 'path/to/checkpoint'), or give only a Hugging Face folder: "
-                                  "automap.load('path/to/folder')")
+            raise CheckpointError(
+                f"automap.load({type(model).__name__}) needs the checkpoint to read: "
+                "automap.load(model, 'path/to/checkpoint'), or give only a Hugging Face folder: "
+                "automap.load('path/to/folder')"
+            )
         if not isinstance(checkpoint, (str, os.PathLike)):
-            raise CheckpointError(f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
-                                  f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}")
+            raise CheckpointError(
+                f"automap.load(model, {checkpoint!r}): the checkpoint is a path (a str or "
+                f"pathlib.Path) to a file or folder of shards, not a {type(checkpoint).__name__}"
+            )
         _check_named(checkpoint, f"automap.load({type(model).__name__}, {checkpoint!r})")
         release_orphans(model)  # a part kept from a dropped dispatched model is loaded as its own
         return model, checkpoint
     if not isinstance(model, (str, os.PathLike)):
-        raise CheckpointError(f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
-                              f"not a {type(model).__name__}")
+        raise CheckpointError(
+            f"automap.load takes a model (an nn.Module) or a Hugging Face folder's path first, "
+            f"not a {type(model).__name__}"
+        )
     _check_named(model, f"automap.load({model!r})")
     if checkpoint is not None:
-        raise CheckpointError(f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
-                              "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
-                              "or build the model yourself and call automap.load(model, checkpoint)")
+        raise CheckpointError(
+            f"automap.load({str(model)!r}, {str(checkpoint)!r}): a folder is both the model and "
+            "its checkpoint, so it takes no second path; pass device_map= and max_memory= by name, "
+            "or build the model yourself and call automap.load(model, checkpoint)"
+        )
     with step(f"automap: building the model in {model}", quiet=quiet):
         return build_from_folder(model, dtype, options), model

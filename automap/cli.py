@@ -10,6 +10,7 @@ answer at once); only then does a command import the library. The names offered 
 (strategies, dtypes, figure formats) are the library's registries', which
 ``tests/api/test_cli.py`` checks they equal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ class _Version(argparse.Action):
     """``--version``: the installed version, read only when asked (no metadata read, no torch)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="print automap's version and exit")
+        super().__init__(
+            option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print automap's version and exit"
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
         from automap.version import installed_version
@@ -92,19 +94,29 @@ def _verbose_option() -> argparse.ArgumentParser:
     """``-v``, accepted before or after the command (SUPPRESS: a command's default does not
     undo a ``-v`` given before it)."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log what the library does (to stderr)")
-    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on an internal error, print its traceback (for a bug report)")
+    parent.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log what the library does (to stderr)",
+    )
+    parent.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an internal error, print its traceback (for a bug report)",
+    )
     return parent
 
 
 def _parser() -> _Parser:
     verbose = _verbose_option()
     parser = _Parser(
-        prog="automap", parents=[verbose],
+        prog="automap",
+        parents=[verbose],
         description="Plan where each part of a PyTorch model lives (GPUs, then CPU RAM, then disk), "
-                    "see the plan as a table, JSON or picture, and run it there.",
+        "see the plan as a table, JSON or picture, and run it there.",
         epilog="Run 'automap COMMAND --help' for each command's options.",
     )
     parser.add_argument("--version", action=_Version)
@@ -117,16 +129,22 @@ def _parser() -> _Parser:
 def _count(minimum: int) -> Any:
     """An argparse type: a whole number from ``minimum`` to ``MAX_COUNT``, read by the one
     reader of numbers (:func:`automap.sizes.parse_number`)."""
+
     def parse(text: str) -> int:
         digits = text.strip()
         if not (digits.isascii() and digits.lstrip("-").isdigit()) or len(digits) > 4000:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}")
         try:
-            return int(parse_number(int(digits), "value", integral=True, minimum=minimum, maximum=MAX_COUNT,
-                                    error=SpecError))
+            return int(
+                parse_number(
+                    int(digits), "value", integral=True, minimum=minimum, maximum=MAX_COUNT, error=SpecError
+                )
+            )
         except SpecError:
             raise argparse.ArgumentTypeError(
-                f"must be between {minimum} and {MAX_COUNT:,}, got {shown(int(digits))}") from None
+                f"must be between {minimum} and {MAX_COUNT:,}, got {shown(int(digits))}"
+            ) from None
+
     return parse
 
 
@@ -135,53 +153,109 @@ _positive = _count(1)
 
 def _add_plan(commands: Any, verbose: argparse.ArgumentParser) -> None:
     plan = commands.add_parser(
-        "plan", parents=[verbose], help="plan a model (any size, on meta) and print/save the plan",
+        "plan",
+        parents=[verbose],
+        help="plan a model (any size, on meta) and print/save the plan",
         description="Build SPEC on the meta device (no weights, nothing downloaded), profile it at\n"
-                    "--batch x --seq-len (or on --input-shape / --example-inputs) and plan it for the\n"
-                    "devices in --max-memory (with --max-length, for generate(): the KV cache reserved\n"
-                    "where its layers live). Prints the report; --json and --figure save the plan.",
-        epilog=_PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("spec", metavar="SPEC", nargs="?",
-                      help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, a model folder, module:factory, "
-                           "or a preset (--list-presets)")
-    plan.add_argument("--list-presets", action="store_true",
-                      help="list the presets (shapes of popular models, planned offline) and exit")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V,...",
-                      help="config fields (hf) or keyword arguments (torchvision, factory); repeatable")
-    plan.add_argument("--max-memory", metavar="DEV=SIZE,...",
-                      help="device budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB (default: this machine)")
-    plan.add_argument("--strategy", default="auto", choices=STRATEGY_NAMES,
-                      help="how to spread units over the GPUs (default: auto)")
-    plan.add_argument("--batch", type=_positive, default=1, metavar="N", help="example batch size (default: 1)")
-    plan.add_argument("--seq-len", type=_positive, default=128, metavar="N",
-                      help="example sequence length for token models (default: 128); the prompt with --max-length")
+        "--batch x --seq-len (or on --input-shape / --example-inputs) and plan it for the\n"
+        "devices in --max-memory (with --max-length, for generate(): the KV cache reserved\n"
+        "where its layers live). Prints the report; --json and --figure save the plan.",
+        epilog=_PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument(
+        "spec",
+        metavar="SPEC",
+        nargs="?",
+        help="the model: torchvision:NAME, hf:FAMILY, hf:PATH, a model folder, module:factory, "
+        "or a preset (--list-presets)",
+    )
+    plan.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="list the presets (shapes of popular models, planned offline) and exit",
+    )
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="K=V,...",
+        help="config fields (hf) or keyword arguments (torchvision, factory); repeatable",
+    )
+    plan.add_argument(
+        "--max-memory",
+        metavar="DEV=SIZE,...",
+        help="device budgets, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB (default: this machine)",
+    )
+    plan.add_argument(
+        "--strategy",
+        default="auto",
+        choices=STRATEGY_NAMES,
+        help="how to spread units over the GPUs (default: auto)",
+    )
+    plan.add_argument(
+        "--batch", type=_positive, default=1, metavar="N", help="example batch size (default: 1)"
+    )
+    plan.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=128,
+        metavar="N",
+        help="example sequence length for token models (default: 128); the prompt with --max-length",
+    )
     inputs = plan.add_mutually_exclusive_group()
-    inputs.add_argument("--input-shape", metavar="SHAPE,...",
-                        help="the forward's inputs as float tensors of these shapes, e.g. 1x3x16x112x112 "
-                             "(a video model); several positional inputs separated by commas. Replaces the "
-                             "inputs guessed from --batch and --seq-len")
-    inputs.add_argument("--example-inputs", metavar="MODULE:FUNCTION",
-                        help="a function returning the forward's inputs (a tuple, a dict of keyword "
-                             "arguments, or a tensor), called with meta as the default device")
-    plan.add_argument("--max-length", type=_count(2), default=None, metavar="N",
-                      help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
-                           "device keeps room for its layers' KV cache, and the report predicts tokens/s")
-    plan.add_argument("--dtype", metavar="DTYPE", type=lambda t: t.strip().lower().removeprefix("torch."),
-                      choices=DTYPE_NAMES,
-                      help="dtype the model runs in: fp32, fp16, bf16, fp8 (default: a folder's checkpoint "
-                           "dtypes, else the config's, else fp32)")
+    inputs.add_argument(
+        "--input-shape",
+        metavar="SHAPE,...",
+        help="the forward's inputs as float tensors of these shapes, e.g. 1x3x16x112x112 "
+        "(a video model); several positional inputs separated by commas. Replaces the "
+        "inputs guessed from --batch and --seq-len",
+    )
+    inputs.add_argument(
+        "--example-inputs",
+        metavar="MODULE:FUNCTION",
+        help="a function returning the forward's inputs (a tuple, a dict of keyword "
+        "arguments, or a tensor), called with meta as the default device",
+    )
+    plan.add_argument(
+        "--max-length",
+        type=_count(2),
+        default=None,
+        metavar="N",
+        help="plan for generate(): --batch sequences grown to N tokens (prompt included); each "
+        "device keeps room for its layers' KV cache, and the report predicts tokens/s",
+    )
+    plan.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        type=lambda t: t.strip().lower().removeprefix("torch."),
+        choices=DTYPE_NAMES,
+        help="dtype the model runs in: fp32, fp16, bf16, fp8 (default: a folder's checkpoint "
+        "dtypes, else the config's, else fp32)",
+    )
     _add_outputs(plan)
 
 
 def _add_outputs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", metavar="FILE", help="write the plan as JSON (docs/plan-schema.md)")
     plan.add_argument("--figure", metavar="FILE", help="draw the plan as a picture (.png, .svg or .pdf)")
-    plan.add_argument("--quiet", action="store_true",
-                      help="print nothing: no report, no progress, no 'wrote' lines (still writes --json/--figure); "
-                           "errors still show")
-    plan.add_argument("--emit", choices=EMIT_ENGINES, metavar="ENGINE", help=f"print the plan as another engine "
-                      f"takes it ({', '.join(EMIT_ENGINES)}; docs/export.md) instead of the report")
-    plan.add_argument("--gguf-arch", metavar="ARCH", help="--emit llama.cpp: the GGUF architecture (default: model_type)")
+    plan.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print nothing: no report, no progress, no 'wrote' lines (still writes --json/--figure); "
+        "errors still show",
+    )
+    plan.add_argument(
+        "--emit",
+        choices=EMIT_ENGINES,
+        metavar="ENGINE",
+        help=f"print the plan as another engine "
+        f"takes it ({', '.join(EMIT_ENGINES)}; docs/export.md) instead of the report",
+    )
+    plan.add_argument(
+        "--gguf-arch", metavar="ARCH", help="--emit llama.cpp: the GGUF architecture (default: model_type)"
+    )
 
 
 def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -193,11 +267,15 @@ def parse_input_shapes(text: str) -> tuple[tuple[int, ...], ...]:
     shapes = []
     for item in filter(None, (p.strip() for p in text.split(","))):
         sizes = item.lower().split("x")
-        if not all(s.strip().isascii() and s.strip().isdigit() and len(s.strip()) <= 12
-                   and 0 < int(s) <= MAX_COUNT for s in sizes):
-            raise SpecError(f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', "
-                            f"got {item[:40]!r}; "
-                            "e.g. --input-shape 1x3x224x224")
+        if not all(
+            s.strip().isascii() and s.strip().isdigit() and len(s.strip()) <= 12 and 0 < int(s) <= MAX_COUNT
+            for s in sizes
+        ):
+            raise SpecError(
+                f"--input-shape expects sizes from 1 to {MAX_COUNT:,} joined by 'x', "
+                f"got {item[:40]!r}; "
+                "e.g. --input-shape 1x3x224x224"
+            )
         shapes.append(tuple(int(s) for s in sizes))
     if not shapes:
         raise SpecError("--input-shape is empty; e.g. --input-shape 1x3x224x224")
@@ -256,18 +334,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(name)s: %(message)s",
+    )
     if args.command is None:
         parser.print_help()
         return 2
     if args.command == "plan" and args.list_presets:
-        print("\n".join(["presets: the shapes of popular models, random weights, planned offline "
-                         "(automap plan NAME; --set changes a field)", *preset_lines()]))
+        print(
+            "\n".join(
+                [
+                    "presets: the shapes of popular models, random weights, planned offline "
+                    "(automap plan NAME; --set changes a field)",
+                    *preset_lines(),
+                ]
+            )
+        )
         return 0
     if args.command == "plan" and args.spec is None:
-        print("automap plan: error: the following arguments are required: SPEC (see 'automap plan --help'; "
-              "presets: automap plan --list-presets)", file=sys.stderr)
+        print(
+            "automap plan: error: the following arguments are required: SPEC (see 'automap plan --help'; "
+            "presets: automap plan --list-presets)",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.command == "plan":
@@ -293,8 +383,11 @@ def internal_error(exc: BaseException, debug: bool) -> int:
         traceback.print_exception(exc, file=sys.stderr)
     reason = " ".join(f"{type(exc).__name__}: {exc}".split())
     reason = reason if len(reason) <= 300 else reason[:297] + "..."
-    print(f"automap: internal error: {reason}; please report it with the output of the same command "
-          "run with --debug", file=sys.stderr)
+    print(
+        f"automap: internal error: {reason}; please report it with the output of the same command "
+        "run with --debug",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -306,13 +399,29 @@ def _plan(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     overrides = parse_overrides(args.overrides)
-    inputs = (input_tensors(args.shapes) if args.shapes else
-              load_example_inputs(args.example_inputs) if args.example_inputs else None)
-    with silenced(args.quiet), libraries_quiet(not getattr(args, "verbose", False)), step(f"automap: planning {args.spec}"):
+    inputs = (
+        input_tensors(args.shapes)
+        if args.shapes
+        else load_example_inputs(args.example_inputs)
+        if args.example_inputs
+        else None
+    )
+    with (
+        silenced(args.quiet),
+        libraries_quiet(not getattr(args, "verbose", False)),
+        step(f"automap: planning {args.spec}"),
+    ):
         result = plan_spec(
-            args.spec, overrides, max_memory=args.max_memory, strategy=args.strategy, batch=args.batch,
-            seq_len=args.seq_len, dtype=parse_dtype(args.dtype) if args.dtype else None,
-            max_length=args.max_length, example_inputs=inputs)
+            args.spec,
+            overrides,
+            max_memory=args.max_memory,
+            strategy=args.strategy,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            dtype=parse_dtype(args.dtype) if args.dtype else None,
+            max_length=args.max_length,
+            example_inputs=inputs,
+        )
     if args.emit:
         print(_emitted(result, args))
     elif not args.quiet:

@@ -5,6 +5,7 @@
 command line differ, the difference is a field of :class:`Tracing`. A dict device map is parsed
 once here (:func:`user_map`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,12 @@ class Tracing:
     hint: str = ""
 
 
-def library_tracing(model: nn.Module | Profile, example_inputs: ExampleInputs | None, batch: int | None,
-                    max_length: int | None) -> Tracing:
+def library_tracing(
+    model: nn.Module | Profile,
+    example_inputs: ExampleInputs | None,
+    batch: int | None,
+    max_length: int | None,
+) -> Tracing:
     """:func:`automap.plan`'s tracing: ``example_inputs`` (guessed at ``batch`` when only that
     is given), backward included; for a generation (``max_length``) the prompt, forward only.
 
@@ -76,11 +81,14 @@ def library_tracing(model: nn.Module | Profile, example_inputs: ExampleInputs | 
             return Tracing(inputs, guessed=how)
         return Tracing(example_inputs)
     inputs, how = prompt_inputs(model, example_inputs, batch or 1, max_length)
-    return Tracing(inputs, guessed=how if example_inputs is None else "", backward=False, generation=generation)
+    return Tracing(
+        inputs, guessed=how if example_inputs is None else "", backward=False, generation=generation
+    )
 
 
-def spec_tracing(model: nn.Module, example_inputs: Any, batch: int, seq_len: int,
-                 max_length: int | None) -> tuple[Tracing, str]:
+def spec_tracing(
+    model: nn.Module, example_inputs: Any, batch: int, seq_len: int, max_length: int | None
+) -> tuple[Tracing, str]:
     """``automap plan``'s tracing: ``example_inputs`` (one tensor welcome) or inputs guessed at
     ``batch`` x ``seq_len``, forward only (its plans are for inference: a backward would double
     the time for nothing); for a generation those inputs are the prompt. Also the sentence
@@ -97,8 +105,10 @@ def spec_tracing(model: nn.Module, example_inputs: Any, batch: int, seq_len: int
     return Tracing(inputs, guessed=guessed, backward=False, generation=generation, hint=_CLI_HINT), note
 
 
-_CLI_HINT = ("give the model's own: --input-shape 1x3x16x112x112 (one tensor; several separated by commas) or "
-             "--example-inputs module:function on the command line, example_inputs=(...) in Python")
+_CLI_HINT = (
+    "give the model's own: --input-shape 1x3x16x112x112 (one tensor; several separated by commas) or "
+    "--example-inputs module:function on the command line, example_inputs=(...) in Python"
+)
 
 
 def example_inputs_for(model: nn.Module, batch: int, seq_len: int) -> tuple[Any, str]:
@@ -110,8 +120,13 @@ def example_inputs_for(model: nn.Module, batch: int, seq_len: int) -> tuple[Any,
     config = getattr(model, "config", None)
     if config is not None and getattr(model, "main_input_name", None) == "pixel_values":
         size = getattr(config, "image_size", 224)
-        side = int(size[0] if isinstance(size, (list, tuple)) else size.get("height", 224)
-                   if isinstance(size, dict) else size)
+        side = int(
+            size[0]
+            if isinstance(size, (list, tuple))
+            else size.get("height", 224)
+            if isinstance(size, dict)
+            else size
+        )
         channels = int(getattr(config, "num_channels", 3))
         image = torch.zeros(batch, channels, side, side, device="meta")
         return {"pixel_values": image}, f"pixel_values {batch}x{channels}x{side}x{side}"
@@ -123,14 +138,26 @@ def capped_seq_len(model: nn.Module, seq_len: int) -> tuple[int, str]:
     position table has no rows beyond), with a sentence saying so ("" when not capped)."""
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    if isinstance(limit, int) and 0 < limit < seq_len and getattr(model, "main_input_name", "") == "input_ids":
-        return limit, (f"--seq-len {seq_len} capped at {limit}, the model's max_position_embeddings: "
-                       f"planned for {limit} tokens")
+    if (
+        isinstance(limit, int)
+        and 0 < limit < seq_len
+        and getattr(model, "main_input_name", "") == "input_ids"
+    ):
+        return limit, (
+            f"--seq-len {seq_len} capped at {limit}, the model's max_position_embeddings: "
+            f"planned for {limit} tokens"
+        )
     return seq_len, ""
 
 
-def traced_profile(model: nn.Module, tracing: Tracing, *, no_split: Iterable[str | type] | None = None,
-                   dtype: torch.dtype | None = None, units: list[str] | None = None) -> Profile:
+def traced_profile(
+    model: nn.Module,
+    tracing: Tracing,
+    *,
+    no_split: Iterable[str | type] | None = None,
+    dtype: torch.dtype | None = None,
+    units: list[str] | None = None,
+) -> Profile:
     """``model``'s profile as ``tracing`` says, with each unit's cache for a generation.
 
     Raises:
@@ -139,22 +166,44 @@ def traced_profile(model: nn.Module, tracing: Tracing, *, no_split: Iterable[str
         PlanError: a generation's ``batch`` or ``max_length`` out of range.
     """
     try:
-        prof = profile(model, tracing.inputs, no_split=no_split, dtype=dtype, units=units,
-                       backward=tracing.backward, guessed=tracing.guessed)
+        prof = profile(
+            model,
+            tracing.inputs,
+            no_split=no_split,
+            dtype=dtype,
+            units=units,
+            backward=tracing.backward,
+            guessed=tracing.guessed,
+        )
     except ProfileError as exc:
         if not (tracing.hint and tracing.guessed):
             raise
-        raise ProfileError(f"{exc}. automap guessed these inputs ({tracing.guessed}); {tracing.hint}") from exc
+        raise ProfileError(
+            f"{exc}. automap guessed these inputs ({tracing.guessed}); {tracing.hint}"
+        ) from exc
     if tracing.generation is None:
         return prof
-    return profile_generation(model, prof, tracing.inputs, batch=tracing.generation.batch,
-                              max_length=tracing.generation.max_length, dtype=dtype)
+    return profile_generation(
+        model,
+        prof,
+        tracing.inputs,
+        batch=tracing.generation.batch,
+        max_length=tracing.generation.max_length,
+        dtype=dtype,
+    )
 
 
-def plan_strategy(model: nn.Module | Profile, devices: tuple[DeviceSpec, ...], strategy: str, tracing: Tracing, *,
-                  no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
-                  reserve: Mapping[str, int] | None = None,
-                  accept: Callable[[Plan], bool] | None = None) -> Plan:
+def plan_strategy(
+    model: nn.Module | Profile,
+    devices: tuple[DeviceSpec, ...],
+    strategy: str,
+    tracing: Tracing,
+    *,
+    no_split: Iterable[str | type] | None = None,
+    dtype: torch.dtype | None = None,
+    reserve: Mapping[str, int] | None = None,
+    accept: Callable[[Plan], bool] | None = None,
+) -> Plan:
     """Profile ``model`` as ``tracing`` says and place it with ``strategy`` on ``devices``,
     splitting a unit that does not fit (traced again on the same inputs). A :class:`Profile`
     is planned as it is (nothing to trace again, so nothing split).
@@ -165,8 +214,10 @@ def plan_strategy(model: nn.Module | Profile, devices: tuple[DeviceSpec, ...], s
     """
     if isinstance(model, Profile):
         if tracing.generation is not None and model.generation is None:
-            raise PlanError("max_length needs the model to measure its cache, not a Profile; pass the model, "
-                            "or a Profile from automap.profiling.kvcache.profile_generation")
+            raise PlanError(
+                "max_length needs the model to measure its cache, not a Profile; pass the model, "
+                "or a Profile from automap.profiling.kvcache.profile_generation"
+            )
         prof, refine = model, None
     else:
         prof = traced_profile(model, tracing, no_split=no_split, dtype=dtype)
@@ -194,23 +245,35 @@ def tensor_holders(model: nn.Module, parsed: UserMap, units: Sequence[str]) -> l
     found: list[str] = []
     for key in parsed.devices:
         holder = key.rpartition(".")[0]
-        if not holder or holder in found or any(u == holder or u.startswith(holder + ".") or holder.startswith(u + ".")
-                                                for u in units):
+        if (
+            not holder
+            or holder in found
+            or any(u == holder or u.startswith(holder + ".") or holder.startswith(u + ".") for u in units)
+        ):
             continue
         try:
             module = model.get_submodule(holder)
         except AttributeError:
             continue
-        own = [f"{holder}.{n}" for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-               if t is not None]
+        own = [
+            f"{holder}.{n}"
+            for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            if t is not None
+        ]
         if own and all(n in parsed.devices for n in own):
             found.append(holder)
     return found
 
 
-def plan_user_map(model: nn.Module, parsed: UserMap, devices: tuple[DeviceSpec, ...],
-                  example_inputs: ExampleInputs | None, dtype: torch.dtype | None, batch: int | None,
-                  max_length: int | None) -> Plan:
+def plan_user_map(
+    model: nn.Module,
+    parsed: UserMap,
+    devices: tuple[DeviceSpec, ...],
+    example_inputs: ExampleInputs | None,
+    dtype: torch.dtype | None,
+    batch: int | None,
+    max_length: int | None,
+) -> Plan:
     """A parsed dict device map as a plan: its module keys that hold tensors are the units (what
     it keeps together stays together). Traced only with ``example_inputs`` or for a generation
     (:func:`library_tracing`); otherwise the map alone says where everything goes.
@@ -224,15 +287,19 @@ def plan_user_map(model: nn.Module, parsed: UserMap, devices: tuple[DeviceSpec, 
     units = called_units(model, named, holders, parsed.devices)
     units = (units + tensor_holders(model, parsed, units)) or [""]
     if example_inputs is None and max_length is None:
-        prof = untraced_profile(model, _MAP_PLACES_ALL, units=units, dtype=dtype,
-                                loose_homes=loose_homes(parsed, units))
+        prof = untraced_profile(
+            model, _MAP_PLACES_ALL, units=units, dtype=dtype, loose_homes=loose_homes(parsed, units)
+        )
     else:
-        prof = traced_profile(model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype,
-                              units=units)
+        prof = traced_profile(
+            model, library_tracing(model, example_inputs, batch, max_length), dtype=dtype, units=units
+        )
     return plan_from_device_map(prof, devices, parsed)
 
 
-def called_units(model: nn.Module, units: Sequence[str], holders: set[str], where: Mapping[str, str]) -> list[str]:
+def called_units(
+    model: nn.Module, units: Sequence[str], holders: set[str], where: Mapping[str, str]
+) -> list[str]:
     """The map's units as modules that run: a container the map stores whole (on a kind of
     device that only stores), which is never called and so could not be streamed in
     (accelerate's ``infer_auto_device_map`` keeps a ``ModuleList`` together:
@@ -247,7 +314,9 @@ def called_units(model: nn.Module, units: Sequence[str], holders: set[str], wher
             found.append(name)
             continue
         children = [f"{name}.{child}" for child, _ in module.named_children()]
-        children = [c for c in children if c in holders and c not in units]  # a child the map names is a unit already
+        children = [
+            c for c in children if c in holders and c not in units
+        ]  # a child the map names is a unit already
         found += called_units(model, children, holders, {**where, **{c: where[name] for c in children}})
     return found
 

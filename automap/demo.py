@@ -10,6 +10,7 @@ and checks that the outputs equal the plain model's. Without transformers (insta
 snippets name — small random-weight Hugging Face folders, what ``save_pretrained`` writes — so
 that every snippet runs offline from a fresh clone.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,19 +37,48 @@ def _resnet50() -> tuple[nn.Module, tuple[Any, ...]]:
 def _llama() -> tuple[nn.Module, tuple[Any, ...]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=8000, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval(), (torch.randint(0, 8000, (1, 48)),)
 
 
 # The docs' example folders (automap demo --save DIR): name -> (config fields, shard size). Small
 # shapes of the families the docs use; gptj is sharded like the big checkpoints it stands for.
 EXAMPLES: dict[str, tuple[dict[str, Any], str | None]] = {
-    "llama": (dict(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, vocab_size=8000,
-                   max_position_embeddings=512), None),
-    "gptj": (dict(model_type="gptj", n_embd=256, n_layer=4, n_head=8, rotary_dim=16, vocab_size=8000,
-                  n_positions=512, bos_token_id=0, eos_token_id=0), "4MB"),
+    "llama": (
+        dict(
+            model_type="llama",
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=8000,
+            max_position_embeddings=512,
+        ),
+        None,
+    ),
+    "gptj": (
+        dict(
+            model_type="gptj",
+            n_embd=256,
+            n_layer=4,
+            n_head=8,
+            rotary_dim=16,
+            vocab_size=8000,
+            n_positions=512,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "4MB",
+    ),
 }
 
 
@@ -108,18 +138,28 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         say(f"\n######## {label}: {format_bytes(size)} of fp32 weights")
         _show("plan for this machine", plan(model, example_inputs=inputs).report(), say)
-        hypothetical: dict[int | str, int | str] = {0: int(size * 0.3), 1: int(size * 0.3),
-                                                    "cpu": int(size * 0.25), "disk": "1TB"}
-        _show("plan for a hypothetical 2 GPU + CPU + disk machine (GPUs hold 30% each)",
-              plan(model, max_memory=hypothetical, example_inputs=inputs).report(), say)
+        hypothetical: dict[int | str, int | str] = {
+            0: int(size * 0.3),
+            1: int(size * 0.3),
+            "cpu": int(size * 0.25),
+            "disk": "1TB",
+        }
+        _show(
+            "plan for a hypothetical 2 GPU + CPU + disk machine (GPUs hold 30% each)",
+            plan(model, max_memory=hypothetical, example_inputs=inputs).report(),
+            say,
+        )
         with torch.no_grad():
             expected = _logits(model(*inputs))
         budget = int(size * 0.4)
         with tempfile.TemporaryDirectory(prefix="automap-demo-") as offload_dir:
             chosen = plan(model, max_memory={"cpu": budget}, example_inputs=inputs, offload_dir=offload_dir)
             dispatch(model, chosen, offload_dir=offload_dir)
-            _show(f"dispatched with a RAM budget of {format_bytes(budget)}; where each tensor really is",
-                  placement(model).report(), say)
+            _show(
+                f"dispatched with a RAM budget of {format_bytes(budget)}; where each tensor really is",
+                placement(model).report(),
+                say,
+            )
             start = time.perf_counter()
             with torch.no_grad():
                 got = _logits(model(*inputs))
@@ -128,9 +168,13 @@ def run_demo(say: Callable[[str], None] = print) -> bool:
         diff = (got - expected).abs().max().item()
         same = diff <= 1e-6
         ok &= same
-        say(f"\nforward, part of the weights on disk: {format_seconds(seconds)}; max |dispatched - plain| {format_number(diff)} "
-            f"-> {'IDENTICAL' if same else 'DIFFERENT'}")
+        say(
+            f"\nforward, part of the weights on disk: {format_seconds(seconds)}; max |dispatched - plain| {format_number(diff)} "
+            f"-> {'IDENTICAL' if same else 'DIFFERENT'}"
+        )
     if len(models) == 1:
-        say('\nskipped the Llama half: it needs transformers, which is not installed; pip install "automap[hf]"')
+        say(
+            '\nskipped the Llama half: it needs transformers, which is not installed; pip install "automap[hf]"'
+        )
     say("\ndemo " + ("passed: dispatched outputs equal the plain model's" if ok else "FAILED"))
     return ok

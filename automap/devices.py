@@ -4,6 +4,7 @@
 torch is imported by the functions that ask it about this machine's hardware, not with the
 module: the ``automap`` command checks ``--max-memory`` before it imports torch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,18 +86,28 @@ def canonical_name(key: int | str) -> str:
     if isinstance(key, bool):
         raise DeviceError(f"device key {key!r} is a bool; use 0, 'cuda:0', 'mps', 'cpu' or 'disk'")
     if isinstance(key, int):
-        index = parse_number(key, "device index", integral=True, maximum=MAX_COUNT, error=DeviceError,
-                             hint="GPU indices start at 0, e.g. 0 or 'cuda:0'")
+        index = parse_number(
+            key,
+            "device index",
+            integral=True,
+            maximum=MAX_COUNT,
+            error=DeviceError,
+            hint="GPU indices start at 0, e.g. 0 or 'cuda:0'",
+        )
         return f"{integer_kind().name}:{int(index)}"
-    if type(key).__module__ == "torch" and type(key).__name__ == "device":  # torch.device, torch not imported here
+    if (
+        type(key).__module__ == "torch" and type(key).__name__ == "device"
+    ):  # torch.device, torch not imported here
         key = str(key)
     if not isinstance(key, str):
-        raise DeviceError(f"device key {shown(key)} has type {type(key).__name__}; "
-                          "use 0, 'cuda:0', 'cpu' or 'disk'")
+        raise DeviceError(
+            f"device key {shown(key)} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'"
+        )
     text = key.strip().lower()
     if len(text) > 40:  # no device name is this long; a long digit string is no index either
-        raise DeviceError(f"unknown device {shown(key)}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', "
-                          "'cpu' or 'disk'")
+        raise DeviceError(
+            f"unknown device {shown(key)}; use a GPU index (0), 'cuda:0', 'xpu:0', 'mps', 'cpu' or 'disk'"
+        )
     if text.isascii() and text.isdigit():
         return canonical_name(int(text))
     if text == "meta":
@@ -117,9 +128,14 @@ def _kind_name(text: str) -> str | None:
     if kind is None or (sep and not (index.isascii() and index.isdigit())):
         return None
     if kind.indexed:
-        number = parse_number(int(index) if sep else 0, f"device index in {text!r}", integral=True,
-                              maximum=MAX_COUNT, error=DeviceError,
-                              hint="GPU indices start at 0, e.g. 'cuda:0'")
+        number = parse_number(
+            int(index) if sep else 0,
+            f"device index in {text!r}",
+            integral=True,
+            maximum=MAX_COUNT,
+            error=DeviceError,
+            hint="GPU indices start at 0, e.g. 'cuda:0'",
+        )
         return f"{base}:{int(number)}"
     return base if not sep or kind.index_alias else None
 
@@ -145,8 +161,10 @@ def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
     for key, value in max_memory.items():
         name = canonical_name(key)
         if name in result:
-            raise SizeError(f"max_memory gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
-                            f"and {key!r}: {value!r}); keep one")
+            raise SizeError(
+                f"max_memory gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
+                f"and {key!r}: {value!r}); keep one"
+            )
         result[name], given[name] = parse_size(value, f"max_memory[{key!r}]"), key
     return result
 
@@ -167,12 +185,16 @@ def parse_max_memory_text(text: str) -> dict[int | str, str]:
     for pair in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = pair.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise SizeError(f"--max-memory expects device=size pairs separated by commas, got {pair!r}; "
-                            "e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB")
+            raise SizeError(
+                f"--max-memory expects device=size pairs separated by commas, got {pair!r}; "
+                "e.g. --max-memory 0=20GiB,1=20GiB,cpu=64GiB,disk=500GiB"
+            )
         device: int | str = int(key.strip()) if key.strip().isdigit() else key.strip()
         if device in result:
-            raise SizeError(f"--max-memory gives {key.strip()!r} two budgets ({result[device]} and "
-                            f"{value.strip()}); keep one")
+            raise SizeError(
+                f"--max-memory gives {key.strip()!r} two budgets ({result[device]} and "
+                f"{value.strip()}); keep one"
+            )
         result[device] = value.strip()
     if not result:
         raise SizeError("--max-memory is empty; e.g. --max-memory 0=20GiB,cpu=64GiB")
@@ -180,9 +202,14 @@ def parse_max_memory_text(text: str) -> dict[int | str, str]:
     return result
 
 
-def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | None = None,
-                link_bytes_per_second: float | None = None,
-                memory_bytes_per_second: float | None = None) -> DeviceSpec:
+def make_device(
+    name: str,
+    capacity_bytes: int,
+    *,
+    flops_per_second: float | None = None,
+    link_bytes_per_second: float | None = None,
+    memory_bytes_per_second: float | None = None,
+) -> DeviceSpec:
     """Build a :class:`DeviceSpec` with per-kind default speeds unless given."""
     canonical = canonical_name(name)
     kind = kind_of(canonical)
@@ -191,9 +218,11 @@ def make_device(name: str, capacity_bytes: int, *, flops_per_second: float | Non
         kind=kind.name,
         capacity_bytes=int(capacity_bytes),
         flops_per_second=kind.flops_per_second if flops_per_second is None else float(flops_per_second),
-        link_bytes_per_second=kind.link_bytes_per_second if link_bytes_per_second is None
+        link_bytes_per_second=kind.link_bytes_per_second
+        if link_bytes_per_second is None
         else float(link_bytes_per_second),
-        memory_bytes_per_second=kind.memory_bytes_per_second if memory_bytes_per_second is None
+        memory_bytes_per_second=kind.memory_bytes_per_second
+        if memory_bytes_per_second is None
         else float(memory_bytes_per_second),
     )
 
@@ -216,11 +245,15 @@ def _detect_accelerators() -> dict[str, int]:
     return found
 
 
-def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | None = None,
-                   speeds: Mapping[str, float] | None = None,
-                   links: Mapping[str, float] | None = None,
-                   bandwidths: Mapping[str, float] | None = None,
-                   dtype: str | None = None) -> tuple[DeviceSpec, ...]:
+def detect_devices(
+    max_memory: MaxMemory | None = None,
+    *,
+    offload_dir: str | None = None,
+    speeds: Mapping[str, float] | None = None,
+    links: Mapping[str, float] | None = None,
+    bandwidths: Mapping[str, float] | None = None,
+    dtype: str | None = None,
+) -> tuple[DeviceSpec, ...]:
     """The devices a plan may use, fastest tier first.
 
     With ``max_memory`` the devices are exactly the ones it names (they need not exist on
@@ -252,14 +285,21 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
     else:
         fresh = {**_detect_accelerators(), "cpu": available_ram_bytes()}
         budget = {}
-    fresh.update({kind.name: free_disk_bytes(offload_dir) for kind in registered_kinds()
-                  if kind.stores_only and kind.name not in budget})  # disk: the free space of offload_dir
+    fresh.update(
+        {
+            kind.name: free_disk_bytes(offload_dir)
+            for kind in registered_kinds()
+            if kind.stores_only and kind.name not in budget
+        }
+    )  # disk: the free space of offload_dir
     record = machine_record(offload_dir)
     keys = {name: disk_key(offload_dir) if kind_of(name).stores_only else name for name in fresh}
     stable = stable_capacities(record, {keys[name]: value for name, value in fresh.items()})
     budget.update({name: stable[keys[name]] for name in fresh})
-    devices = [_measured(make_device(name, cap), name in fresh, record, dtype, offload_dir)
-               for name, cap in budget.items()]
+    devices = [
+        _measured(make_device(name, cap), name in fresh, record, dtype, offload_dir)
+        for name, cap in budget.items()
+    ]
     devices = [_override(d, "flops_per_second", speeds) for d in devices]
     devices = [_override(d, "link_bytes_per_second", links) for d in devices]
     devices = [_override(d, "memory_bytes_per_second", bandwidths) for d in devices]
@@ -267,8 +307,11 @@ def detect_devices(max_memory: MaxMemory | None = None, *, offload_dir: str | No
 
 
 # The argument each DeviceSpec field is given by, for messages.
-_ARGUMENTS = {"flops_per_second": "speeds", "link_bytes_per_second": "links",
-              "memory_bytes_per_second": "bandwidths"}
+_ARGUMENTS = {
+    "flops_per_second": "speeds",
+    "link_bytes_per_second": "links",
+    "memory_bytes_per_second": "bandwidths",
+}
 
 
 def parse_rates(values: object, argument: str) -> dict[str, float]:
@@ -282,15 +325,24 @@ def parse_rates(values: object, argument: str) -> dict[str, float]:
     if values is None:
         return {}
     if not isinstance(values, Mapping):
-        raise DeviceError(f"{argument}={shown(values)}: give a dict keyed by device name or kind, "
-                          f"e.g. {argument}={{'cpu': 20e9}}")
-    return {(k if isinstance(k, str) and find_kind(k) is not None else canonical_name(k)):
-            parse_number(v, f"{argument}[{shown(k)}]", error=DeviceError,
-                         hint=f"give per-second figures from 0 to {MAX_RATE:g}, "
-                              f"e.g. {argument}={{'cuda': 300e12}}")
-            for k, v in values.items()}
-def _measured(device: DeviceSpec, capacity: bool, record: Mapping[str, Any], dtype: str | None,
-              folder: str | None) -> DeviceSpec:
+        raise DeviceError(
+            f"{argument}={shown(values)}: give a dict keyed by device name or kind, "
+            f"e.g. {argument}={{'cpu': 20e9}}"
+        )
+    return {
+        (k if isinstance(k, str) and find_kind(k) is not None else canonical_name(k)): parse_number(
+            v,
+            f"{argument}[{shown(k)}]",
+            error=DeviceError,
+            hint=f"give per-second figures from 0 to {MAX_RATE:g}, e.g. {argument}={{'cuda': 300e12}}",
+        )
+        for k, v in values.items()
+    }
+
+
+def _measured(
+    device: DeviceSpec, capacity: bool, record: Mapping[str, Any], dtype: str | None, folder: str | None
+) -> DeviceSpec:
     """``device`` with the figures this machine's record has for it (none for a device it
     lacks: a hypothetical one keeps its kind's defaults), each named in ``measured``."""
     figures = measured_figures(dict(record), device.name, dtype, folder) if record else {}
@@ -311,7 +363,9 @@ def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, fl
     return device
 
 
-def calibrate(devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | str, float]) -> tuple[DeviceSpec, ...]:
+def calibrate(
+    devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | str, float]
+) -> tuple[DeviceSpec, ...]:
     """Replace default speeds by measured ones: ``flops`` of work took ``seconds[name]`` there.
 
     Args:
@@ -324,18 +378,21 @@ def calibrate(devices: Sequence[DeviceSpec], flops: int, seconds: Mapping[int | 
     """
     if not isinstance(seconds, Mapping):
         raise DeviceError(f"seconds={shown(seconds)}: give measured seconds per device, e.g. {{'cpu': 0.9}}")
-    measured = {canonical_name(k): parse_number(v, f"seconds[{shown(k)}]", error=DeviceError)
-                for k, v in seconds.items()}
+    measured = {
+        canonical_name(k): parse_number(v, f"seconds[{shown(k)}]", error=DeviceError)
+        for k, v in seconds.items()
+    }
     unknown = sorted(set(measured) - {d.name for d in devices})
     if unknown:
-        raise DeviceError(f"calibration names {unknown}, which are not among the devices "
-                          f"{[d.name for d in devices]}")
+        raise DeviceError(
+            f"calibration names {unknown}, which are not among the devices {[d.name for d in devices]}"
+        )
     bad = {k: v for k, v in measured.items() if not v > 0}
     if bad:
         raise DeviceError(f"calibration times must be > 0 seconds, got {bad}")
-    return tuple(replace(d, flops_per_second=flops / measured[d.name]) if d.name in measured else d
-                 for d in devices)
-
+    return tuple(
+        replace(d, flops_per_second=flops / measured[d.name]) if d.name in measured else d for d in devices
+    )
 
 
 def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, int]:
@@ -351,8 +408,9 @@ def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, 
     if reserve is None:
         return {}
     if isinstance(reserve, Mapping):
-        return {name: parse_size(value, f"reserve[{name!r}]")
-                for name, value in parse_max_memory(reserve).items()}
+        return {
+            name: parse_size(value, f"reserve[{name!r}]") for name, value in parse_max_memory(reserve).items()
+        }
     size = parse_size(reserve, "reserve")
     runners = [d for d in devices if d.is_accelerator] or [d for d in devices if kind_of(d).is_host]
     return {d.name: size for d in runners}

@@ -2,6 +2,7 @@
 ``torch.distributed.pipelining`` as its ``split_spec`` (each stage's first unit a
 ``SplitPoint.BEGINNING``), on one hypothetical device per rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,14 @@ ScheduleName = Literal["gpipe", "1f1b"]
 FREE_LINK_BYTES_PER_SECOND = 1e18
 
 
-def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: ExampleInputs | None = None,
-                   memory_per_rank: int | str | None = None, no_split: Iterable[str | type] | None = None) -> Plan:
+def plan_for_ranks(
+    model: nn.Module,
+    world_size: int,
+    *,
+    example_inputs: ExampleInputs | None = None,
+    memory_per_rank: int | str | None = None,
+    no_split: Iterable[str | type] | None = None,
+) -> Plan:
     """Plan ``model`` over ``world_size`` processes: one hypothetical device per rank
     (``cuda:0`` ... ``cuda:{n-1}``, whatever the ranks really run on), balanced by FLOPs.
 
@@ -59,8 +66,10 @@ def plan_for_ranks(model: nn.Module, world_size: int, *, example_inputs: Example
         raise PipelineError(f"world_size must be >= 1, got {world_size}")
     prof = traced_profile(model, Tracing(example_inputs), no_split=no_split)
     if len(prof.units) < world_size:
-        raise PipelineError(f"{type(model).__name__} has {len(prof.units)} placement unit(s) but there are "
-                            f"{world_size} ranks; use fewer ranks or smaller units (no_split=[])")
+        raise PipelineError(
+            f"{type(model).__name__} has {len(prof.units)} placement unit(s) but there are "
+            f"{world_size} ranks; use fewer ranks or smaller units (no_split=[])"
+        )
     if memory_per_rank is None:
         memory_per_rank = 2 * max(sum(u.weight_bytes for u in prof.units), 1)
     budget: dict[int | str, int | str] = {rank: memory_per_rank for rank in range(world_size)}
@@ -97,11 +106,20 @@ class RankPipeline:
         return self.rank == self.world_size - 1
 
 
-def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, rank: int, world_size: int,
-                device: torch.device | str, chunks: int, schedule: ScheduleName = "gpipe",
-                loss_fn: Callable[..., torch.Tensor] | None = None,
-                example_kwargs: Mapping[str, Any] | None = None,
-                group: torch.distributed.ProcessGroup | None = None) -> RankPipeline:
+def build_stage(
+    model: nn.Module,
+    plan: Plan,
+    example_args: tuple[Any, ...],
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device | str,
+    chunks: int,
+    schedule: ScheduleName = "gpipe",
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> RankPipeline:
     """Split ``model`` where ``plan`` says and build this rank's stage and schedule.
 
     Every rank calls it with the same model (same weights: seed it or load one checkpoint),
@@ -132,20 +150,37 @@ def build_stage(model: nn.Module, plan: Plan, example_args: tuple[Any, ...], *, 
     except AutomapError:
         raise
     except Exception as exc:
-        raise PipelineError(f"torch.distributed.pipelining could not trace {type(model).__name__} with "
-                            f"torch.export ({type(exc).__name__}: {exc}); make its forward exportable or "
-                            "build PipelineStage objects by hand from the plan's stages") from exc
+        raise PipelineError(
+            f"torch.distributed.pipelining could not trace {type(model).__name__} with "
+            f"torch.export ({type(exc).__name__}: {exc}); make its forward exportable or "
+            "build PipelineStage objects by hand from the plan's stages"
+        ) from exc
     if pipe.num_stages != world_size:
-        raise PipelineError(f"tracing cut {type(model).__name__} into {pipe.num_stages} stage(s), not {world_size}: "
-                            f"a split point in {sorted(spec)} is not called as a module in forward")
+        raise PipelineError(
+            f"tracing cut {type(model).__name__} into {pipe.num_stages} stage(s), not {world_size}: "
+            f"a split point in {sorted(spec)} is not called as a module in forward"
+        )
     stage = pipe.build_stage(rank, torch.device(device), group)
-    log.info("rank %d/%d runs stage %d (%s, ...) with %s, %d micro-batches", rank, world_size, rank,
-             ", ".join(stages[rank].units[:3]), schedule, chunks)
-    return RankPipeline(stage, make_schedule(stage, schedule, chunks, loss_fn), stage.submod, rank, world_size)
+    log.info(
+        "rank %d/%d runs stage %d (%s, ...) with %s, %d micro-batches",
+        rank,
+        world_size,
+        rank,
+        ", ".join(stages[rank].units[:3]),
+        schedule,
+        chunks,
+    )
+    return RankPipeline(
+        stage, make_schedule(stage, schedule, chunks, loss_fn), stage.submod, rank, world_size
+    )
 
 
-def make_schedule(stage: PipelineStage, schedule: ScheduleName, chunks: int,
-                  loss_fn: Callable[..., torch.Tensor] | None = None) -> PipelineScheduleSingle:
+def make_schedule(
+    stage: PipelineStage,
+    schedule: ScheduleName,
+    chunks: int,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> PipelineScheduleSingle:
     """A schedule of the named kind over an existing stage (to switch, say, from a GPipe
     evaluation to 1F1B training without tracing again). Gradients are averaged over the
     micro-batches, so with equal micro-batches and a mean loss they equal the whole batch's."""

@@ -3,6 +3,7 @@
 Messages name the thing that failed, the numbers involved, and what to do about it; warnings
 point at the user's line (:func:`user_stacklevel`).
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@ or its complete result, never half of it. One handler per public call (:func:`pu
 held sections entered by a counter (:func:`deferred`), cleanups run to their end
 (:func:`completed`), and one record per call of what it created, discarded on interrupt.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,10 +15,30 @@ from typing import Any, Callable, Iterator, TypeVar
 
 # The signals a process gets from outside (a terminal, a timer, another process); the names a
 # platform lacks are skipped.
-_ASYNC = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM",
-                                            "SIGPROF", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGWINCH", "SIGPIPE",
-                                            "SIGXCPU", "SIGXFSZ", "SIGTSTP", "SIGCONT", "SIGIO", "SIGURG")
-               if hasattr(signal, n))
+_ASYNC = tuple(
+    getattr(signal, n)
+    for n in (
+        "SIGINT",
+        "SIGTERM",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGALRM",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGCHLD",
+        "SIGWINCH",
+        "SIGPIPE",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGTSTP",
+        "SIGCONT",
+        "SIGIO",
+        "SIGURG",
+    )
+    if hasattr(signal, n)
+)
 
 
 class _Held:
@@ -81,10 +102,12 @@ def public_call() -> Iterator[None]:
 
 def public(function: F) -> F:
     """``function`` run under :func:`public_call` (a decorator for the public entry points)."""
+
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         with public_call():
             return function(*args, **kwargs)
+
     return call  # type: ignore[return-value]
 
 

@@ -5,6 +5,7 @@ Invariants: this module names nothing above it and imports no torch at import ti
 factories of the built-in kinds (ops, weight sources) are attached by the modules that define
 them (:func:`attach`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -146,7 +147,9 @@ def register_kind(kind: DeviceKind, *, replace: bool = False) -> DeviceKind:
     if not kind.name.isalpha() or not kind.name.islower() or kind.name == "meta":
         raise DeviceError(f"a device kind is named by a lowercase word other than 'meta', got {kind.name!r}")
     if kind.name in _REGISTRY and not replace:
-        raise DeviceError(f"device kind {kind.name!r} is registered already; pass replace=True to redefine it")
+        raise DeviceError(
+            f"device kind {kind.name!r} is registered already; pass replace=True to redefine it"
+        )
     _REGISTRY[kind.name] = kind
     return kind
 
@@ -194,7 +197,9 @@ def kind_of(device: Any) -> DeviceKind:
     name = getattr(device, "kind", None) or getattr(device, "type", None) or str(device).split(":")[0]
     kind = _REGISTRY.get(name)
     if kind is None:
-        raise DeviceError(f"unknown device kind {name!r}; the kinds are {[k.name for k in registered_kinds()]}")
+        raise DeviceError(
+            f"unknown device kind {name!r}; the kinds are {[k.name for k in registered_kinds()]}"
+        )
     return kind
 
 
@@ -276,8 +281,10 @@ def _detect_cuda() -> dict[str, int]:
 def _detect_xpu() -> dict[str, int]:
     import torch
 
-    return {f"xpu:{i}": int(torch.xpu.get_device_properties(i).total_memory * FRESH_ACCELERATOR_SHARE)
-            for i in range(_xpu_count())}
+    return {
+        f"xpu:{i}": int(torch.xpu.get_device_properties(i).total_memory * FRESH_ACCELERATOR_SHARE)
+        for i in range(_xpu_count())
+    }
 
 
 def _detect_mps() -> dict[str, int]:
@@ -323,19 +330,81 @@ _ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False, ove
 # activation blocks in its arenas (its mmap threshold rises to the largest block freed), about
 # 0.9 times the activation peak more at the run's peak (0.5-1.4 measured).
 _CPU_RUNTIME = dict(runtime_base_bytes=22 * 2**20, runtime_share=0.9)
-register_kind(DeviceKind("cuda", 0, **_ACCELERATOR, async_copies=True, flops_per_second=100e12,
-                         link_bytes_per_second=25e9, memory_bytes_per_second=2e12, indexed=True,
-                         integer_keys=True, detect=_detect_cuda, count=_cuda_count, synchronize=_sync_cuda,
-                         torch_module="cuda", compute_streams=True))
-register_kind(DeviceKind("xpu", 1, **_ACCELERATOR, async_copies=False, flops_per_second=50e12,
-                         link_bytes_per_second=25e9, memory_bytes_per_second=1e12, indexed=True,
-                         detect=_detect_xpu, count=_xpu_count, synchronize=_sync_xpu, torch_module="xpu"))
-register_kind(DeviceKind("mps", 2, **_ACCELERATOR, async_copies=False, flops_per_second=10e12,
-                         link_bytes_per_second=50e9, memory_bytes_per_second=2e11, index_alias=True,
-                         detect=_detect_mps, count=_mps_count, synchronize=_sync_mps, torch_module="mps"))
-register_kind(DeviceKind("cpu", 3, computes=True, is_storage=True, host_addressable=True, async_copies=False,
-                         flops_per_second=2e11, link_bytes_per_second=25e9, memory_bytes_per_second=2e10,
-                         **_CPU_RUNTIME))
-register_kind(DeviceKind("disk", 4, computes=False, is_storage=True, host_addressable=True, async_copies=False,
-                         flops_per_second=0.0, link_bytes_per_second=2e9, memory_bytes_per_second=2e9,
-                         staged_via_host=True))
+register_kind(
+    DeviceKind(
+        "cuda",
+        0,
+        **_ACCELERATOR,
+        async_copies=True,
+        flops_per_second=100e12,
+        link_bytes_per_second=25e9,
+        memory_bytes_per_second=2e12,
+        indexed=True,
+        integer_keys=True,
+        detect=_detect_cuda,
+        count=_cuda_count,
+        synchronize=_sync_cuda,
+        torch_module="cuda",
+        compute_streams=True,
+    )
+)
+register_kind(
+    DeviceKind(
+        "xpu",
+        1,
+        **_ACCELERATOR,
+        async_copies=False,
+        flops_per_second=50e12,
+        link_bytes_per_second=25e9,
+        memory_bytes_per_second=1e12,
+        indexed=True,
+        detect=_detect_xpu,
+        count=_xpu_count,
+        synchronize=_sync_xpu,
+        torch_module="xpu",
+    )
+)
+register_kind(
+    DeviceKind(
+        "mps",
+        2,
+        **_ACCELERATOR,
+        async_copies=False,
+        flops_per_second=10e12,
+        link_bytes_per_second=50e9,
+        memory_bytes_per_second=2e11,
+        index_alias=True,
+        detect=_detect_mps,
+        count=_mps_count,
+        synchronize=_sync_mps,
+        torch_module="mps",
+    )
+)
+register_kind(
+    DeviceKind(
+        "cpu",
+        3,
+        computes=True,
+        is_storage=True,
+        host_addressable=True,
+        async_copies=False,
+        flops_per_second=2e11,
+        link_bytes_per_second=25e9,
+        memory_bytes_per_second=2e10,
+        **_CPU_RUNTIME,
+    )
+)
+register_kind(
+    DeviceKind(
+        "disk",
+        4,
+        computes=False,
+        is_storage=True,
+        host_addressable=True,
+        async_copies=False,
+        flops_per_second=0.0,
+        link_bytes_per_second=2e9,
+        memory_bytes_per_second=2e9,
+        staged_via_host=True,
+    )
+)

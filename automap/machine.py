@@ -3,6 +3,7 @@ bandwidth, disk read rate, each accelerator's rates; ``AUTOMAP_CALIBRATION`` tur
 moves the record; ``automap calibrate`` measures again), so that a plan is a pure function of
 recorded figures. Free space is rounded down and recorded, so plans do not change with it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,9 +46,14 @@ def fingerprint() -> dict[str, Any]:
     for another fingerprint is measured again."""
     import torch
 
-    return {"cpu": _cpu_model(), "cores": os.cpu_count() or 0, "memory_bytes": _memory_total(),
-            "accelerators": _accelerator_names(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "memory_bytes": _memory_total(),
+        "accelerators": _accelerator_names(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _cpu_model() -> str:
@@ -89,6 +95,7 @@ def _accelerator_names() -> list[str]:
 
 # ---------------------------------------------------------------------- the record
 
+
 def fingerprint_key(found: dict[str, Any]) -> str:
     """A short stable name of a fingerprint, the record's key in the file."""
     return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:16]
@@ -99,7 +106,11 @@ def _read_file(path: Path) -> dict[str, Any]:
         data = read_json_file(path, "machine record", hint="", error=AutomapError)
     except AutomapError:
         return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("machines"), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or not isinstance(data.get("machines"), dict)
+    ):
         return {}
     return data
 
@@ -125,8 +136,12 @@ def write_record(record: dict[str, Any]) -> None:
         return
     data = _read_file(path)
     if not data and (path.is_symlink() or path.exists()):
-        log.warning("%s is not automap's record of this machine; left as it is (remove it, or point %s "
-                    "at another file)", path, ENV)
+        log.warning(
+            "%s is not automap's record of this machine; left as it is (remove it, or point %s "
+            "at another file)",
+            path,
+            ENV,
+        )
         return
     data = data or {"format": FORMAT, "machines": {}}
     data["machines"][fingerprint_key(record["fingerprint"])] = record
@@ -173,16 +188,23 @@ def describe(record: dict[str, Any]) -> str:
     """The record's figures, one device a line: ``cpu: 31.2 GFLOP/s float32, ...``."""
     lines = []
     for name, entry in sorted(record.get("devices", {}).items()):
-        parts = [f"{rate / 1e9:,.1f} GFLOP/s {dtype}" for dtype, rate in entry.get("flops_per_second", {}).items()]
-        for key, label in (("memory_bytes_per_second", "memory"), ("link_bytes_per_second", "copy in"),
-                           ("read_bytes_per_second", "read")):
+        parts = [
+            f"{rate / 1e9:,.1f} GFLOP/s {dtype}" for dtype, rate in entry.get("flops_per_second", {}).items()
+        ]
+        for key, label in (
+            ("memory_bytes_per_second", "memory"),
+            ("link_bytes_per_second", "copy in"),
+            ("read_bytes_per_second", "read"),
+        ):
             if entry.get(key):
                 parts.append(f"{label} {entry[key] / 1e9:,.2f} GB/s")
         lines.append(f"{name}: {', '.join(parts) or 'not measured (defaults)'}")
     return "\n".join(lines)
 
 
-def measured_figures(record: dict[str, Any], name: str, dtype: str | None, folder: str | None) -> dict[str, float]:
+def measured_figures(
+    record: dict[str, Any], name: str, dtype: str | None, folder: str | None
+) -> dict[str, float]:
     """The measured figures of the device ``name`` as :class:`~automap.devices.DeviceSpec`
     fields: ``{"flops_per_second": ..., "memory_bytes_per_second": ...}``; {} for a device this
     machine lacks or one not measured."""
@@ -200,6 +222,7 @@ def measured_figures(record: dict[str, Any], name: str, dtype: str | None, folde
 
 
 # ---------------------------------------------------------------------- capacities
+
 
 def rounded_down(nbytes: int) -> int:
     """``nbytes`` rounded down to a sixteenth of its power of two (6 % at most)."""

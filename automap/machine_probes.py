@@ -1,6 +1,7 @@
 """How :mod:`automap.machine` measures this machine: short probes, each the median of a few
 timed runs after a warm-up (on a machine shared with other jobs, their load included, as a
 run would see it). Nothing here records anything; :mod:`automap.machine` keeps the figures."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ _DISK_CHUNK = 4 * 2**20
 _DISK_IN_FLIGHT = 4
 
 
-def _median_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: int = 30,
-                  within: float = 0.1) -> float:
+def _median_seconds(
+    run: Callable[[], None], sync: Callable[[], None], repeats: int = 30, within: float = 0.1
+) -> float:
     """The median of up to ``repeats`` timed runs (after one warm-up), at least
     :data:`_MIN_SAMPLES` and as many more as fit in ``within`` seconds: what a run sees (on a
     machine shared with other jobs, their load of the moment included). Runs so slow that
@@ -32,8 +34,11 @@ def _median_seconds(run: Callable[[], None], sync: Callable[[], None], repeats: 
     run()
     sync()
     times: list[float] = []
-    while len(times) < repeats and (len(times) < _MIN_SAMPLES or sum(times) < within) \
-            and not (times and sum(times) > _CAP * within):
+    while (
+        len(times) < repeats
+        and (len(times) < _MIN_SAMPLES or sum(times) < within)
+        and not (times and sum(times) > _CAP * within)
+    ):
         started = time.perf_counter()
         run()
         sync()
@@ -94,7 +99,9 @@ _MIN_SAMPLES = 5
 _SLOW_SECONDS = 0.005
 
 
-def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128) -> dict[str, float]:
+def layer_rates(
+    device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128
+) -> dict[str, float]:
     """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention,
     a gated MLP, residuals; ``tokens`` x ``hidden``), its FLOPs counted as the profiler counts
     a model's (:class:`~torch.utils.flop_counter.FlopCounterMode`: matmuls and attention): the
@@ -102,6 +109,7 @@ def layer_rates(device: Any, sync: Callable[[], None], hidden: int = 512, tokens
     dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
     whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
     import torch
+
     rates = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
@@ -123,12 +131,15 @@ class _Layer:
         import torch
 
         def weight(rows: int, cols: int) -> Any:
-            return (torch.randn(rows, cols, device=device) / cols ** 0.5).to(dtype)
+            return (torch.randn(rows, cols, device=device) / cols**0.5).to(dtype)
 
         self.heads, self.hidden = heads, hidden
         self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
-        self.gate, self.up, self.down = weight(hidden * 11 // 4, hidden), weight(hidden * 11 // 4, hidden), \
-            weight(hidden, hidden * 11 // 4)
+        self.gate, self.up, self.down = (
+            weight(hidden * 11 // 4, hidden),
+            weight(hidden * 11 // 4, hidden),
+            weight(hidden, hidden * 11 // 4),
+        )
 
     def flops(self, tokens: int) -> int:
         """The FLOPs of one call on ``tokens`` tokens as :class:`~torch.utils.flop_counter.
@@ -192,9 +203,19 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
         except RuntimeError:
             pass
         target = torch.empty_like(host, device=device)
-        link = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), sync, )
+        link = host.nbytes / _median_seconds(
+            lambda: target.copy_(host, non_blocking=True),
+            sync,
+        )
         other = torch.empty_like(target)
-        memory = 2 * target.nbytes / _median_seconds(lambda: other.copy_(target), sync, )
+        memory = (
+            2
+            * target.nbytes
+            / _median_seconds(
+                lambda: other.copy_(target),
+                sync,
+            )
+        )
         rates = matmul_rates(device, size, sync)
         host = target = other = None  # the buffers go before the rest is measured
     api = kind.torch_api()

@@ -1,6 +1,7 @@
 """Progress on the terminal for work that takes more than a second: a tqdm bar on stderr, only
 on a terminal, only after :data:`DELAY_SECONDS`, never under ``quiet``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,16 @@ def bar(total: int | None, desc: str, *, unit: str = "it", quiet: bool = False, 
     if unit == "B":
         options = {"unit_scale": True, "unit_divisor": 1024, **options}
     options.setdefault("leave", True)  # a count's last line stays (what was done, how fast)
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=DELAY_SECONDS,
-                disable=not shown(quiet), dynamic_ncols=True, **options)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        delay=DELAY_SECONDS,
+        disable=not shown(quiet),
+        dynamic_ncols=True,
+        **options,
+    )
 
 
 @contextmanager

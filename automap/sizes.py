@@ -9,6 +9,7 @@ quantity: :data:`MAX_BYTES`, :data:`MAX_RATE`, :data:`MAX_COUNT`. The bounds are
 machine, so no real value meets them; past them a value is a typo or an attack, and would
 overflow the floats the planner computes with.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,16 @@ def shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_number(value: object, field: str, *, integral: bool = False, minimum: float = 0,
-                 maximum: float = MAX_RATE, error: type[AutomapError] = SizeError, hint: str = "") -> float:
+def parse_number(
+    value: object,
+    field: str,
+    *,
+    integral: bool = False,
+    minimum: float = 0,
+    maximum: float = MAX_RATE,
+    error: type[AutomapError] = SizeError,
+    hint: str = "",
+) -> float:
     """``value`` as a number for ``field``, checked: the one reader of every number a user gives.
 
     Args:
@@ -81,13 +90,26 @@ def parse_number(value: object, field: str, *, integral: bool = False, minimum: 
 def _bound(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() and abs(value) < 1e16 else f"{value:g}"
 
+
 # Decimal and binary suffixes, as transformers and accelerate read them ("GB" = 10**9,
 # "GiB" = 2**30). Matching is case-insensitive so "10gib" works too.
 _FACTORS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -131,11 +153,14 @@ def parse_size(value: int | float | str, field: str = "size") -> int:
     if number < 0:
         raise SizeError(f"{field} {shown(value)} is negative; memory budgets must be >= 0")
     if factor == 1 and isinstance(number, float) and not number.is_integer():
-        raise SizeError(f"{field} {shown(value)} is not a whole number of bytes; a budget is bytes, "
-                        "not a share of the device: write e.g. '8GiB' or '500MB'")
+        raise SizeError(
+            f"{field} {shown(value)} is not a whole number of bytes; a budget is bytes, "
+            "not a share of the device: write e.g. '8GiB' or '500MB'"
+        )
     if number * factor > MAX_BYTES:
-        raise SizeError(f"{field} {shown(value)} is above 2**60 bytes (1 EiB), more than any machine has; "
-                        f"{fix}")
+        raise SizeError(
+            f"{field} {shown(value)} is above 2**60 bytes (1 EiB), more than any machine has; {fix}"
+        )
     return int(number * factor) if factor != 1 else int(number)
 
 

@@ -3,6 +3,7 @@ then profile and plan it through the composition :func:`automap.plan` uses
 (:mod:`automap.compose`), with the command line's tracing (:func:`~automap.compose.spec_tracing`:
 inputs guessed at ``--batch`` x ``--seq-len``, no backward). Nothing is downloaded and no
 weights are allocated."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,13 +28,16 @@ class SpecPlan:
 
     def headline(self, seconds: float) -> str:
         """``'LlamaForCausalLM (hf:llama): 68.98B parameters, 128.48 GiB at bfloat16; planned ...'``."""
-        dtype = self.dtype or next((p.dtype for p in self.built.model.parameters() if p.is_floating_point()),
-                                   torch.float32)
+        dtype = self.dtype or next(
+            (p.dtype for p in self.built.model.parameters() if p.is_floating_point()), torch.float32
+        )
         weights = sum(u.weight_bytes for u in self.plan.units)
         source = f" ({self.built.source})" if self.built.source else ""
         note = f"; {self.note}" if self.note else ""
-        return (f"{self.built.label}: {_count(self.built.parameters)} parameters, {format_bytes(weights)} at "
-                f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s{note}")
+        return (
+            f"{self.built.label}: {_count(self.built.parameters)} parameters, {format_bytes(weights)} at "
+            f"{str(dtype).removeprefix('torch.')}{source}; planned on meta in {seconds:.1f} s{note}"
+        )
 
 
 def _count(n: int) -> str:
@@ -43,10 +47,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
-              max_memory: Mapping[int | str, Any] | None = None, strategy: str = "auto",
-              batch: int = 1, seq_len: int = 128, dtype: torch.dtype | None = None,
-              max_length: int | None = None, example_inputs: Any = None) -> SpecPlan:
+def plan_spec(
+    spec: str,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    max_memory: Mapping[int | str, Any] | None = None,
+    strategy: str = "auto",
+    batch: int = 1,
+    seq_len: int = 128,
+    dtype: torch.dtype | None = None,
+    max_length: int | None = None,
+    example_inputs: Any = None,
+) -> SpecPlan:
     """Build the model a SPEC names on meta, profile it at ``batch`` x ``seq_len`` and plan it.
 
     Args:
@@ -76,14 +88,22 @@ def plan_spec(spec: str, overrides: Mapping[str, Any] | None = None, *,
     from automap.devices import detect_devices, parse_max_memory
 
     for flag, value in (("--batch", batch), ("--seq-len", seq_len)):
-        parse_number(value, flag, integral=True, minimum=1, maximum=MAX_COUNT, error=SpecError,
-                     hint=f"--batch and --seq-len must be between 1 and {MAX_COUNT:,}")
+        parse_number(
+            value,
+            flag,
+            integral=True,
+            minimum=1,
+            maximum=MAX_COUNT,
+            error=SpecError,
+            hint=f"--batch and --seq-len must be between 1 and {MAX_COUNT:,}",
+        )
     if max_memory is not None:
         parse_max_memory(max_memory)  # a bad size fails now, before the model is built
     built = build_model(spec, overrides)
     chosen_dtype = dtype or built.dtype
     tracing, note = spec_tracing(built.model, example_inputs, batch, seq_len, max_length)
     computes = str(chosen_dtype or torch.float32).removeprefix("torch.")
-    made = plan_strategy(built.model, detect_devices(max_memory, dtype=computes), strategy, tracing,
-                         dtype=chosen_dtype)
+    made = plan_strategy(
+        built.model, detect_devices(max_memory, dtype=computes), strategy, tracing, dtype=chosen_dtype
+    )
     return SpecPlan(built, made, chosen_dtype, note)

@@ -2,6 +2,7 @@
 model folder, ``module:factory``, a preset such as ``llama-3-70b``), built on the meta device:
 nothing downloaded, no weights allocated. A hub id is refused with the command that downloads it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,9 +30,17 @@ from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp8": torch.float8_e4m3fn, "float8": torch.float8_e4m3fn}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "float8": torch.float8_e4m3fn,
+}
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,11 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         for pair in filter(None, (p.strip() for p in item.split(","))):
             key, sep, value = pair.partition("=")
             if not sep or not key.strip() or not all(part.isidentifier() for part in key.strip().split(".")):
-                raise SpecError(f"--set expects key=value pairs separated by commas, got {pair!r}; "
-                                "e.g. --set num_hidden_layers=80,hidden_size=8192 (text_config.num_hidden_layers=2 "
-                                "for a nested config)")
+                raise SpecError(
+                    f"--set expects key=value pairs separated by commas, got {pair!r}; "
+                    "e.g. --set num_hidden_layers=80,hidden_size=8192 (text_config.num_hidden_layers=2 "
+                    "for a nested config)"
+                )
             result[key.strip()] = parse_value(value)
     return result
 
@@ -120,24 +131,30 @@ def build_model(spec: str, overrides: Mapping[str, Any] | None = None) -> BuiltM
         'LlamaForCausalLM (hf:llama)'
     """
     if not isinstance(spec, str) or not spec or "\0" in spec:
-        raise SpecError(f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, "
-                        "hf:/path/config.json, "
-                        "path/to/model-folder or module.path:factory")
+        raise SpecError(
+            f"SPEC {spec!r} is no model name; use torchvision:resnet50, hf:llama, "
+            "hf:/path/config.json, "
+            "path/to/model-folder or module.path:factory"
+        )
     if is_folder(spec):
         return _folder(spec, overrides or {})
     settings = dict(overrides or {})
     if spec in PRESETS:
         model, dtype = _transformers(spec, settings, preset=PRESETS[spec])
         count = sum(p.numel() for p in model.parameters())
-        label = f"{type(model).__name__} (preset {spec}: the shape of {PRESETS[spec]['source']}, random weights)"
+        label = (
+            f"{type(model).__name__} (preset {spec}: the shape of {PRESETS[spec]['source']}, random weights)"
+        )
         return BuiltModel(model, label, count, dtype)
     check_not_hub_id(spec)
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
         _check_path(spec)
-        raise SpecError(f"SPEC {spec!r} has no 'kind:name' form and is not a folder; use torchvision:resnet50, "
-                        "hf:llama, hf:/path/config.json, path/to/model-folder, module.path:factory or a "
-                        "preset (automap plan --list-presets)" + _did_you_mean(spec, PRESETS))
+        raise SpecError(
+            f"SPEC {spec!r} has no 'kind:name' form and is not a folder; use torchvision:resnet50, "
+            "hf:llama, hf:/path/config.json, path/to/model-folder, module.path:factory or a "
+            "preset (automap plan --list-presets)" + _did_you_mean(spec, PRESETS)
+        )
     if kind == "torchvision":
         model, dtype = _torchvision(name, settings), None
     elif kind == "hf":
@@ -176,8 +193,11 @@ def _torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
     known = torchvision.models.list_models()
     if name not in known:
-        raise SpecError(f"torchvision has no model {name!r}" + _did_you_mean(name, known) +
-                        "; list them with torchvision.models.list_models()")
+        raise SpecError(
+            f"torchvision has no model {name!r}"
+            + _did_you_mean(name, known)
+            + "; list them with torchvision.models.list_models()"
+        )
     # Nothing is downloaded: no weights, and no pretrained backbone for the detection models.
     if "weights_backbone" in inspect.signature(torchvision.models.get_model_builder(name)).parameters:
         kwargs = {"weights_backbone": None, **kwargs}
@@ -189,15 +209,20 @@ def _check_path(spec: str) -> None:
     path = Path(spec).expanduser()
     if spec.startswith((".", "/", "~")) or os.sep in spec:
         if not os.path.lexists(path):
-            raise SpecError(f"{spec!r} does not exist; give a Hugging Face model folder (config.json and its "
-                            "weights), or a SPEC such as torchvision:resnet50, hf:llama or llama-3-8b")
+            raise SpecError(
+                f"{spec!r} does not exist; give a Hugging Face model folder (config.json and its "
+                "weights), or a SPEC such as torchvision:resnet50, hf:llama or llama-3-8b"
+            )
         if not path.is_dir():
-            raise SpecError(f"{spec!r} is a file, not a model folder; give the folder that holds config.json "
-                            "(or hf:/path/config.json for a config file alone)")
+            raise SpecError(
+                f"{spec!r} is a file, not a model folder; give the folder that holds config.json "
+                "(or hf:/path/config.json for a config file alone)"
+            )
 
 
-def _transformers(name: str, overrides: dict[str, Any],
-                  preset: Mapping[str, Any] | None = None) -> tuple[nn.Module, torch.dtype | None]:
+def _transformers(
+    name: str, overrides: dict[str, Any], preset: Mapping[str, Any] | None = None
+) -> tuple[nn.Module, torch.dtype | None]:
     transformers = import_transformers(f"planning {'preset ' if preset else 'hf:'}{name}")
     if preset is not None:
         fields = {k: v for k, v in preset.items() if k not in ("source", "model_type")}
@@ -224,11 +249,15 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
     from automap.loading.hf import take_stored_dtypes
 
     if overrides:
-        raise SpecError(f"--set changes the architecture, but {path}'s weights fix it; plan "
-                        f"hf:{Path(path) / 'config.json'} --set ... to plan a changed config without the weights")
+        raise SpecError(
+            f"--set changes the architecture, but {path}'s weights fix it; plan "
+            f"hf:{Path(path) / 'config.json'} --set ... to plan a changed config without the weights"
+        )
     if not is_model_folder(path):
-        raise SpecError(f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
-                        "(config.json and the weights), or give hf:/path/config.json or module.path:factory")
+        raise SpecError(
+            f"folder {path!r} has no config.json; a model folder is what save_pretrained writes "
+            "(config.json and the weights), or give hf:/path/config.json or module.path:factory"
+        )
     try:
         config = read_config(path)
     except CheckpointError as exc:  # a config that cannot be read or is hostile: bad input, as a SPEC's
@@ -239,9 +268,11 @@ def _folder(path: str, overrides: Mapping[str, Any]) -> BuiltModel:
         match = match_keys(model, checkpoint)
         take_stored_dtypes(model, checkpoint, match)
         files = {s.file for s in checkpoint.tensors.values()}
-        source = (f"sizes and dtypes of {len(checkpoint.tensors)} tensors from {len(files)} checkpoint "
-                  f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read"
-                  + (f"; {match.converted}" if match.converted else ""))
+        source = (
+            f"sizes and dtypes of {len(checkpoint.tensors)} tensors from {len(files)} checkpoint "
+            f"file(s), {format_bytes(checkpoint.total_bytes)}; no weights read"
+            + (f"; {match.converted}" if match.converted else "")
+        )
     count = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, f"{type(model).__name__} ({path})", count, source=source)
 
@@ -258,22 +289,30 @@ def _hf_config_source(name: str) -> tuple[str, dict[str, Any]]:
         return _hf_config_file(path)
     families = list(transformers.CONFIG_MAPPING.keys())
     if name not in families:
-        raise SpecError(f"transformers has no model family {name!r}" + _did_you_mean(name, families) +
-                        "; use a model_type such as llama, mistral, qwen2, gpt2, t5, or hf:/path/config.json")
+        raise SpecError(
+            f"transformers has no model family {name!r}"
+            + _did_you_mean(name, families)
+            + "; use a model_type such as llama, mistral, qwen2, gpt2, t5, or hf:/path/config.json"
+        )
     return name, {}
 
 
 def _hf_config_file(path: Path) -> tuple[str, dict[str, Any]]:
     import transformers
 
-    data = read_json_file(path, "config file", error=SpecError,
-                          hint="give hf:/path/to/config.json, a transformers config saved with "
-                               "save_pretrained")
+    data = read_json_file(
+        path,
+        "config file",
+        error=SpecError,
+        hint="give hf:/path/to/config.json, a transformers config saved with save_pretrained",
+    )
     check_config_fields(data, repr(str(path)), SpecError)
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
-        raise SpecError(f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
-                        "a transformers config.json names its family in 'model_type'")
+        raise SpecError(
+            f"{str(path)!r} has model_type {model_type!r}, which transformers does not know; "
+            "a transformers config.json names its family in 'model_type'"
+        )
     return model_type, data
 
 
@@ -295,7 +334,9 @@ def resolve_config_keys(config: Any, overrides: Mapping[str, Any], name: str) ->
         nested = getattr(config, field, None)
         if not hasattr(nested, "to_dict"):
             raise SpecError(f"--set {key}: the {name} config's {field!r} is not a nested config")
-        inner = resolved.get(field) or {k: v for k, v in nested.to_dict().items() if k != "transformers_version"}
+        inner = resolved.get(field) or {
+            k: v for k, v in nested.to_dict().items() if k != "transformers_version"
+        }
         resolved[field] = {**inner, **resolve_config_keys(nested, {rest: value}, f"{name} {field}")}
     return resolved
 
@@ -303,12 +344,15 @@ def resolve_config_keys(config: Any, overrides: Mapping[str, Any], name: str) ->
 def _config_field(config: Any, key: str, name: str) -> str:
     field = (getattr(config, "attribute_map", None) or {}).get(key, key)
     # Fields and properties (num_labels); a method (to_dict) is no field, whatever dir() says.
-    known = set(config.to_dict()) | {k for k in dir(config)
-                                     if not k.startswith("_") and not callable(getattr(type(config), k, None))}
+    known = set(config.to_dict()) | {
+        k for k in dir(config) if not k.startswith("_") and not callable(getattr(type(config), k, None))
+    }
     if field not in known:
         aliases = list(getattr(config, "attribute_map", None) or {})
-        raise SpecError(f"--set names {key!r}, which the {name} config does not have" +
-                        _did_you_mean(key, sorted(known | set(aliases))))
+        raise SpecError(
+            f"--set names {key!r}, which the {name} config does not have"
+            + _did_you_mean(key, sorted(known | set(aliases)))
+        )
     return field
 
 
@@ -361,8 +405,9 @@ def _import_file(file: Path) -> Any:
 
 
 def _factory(module_name: str, attr: str, kwargs: dict[str, Any]) -> nn.Module:
-    module = _import_user_module(module_name, "SPEC kinds are torchvision:NAME, hf:FAMILY, hf:/path/config.json or "
-                                              "module.path:factory")
+    module = _import_user_module(
+        module_name, "SPEC kinds are torchvision:NAME, hf:FAMILY, hf:/path/config.json or module.path:factory"
+    )
     factory = getattr(module, attr, None)
     if not callable(factory):
         names = [n for n in dir(module) if not n.startswith("_")]
@@ -394,14 +439,18 @@ def load_example_inputs(ref: str) -> Any:
     module = _import_user_module(module_name, "--example-inputs takes module.path:function")
     function = getattr(module, attr, None)
     if not callable(function):
-        raise SpecError(f"module {module_name!r} has no callable {attr!r}" +
-                        _did_you_mean(attr, [n for n in dir(module) if not n.startswith("_")]))
+        raise SpecError(
+            f"module {module_name!r} has no callable {attr!r}"
+            + _did_you_mean(attr, [n for n in dir(module) if not n.startswith("_")])
+        )
     try:
         with torch.device("meta"):
             inputs = function()
     except Exception as exc:  # noqa: BLE001 - user code: report it in one line, with its type
         raise SpecError(f"--example-inputs {ref} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(inputs, (tuple, list, dict, torch.Tensor)):
-        raise SpecError(f"--example-inputs {ref} returned a {type(inputs).__name__}; it must return the forward's "
-                        "inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor")
+        raise SpecError(
+            f"--example-inputs {ref} returned a {type(inputs).__name__}; it must return the forward's "
+            "inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor"
+        )
     return inputs

@@ -1,6 +1,7 @@
 """automap's version (``automap.__version__``, ``automap --version``): the installed
 distribution's, read from its metadata when first asked; this checkout's pyproject version when
 automap runs from a source tree that was never installed. Imports nothing heavy."""
+
 from __future__ import annotations
 
 from importlib import metadata

@@ -13,6 +13,7 @@ tests that call the four functions (others are accelerate's business, not automa
 
 ``docs/accelerate-compat.md`` records a run and why each test that fails does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def rewrite(source: str, dropped: frozenset[str] = frozenset()) -> str:
         assert node.end_lineno is not None
         # One line, then blank ones: the same line count, so tracebacks point at accelerate's lines.
         new = [f"{indent}{'; '.join(statements) or 'pass'}\n"] + ["\n"] * (node.end_lineno - node.lineno)
-        lines[node.lineno - 1:node.end_lineno] = new
+        lines[node.lineno - 1 : node.end_lineno] = new
     return "".join(lines)
 
 
@@ -66,7 +67,9 @@ def calling_tests(source: str) -> list[str]:
     return found
 
 
-def run(files: list[Path], scratch: Path, extra: list[str], dropped: frozenset[str] = frozenset()) -> dict[str, str]:
+def run(
+    files: list[Path], scratch: Path, extra: list[str], dropped: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """Copy, rewrite and run ``files``; returns ``{test id: outcome}`` from pytest's report."""
     selected = []
     for path in files:
@@ -74,8 +77,19 @@ def run(files: list[Path], scratch: Path, extra: list[str], dropped: frozenset[s
         (scratch / path.name).write_text(rewrite(source, dropped))
         selected += calling_tests(source)
     report = scratch / "report.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               "-k", " or ".join(sorted(set(selected))) or "nothing", *extra, *(p.name for p in files)]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        "-k",
+        " or ".join(sorted(set(selected))) or "nothing",
+        *extra,
+        *(p.name for p in files),
+    ]
     subprocess.run(command, cwd=scratch, check=False)
     return _outcomes(report)
 
@@ -86,24 +100,36 @@ def _outcomes(report: Path) -> dict[str, str]:
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
         kinds = {child.tag for child in case}
-        outcome = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed")
+        outcome = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
         outcomes[f"{case.get('classname')}::{case.get('name')}"] = outcome
     return outcomes
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", type=Path, help="accelerate test files (test_big_modeling.py, ...)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "files", nargs="+", type=Path, help="accelerate test files (test_big_modeling.py, ...)"
+    )
     parser.add_argument("--json", type=Path, help="write {test: outcome} here")
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. '-x --tb=line'")
-    parser.add_argument("--drop", action="append", default=[], metavar="NAME",
-                        help="a name to leave out of accelerate imports (one the installed version lacks, "
-                             "e.g. FP8RecipeKwargs for test_accelerator.py at 1.15 with accelerate 1.16)")
+    parser.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name to leave out of accelerate imports (one the installed version lacks, "
+        "e.g. FP8RecipeKwargs for test_accelerator.py at 1.15 with accelerate 1.16)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="automap-accelerate-suite-") as scratch:
-        outcomes = run([p.resolve() for p in args.files], Path(scratch), args.pytest_args.split(),
-                       frozenset(args.drop))
-    counts = {kind: sum(1 for o in outcomes.values() if o == kind) for kind in ("passed", "failed", "skipped")}
+        outcomes = run(
+            [p.resolve() for p in args.files], Path(scratch), args.pytest_args.split(), frozenset(args.drop)
+        )
+    counts = {
+        kind: sum(1 for o in outcomes.values() if o == kind) for kind in ("passed", "failed", "skipped")
+    }
     for test, outcome in sorted(outcomes.items()):
         print(f"{outcome:8} {test}")
     print(json.dumps(counts))

@@ -16,6 +16,7 @@ page cache (``RssFile``), which the budget does not count.
 
     python -m benchmarks.budget_memory --root /tmp/automap-budget --json benchmarks/notes/budget_memory.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,16 @@ TOKENS = 64
 def config(layers: int, hidden: int) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
-                       num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875),
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 def write_checkpoint(root: Path, layers: int, hidden: int) -> Path:
@@ -55,7 +63,9 @@ def write_checkpoint(root: Path, layers: int, hidden: int) -> Path:
     return path
 
 
-def worker(mode: str, checkpoint: Path, layers: int, hidden: int, share: float, offload: Path) -> dict[str, Any]:
+def worker(
+    mode: str, checkpoint: Path, layers: int, hidden: int, share: float, offload: Path
+) -> dict[str, Any]:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -77,18 +87,25 @@ def worker(mode: str, checkpoint: Path, layers: int, hidden: int, share: float, 
 
             model = LlamaForCausalLM(config(layers, hidden)).eval()
             model.load_state_dict(load_file(str(checkpoint)))
-            automap.dispatch(model, max_memory={"cpu": budget}, offload_dir=offload,
-                             example_inputs={"input_ids": ids})
+            automap.dispatch(
+                model, max_memory={"cpu": budget}, offload_dir=offload, example_inputs={"input_ids": ids}
+            )
     gc.collect()
     after = read_status()["RssAnon"] - base
     plan = automap.placement(model)
     with MemWatch() as forward, torch.no_grad():
         model(ids, use_cache=False)
-    return {"mode": mode, "share": share, "budget_bytes": budget, "model_bytes": total,
-            "plan_cpu_bytes": plan.placements.bytes_on.get("cpu", 0),
-            "setup_peak_anon_bytes": setup.peak_anon_bytes - base,
-            "after_setup_anon_bytes": after, "forward_peak_anon_bytes": forward.peak_anon_bytes - base,
-            "forward_peak_file_bytes": forward.peak_file_bytes - forward.base_file_bytes}
+    return {
+        "mode": mode,
+        "share": share,
+        "budget_bytes": budget,
+        "model_bytes": total,
+        "plan_cpu_bytes": plan.placements.bytes_on.get("cpu", 0),
+        "setup_peak_anon_bytes": setup.peak_anon_bytes - base,
+        "after_setup_anon_bytes": after,
+        "forward_peak_anon_bytes": forward.peak_anon_bytes - base,
+        "forward_peak_file_bytes": forward.peak_file_bytes - forward.base_file_bytes,
+    }
 
 
 def main() -> None:
@@ -109,18 +126,35 @@ def main() -> None:
             shutil.rmtree(offload, ignore_errors=True)
         return
     write_checkpoint(args.root, args.layers, args.hidden)
-    rows = [run_fresh("benchmarks.budget_memory", mode, "--root", str(args.root), "--layers", str(args.layers),
-                      "--hidden", str(args.hidden), "--share", str(share))
-            for share in SHARES for mode in ("load", "dispatch")]
+    rows = [
+        run_fresh(
+            "benchmarks.budget_memory",
+            mode,
+            "--root",
+            str(args.root),
+            "--layers",
+            str(args.layers),
+            "--hidden",
+            str(args.hidden),
+            "--share",
+            str(share),
+        )
+        for share in SHARES
+        for mode in ("load", "dispatch")
+    ]
     mib = 2**20
     print("| mode | budget | plan: in RAM | peak anon, setup | anon after setup | peak anon, forward |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['share']:.0%} = {r['budget_bytes'] / mib:.0f} MiB | {r['plan_cpu_bytes'] / mib:.0f} MiB "
-              f"| {r['setup_peak_anon_bytes'] / mib:.0f} MiB | {r['after_setup_anon_bytes'] / mib:.0f} MiB "
-              f"| {r['forward_peak_anon_bytes'] / mib:.0f} MiB |")
+        print(
+            f"| {r['mode']} | {r['share']:.0%} = {r['budget_bytes'] / mib:.0f} MiB | {r['plan_cpu_bytes'] / mib:.0f} MiB "
+            f"| {r['setup_peak_anon_bytes'] / mib:.0f} MiB | {r['after_setup_anon_bytes'] / mib:.0f} MiB "
+            f"| {r['forward_peak_anon_bytes'] / mib:.0f} MiB |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"model_bytes": rows[0]["model_bytes"], "rows": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"model_bytes": rows[0]["model_bytes"], "rows": rows}, indent=2) + "\n"
+        )
     sys.stdout.flush()
 
 

@@ -17,6 +17,7 @@ OpenMP thread only adds noise). Warm page cache: the offloaded weights were just
 
     python -m benchmarks.compile [--layers 6] [--hidden 512] [--tokens 128] [--rounds 15] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ from torch import nn
 def build(layers: int, hidden: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -57,7 +65,9 @@ def variants(plain: nn.Module, device_map: dict[str, int | str], folder: Path) -
     import automap
 
     ours = automap.dispatch(copy.deepcopy(plain), device_map, offload_dir=folder / "automap")
-    theirs = accelerate.dispatch_model(copy.deepcopy(plain), device_map, offload_dir=str(folder / "accelerate"))
+    theirs = accelerate.dispatch_model(
+        copy.deepcopy(plain), device_map, offload_dir=str(folder / "accelerate")
+    )
     return {"plain": plain, "automap": ours, "accelerate": theirs}
 
 
@@ -75,8 +85,11 @@ def graphs_of(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     finally:
         torch._dynamo.reset()
-    return {"graphs": explained.graph_count, "graph_breaks": explained.graph_break_count,
-            "reasons": sorted({r.reason.splitlines()[0][:120] for r in explained.break_reasons})}
+    return {
+        "graphs": explained.graph_count,
+        "graph_breaks": explained.graph_break_count,
+        "reasons": sorted({r.reason.splitlines()[0][:120] for r in explained.break_reasons}),
+    }
 
 
 def compiled(models: dict[str, nn.Module], ids: torch.Tensor, expected: torch.Tensor) -> dict[str, Any]:
@@ -93,8 +106,11 @@ def compiled(models: dict[str, nn.Module], ids: torch.Tensor, expected: torch.Te
         except Exception as exc:  # noqa: BLE001 - recorded: accelerate's hooks may not compile
             result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             continue
-        result[name] = {"fn": fn, "compile_seconds": time.perf_counter() - start,
-                        "max_abs_diff": float((out - expected).abs().max())}
+        result[name] = {
+            "fn": fn,
+            "compile_seconds": time.perf_counter() - start,
+            "max_abs_diff": float((out - expected).abs().max()),
+        }
     return result
 
 
@@ -123,34 +139,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert torch.equal(logits(model, ids), expected), f"{name} eager differs from the plain model"
         graphs = {name: graphs_of(model, ids) for name, model in models.items()}
         compiled_ = compiled(models, ids, expected)
-        calls: dict[str, Callable[[], Any]] = {f"{n} eager": (lambda m=m: logits(m, ids)) for n, m in models.items()}
-        calls.update({f"{n} compiled": (lambda f=c["fn"]: logits(f, ids)) for n, c in compiled_.items() if "fn" in c})
+        calls: dict[str, Callable[[], Any]] = {
+            f"{n} eager": (lambda m=m: logits(m, ids)) for n, m in models.items()
+        }
+        calls.update(
+            {f"{n} compiled": (lambda f=c["fn"]: logits(f, ids)) for n, c in compiled_.items() if "fn" in c}
+        )
         medians = timed(calls, args.rounds, args.warmup)
     weights = sum(t.numel() * t.element_size() for t in plain.state_dict().values())
     rows = {}
     for name in models:
         info = {k: v for k, v in compiled_[name].items() if k != "fn"}
-        rows[name] = {"eager_ms": medians[f"{name} eager"], "compiled_ms": medians.get(f"{name} compiled"),
-                      **info, **{f"explain_{k}": v for k, v in graphs[name].items()}}
-    return {"model": f"Llama {args.layers} layers, hidden {args.hidden}, vocab 8192", "weight_bytes": weights,
-            "tokens": args.tokens, "threads": args.threads, "rounds": args.rounds,
-            "on_disk_units": sum(1 for v in device_map.values() if v == "disk"), "units": len(device_map),
-            "torch": torch.__version__, "rows": rows}
+        rows[name] = {
+            "eager_ms": medians[f"{name} eager"],
+            "compiled_ms": medians.get(f"{name} compiled"),
+            **info,
+            **{f"explain_{k}": v for k, v in graphs[name].items()},
+        }
+    return {
+        "model": f"Llama {args.layers} layers, hidden {args.hidden}, vocab 8192",
+        "weight_bytes": weights,
+        "tokens": args.tokens,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "on_disk_units": sum(1 for v in device_map.values() if v == "disk"),
+        "units": len(device_map),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']}, {result['weight_bytes'] / 1e6:.0f} MB fp32, 1 x {result['tokens']} tokens, "
-             f"{result['on_disk_units']} of {result['units']} units on disk; median of {result['rounds']} rounds",
-             f"{'variant':<11} {'eager ms':>9} {'compiled ms':>12} {'speed-up':>9} {'compile s':>10} "
-             f"{'graphs':>7} {'breaks':>7} {'max |diff|':>11}"]
+    lines = [
+        f"{result['model']}, {result['weight_bytes'] / 1e6:.0f} MB fp32, 1 x {result['tokens']} tokens, "
+        f"{result['on_disk_units']} of {result['units']} units on disk; median of {result['rounds']} rounds",
+        f"{'variant':<11} {'eager ms':>9} {'compiled ms':>12} {'speed-up':>9} {'compile s':>10} "
+        f"{'graphs':>7} {'breaks':>7} {'max |diff|':>11}",
+    ]
     for name, row in result["rows"].items():
         if row.get("compiled_ms") is None:
             lines.append(f"{name:<11} {row['eager_ms']:>9.1f}   compile failed: {row.get('error', '?')}")
             continue
-        lines.append(f"{name:<11} {row['eager_ms']:>9.1f} {row['compiled_ms']:>12.1f} "
-                     f"{row['eager_ms'] / row['compiled_ms']:>8.2f}x {row['compile_seconds']:>10.1f} "
-                     f"{row.get('explain_graphs', '-'):>7} {row.get('explain_graph_breaks', '-'):>7} "
-                     f"{row['max_abs_diff']:>11.2e}")
+        lines.append(
+            f"{name:<11} {row['eager_ms']:>9.1f} {row['compiled_ms']:>12.1f} "
+            f"{row['eager_ms'] / row['compiled_ms']:>8.2f}x {row['compile_seconds']:>10.1f} "
+            f"{row.get('explain_graphs', '-'):>7} {row.get('explain_graph_breaks', '-'):>7} "
+            f"{row['max_abs_diff']:>11.2e}"
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ once. Both read through the page cache (evicted first) into a reused buffer with
 
     python -m benchmarks.diskbound /tmp/automap-bench/model.safetensors
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ def _read(fd: int, ranges: list[tuple[int, int]]) -> None:
     buffer = memoryview(bytearray(BLOCK))
     for start, length in ranges:
         for offset in range(start, start + length, BLOCK):
-            os.preadv(fd, [buffer[:min(BLOCK, start + length - offset)]], offset)
+            os.preadv(fd, [buffer[: min(BLOCK, start + length - offset)]], offset)
 
 
 def cold_read_seconds(path: Path, ranges: list[tuple[int, int]], readers: int) -> float:
@@ -78,9 +79,13 @@ def disk_bound(path: Path, ranges: list[tuple[int, int]] | None = None, readers:
     one = cold_read_seconds(path, ranges, 1)
     many = cold_read_seconds(path, ranges, readers)
     best = nbytes / min(one, many)
-    return {"bytes": nbytes, "one_reader_bytes_per_second": nbytes / one,
-            f"readers_{readers}_bytes_per_second": nbytes / many, "best_bytes_per_second": best,
-            "bound_seconds": nbytes / best}
+    return {
+        "bytes": nbytes,
+        "one_reader_bytes_per_second": nbytes / one,
+        f"readers_{readers}_bytes_per_second": nbytes / many,
+        "best_bytes_per_second": best,
+        "bound_seconds": nbytes / best,
+    }
 
 
 if __name__ == "__main__":

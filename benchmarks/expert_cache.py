@@ -20,6 +20,7 @@ its routing is recorded: one list of experts per call of a layer's experts.
 
     python -m benchmarks.expert_cache --tokens 48 --json benchmarks/notes/expert-cache.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,14 @@ def skew(model: Any, alpha: float, seed: int = 2) -> None:
     embed = model.model.embed_tokens.weight
     with torch.no_grad():
         embed[:, 0] = 1.0
-        embed[:, 1:CHANNELS + 1] = torch.randn(embed.shape[0], CHANNELS, generator=generator)
+        embed[:, 1 : CHANNELS + 1] = torch.randn(embed.shape[0], CHANNELS, generator=generator)
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[:CHANNELS + 1] = 0
-            layer.mlp.experts.down_proj[:, :CHANNELS + 1] = 0
+            layer.self_attn.o_proj.weight[: CHANNELS + 1] = 0
+            layer.mlp.experts.down_proj[:, : CHANNELS + 1] = 0
             count = layer.mlp.gate.weight.shape[0]
             ranks = torch.randperm(count, generator=generator).float() + 1
             weight = torch.zeros_like(layer.mlp.gate.weight)
-            weight[:, 1:CHANNELS + 1] = torch.randn(count, CHANNELS, generator=generator) / CHANNELS ** 0.5
+            weight[:, 1 : CHANNELS + 1] = torch.randn(count, CHANNELS, generator=generator) / CHANNELS**0.5
             weight[:, 0] = alpha * -torch.log(ranks)
             layer.mlp.gate.weight.copy_(weight)
 
@@ -70,9 +71,14 @@ def decode_plain(model: Any, prompt: Any, steps: Any) -> tuple[list[list[tuple[s
 
     trace: list[list[tuple[str, int]]] = []
     names = {id(m): f"model.layers.{i}.mlp.experts" for i, m in enumerate(expert_modules(model))}
-    handles = [m.register_forward_pre_hook(
-        lambda mod, args: trace.append([(names[id(mod)], e) for e in sorted(set(args[1].flatten().tolist()))]))
-        for m in expert_modules(model)]
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args: trace.append(
+                [(names[id(mod)], e) for e in sorted(set(args[1].flatten().tolist()))]
+            )
+        )
+        for m in expert_modules(model)
+    ]
     logits = []
     cache = DynamicCache()
     with torch.no_grad():
@@ -83,8 +89,9 @@ def decode_plain(model: Any, prompt: Any, steps: Any) -> tuple[list[list[tuple[s
     return trace, logits
 
 
-def offline(trace: list[list[tuple[str, int]]], room: int, expert_bytes: int, decays: list[float],
-            skip: int) -> dict[str, Any]:
+def offline(
+    trace: list[list[tuple[str, int]]], room: int, expert_bytes: int, decays: list[float], skip: int
+) -> dict[str, Any]:
     """Hit rates on the trace's calls after the first ``skip`` (the prompt's) of the policy at
     each fading rate and of Belady's cache, all fed the whole trace."""
     from automap.planning.experts import HotExperts, belady_hits
@@ -136,25 +143,40 @@ def main() -> None:
     skip = len(experts)  # the prompt's calls
     found = offline(trace, room, expert_bytes, [1.0, 0.999, 0.99, 0.9], skip)
 
-    device_map: dict[str, Any] = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu",
-                                  "model.rotary_emb": "cpu"}
+    device_map: dict[str, Any] = {
+        "model.embed_tokens": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+        "model.rotary_emb": "cpu",
+    }
     device_map.update({f"model.layers.{i}": "disk" for i in range(args.layers)})
     taken = host_taken(automap.plan(model, device_map, max_memory={"cpu": 1 << 30}))
     max_memory = {"cpu": taken + room}
     cached, plain = model, copy.deepcopy(model)
-    result: dict[str, Any] = {"offline": found, "room_bytes": room, "expert_bytes": expert_bytes,
-                              "experts": len(experts) * experts[0].num_experts, "decay": DECAY}
-    with tempfile.TemporaryDirectory(prefix="automap-cache-") as first, \
-            tempfile.TemporaryDirectory(prefix="automap-cache-") as second:
+    result: dict[str, Any] = {
+        "offline": found,
+        "room_bytes": room,
+        "expert_bytes": expert_bytes,
+        "experts": len(experts) * experts[0].num_experts,
+        "decay": DECAY,
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="automap-cache-") as first,
+        tempfile.TemporaryDirectory(prefix="automap-cache-") as second,
+    ):
         automap.dispatch(cached, device_map, max_memory=max_memory, offload_dir=first)
         automap.dispatch(plain, device_map, max_memory=max_memory, offload_dir=second)
         cache = expert_cache(cached)
-        assert cache is not None and cache.policy.budget == room, "the plan leaves room for a quarter of the experts"
+        assert cache is not None and cache.policy.budget == room, (
+            "the plan leaves room for a quarter of the experts"
+        )
         off = expert_cache(plain)
         if off is not None:
             off.policy.budget = 0
-        runs = {"cache": {"model": cached, "kv": DynamicCache(), "read": [], "seconds": [], "diff": 0.0},
-                "none": {"model": plain, "kv": DynamicCache(), "read": [], "seconds": [], "diff": 0.0}}
+        runs = {
+            "cache": {"model": cached, "kv": DynamicCache(), "read": [], "seconds": [], "diff": 0.0},
+            "none": {"model": plain, "kv": DynamicCache(), "read": [], "seconds": [], "diff": 0.0},
+        }
         for run in runs.values():
             run["state"] = state_of(run["model"])
             run["files"] = list(run["state"].source.files.values())
@@ -178,35 +200,50 @@ def main() -> None:
                     run["seconds"].append(seconds)
                 run["diff"] = max(run["diff"], (logits - expected[index]).abs().max().item())
         policy = cache.policy
-        result["dispatched"] = {name: {"read_bytes_total": sum(r["read"]), "read_bytes_median": statistics.median(r["read"]),
-                                       "step_seconds_median": statistics.median(r["seconds"]),
-                                       "max_abs_diff": r["diff"]} for name, r in runs.items()}
-        result["dispatched"]["cache"].update(hits=policy.hits, misses=policy.misses, hit_rate=policy.hit_rate,
-                                             held_bytes=cache.held_bytes)
+        result["dispatched"] = {
+            name: {
+                "read_bytes_total": sum(r["read"]),
+                "read_bytes_median": statistics.median(r["read"]),
+                "step_seconds_median": statistics.median(r["seconds"]),
+                "max_abs_diff": r["diff"],
+            }
+            for name, r in runs.items()
+        }
+        result["dispatched"]["cache"].update(
+            hits=policy.hits, misses=policy.misses, hit_rate=policy.hit_rate, held_bytes=cache.held_bytes
+        )
         for model_ in (cached, plain):
             automap.undispatch(model_)
     # The runtime's hit rate counts the prompt's calls too; the offline one at the same decay
     # over the whole trace must give the same count (the same policy on the same routing).
     from automap.planning.experts import HotExperts
+
     check = HotExperts(room)
     for call in trace:
         check.access(call, expert_bytes)
     result["offline"]["runtime_matches_offline"] = (check.hits, check.misses) == (policy.hits, policy.misses)
     ours = found["policy_hit_rates"][str(DECAY)]
     result["hit_rate_vs_belady"] = ours / found["belady_hit_rate"] if found["belady_hit_rate"] else 0.0
-    result["read_vs_no_cache"] = (result["dispatched"]["cache"]["read_bytes_total"]
-                                  / max(result["dispatched"]["none"]["read_bytes_total"], 1))
-    print(f"trace: {found['calls']} decode calls, room for {room // expert_bytes} of {result['experts']} experts")
+    result["read_vs_no_cache"] = result["dispatched"]["cache"]["read_bytes_total"] / max(
+        result["dispatched"]["none"]["read_bytes_total"], 1
+    )
+    print(
+        f"trace: {found['calls']} decode calls, room for {room // expert_bytes} of {result['experts']} experts"
+    )
     for decay, rate in found["policy_hit_rates"].items():
-        print(f"  fading {decay}: hit rate {rate:.3f} ({rate / found['belady_hit_rate']:.2f}x Belady's "
-              f"{found['belady_hit_rate']:.3f})")
+        print(
+            f"  fading {decay}: hit rate {rate:.3f} ({rate / found['belady_hit_rate']:.2f}x Belady's "
+            f"{found['belady_hit_rate']:.3f})"
+        )
     cached_row, plain_row = result["dispatched"]["cache"], result["dispatched"]["none"]
-    print(f"dispatched, cold decode of {args.tokens} tokens: read {cached_row['read_bytes_total'] / 2**20:.0f} MiB with "
-          f"the cache vs {plain_row['read_bytes_total'] / 2**20:.0f} MiB without ({result['read_vs_no_cache']:.2f}x); "
-          f"step {cached_row['step_seconds_median'] * 1e3:.0f} vs {plain_row['step_seconds_median'] * 1e3:.0f} ms "
-          f"(medians); runtime hit rate {cached_row['hit_rate']:.3f} (prompt included; same as offline: "
-          f"{result['offline']['runtime_matches_offline']}); max abs diff {cached_row['max_abs_diff']} / "
-          f"{plain_row['max_abs_diff']}")
+    print(
+        f"dispatched, cold decode of {args.tokens} tokens: read {cached_row['read_bytes_total'] / 2**20:.0f} MiB with "
+        f"the cache vs {plain_row['read_bytes_total'] / 2**20:.0f} MiB without ({result['read_vs_no_cache']:.2f}x); "
+        f"step {cached_row['step_seconds_median'] * 1e3:.0f} vs {plain_row['step_seconds_median'] * 1e3:.0f} ms "
+        f"(medians); runtime hit rate {cached_row['hit_rate']:.3f} (prompt included; same as offline: "
+        f"{result['offline']['runtime_matches_offline']}); max abs diff {cached_row['max_abs_diff']} / "
+        f"{plain_row['max_abs_diff']}"
+    )
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

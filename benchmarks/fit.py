@@ -21,6 +21,7 @@ Acceptance (issue 35): measured within 10 % (or 32 MiB, whichever is larger) of 
 >= 90 % of the cases, for the run and for the load; measured <= max_memory in every case whose
 plan said it fits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,22 +52,48 @@ class Case:
         return f"{self.model} {self.mode} {self.budget}"
 
 
-CASES = [Case(m, mode, b) for m, mode, b in [
-    ("gpt2", "forward", "all"), ("gpt2", "forward", "50%"), ("gpt2", "forward", "20%"),
-    ("gpt2", "generate", "50%"), ("gpt2", "train", "all"),
-    ("llama", "forward", "all"), ("llama", "forward", "50%"), ("llama", "forward", "20%"),
-    ("llama", "generate", "all"), ("llama", "generate", "20%"), ("llama", "train", "all"),
-    ("llama-bf16", "forward", "all"), ("llama-bf16", "generate", "50%"),
-    ("t5", "forward", "all"), ("t5", "forward", "50%"),
-    ("mixtral", "forward", "all"), ("mixtral", "forward", "50%"), ("mixtral", "generate", "20%"),
-    ("bert", "forward", "all"), ("bert", "train", "50%"),
-    ("vit", "forward", "all"), ("vit", "forward", "20%"),
-    ("resnet50", "forward", "all"), ("resnet50", "forward", "50%"), ("resnet50", "train", "all"),
-    ("whisper", "forward", "all"), ("whisper", "forward", "50%"),
-    ("llama", "forward", "tiny"), ("resnet50", "forward", "tiny"),
-]]
-QUICK = [Case("gpt2", "forward", "50%"), Case("llama", "forward", "20%"), Case("llama", "generate", "all"),
-         Case("mixtral", "forward", "50%"), Case("resnet50", "forward", "all"), Case("llama", "forward", "tiny")]
+CASES = [
+    Case(m, mode, b)
+    for m, mode, b in [
+        ("gpt2", "forward", "all"),
+        ("gpt2", "forward", "50%"),
+        ("gpt2", "forward", "20%"),
+        ("gpt2", "generate", "50%"),
+        ("gpt2", "train", "all"),
+        ("llama", "forward", "all"),
+        ("llama", "forward", "50%"),
+        ("llama", "forward", "20%"),
+        ("llama", "generate", "all"),
+        ("llama", "generate", "20%"),
+        ("llama", "train", "all"),
+        ("llama-bf16", "forward", "all"),
+        ("llama-bf16", "generate", "50%"),
+        ("t5", "forward", "all"),
+        ("t5", "forward", "50%"),
+        ("mixtral", "forward", "all"),
+        ("mixtral", "forward", "50%"),
+        ("mixtral", "generate", "20%"),
+        ("bert", "forward", "all"),
+        ("bert", "train", "50%"),
+        ("vit", "forward", "all"),
+        ("vit", "forward", "20%"),
+        ("resnet50", "forward", "all"),
+        ("resnet50", "forward", "50%"),
+        ("resnet50", "train", "all"),
+        ("whisper", "forward", "all"),
+        ("whisper", "forward", "50%"),
+        ("llama", "forward", "tiny"),
+        ("resnet50", "forward", "tiny"),
+    ]
+]
+QUICK = [
+    Case("gpt2", "forward", "50%"),
+    Case("llama", "forward", "20%"),
+    Case("llama", "generate", "all"),
+    Case("mixtral", "forward", "50%"),
+    Case("resnet50", "forward", "all"),
+    Case("llama", "forward", "tiny"),
+]
 
 BATCH, TOKENS, NEW_TOKENS = 2, 128, 16
 
@@ -78,43 +105,101 @@ def _config(model: str) -> Any:
     import transformers as tf
 
     if model == "gpt2":
-        return tf.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=16000, n_positions=512,
-                             bos_token_id=0, eos_token_id=0)
+        return tf.GPT2Config(
+            n_layer=6, n_embd=512, n_head=8, vocab_size=16000, n_positions=512, bos_token_id=0, eos_token_id=0
+        )
     if model in ("llama", "llama-bf16"):
-        config = tf.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-                                num_key_value_heads=8, vocab_size=16000, max_position_embeddings=512,
-                                tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        config = tf.LlamaConfig(
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=16000,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         config.dtype = "bfloat16" if model == "llama-bf16" else "float32"
         return config
     if model == "t5":
-        return tf.T5Config(d_model=256, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4, d_kv=64,
-                           vocab_size=16000, decoder_start_token_id=0)
+        return tf.T5Config(
+            d_model=256,
+            d_ff=1024,
+            num_layers=4,
+            num_decoder_layers=4,
+            num_heads=4,
+            d_kv=64,
+            vocab_size=16000,
+            decoder_start_token_id=0,
+        )
     if model == "mixtral":
-        return tf.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
-                                vocab_size=8000, max_position_embeddings=512, tie_word_embeddings=False,
-                                bos_token_id=0, eos_token_id=0)
+        return tf.MixtralConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=8000,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     if model == "bert":
-        return tf.BertConfig(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, intermediate_size=1024,
-                             vocab_size=16000)
+        return tf.BertConfig(
+            hidden_size=256,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            vocab_size=16000,
+        )
     if model == "vit":
-        return tf.ViTConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=1536,
-                            image_size=224, patch_size=16)
+        return tf.ViTConfig(
+            hidden_size=384,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            intermediate_size=1536,
+            image_size=224,
+            patch_size=16,
+        )
     if model == "whisper":
-        return tf.WhisperConfig(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
-                                vocab_size=8000, num_mel_bins=80, max_source_positions=1500,
-                                max_target_positions=448, decoder_start_token_id=1, pad_token_id=0,
-                                eos_token_id=2, bos_token_id=1)
+        return tf.WhisperConfig(
+            d_model=256,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=1024,
+            decoder_ffn_dim=1024,
+            vocab_size=8000,
+            num_mel_bins=80,
+            max_source_positions=1500,
+            max_target_positions=448,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+        )
     raise KeyError(model)
 
 
 def _model_class(model: str) -> Callable[..., Any]:
     import transformers as tf
 
-    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "llama-bf16": tf.LlamaForCausalLM,
-            "t5": tf.T5ForConditionalGeneration, "mixtral": tf.MixtralForCausalLM, "bert": tf.BertForMaskedLM,
-            "vit": tf.ViTForImageClassification, "whisper": tf.WhisperForConditionalGeneration}[model]
+    return {
+        "gpt2": tf.GPT2LMHeadModel,
+        "llama": tf.LlamaForCausalLM,
+        "llama-bf16": tf.LlamaForCausalLM,
+        "t5": tf.T5ForConditionalGeneration,
+        "mixtral": tf.MixtralForCausalLM,
+        "bert": tf.BertForMaskedLM,
+        "vit": tf.ViTForImageClassification,
+        "whisper": tf.WhisperForConditionalGeneration,
+    }[model]
 
 
 def write_model(model: str, root: Path) -> Path:
@@ -151,8 +236,10 @@ def inputs(model: str, mode: str) -> Any:
     if model == "vit":
         return {"pixel_values": torch.randn(BATCH, 3, 224, 224, generator=g)}
     if model == "whisper":
-        return {"input_features": torch.randn(BATCH, 80, 3000, generator=g),
-                "decoder_input_ids": torch.ones(BATCH, 8, dtype=torch.long)}
+        return {
+            "input_features": torch.randn(BATCH, 80, 3000, generator=g),
+            "decoder_input_ids": torch.ones(BATCH, 8, dtype=torch.long),
+        }
     vocab = _config(model).vocab_size
     tokens = 16 if mode == "generate" else TOKENS
     ids = torch.randint(3, vocab, (BATCH, tokens), generator=g)
@@ -181,11 +268,23 @@ def worker(case: Case, folder: Path, offload: Path) -> dict[str, Any]:
     max_memory = {"cpu": budget, "disk": 64 * weights}
     gc.collect()
     base = read_status()["RssAnon"]
-    row: dict[str, Any] = {**asdict(case), "case": case.name, "weights_bytes": weights, "budget_bytes": budget}
+    row: dict[str, Any] = {
+        **asdict(case),
+        "case": case.name,
+        "weights_bytes": weights,
+        "budget_bytes": budget,
+    }
     try:
         with MemWatch(0.001) as load:
-            model = automap.load(skeleton, folder, max_memory=max_memory, offload_dir=offload, quiet=True,
-                                 example_inputs=example, **generate)
+            model = automap.load(
+                skeleton,
+                folder,
+                max_memory=max_memory,
+                offload_dir=offload,
+                quiet=True,
+                example_inputs=example,
+                **generate,
+            )
     except automap.RuntimeBudgetError as exc:
         return {**row, "refused": str(exc)}
     plan = state_of(model).plan
@@ -195,10 +294,18 @@ def worker(case: Case, folder: Path, offload: Path) -> dict[str, Any]:
     after_load = read_status()["RssAnon"] - base
     with MemWatch(0.001) as run:
         _run(model, case.mode, example)
-    return {**row, "refused": "", "predicted": cpu.as_dict(), "predicted_run_bytes": cpu.peak_bytes,
-            "predicted_load_bytes": plan.load_peak_bytes, "plan_fits": cpu.fits,
-            "weights_in_ram_bytes": cpu.weights, "measured_load_bytes": load.peak_anon_bytes - base,
-            "after_load_bytes": after_load, "measured_run_bytes": run.peak_anon_bytes - base}
+    return {
+        **row,
+        "refused": "",
+        "predicted": cpu.as_dict(),
+        "predicted_run_bytes": cpu.peak_bytes,
+        "predicted_load_bytes": plan.load_peak_bytes,
+        "plan_fits": cpu.fits,
+        "weights_in_ram_bytes": cpu.weights,
+        "measured_load_bytes": load.peak_anon_bytes - base,
+        "after_load_bytes": after_load,
+        "measured_run_bytes": run.peak_anon_bytes - base,
+    }
 
 
 def _budget(budget: str, weights: int, skeleton: Any, example: Any, generate: dict[str, int]) -> int:
@@ -257,21 +364,29 @@ def judged(row: dict[str, Any]) -> dict[str, Any]:
     if row["refused"]:
         return row
     run, load = row["predicted_run_bytes"], row["predicted_load_bytes"]
-    return {**row, "run_ratio": row["measured_run_bytes"] / max(run, 1),
-            "run_within": within(run, row["measured_run_bytes"]),
-            "load_ratio": row["measured_load_bytes"] / max(load, 1),
-            "load_within": within(load, row["measured_load_bytes"]),
-            "under_budget": row["measured_run_bytes"] <= row["budget_bytes"]
-            and row["measured_load_bytes"] <= row["budget_bytes"]}
+    return {
+        **row,
+        "run_ratio": row["measured_run_bytes"] / max(run, 1),
+        "run_within": within(run, row["measured_run_bytes"]),
+        "load_ratio": row["measured_load_bytes"] / max(load, 1),
+        "load_within": within(load, row["measured_load_bytes"]),
+        "under_budget": row["measured_run_bytes"] <= row["budget_bytes"]
+        and row["measured_load_bytes"] <= row["budget_bytes"],
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| case | budget | in RAM | predicted run | measured run | ratio | ok | predicted load | measured load "
-             "| ratio | ok | <= budget |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | budget | in RAM | predicted run | measured run | ratio | ok | predicted load | measured load "
+        "| ratio | ok | <= budget |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["refused"]:
-            lines.append(f"| {r['case']} | {r['budget_bytes'] / MIB:.0f} MiB | refused before loading: "
-                         f"{r['refused'][:90]}... |||||||||")
+            lines.append(
+                f"| {r['case']} | {r['budget_bytes'] / MIB:.0f} MiB | refused before loading: "
+                f"{r['refused'][:90]}... |||||||||"
+            )
             continue
         lines.append(
             f"| {r['case']} | {r['budget_bytes'] / MIB:.0f} MiB | {r['weights_in_ram_bytes'] / MIB:.0f} MiB "
@@ -279,20 +394,26 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['run_ratio']:.2f} | {'yes' if r['run_within'] else 'NO'} "
             f"| {r['predicted_load_bytes'] / MIB:.1f} MiB | {r['measured_load_bytes'] / MIB:.1f} MiB "
             f"| {r['load_ratio']:.2f} | {'yes' if r['load_within'] else 'NO'} "
-            f"| {'yes' if r['under_budget'] or not r['plan_fits'] else 'NO'} |")
+            f"| {'yes' if r['under_budget'] or not r['plan_fits'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ran = [r for r in rows if not r["refused"]]
     fits = [r for r in ran if r["plan_fits"]]
-    return {"cases": len(rows), "refused": len(rows) - len(ran),
-            "run_within": sum(r["run_within"] for r in ran), "load_within": sum(r["load_within"] for r in ran),
-            "ran": len(ran), "plan_fits": len(fits),
-            "over_budget_when_fits": [r["case"] for r in fits if not r["under_budget"]],
-            "refusals_expected": [r["case"] for r in rows if r["budget"] == "tiny"],
-            "refusals_unexpected": [r["case"] for r in rows if r["refused"] and r["budget"] != "tiny"],
-            "not_refused_tiny": [r["case"] for r in ran if r["budget"] == "tiny"]}
+    return {
+        "cases": len(rows),
+        "refused": len(rows) - len(ran),
+        "run_within": sum(r["run_within"] for r in ran),
+        "load_within": sum(r["load_within"] for r in ran),
+        "ran": len(ran),
+        "plan_fits": len(fits),
+        "over_budget_when_fits": [r["case"] for r in fits if not r["under_budget"]],
+        "refusals_expected": [r["case"] for r in rows if r["budget"] == "tiny"],
+        "refusals_unexpected": [r["case"] for r in rows if r["refused"] and r["budget"] != "tiny"],
+        "not_refused_tiny": [r["case"] for r in ran if r["budget"] == "tiny"],
+    }
 
 
 def main() -> None:
@@ -301,7 +422,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--jobs", type=int, default=2, help="cases run at once (each in its own interpreter)")
-    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "BUDGET", "ROOT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("MODEL", "MODE", "BUDGET", "ROOT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
         model, mode, budget, root = args.worker
@@ -313,6 +436,7 @@ def main() -> None:
         return
     cases = [c for c in (QUICK if args.quick else CASES) if args.only in c.name]
     root = Path(tempfile.mkdtemp(prefix="automap-fit-"))
+
     def one(case: Case) -> dict[str, Any]:
         row = judged(run_fresh("benchmarks.fit", "--worker", case.model, case.mode, case.budget, str(root)))
         print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -326,7 +450,11 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(table(rows))
-    result = {"summary": summary(rows), "margin": {"share": MARGIN_SHARE, "bytes": MARGIN_BYTES}, "rows": rows}
+    result = {
+        "summary": summary(rows),
+        "margin": {"share": MARGIN_SHARE, "bytes": MARGIN_BYTES},
+        "rows": rows,
+    }
     print(json.dumps(result["summary"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

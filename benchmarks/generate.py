@@ -29,6 +29,7 @@ its predicted decode tokens/s can be set against the measured tokens per CPU-sec
 
     .venv/bin/python -m benchmarks.generate --root /tmp/automap-gen --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,9 +98,13 @@ def calibrate(root: Path, batches: list[int], hidden: int) -> dict[str, Any]:
             m.sum()
 
     page_cache = nbytes / _median_cpu_seconds(read_mapped, repeats=3)
-    return {"cpu_memory_bytes_per_second": memory, "cpu_flops_per_second_by_rows": flops,
-            "page_cache_bytes_per_second": page_cache, "page_cache_probe_bytes": nbytes,
-            "threads": torch.get_num_threads()}
+    return {
+        "cpu_memory_bytes_per_second": memory,
+        "cpu_flops_per_second_by_rows": flops,
+        "page_cache_bytes_per_second": page_cache,
+        "page_cache_probe_bytes": nbytes,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _populate(tensor: Any) -> None:
@@ -110,8 +115,11 @@ def _populate(tensor: Any) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
-    libc.madvise(start, tensor.data_ptr() + tensor.numel() * tensor.element_size() - start,
-                 getattr(mmap, "MADV_POPULATE_READ", 22))
+    libc.madvise(
+        start,
+        tensor.data_ptr() + tensor.numel() * tensor.element_size() - start,
+        getattr(mmap, "MADV_POPULATE_READ", 22),
+    )
 
 
 def _mmapped_matrices(path: Path, np: Any, limit: int = 1 << 30) -> list:
@@ -162,8 +170,16 @@ def skeleton(layers: int, hidden: int):
         return LlamaForCausalLM(llama_config(layers, hidden)).eval()
 
 
-def make_plan(root: Path, layers: int, hidden: int, batch: int, max_length: int, budget_share: float,
-              constants: dict[str, Any] | None, folder: Path | None = None) -> Path:
+def make_plan(
+    root: Path,
+    layers: int,
+    hidden: int,
+    batch: int,
+    max_length: int,
+    budget_share: float,
+    constants: dict[str, Any] | None,
+    folder: Path | None = None,
+) -> Path:
     """Plan batch ``batch`` for the budget with this machine's ``constants``; write it to ``folder``
     (default ``root``), where every worker reads it."""
     import automap
@@ -174,8 +190,16 @@ def make_plan(root: Path, layers: int, hidden: int, batch: int, max_length: int,
         speeds = {"cpu": constants["cpu_flops_per_second_by_rows"][str(batch)]}  # a decode step's rows
         bandwidths = {"cpu": constants["cpu_memory_bytes_per_second"]}
         links = {"disk": constants["page_cache_bytes_per_second"]}  # warm page cache: the "disk" reads
-    plan = automap.plan(skeleton(layers, hidden), max_memory={"cpu": budget}, batch=batch, max_length=max_length,
-                        example_inputs={"input_ids": prompts(batch)}, speeds=speeds, links=links, bandwidths=bandwidths)
+    plan = automap.plan(
+        skeleton(layers, hidden),
+        max_memory={"cpu": budget},
+        batch=batch,
+        max_length=max_length,
+        example_inputs={"input_ids": prompts(batch)},
+        speeds=speeds,
+        links=links,
+        bandwidths=bandwidths,
+    )
     path = (folder or root) / f"plan-b{batch}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json())
@@ -197,15 +221,21 @@ def setup(kind: str, root: Path, layers: int, hidden: int, batch: int):
         model.load_state_dict(load_file(str(checkpoint)), strict=False, assign=True)
         return model
     if kind == "automap":
-        return automap.load(skeleton(layers, hidden), checkpoint, device_map=plan,
-                            offload_dir=root / f"automap-offload-{batch}", quiet=True)
+        return automap.load(
+            skeleton(layers, hidden),
+            checkpoint,
+            device_map=plan,
+            offload_dir=root / f"automap-offload-{batch}",
+            quiet=True,
+        )
     from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     from transformers import LlamaForCausalLM
 
     with init_empty_weights():
         model = LlamaForCausalLM(llama_config(layers, hidden)).eval()
-    return load_checkpoint_and_dispatch(model, str(checkpoint), device_map=plan.device_map,
-                                        offload_folder=str(root / "accelerate-offload"))
+    return load_checkpoint_and_dispatch(
+        model, str(checkpoint), device_map=plan.device_map, offload_folder=str(root / "accelerate-offload")
+    )
 
 
 def timed_generate(model, ids, max_length: int) -> dict[str, Any]:
@@ -217,17 +247,27 @@ def timed_generate(model, ids, max_length: int) -> dict[str, Any]:
     try:
         start, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
-            out = model.generate(ids, max_length=max_length, min_length=max_length, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                ids,
+                max_length=max_length,
+                min_length=max_length,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
     finally:
         handle.remove()
     steps = len(stamps) - 1
     decode_wall = stamps[-1][0] - stamps[0][0]
     decode_cpu = stamps[-1][1] - stamps[0][1]
-    return {"prefill_seconds": stamps[0][0] - start, "prefill_cpu_seconds": stamps[0][1] - cpu, "decode_steps": steps,
-            "decode_tokens_per_second": ids.shape[0] * steps / decode_wall,
-            "decode_tokens_per_cpu_second": ids.shape[0] * steps / decode_cpu,
-            "tokens": out.tolist()}
+    return {
+        "prefill_seconds": stamps[0][0] - start,
+        "prefill_cpu_seconds": stamps[0][1] - cpu,
+        "decode_steps": steps,
+        "decode_tokens_per_second": ids.shape[0] * steps / decode_wall,
+        "decode_tokens_per_cpu_second": ids.shape[0] * steps / decode_cpu,
+        "tokens": out.tolist(),
+    }
 
 
 def worker(kind: str, root: Path, layers: int, hidden: int, batch: int, max_length: int, runs: int) -> dict:
@@ -241,18 +281,26 @@ def worker(kind: str, root: Path, layers: int, hidden: int, batch: int, max_leng
     results = [timed_generate(model, ids, max_length) for _ in range(runs)]
     tokens = results[0]["tokens"]
     assert all(r["tokens"] == tokens for r in results), "greedy decoding changed between runs"
-    return {"kind": kind, "batch": batch, "setup_seconds": setup_seconds, "threads": torch.get_num_threads(),
-            "tokens": tokens, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in results],
-            "decode_tokens_per_second": statistics.median(r["decode_tokens_per_second"] for r in results),
-            "decode_tokens_per_cpu_second": statistics.median(r["decode_tokens_per_cpu_second"] for r in results),
-            "prefill_seconds": statistics.median(r["prefill_seconds"] for r in results),
-            "prefill_cpu_seconds": statistics.median(r["prefill_cpu_seconds"] for r in results)}
+    return {
+        "kind": kind,
+        "batch": batch,
+        "setup_seconds": setup_seconds,
+        "threads": torch.get_num_threads(),
+        "tokens": tokens,
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in results],
+        "decode_tokens_per_second": statistics.median(r["decode_tokens_per_second"] for r in results),
+        "decode_tokens_per_cpu_second": statistics.median(r["decode_tokens_per_cpu_second"] for r in results),
+        "prefill_seconds": statistics.median(r["prefill_seconds"] for r in results),
+        "prefill_cpu_seconds": statistics.median(r["prefill_cpu_seconds"] for r in results),
+    }
 
 
 # ------------------------------------------------------------------ the report
 
 
-def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, Any] | None) -> dict[str, Any]:
+def summarise(
+    results: list[dict], plans: dict[int, Path], constants: dict[str, Any] | None
+) -> dict[str, Any]:
     import automap
     from automap.planning.decode import predict_decode
 
@@ -260,8 +308,13 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
     for batch, path in plans.items():
         plan = automap.Plan.from_json(path.read_text())
         mine = [r for r in results if r["batch"] == batch]
-        tps = {k: statistics.median(r["decode_tokens_per_second"] for r in mine if r["kind"] == k) for k in KINDS}
-        cpu_tps = {k: statistics.median(r["decode_tokens_per_cpu_second"] for r in mine if r["kind"] == k) for k in KINDS}
+        tps = {
+            k: statistics.median(r["decode_tokens_per_second"] for r in mine if r["kind"] == k) for k in KINDS
+        }
+        cpu_tps = {
+            k: statistics.median(r["decode_tokens_per_cpu_second"] for r in mine if r["kind"] == k)
+            for k in KINDS
+        }
         reference = next(r.get("tokens") for r in mine if r["kind"] == "ram")
         decode = predict_decode(plan)
         assert decode is not None
@@ -269,16 +322,21 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
         in_ram = _predicted_in_ram(plan)
         summary[f"batch_{batch}"] = {
             "processes": {k: sum(1 for r in mine if r["kind"] == k) for k in KINDS},
-            "decode_tokens_per_second": tps, "decode_tokens_per_cpu_second": cpu_tps,
+            "decode_tokens_per_second": tps,
+            "decode_tokens_per_cpu_second": cpu_tps,
             "automap_vs_accelerate": tps["automap"] / tps["accelerate"],
             "automap_vs_ram": tps["automap"] / tps["ram"],
             "automap_vs_accelerate_cpu_time": cpu_tps["automap"] / cpu_tps["accelerate"],
             "automap_vs_ram_cpu_time": cpu_tps["automap"] / cpu_tps["ram"],
-            "tokens_identical": all(r.get("tokens") == reference for r in mine) if reference is not None else None,
-            "prefill_seconds": {k: statistics.median(r["prefill_seconds"] for r in mine if r["kind"] == k)
-                                for k in KINDS},
-            "prefill_cpu_seconds": {k: statistics.median(r["prefill_cpu_seconds"] for r in mine if r["kind"] == k)
-                                    for k in KINDS},
+            "tokens_identical": all(r.get("tokens") == reference for r in mine)
+            if reference is not None
+            else None,
+            "prefill_seconds": {
+                k: statistics.median(r["prefill_seconds"] for r in mine if r["kind"] == k) for k in KINDS
+            },
+            "prefill_cpu_seconds": {
+                k: statistics.median(r["prefill_cpu_seconds"] for r in mine if r["kind"] == k) for k in KINDS
+            },
             "predicted_decode_tokens_per_second": decode.tokens_per_second,
             "predicted_decode_tokens_per_second_in_ram": in_ram,
             "predicted_vs_measured_cpu_time_automap": decode.tokens_per_second / cpu_tps["automap"],
@@ -286,7 +344,8 @@ def summarise(results: list[dict], plans: dict[int, Path], constants: dict[str, 
             "predicted_vs_measured_wall_automap": decode.tokens_per_second / tps["automap"],
             "predicted_vs_measured_wall_ram": in_ram / tps["ram"],
             "predicted_prefill_seconds": _prefill_seconds(plan, constants, batch),
-            "decode_summary": decode.describe(), "decode_hint": decode.hint,
+            "decode_summary": decode.describe(),
+            "decode_hint": decode.hint,
             "offloaded_share": offloaded / sum(u.weight_bytes for u in plan.units),
             "kv_bytes": sum(u.kv_bytes for u in plan.units),
         }
@@ -302,7 +361,9 @@ def _prefill_seconds(plan, constants: dict[str, Any] | None, batch: int) -> floa
     if not constants:
         return forward_seconds(plan)
     rate = constants["cpu_flops_per_second_by_rows"][str(batch * PROMPT)]
-    devices = tuple(dataclasses.replace(d, flops_per_second=rate) if d.kind == "cpu" else d for d in plan.devices)
+    devices = tuple(
+        dataclasses.replace(d, flops_per_second=rate) if d.kind == "cpu" else d for d in plan.devices
+    )
     return forward_seconds(dataclasses.replace(plan, devices=devices))
 
 
@@ -331,12 +392,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=2, help="timed generates per process")
     parser.add_argument("--batch", type=int, default=1, help="(worker) the batch to run")
     parser.add_argument("--no-calibrate", action="store_true", help="predict with automap's default speeds")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads in every process (default 1: on a shared machine two "
-                             "OpenMP threads spin-wait behind other jobs)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in every process (default 1: on a shared machine two "
+        "OpenMP threads spin-wait behind other jobs)",
+    )
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--resummarise", type=Path, default=None, metavar="JSON",
-                        help="recompute the summary of an earlier run (its constants and timings) with this code")
+    parser.add_argument(
+        "--resummarise",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="recompute the summary of an earlier run (its constants and timings) with this code",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     max_length = PROMPT + args.new_tokens
@@ -348,20 +418,56 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(calibrate(args.root, args.batches, args.hidden)))
         return
     if args.role != "main":
-        print(json.dumps(worker(args.role, args.root, args.layers, args.hidden, args.batch, max_length, args.runs)))
+        print(
+            json.dumps(
+                worker(args.role, args.root, args.layers, args.hidden, args.batch, max_length, args.runs)
+            )
+        )
         return
     if args.resummarise:
         resummarise(args.resummarise, args)
         return
     build_checkpoint(args.root, args.layers, args.hidden)
-    constants = None if args.no_calibrate else _median_constants([run_fresh(
-        "benchmarks.generate", "calibrate", "--root", str(args.root), "--threads", str(args.threads),
-        "--hidden", str(args.hidden), "--batches", *map(str, args.batches)) for _ in range(3)])
+    constants = (
+        None
+        if args.no_calibrate
+        else _median_constants(
+            [
+                run_fresh(
+                    "benchmarks.generate",
+                    "calibrate",
+                    "--root",
+                    str(args.root),
+                    "--threads",
+                    str(args.threads),
+                    "--hidden",
+                    str(args.hidden),
+                    "--batches",
+                    *map(str, args.batches),
+                )
+                for _ in range(3)
+            ]
+        )
+    )
     log.info("constants: %s", constants)
-    plans = {b: make_plan(args.root, args.layers, args.hidden, b, max_length, args.budget_share, constants)
-             for b in args.batches}
-    flags = ["--root", str(args.root), "--layers", str(args.layers), "--hidden", str(args.hidden),
-             "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--threads", str(args.threads)]
+    plans = {
+        b: make_plan(args.root, args.layers, args.hidden, b, max_length, args.budget_share, constants)
+        for b in args.batches
+    }
+    flags = [
+        "--root",
+        str(args.root),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--runs",
+        str(args.runs),
+        "--threads",
+        str(args.threads),
+    ]
     results = []
     order = [(kind, b) for kind in KINDS for b in args.batches]
     for round_ in range(args.rounds):
@@ -369,15 +475,30 @@ def main(argv: list[str] | None = None) -> None:
         for kind, batch in order:
             log.info("round %d: %s at batch %d in a fresh process", round_ + 1, kind, batch)
             results.append(run_fresh("benchmarks.generate", kind, "--batch", str(batch), *flags))
-    report = {"summary": summarise(results, plans, constants), "constants": constants, "threads": args.threads,
-              "max_length": max_length, "prompt_tokens": PROMPT, "settings": _settings(args), "runs": results}
+    report = {
+        "summary": summarise(results, plans, constants),
+        "constants": constants,
+        "threads": args.threads,
+        "max_length": max_length,
+        "prompt_tokens": PROMPT,
+        "settings": _settings(args),
+        "runs": results,
+    }
     (args.out or args.root / "generate.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"layers": args.layers, "hidden": args.hidden, "budget_share": args.budget_share, "batches": args.batches,
-            "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": args.runs, "threads": args.threads}
+    return {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "budget_share": args.budget_share,
+        "batches": args.batches,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "runs": args.runs,
+        "threads": args.threads,
+    }
 
 
 def resummarise(path: Path, args: argparse.Namespace) -> None:
@@ -385,9 +506,19 @@ def resummarise(path: Path, args: argparse.Namespace) -> None:
     and rewrite its summary: predictions follow this code, timings stay as measured."""
     report = json.loads(path.read_text())
     settings = {**_settings(args), **report.get("settings", {})}
-    plans = {b: make_plan(args.root, settings["layers"], settings["hidden"], b, report["max_length"],
-                          settings["budget_share"], report["constants"], folder=args.root / "resummarised")
-             for b in settings["batches"]}
+    plans = {
+        b: make_plan(
+            args.root,
+            settings["layers"],
+            settings["hidden"],
+            b,
+            report["max_length"],
+            settings["budget_share"],
+            report["constants"],
+            folder=args.root / "resummarised",
+        )
+        for b in settings["batches"]
+    }
     report["summary"] = summarise(report["runs"], plans, report["constants"])
     path.write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))

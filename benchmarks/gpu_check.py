@@ -34,6 +34,7 @@ and what a GPU would stream goes through the accelerator's transfer path on the 
 (``StagedTransfer(source, HostCopyOps())``). It proves that the script and every step's code
 still run; its figures are CPU figures.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,9 +77,16 @@ def steps() -> list[Step]:
     from benchmarks import gpu_moe, gpu_steps as s
 
     llama = [Step(f"llama-{c}", partial(s.llama, config=c), 35) for c in s.LLAMA_CONFIGS]
-    return [Step("environment", s.environment, 5), Step("tests", s.gpu_tests, 60),
-            Step("transparency", s.transparency, 30), Step("h2d", s.h2d, 30), *llama,
-            Step("load", s.load, 40), Step("tutorial", s.tutorial, 40), Step("moe", gpu_moe.moe, 40)]
+    return [
+        Step("environment", s.environment, 5),
+        Step("tests", s.gpu_tests, 60),
+        Step("transparency", s.transparency, 30),
+        Step("h2d", s.h2d, 30),
+        *llama,
+        Step("load", s.load, 40),
+        Step("tutorial", s.tutorial, 40),
+        Step("moe", gpu_moe.moe, 40),
+    ]
 
 
 def preload() -> None:
@@ -111,8 +119,11 @@ def _child(step: Step, ctx: Any, pipe: Any) -> None:
     except CheckFailed as exc:
         result = {"status": "failed", "error": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - whatever broke, the parent reports it
-        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-3000:]}
+        result = {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
     try:
         pipe.send(json.loads(json.dumps(result, default=str)))
     finally:
@@ -120,8 +131,11 @@ def _child(step: Step, ctx: Any, pipe: Any) -> None:
 
 
 # What a forked child says when this process had initialised CUDA after all: then spawn.
-POISONED_FORK = re.compile(r"re-initialize CUDA in forked|CUDA.*initiali[sz]ation (error|failed)|"
-                           r"initiali[sz]ation error.*CUDA", re.IGNORECASE)
+POISONED_FORK = re.compile(
+    r"re-initialize CUDA in forked|CUDA.*initiali[sz]ation (error|failed)|"
+    r"initiali[sz]ation error.*CUDA",
+    re.IGNORECASE,
+)
 
 
 def run_step(step: Step, ctx: Any, seconds_left: float, method: str = "fork") -> dict[str, Any]:
@@ -138,8 +152,11 @@ def run_step(step: Step, ctx: Any, seconds_left: float, method: str = "fork") ->
         if reader.poll(max(seconds_left, 1)):
             return reader.recv()
         if process.is_alive():
-            return {"status": "skipped", "error": f"skipped: out of time (killed at the {seconds_left:.0f} s left "
-                                                   "of the global budget)"}
+            return {
+                "status": "skipped",
+                "error": f"skipped: out of time (killed at the {seconds_left:.0f} s left "
+                "of the global budget)",
+            }
         return {"status": "failed", "error": f"the step's process died (exit code {process.exitcode})"}
     except EOFError:
         process.join(5)
@@ -164,23 +181,35 @@ def run_all(chosen: list[Step], ctx: Any, budget: float) -> list[dict[str, Any]]
     for number, step in enumerate(chosen, 1):
         left = budget - (time.monotonic() - started)
         if step.gpus > ctx.gpus and not ctx.dry:
-            record = {"status": "skipped", "error": f"skipped: needs {step.gpus} GPUs, this machine has {ctx.gpus}"}
+            record = {
+                "status": "skipped",
+                "error": f"skipped: needs {step.gpus} GPUs, this machine has {ctx.gpus}",
+            }
         elif left < step.seconds * (0.2 if ctx.dry else 1.0):
-            record = {"status": "skipped", "error": f"skipped: out of time ({left:.0f} s left of the {budget:.0f} s "
-                                                    f"budget; the step takes about {step.seconds:.0f} s)"}
+            record = {
+                "status": "skipped",
+                "error": f"skipped: out of time ({left:.0f} s left of the {budget:.0f} s "
+                f"budget; the step takes about {step.seconds:.0f} s)",
+            }
         else:
             print(f"[gpu-check] {number}/{len(chosen)} {step.name} ...", flush=True)
             begin = time.monotonic()
             record = run_step(step, ctx, left, method)
             if method == "fork" and record["status"] == "failed" and POISONED_FORK.search(record["error"]):
                 method = "spawn"  # an import initialised CUDA in this process: this and later steps spawn
-                print(f"[gpu-check] {step.name}: CUDA unusable in a forked process; spawning the steps", flush=True)
+                print(
+                    f"[gpu-check] {step.name}: CUDA unusable in a forked process; spawning the steps",
+                    flush=True,
+                )
                 record = run_step(step, ctx, budget - (time.monotonic() - started), method)
             record["seconds"] = round(time.monotonic() - begin, 2)
         record = {"name": step.name, **record}
         records.append(record)
-        print(f"[gpu-check] {number}/{len(chosen)} {step.name}: {record['status']} "
-              f"({record.get('seconds', 0):.1f} s) {headline(record)}", flush=True)
+        print(
+            f"[gpu-check] {number}/{len(chosen)} {step.name}: {record['status']} "
+            f"({record.get('seconds', 0):.1f} s) {headline(record)}",
+            flush=True,
+        )
         if step.name == "environment" and record["status"] == "ok":
             ctx = dataclasses.replace(ctx, gpus=record["result"]["gpu_count"])
         elif step.name == "environment" and not ctx.dry:
@@ -192,21 +221,32 @@ def run_all(chosen: list[Step], ctx: Any, budget: float) -> list[dict[str, Any]]
 
 
 def summary_text(report: dict[str, Any]) -> str:
-    lines = [f"automap gpu-check ({report['mode']}): {'all steps passed' if report['ok'] else 'FAILED'} "
-             f"in {report['wall_seconds']:.0f} s (budget {report['budget_seconds']:.0f} s)"]
+    lines = [
+        f"automap gpu-check ({report['mode']}): {'all steps passed' if report['ok'] else 'FAILED'} "
+        f"in {report['wall_seconds']:.0f} s (budget {report['budget_seconds']:.0f} s)"
+    ]
     width = max(len(r["name"]) for r in report["steps"])
     for record in report["steps"]:
-        lines.append(f"  {record['name']:<{width}}  {record['status']:<7}  {record.get('seconds', 0):6.1f} s  "
-                     f"{headline(record)}")
+        lines.append(
+            f"  {record['name']:<{width}}  {record['status']:<7}  {record.get('seconds', 0):6.1f} s  "
+            f"{headline(record)}"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="the CPU equivalents at small sizes (no GPU needed)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where gpu-check.json/.txt and plots go")
-    parser.add_argument("--scratch", type=Path, help="checkpoints and offload folders (default: a temporary "
-                                                     "folder, removed at the end)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the CPU equivalents at small sizes (no GPU needed)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="where gpu-check.json/.txt and plots go"
+    )
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        help="checkpoints and offload folders (default: a temporary folder, removed at the end)",
+    )
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
     parser.add_argument("--only", help="comma-separated step names (environment always runs)")
     args = parser.parse_args(argv)
@@ -225,14 +265,22 @@ def main(argv: list[str] | None = None) -> int:
     preload()
     started = time.monotonic()
     try:
-        records = run_all(chosen, Context(dry=args.dry_run, out=args.out.resolve(), scratch=scratch.resolve()),
-                          args.budget_seconds)
+        records = run_all(
+            chosen,
+            Context(dry=args.dry_run, out=args.out.resolve(), scratch=scratch.resolve()),
+            args.budget_seconds,
+        )
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    report = {"mode": "dry run (CPU)" if args.dry_run else "GPU", "command": sys.argv,
-              "budget_seconds": args.budget_seconds, "wall_seconds": time.monotonic() - started,
-              "ok": all(r["status"] != "failed" for r in records), "steps": records}
+    report = {
+        "mode": "dry run (CPU)" if args.dry_run else "GPU",
+        "command": sys.argv,
+        "budget_seconds": args.budget_seconds,
+        "wall_seconds": time.monotonic() - started,
+        "ok": all(r["status"] != "failed" for r in records),
+        "steps": records,
+    }
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
     text = summary_text(report)
     (args.out / "gpu-check.txt").write_text(text)

@@ -6,6 +6,7 @@ On a GPU each step does the real thing on ``cuda:0``; in a dry run (``ctx.dry``)
 runs on the CPU at small sizes, with the accelerator's transfer path — device copies swapped in
 for each streamed unit — run by ``StagedTransfer(source, HostCopyOps())``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,19 +71,35 @@ def environment(ctx: Context) -> dict[str, Any]:
     import torchvision
     import transformers
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
     if not ctx.dry and not gpus:
-        raise CheckFailed("no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
-                          "run `make gpu-check DRY=1` on a machine without one")
-    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-             "torchvision": torchvision.__version__, "gpus": gpus, "gpu_count": len(gpus),
-             "cpu_cores": psutil.cpu_count(logical=True), "ram_bytes": psutil.virtual_memory().total}
+        raise CheckFailed(
+            "no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+            "run `make gpu-check DRY=1` on a machine without one"
+        )
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "torchvision": torchvision.__version__,
+        "gpus": gpus,
+        "gpu_count": len(gpus),
+        "cpu_cores": psutil.cpu_count(logical=True),
+        "ram_bytes": psutil.virtual_memory().total,
+    }
     if gpus:
         free, total = torch.cuda.mem_get_info(0)
         found.update(gpu_memory_bytes=total, gpu_free_bytes=free)
-    found["headline"] = f"{len(gpus)} GPU(s) {', '.join(gpus) or '-'}; torch {torch.__version__}, " \
-                        f"transformers {transformers.__version__}, accelerate {accelerate.__version__}"
+    found["headline"] = (
+        f"{len(gpus)} GPU(s) {', '.join(gpus) or '-'}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, accelerate {accelerate.__version__}"
+    )
     return found
 
 
@@ -92,7 +109,9 @@ def environment(ctx: Context) -> dict[str, Any]:
 def gpu_test_files() -> list[str]:
     """Test files that hold ``cuda`` or ``multi_gpu`` tests (only those are collected)."""
     marked = re.compile(r"mark\.(cuda|multi_gpu)\b")
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if marked.search(p.read_text()))
+    return sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if marked.search(p.read_text())
+    )
 
 
 def gpu_tests(ctx: Context) -> dict[str, Any]:
@@ -104,8 +123,17 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
     import pytest
 
     report, log = ctx.out / "pytest-gpu.xml", ctx.out / "pytest-gpu.log"
-    flags = ["-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda or multi_gpu", f"--junitxml={report}",
-             f"--rootdir={ROOT}", *gpu_test_files()]
+    flags = [
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "cuda or multi_gpu",
+        f"--junitxml={report}",
+        f"--rootdir={ROOT}",
+        *gpu_test_files(),
+    ]
     os.chdir(ROOT)
     with open(log, "w") as out, redirect_stdout(out), redirect_stderr(out):
         code = int(pytest.main(flags))
@@ -118,8 +146,10 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
         raise CheckFailed(f"{len(bad)} GPU test(s) failed: " + "; ".join(f"{n}: {m}" for n, m in bad[:5]))
     if ctx.gpus and not found["passed"]:
         raise CheckFailed("a GPU is present but no GPU test ran: " + json.dumps(found["skip_reasons"]))
-    found["headline"] = f"{len(found['passed'])} passed, {len(found['skipped'])} skipped " \
-                        f"({'; '.join(found['skip_reasons']) or 'none'}), 0 failed"
+    found["headline"] = (
+        f"{len(found['passed'])} passed, {len(found['skipped'])} skipped "
+        f"({'; '.join(found['skip_reasons']) or 'none'}), 0 failed"
+    )
     return found
 
 
@@ -139,8 +169,13 @@ def junit_summary(path: Path) -> dict[str, Any]:
             reasons[reason] = reasons.get(reason, 0) + 1
         else:
             passed.append(name)
-    return {"passed": passed, "skipped": skipped, "failed": failed, "errors": errors,
-            "skip_reasons": [f"{n} x {r}" for r, n in reasons.items()]}
+    return {
+        "passed": passed,
+        "skipped": skipped,
+        "failed": failed,
+        "errors": errors,
+        "skip_reasons": [f"{n} x {r}" for r, n in reasons.items()],
+    }
 
 
 # ------------------------------------------------------------------ transparency, five architectures
@@ -172,26 +207,80 @@ def architectures(dry: bool) -> dict[str, Arch]:
     image = 64 if dry else 160
     vocab = 256 if dry else 4096
     ids = torch.randint(1, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
-    gen = {"input_ids": ids[:1], "attention_mask": torch.ones_like(ids[:1]), "max_new_tokens": 8 if dry else 16,
-           "do_sample": False, "pad_token_id": 0}
+    gen = {
+        "input_ids": ids[:1],
+        "attention_mask": torch.ones_like(ids[:1]),
+        "max_new_tokens": 8 if dry else 16,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
     gen["min_new_tokens"] = gen["max_new_tokens"]
     hidden, layers = (64, 4) if dry else (256, 8)
     logits = lambda out: out.logits  # noqa: E731 - a one-line reader
-    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=64,
-                                               mlp_dim=128) if dry else torchvision.models.vit_b_16()
+    vit = (
+        torchvision.models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=64, mlp_dim=128
+        )
+        if dry
+        else torchvision.models.vit_b_16()
+    )
     return {
-        "cnn": Arch((torchvision.models.resnet18() if dry else torchvision.models.resnet50()).eval(),
-                    (torch.randn(2, 3, image, image),), lambda out: out),
-        "vit": Arch(vit.eval(), (torch.randn(2, 3, 32 if dry else 224, 32 if dry else 224),), lambda out: out),
-        "gpt2": Arch(_lm("GPT2Config", "GPT2LMHeadModel", n_embd=hidden, n_layer=layers, n_head=4, vocab_size=vocab,
-                         n_positions=128, bos_token_id=0, eos_token_id=0), {"input_ids": ids}, logits, gen),
-        "llama": Arch(_lm("LlamaConfig", "LlamaForCausalLM", hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                          max_position_embeddings=128), {"input_ids": ids}, logits, gen),
-        "t5": Arch(_lm("T5Config", "T5ForConditionalGeneration", d_model=hidden, d_ff=2 * hidden, d_kv=16,
-                       num_layers=layers // 2, num_heads=4, vocab_size=vocab, decoder_start_token_id=0),
-                   {"input_ids": ids, "decoder_input_ids": ids[:, :3]}, logits,
-                   {k: v for k, v in gen.items() if k != "pad_token_id"}),
+        "cnn": Arch(
+            (torchvision.models.resnet18() if dry else torchvision.models.resnet50()).eval(),
+            (torch.randn(2, 3, image, image),),
+            lambda out: out,
+        ),
+        "vit": Arch(
+            vit.eval(), (torch.randn(2, 3, 32 if dry else 224, 32 if dry else 224),), lambda out: out
+        ),
+        "gpt2": Arch(
+            _lm(
+                "GPT2Config",
+                "GPT2LMHeadModel",
+                n_embd=hidden,
+                n_layer=layers,
+                n_head=4,
+                vocab_size=vocab,
+                n_positions=128,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+            {"input_ids": ids},
+            logits,
+            gen,
+        ),
+        "llama": Arch(
+            _lm(
+                "LlamaConfig",
+                "LlamaForCausalLM",
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=vocab,
+                max_position_embeddings=128,
+            ),
+            {"input_ids": ids},
+            logits,
+            gen,
+        ),
+        "t5": Arch(
+            _lm(
+                "T5Config",
+                "T5ForConditionalGeneration",
+                d_model=hidden,
+                d_ff=2 * hidden,
+                d_kv=16,
+                num_layers=layers // 2,
+                num_heads=4,
+                vocab_size=vocab,
+                decoder_start_token_id=0,
+            ),
+            {"input_ids": ids, "decoder_input_ids": ids[:, :3]},
+            logits,
+            {k: v for k, v in gen.items() if k != "pad_token_id"},
+        ),
     }
 
 
@@ -253,9 +342,13 @@ def check_architecture(ctx: Context, name: str, arch: Arch) -> dict[str, Any]:
     finally:
         automap.undispatch(model)
     diff = (got - expected).abs().max().item()
-    found = {"units": counts, "streamed_units": streamed, "max_abs_diff": diff,
-             "outputs_match": bool(torch.allclose(got, expected, rtol=1e-4, atol=1e-5)),
-             "generate_identical": None if tokens is None else bool(torch.equal(got_tokens, tokens))}
+    found = {
+        "units": counts,
+        "streamed_units": streamed,
+        "max_abs_diff": diff,
+        "outputs_match": bool(torch.allclose(got, expected, rtol=1e-4, atol=1e-5)),
+        "generate_identical": None if tokens is None else bool(torch.equal(got_tokens, tokens)),
+    }
     found["ok"] = found["outputs_match"] and found["generate_identical"] is not False and streamed > 0
     return found
 
@@ -274,9 +367,11 @@ def transparency(ctx: Context) -> dict[str, Any]:
     if bad:
         raise CheckFailed("not transparent: " + "; ".join(f"{n}: {results[n]}" for n in bad))
     worst = max(r["max_abs_diff"] for r in results.values())
-    return {"architectures": results,
-            "headline": f"{len(results)} architectures on {'cpu + disk' if ctx.dry else 'cuda:0 + cpu + disk'}: "
-                        f"outputs match (max |diff| {worst:.1e}), generate identical"}
+    return {
+        "architectures": results,
+        "headline": f"{len(results)} architectures on {'cpu + disk' if ctx.dry else 'cuda:0 + cpu + disk'}: "
+        f"outputs match (max |diff| {worst:.1e}), generate identical",
+    }
 
 
 # ------------------------------------------------------------------ H2D streaming vs pinned copies
@@ -348,15 +443,20 @@ def h2d(ctx: Context) -> dict[str, Any]:
     root = llama_checkpoint(ctx)
     layers, hidden = llama_sizes(ctx)
     resident = "cpu" if ctx.dry else 0
-    device_map: dict[str, Any] = {n: resident for n in ("model.embed_tokens", "model.rotary_emb", "model.norm",
-                                                        "lm_head", "model.layers.0")}
-    device_map.update({f"model.layers.{i}": ("cpu" if i % 2 and not ctx.dry else "disk") for i in range(1, layers)})
+    device_map: dict[str, Any] = {
+        n: resident
+        for n in ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head", "model.layers.0")
+    }
+    device_map.update(
+        {f"model.layers.{i}": ("cpu" if i % 2 and not ctx.dry else "disk") for i in range(1, layers)}
+    )
     write_plan(ctx, root, device_map)
     ops: list[TimedOps] = []
 
     def timed(source: WeightSource, device: torch.device, buffers: int | None = None) -> StagedTransfer:
         ops.append(TimedOps(HostCopyOps() if ctx.dry else CudaOps(device)))
         return StagedTransfer(source, ops[-1])
+
     model, _ = setup_automap(root, layers, hidden, "cpu" if ctx.dry else "cuda", transfer=timed)
     try:
         time_forwards(model, "cpu" if ctx.dry else "cuda", 1)  # allocates the staging buffer
@@ -366,29 +466,43 @@ def h2d(ctx: Context) -> dict[str, Any]:
         pinned_bytes = state_of(model).stats().pinned_bytes
     finally:
         automap.undispatch(model)
-    found: dict[str, Any] = {"forward_median_seconds": statistics.median(seconds), "pinned_host_bytes": pinned_bytes}
+    found: dict[str, Any] = {
+        "forward_median_seconds": statistics.median(seconds),
+        "pinned_host_bytes": pinned_bytes,
+    }
     for kind, staged in (("from_ram", False), ("from_disk", True)):
         mine = [t for t in timings if t.staged == staged and t.sizes]
         if mine:
             achieved = sum(sum(t.sizes) for t in mine) / sum(t.seconds for t in mine)
             bound = copy_bound(ctx, max((t.sizes for t in mine), key=sum))
-            found[kind] = {"units_copied": len(mine), "unit_bytes": max(sum(t.sizes) for t in mine),
-                           "achieved_bytes_per_second": achieved, "pinned_copy_bytes_per_second": bound,
-                           "fraction_of_bound": achieved / bound}
+            found[kind] = {
+                "units_copied": len(mine),
+                "unit_bytes": max(sum(t.sizes) for t in mine),
+                "achieved_bytes_per_second": achieved,
+                "pinned_copy_bytes_per_second": bound,
+                "fraction_of_bound": achieved / bound,
+            }
     key = "from_disk" if ctx.dry else "from_ram"
     if key not in found:
         raise CheckFailed(f"no unit was streamed {key.replace('_', ' ')}: {device_map}")
     found["target"] = "units streamed from pinned RAM reach >= 0.8 of the pinned-copy bound"
     found["target_met"] = None if ctx.dry else found[key]["fraction_of_bound"] >= 0.8
-    parts = [f"{k.replace('_', ' ')}: {v['achieved_bytes_per_second'] / GB:.2f} GB/s = "
-             f"{v['fraction_of_bound']:.2f}x the pinned-copy bound" for k, v in found.items()
-             if isinstance(v, dict) and "fraction_of_bound" in v]
+    parts = [
+        f"{k.replace('_', ' ')}: {v['achieved_bytes_per_second'] / GB:.2f} GB/s = "
+        f"{v['fraction_of_bound']:.2f}x the pinned-copy bound"
+        for k, v in found.items()
+        if isinstance(v, dict) and "fraction_of_bound" in v
+    ]
     found["headline"] = "; ".join(parts) + (" (host copies: a dry run)" if ctx.dry else "")
     return found
 
 
-def write_plan(ctx: Context, root: Path, device_map: dict[str, Any] | None = None,
-               max_memory: dict[Any, int] | None = None) -> automap.Plan:
+def write_plan(
+    ctx: Context,
+    root: Path,
+    device_map: dict[str, Any] | None = None,
+    max_memory: dict[Any, int] | None = None,
+) -> automap.Plan:
     """Plan the checkpoint's skeleton from a device map or a budget, where the setups of
     :mod:`benchmarks.offload` read it."""
     from benchmarks.offload import make_plan
@@ -403,7 +517,9 @@ def write_plan(ctx: Context, root: Path, device_map: dict[str, Any] | None = Non
 
     with torch.device("meta"):
         skeleton = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)), checkpoint_dtype(root))
-    plan = automap.plan(skeleton, device_map, example_inputs={"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)})
+    plan = automap.plan(
+        skeleton, device_map, example_inputs={"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)}
+    )
     (root / f"plan-{device}.json").write_text(plan.to_json())
     return plan
 
@@ -412,7 +528,10 @@ def write_plan(ctx: Context, root: Path, device_map: dict[str, Any] | None = Non
 
 LLAMA_CONFIGS = {
     # name: (share of the model streamed from CPU RAM, share on disk) the budgets aim at
-    "stream25": (0.25, 0.0), "stream50": (0.5, 0.0), "stream75": (0.75, 0.0), "disk": (0.25, 0.25),
+    "stream25": (0.25, 0.0),
+    "stream50": (0.5, 0.0),
+    "stream75": (0.75, 0.0),
+    "disk": (0.25, 0.25),
 }
 
 
@@ -450,17 +569,25 @@ def llama(ctx: Context, config: str) -> dict[str, Any]:
     device = "cpu" if ctx.dry else "cuda"
     plan = write_plan(ctx, root, max_memory=llama_budget(ctx, root, config))
     total = sum(u.weight_bytes for u in plan.units)
-    shares = {d: sum(u.weight_bytes for u, p in zip(plan.units, plan.placement) if p == d) / total
-              for d in dict.fromkeys(plan.placement)}
+    shares = {
+        d: sum(u.weight_bytes for u, p in zip(plan.units, plan.placement) if p == d) / total
+        for d in dict.fromkeys(plan.placement)
+    }
     setups = dict(SETUPS)
     if ctx.dry:
         setups["automap"] = lambda *a: setup_automap(*a, transfer=staged_on_host)
     timing = interleaved(root, layers, hidden, device, runs=3 if ctx.dry else 7, setups=setups)
     wall = timing["median_forward_seconds"]
-    return {"model_bytes": total, "shares": shares, "tokens": TOKENS, **timing,
-            "headline": f"{format_bytes(total)} bf16, " + ", ".join(f"{v:.0%} {k}" for k, v in shares.items()) +
-                        f": automap {wall['automap'] * 1e3:.1f} ms = {timing['automap_vs_ram']:.2f}x resident, "
-                        f"{timing['automap_vs_accelerate']:.2f}x accelerate ({wall['accelerate'] * 1e3:.1f} ms)"}
+    return {
+        "model_bytes": total,
+        "shares": shares,
+        "tokens": TOKENS,
+        **timing,
+        "headline": f"{format_bytes(total)} bf16, "
+        + ", ".join(f"{v:.0%} {k}" for k, v in shares.items())
+        + f": automap {wall['automap'] * 1e3:.1f} ms = {timing['automap_vs_ram']:.2f}x resident, "
+        f"{timing['automap_vs_accelerate']:.2f}x accelerate ({wall['accelerate'] * 1e3:.1f} ms)",
+    }
 
 
 # ------------------------------------------------------------------ loading to the GPU
@@ -478,8 +605,10 @@ def load(ctx: Context) -> dict[str, Any]:
     layers, hidden = llama_sizes(ctx)
     dtype = checkpoint_dtype(root)
     size = (root / CHECKPOINT).stat().st_size
-    maps = {"resident": {"cpu": 2 * size} if ctx.dry else {0: 2 * size},
-            "mixed": llama_budget(ctx, root, "disk")}
+    maps = {
+        "resident": {"cpu": 2 * size} if ctx.dry else {0: 2 * size},
+        "mixed": llama_budget(ctx, root, "disk"),
+    }
     ids = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(3)).to(ctx.device)
     found: dict[str, Any] = {}
     for label, budget in maps.items():
@@ -492,13 +621,22 @@ def load(ctx: Context) -> dict[str, Any]:
                 if tool == "automap":
                     with automap.empty_model():
                         model = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)).eval(), dtype)
-                    automap.load(model, root / CHECKPOINT, device_map, offload_dir=ctx.scratch / "load-automap",
-                                 quiet=True)
+                    automap.load(
+                        model,
+                        root / CHECKPOINT,
+                        device_map,
+                        offload_dir=ctx.scratch / "load-automap",
+                        quiet=True,
+                    )
                 else:
                     with init_empty_weights():
                         model = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)).eval(), dtype)
-                    model = load_checkpoint_and_dispatch(model, str(root / CHECKPOINT), device_map=device_map,
-                                                         offload_folder=str(ctx.scratch / "load-accelerate"))
+                    model = load_checkpoint_and_dispatch(
+                        model,
+                        str(root / CHECKPOINT),
+                        device_map=device_map,
+                        offload_folder=str(ctx.scratch / "load-accelerate"),
+                    )
                 ctx.sync()
                 seconds[tool].append(time.perf_counter() - start)
                 with torch.no_grad():
@@ -511,14 +649,22 @@ def load(ctx: Context) -> dict[str, Any]:
                     torch.cuda.empty_cache()
         diff = (logits["automap"] - logits["accelerate"]).abs().max().item()
         median = {t: statistics.median(s) for t, s in seconds.items()}
-        found[label] = {"seconds": seconds, "median_seconds": median, "automap_vs_accelerate":
-                        median["automap"] / median["accelerate"], "logits_max_abs_diff": diff}
+        found[label] = {
+            "seconds": seconds,
+            "median_seconds": median,
+            "automap_vs_accelerate": median["automap"] / median["accelerate"],
+            "logits_max_abs_diff": diff,
+        }
         if not torch.allclose(logits["automap"], logits["accelerate"], rtol=1e-2, atol=1e-2):
-            raise CheckFailed(f"{label}: automap's and accelerate's loaded models disagree (max |diff| {diff})")
+            raise CheckFailed(
+                f"{label}: automap's and accelerate's loaded models disagree (max |diff| {diff})"
+            )
     found["note"] = "GPU loads copy each tensor from its (pageable) file mapping: no pinned staging yet"
-    found["headline"] = "; ".join(f"{k}: automap {v['median_seconds']['automap']:.2f} s = "
-                                  f"{v['automap_vs_accelerate']:.2f}x accelerate" for k, v in found.items()
-                                  if isinstance(v, dict))
+    found["headline"] = "; ".join(
+        f"{k}: automap {v['median_seconds']['automap']:.2f} s = {v['automap_vs_accelerate']:.2f}x accelerate"
+        for k, v in found.items()
+        if isinstance(v, dict)
+    )
     return found
 
 
@@ -530,14 +676,28 @@ def tutorial(ctx: Context) -> dict[str, Any]:
 
     flags = ["--out", str(ctx.out / "tutorial")]
     if ctx.dry:
-        flags += ["--setup", "cpu", "--batch", "4", "--image", "32", "--repeats", "1", "--batches", "1",
-                  "--split-sizes", "2"]
+        flags += [
+            "--setup",
+            "cpu",
+            "--batch",
+            "4",
+            "--image",
+            "32",
+            "--repeats",
+            "1",
+            "--batches",
+            "1",
+            "--split-sizes",
+            "2",
+        ]
     else:
         flags += ["--repeats", "3", "--split-sizes", "5,10,20,40"]
     result = bench.main(flags)
     rows = result["rows"]
-    return {"setup": result["setup"]["name"], "rows": [{k: r[k] for k in ("label", "mean", "std", "vs_one_device")}
-                                                       for r in rows],
-            "files": ["tutorial.json", "tutorial.png"],
-            "headline": f"{result['setup']['name']}: " + ", ".join(f"{r['label']} {r['mean']:.3f} s "
-                                                                   f"({100 * r['vs_one_device']:+.0f}%)" for r in rows)}
+    return {
+        "setup": result["setup"]["name"],
+        "rows": [{k: r[k] for k in ("label", "mean", "std", "vs_one_device")} for r in rows],
+        "files": ["tutorial.json", "tutorial.png"],
+        "headline": f"{result['setup']['name']}: "
+        + ", ".join(f"{r['label']} {r['mean']:.3f} s ({100 * r['vs_one_device']:+.0f}%)" for r in rows),
+    }

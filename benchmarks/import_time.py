@@ -9,6 +9,7 @@ come when first used); and `import automap; automap.plan` (the whole public surf
 script that plans imports). The target (issue 25) is the last within 1.2x of `import torch`.
 Prints one line per statement, then one JSON object: medians in seconds and the ratios to torch.
 """
+
 from __future__ import annotations
 
 import argparse

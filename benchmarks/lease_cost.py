@@ -10,6 +10,7 @@ is taken once per file when it is mapped; a forward does nothing with it, so the
 
     python -m benchmarks.lease_cost [--width 1024] [--rounds 15] [--out lease_cost.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     checkpoint = Path(tempfile.mkdtemp()) / "model.safetensors"
     real = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(4)])
     save_file({k: v.contiguous() for k, v in real.state_dict().items()}, checkpoint)
-    models = {"unleased": loaded(checkpoint, args.width, False), "leased": loaded(checkpoint, args.width, True)}
+    models = {
+        "unleased": loaded(checkpoint, args.width, False),
+        "leased": loaded(checkpoint, args.width, True),
+    }
     x = torch.randn(8, args.width)
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad():
@@ -85,8 +89,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result = {f"{name}_forward_ms": statistics.median(t) * 1e3 for name, t in times.items()}
     result["ratio"] = result["leased_forward_ms"] / result["unleased_forward_ms"]
     result["take_lease_us"] = lease_seconds(checkpoint) * 1e6
-    print(f"warm forward: leased {result['leased_forward_ms']:.3f} ms, unleased {result['unleased_forward_ms']:.3f} "
-          f"ms ({result['ratio']:.3f}x); taking a lease {result['take_lease_us']:.1f} us per file")
+    print(
+        f"warm forward: leased {result['leased_forward_ms']:.3f} ms, unleased {result['unleased_forward_ms']:.3f} "
+        f"ms ({result['ratio']:.3f}x); taking a lease {result['take_lease_us']:.1f} us per file"
+    )
     print(json.dumps(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -10,6 +10,7 @@ anonymous and file-backed RSS above the baseline (benchmarks/memwatch.py), bytes
 offload folder, bytes the process wrote (/proc/self/io). Both models then compute the logits
 of one prompt; the two must agree exactly. The last stdout line is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ from typing import Any
 
 from benchmarks.memwatch import MemWatch, evict, read_io, run_fresh
 
-SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
-             num_key_value_heads=16, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 INDEX = "model.safetensors.index.json"
 MB = 1_000_000
 
@@ -65,8 +74,11 @@ def make_checkpoint(folder: Path, shard_bytes: int) -> dict[str, Any]:
     marker = folder / "bench-config.json"
     wanted = {"shape": SHAPE, "shard_bytes": shard_bytes}
     shapes = llama_shapes(_config())
-    facts = {"total_bytes": sum(4 * math.prod(s) for s in shapes.values()),
-             "largest_tensor_bytes": max(4 * math.prod(s) for s in shapes.values()), "tensors": len(shapes)}
+    facts = {
+        "total_bytes": sum(4 * math.prod(s) for s in shapes.values()),
+        "largest_tensor_bytes": max(4 * math.prod(s) for s in shapes.values()),
+        "tensors": len(shapes),
+    }
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return {**facts, "shards": len(list(folder.glob("*.safetensors")))}
     shutil.rmtree(folder, ignore_errors=True)
@@ -80,7 +92,9 @@ def make_checkpoint(folder: Path, shard_bytes: int) -> dict[str, Any]:
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del tensors
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": facts["total_bytes"]}, "weight_map": weight_map}))
+    (folder / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": facts["total_bytes"]}, "weight_map": weight_map})
+    )
     marker.write_text(json.dumps(wanted))
     return {**facts, "shards": len(shards)}
 
@@ -110,23 +124,36 @@ def worker(tool: str, checkpoint: str, budget: int, offload: str, logits_path: s
         else:
             with init_empty_weights():
                 model = LlamaForCausalLM(config).eval()
-            model = load_checkpoint_and_dispatch(model, checkpoint, device_map="auto", max_memory={"cpu": budget},
-                                                 offload_folder=offload, no_split_module_classes=["LlamaDecoderLayer"])
+            model = load_checkpoint_and_dispatch(
+                model,
+                checkpoint,
+                device_map="auto",
+                max_memory={"cpu": budget},
+                offload_folder=offload,
+                no_split_module_classes=["LlamaDecoderLayer"],
+            )
         seconds = time.perf_counter() - start
     after = read_io()
     from automap.offload import backing_file
 
     # Weights in anonymous RAM: automap's offloaded tensors are real but file-backed views.
-    resident = sum(t.numel() * t.element_size() for t in model.state_dict().values()
-                   if t.device.type == "cpu" and backing_file(t) is None)
+    resident = sum(
+        t.numel() * t.element_size()
+        for t in model.state_dict().values()
+        if t.device.type == "cpu" and backing_file(t) is None
+    )
     with torch.no_grad():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     torch.save(logits, logits_path)
-    return {"tool": tool, "load_seconds": seconds, **watch.result(),
-            "offload_dir_bytes": _folder_bytes(Path(offload)),
-            "process_write_bytes": after["write_bytes"] - before["write_bytes"],
-            "process_read_bytes": after["read_bytes"] - before["read_bytes"],
-            "cpu_resident_weight_bytes": resident}
+    return {
+        "tool": tool,
+        "load_seconds": seconds,
+        **watch.result(),
+        "offload_dir_bytes": _folder_bytes(Path(offload)),
+        "process_write_bytes": after["write_bytes"] - before["write_bytes"],
+        "process_read_bytes": after["read_bytes"] - before["read_bytes"],
+        "cpu_resident_weight_bytes": resident,
+    }
 
 
 def run_one(tool: str, checkpoint: Path, budget: int, scratch: Path, cold: bool) -> dict[str, Any]:
@@ -135,8 +162,19 @@ def run_one(tool: str, checkpoint: Path, budget: int, scratch: Path, cold: bool)
     if cold:
         evict(checkpoint.glob("*.safetensors"))
     logits = scratch / f"logits-{tool}.pt"
-    result = run_fresh("benchmarks.load", "--worker", tool, "--dir", str(checkpoint), "--budget", str(budget),
-                       "--offload", str(offload), "--logits", str(logits))
+    result = run_fresh(
+        "benchmarks.load",
+        "--worker",
+        tool,
+        "--dir",
+        str(checkpoint),
+        "--budget",
+        str(budget),
+        "--offload",
+        str(offload),
+        "--logits",
+        str(logits),
+    )
     shutil.rmtree(offload, ignore_errors=True)
     return result
 
@@ -160,7 +198,10 @@ def summarise(runs: list[dict[str, Any]], facts: dict[str, Any], budget: int) ->
     ratio = tools["automap"]["load_seconds_median"] / tools["accelerate"]["load_seconds_median"]
     anon_limit = budget + facts["largest_tensor_bytes"] + 300 * MB
     return {
-        "checkpoint": facts, "budget_bytes": budget, "tools": tools, "time_ratio_automap_over_accelerate": ratio,
+        "checkpoint": facts,
+        "budget_bytes": budget,
+        "tools": tools,
+        "time_ratio_automap_over_accelerate": ratio,
         "targets": {
             "anon_limit_bytes": anon_limit,
             "anon_within_limit": tools["automap"]["peak_anon_above_base_bytes_max"] <= anon_limit,
@@ -193,9 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for tool in ("accelerate", "automap"):
             runs.append(run_one(tool, folder / "checkpoint", budget, folder, cold=not args.warm))
-            print(f"{tool}: {runs[-1]['load_seconds']:.2f} s, anon +{runs[-1]['peak_anon_above_base_bytes'] / MB:.0f} MB, "
-                  f"file +{runs[-1]['peak_file_above_base_bytes'] / MB:.0f} MB, "
-                  f"wrote {runs[-1]['offload_dir_bytes'] / MB:.0f} MB", file=sys.stderr)
+            print(
+                f"{tool}: {runs[-1]['load_seconds']:.2f} s, anon +{runs[-1]['peak_anon_above_base_bytes'] / MB:.0f} MB, "
+                f"file +{runs[-1]['peak_file_above_base_bytes'] / MB:.0f} MB, "
+                f"wrote {runs[-1]['offload_dir_bytes'] / MB:.0f} MB",
+                file=sys.stderr,
+            )
     summary = summarise(runs, facts, budget)
     import torch
 

@@ -11,6 +11,7 @@ so that earlier work in the same interpreter does not pollute the baseline.
 Also what the benchmarks share around it: ``read_io`` (bytes read and written), ``evict``
 (cold page cache for given files) and ``run_fresh`` (a worker in a fresh interpreter).
 """
+
 from __future__ import annotations
 
 import json
@@ -91,9 +92,11 @@ class MemWatch:
 
     def result(self) -> dict[str, int]:
         return {
-            "base_anon_bytes": self.base_anon_bytes, "peak_anon_bytes": self.peak_anon_bytes,
+            "base_anon_bytes": self.base_anon_bytes,
+            "peak_anon_bytes": self.peak_anon_bytes,
             "peak_anon_above_base_bytes": self.peak_anon_bytes - self.base_anon_bytes,
-            "base_file_bytes": self.base_file_bytes, "peak_file_bytes": self.peak_file_bytes,
+            "base_file_bytes": self.base_file_bytes,
+            "peak_file_bytes": self.peak_file_bytes,
             "peak_file_above_base_bytes": self.peak_file_bytes - self.base_file_bytes,
         }
 
@@ -101,7 +104,9 @@ class MemWatch:
 def run_fresh(module: str, *args: str, timeout: float = 1800) -> dict[str, Any]:
     """Run ``python -m module args...`` in a fresh interpreter; it must print one JSON object
     as its last stdout line, which is returned."""
-    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(args)} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -29,6 +29,7 @@ always by routed rows and always whole with their layer, alternating in the same
 
     python -m benchmarks.moe --runs 5 --baseline /tmp/automap-main
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,14 +58,28 @@ def build(kind: str, layers: int) -> Any:
     import torch
     import transformers
 
-    common = dict(vocab_size=1024, hidden_size=512, num_hidden_layers=layers, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=128)
+    common = dict(
+        vocab_size=1024,
+        hidden_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     if kind == "mixtral":
-        config = transformers.MixtralConfig(**common, intermediate_size=1536, num_local_experts=8, num_experts_per_tok=2)
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=1536, num_local_experts=8, num_experts_per_tok=2
+        )
         model_class = transformers.MixtralForCausalLM
     elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**common, intermediate_size=1536, num_experts=16, num_experts_per_tok=4,
-                                             moe_intermediate_size=768, shared_expert_intermediate_size=2048)
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=1536,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=768,
+            shared_expert_intermediate_size=2048,
+        )
         model_class = transformers.Qwen2MoeForCausalLM
     else:
         raise SystemExit(f"unknown model {kind!r}: mixtral or qwen2_moe")
@@ -102,13 +117,18 @@ def routing(model: Any, ids: Any) -> tuple[Any, list[set[int]]]:
     for index, experts in enumerate(expert_modules(model)):
         if hasattr(experts, "__len__"):  # listed: an expert is used when it is called
             for number, expert in enumerate(experts):
+
                 def called(module: Any, args: tuple, index: int = index, number: int = number) -> None:
                     routed[index].add(number)
+
                 handles.append(expert.register_forward_pre_hook(called))
             continue
 
         def record(module: Any, args: tuple, index: int = index) -> None:
-            routed[index].update(int(i) for i in args[1].flatten().tolist() if 0 <= int(i) < module.num_experts)
+            routed[index].update(
+                int(i) for i in args[1].flatten().tolist() if 0 <= int(i) < module.num_experts
+            )
+
         handles.append(experts.register_forward_pre_hook(record))
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
@@ -134,7 +154,9 @@ def resident_bytes(files: list[Any]) -> int:
 # ------------------------------------------------------------------ what the disk allows
 
 
-DIRECT_REQUEST = 4 << 20  # O_DIRECT requests of 4 MiB, all in flight: this disk's best for ranges of a few MiB
+DIRECT_REQUEST = (
+    4 << 20
+)  # O_DIRECT requests of 4 MiB, all in flight: this disk's best for ranges of a few MiB
 
 
 def tensor_range(source: Any, name: str) -> tuple[str, int, int]:
@@ -174,8 +196,13 @@ def read_direct(ranges: list[tuple[str, int, int]]) -> float:
     descriptors = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in {r[0] for r in ranges}}
     requests = []
     for path, offset, nbytes in ranges:
-        start, end = offset - offset % PAGE, -(-(offset + nbytes) // PAGE) * PAGE  # O_DIRECT wants aligned ranges
-        requests.extend((descriptors[path], at, min(DIRECT_REQUEST, end - at)) for at in range(start, end, DIRECT_REQUEST))
+        start, end = (
+            offset - offset % PAGE,
+            -(-(offset + nbytes) // PAGE) * PAGE,
+        )  # O_DIRECT wants aligned ranges
+        requests.extend(
+            (descriptors[path], at, min(DIRECT_REQUEST, end - at)) for at in range(start, end, DIRECT_REQUEST)
+        )
     workers = min(32, len(requests))
     buffers = [mmap.mmap(-1, DIRECT_REQUEST) for _ in range(workers)]
 
@@ -231,7 +258,9 @@ def floors(model: Any, source: Any, routed: list[set[int]], runs: int, forward: 
     per_layer = []
     for _, experts in layers:
         direct, ours = cold(read_direct, experts), cold(lambda r: read_mapped(source, r, False), experts)
-        per_layer.append({"bytes": sum(n for *_, n in experts), "direct_seconds": direct, "automap_seconds": ours})
+        per_layer.append(
+            {"bytes": sum(n for *_, n in experts), "direct_seconds": direct, "automap_seconds": ours}
+        )
     everything = [r for dense, experts in layers for r in (*dense, *experts)]
     forward()  # every page the forward needs is in memory now
     warm = []
@@ -239,12 +268,15 @@ def floors(model: Any, source: Any, routed: list[set[int]], runs: int, forward: 
         began = time.perf_counter()
         forward()
         warm.append(time.perf_counter() - began)
-    return {"per_layer": per_layer,
-            "after_each_router_seconds": sum(min(p["direct_seconds"], p["automap_seconds"]) for p in per_layer),
-            "all_at_once_seconds": min(cold(read_direct, everything),
-                                       cold(lambda r: read_mapped(source, r, True), everything)),
-            "all_at_once_bytes": sum(n for *_, n in everything),
-            "warm_seconds": statistics.median(warm)}
+    return {
+        "per_layer": per_layer,
+        "after_each_router_seconds": sum(min(p["direct_seconds"], p["automap_seconds"]) for p in per_layer),
+        "all_at_once_seconds": min(
+            cold(read_direct, everything), cold(lambda r: read_mapped(source, r, True), everything)
+        ),
+        "all_at_once_bytes": sum(n for *_, n in everything),
+        "warm_seconds": statistics.median(warm),
+    }
 
 
 def read_choices(model: Any, source: Any, runs: int, forward: Any) -> dict[str, float]:
@@ -263,13 +295,14 @@ def read_choices(model: Any, source: Any, runs: int, forward: Any) -> dict[str, 
         def observe(routed: int, count: int) -> None:
             for group in reads.groups:
                 group.whole = whole
+
         return observe
 
     modes = {"auto": chosen, "rows": forced(False), "whole": forced(True)}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     try:
         for index in range(runs):
-            order = list(modes)[index % 3:] + list(modes)[:index % 3]
+            order = list(modes)[index % 3 :] + list(modes)[: index % 3]
             for mode in order:
                 reads.observe = modes[mode]
                 forward()  # settles the choice (the first layer reads as the last call chose)
@@ -286,8 +319,9 @@ def read_choices(model: Any, source: Any, runs: int, forward: Any) -> dict[str, 
 # ------------------------------------------------------------------ one measured process
 
 
-def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | None,
-           with_floors: bool = False) -> dict[str, Any]:
+def worker(
+    kind: str, batch: int, runs: int, layers: int, automap_from: str | None, with_floors: bool = False
+) -> dict[str, Any]:
     if automap_from:
         sys.path.insert(0, automap_from)
     import torch
@@ -300,8 +334,12 @@ def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | No
     ids = torch.randint(0, 1024, (batch, 1), generator=torch.Generator().manual_seed(1))
     expected, routed = routing(model, ids)
     needed = need_bytes(model, routed)
-    device_map: dict[str, Any] = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu",
-                                  "model.rotary_emb": "cpu"}
+    device_map: dict[str, Any] = {
+        "model.embed_tokens": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+        "model.rotary_emb": "cpu",
+    }
     device_map.update({f"model.layers.{i}": "disk" for i in range(layers)})
     with tempfile.TemporaryDirectory(prefix="automap-moe-") as folder:
         automap.dispatch(model, device_map=device_map, offload_dir=folder)
@@ -320,16 +358,26 @@ def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | No
             diff = max(diff, (logits - expected).abs().max().item())
         floor = None
         if with_floors:
+
             def forward() -> None:
                 with torch.no_grad():
                     model(ids, use_cache=False)
+
             floor = floors(model, source, routed, runs, forward)
             floor["reads"] = read_choices(model, source, runs, forward)
         automap.undispatch(model)
-    return {"model": kind, "batch": batch, "cold_seconds": statistics.median(seconds), "all_seconds": seconds,
-            "read_bytes": statistics.median(read), "need_bytes": needed,
-            "routed_experts": [sorted(r) for r in routed], "max_abs_diff": diff,
-            "automap": automap_from or "this checkout", "floors": floor}
+    return {
+        "model": kind,
+        "batch": batch,
+        "cold_seconds": statistics.median(seconds),
+        "all_seconds": seconds,
+        "read_bytes": statistics.median(read),
+        "need_bytes": needed,
+        "routed_experts": [sorted(r) for r in routed],
+        "max_abs_diff": diff,
+        "automap": automap_from or "this checkout",
+        "floors": floor,
+    }
 
 
 # ------------------------------------------------------------------ the comparison
@@ -337,8 +385,18 @@ def worker(kind: str, batch: int, runs: int, layers: int, automap_from: str | No
 
 def measure(kind: str, batch: int, args: argparse.Namespace, automap_from: str | None) -> dict[str, Any]:
     extra = ["--automap-from", automap_from] if automap_from else (["--floors"] if args.floors else [])
-    return run_fresh("benchmarks.moe", "--worker", kind, "--batch", str(batch), "--runs", str(args.runs),
-                     "--layers", str(args.layers), *extra)
+    return run_fresh(
+        "benchmarks.moe",
+        "--worker",
+        kind,
+        "--batch",
+        str(batch),
+        "--runs",
+        str(args.runs),
+        "--layers",
+        str(args.layers),
+        *extra,
+    )
 
 
 def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -346,8 +404,12 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     for kind in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             ours = measure(kind, batch, args, None)
-            row: dict[str, Any] = {"model": kind, "batch": batch, "automap": ours,
-                                   "read_vs_need": ours["read_bytes"] / ours["need_bytes"]}
+            row: dict[str, Any] = {
+                "model": kind,
+                "batch": batch,
+                "automap": ours,
+                "read_vs_need": ours["read_bytes"] / ours["need_bytes"],
+            }
             if args.baseline:
                 base = measure(kind, batch, args, args.baseline)
                 row["baseline"] = base
@@ -362,29 +424,39 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def line(row: dict[str, Any]) -> str:
     ours = row["automap"]
-    text = (f"{row['model']:>9} batch {row['batch']}: read {ours['read_bytes'] / 2**20:.1f} MiB, router needs "
-            f"{ours['need_bytes'] / 2**20:.1f} MiB ({row['read_vs_need']:.2f}x), cold forward "
-            f"{ours['cold_seconds'] * 1e3:.0f} ms, max abs diff {ours['max_abs_diff']}")
+    text = (
+        f"{row['model']:>9} batch {row['batch']}: read {ours['read_bytes'] / 2**20:.1f} MiB, router needs "
+        f"{ours['need_bytes'] / 2**20:.1f} MiB ({row['read_vs_need']:.2f}x), cold forward "
+        f"{ours['cold_seconds'] * 1e3:.0f} ms, max abs diff {ours['max_abs_diff']}"
+    )
     if "baseline" in row:
         base = row["baseline"]
-        text += (f"; baseline read {base['read_bytes'] / 2**20:.1f} MiB ({row['baseline_read_vs_need']:.2f}x), "
-                 f"{base['cold_seconds'] * 1e3:.0f} ms: {row['speedup_vs_baseline']:.2f}x faster")
+        text += (
+            f"; baseline read {base['read_bytes'] / 2**20:.1f} MiB ({row['baseline_read_vs_need']:.2f}x), "
+            f"{base['cold_seconds'] * 1e3:.0f} ms: {row['speedup_vs_baseline']:.2f}x faster"
+        )
     return text
 
 
 def floor_line(row: dict[str, Any]) -> str:
     floor = row["automap"]["floors"]
-    layers = ", ".join(f"{min(p['direct_seconds'], p['automap_seconds']) * 1e3:.0f}" for p in floor["per_layer"])
-    text = (f"{'':>9} floors: reads after each router {floor['after_each_router_seconds'] * 1e3:.0f} ms "
-            f"(per layer {layers}), "
-            f"all {floor['all_at_once_bytes'] / 2**20:.0f} MiB at once {floor['all_at_once_seconds'] * 1e3:.0f} ms, "
-            f"warm forward {floor['warm_seconds'] * 1e3:.0f} ms")
+    layers = ", ".join(
+        f"{min(p['direct_seconds'], p['automap_seconds']) * 1e3:.0f}" for p in floor["per_layer"]
+    )
+    text = (
+        f"{'':>9} floors: reads after each router {floor['after_each_router_seconds'] * 1e3:.0f} ms "
+        f"(per layer {layers}), "
+        f"all {floor['all_at_once_bytes'] / 2**20:.0f} MiB at once {floor['all_at_once_seconds'] * 1e3:.0f} ms, "
+        f"warm forward {floor['warm_seconds'] * 1e3:.0f} ms"
+    )
     if "baseline" in row:
         text += f"; 2.5x the baseline would be {row['baseline']['cold_seconds'] / 2.5 * 1e3:.0f} ms"
     reads = floor.get("reads")
     if reads:
-        text += (f"; alternating: as chosen {reads['auto_seconds'] * 1e3:.0f} ms, by rows "
-                 f"{reads['rows_seconds'] * 1e3:.0f} ms, whole layers {reads['whole_seconds'] * 1e3:.0f} ms")
+        text += (
+            f"; alternating: as chosen {reads['auto_seconds'] * 1e3:.0f} ms, by rows "
+            f"{reads['rows_seconds'] * 1e3:.0f} ms, whole layers {reads['whole_seconds'] * 1e3:.0f} ms"
+        )
     return text
 
 
@@ -396,13 +468,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--baseline", help="a checkout whose automap package to compare against")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--floors", action="store_true", help="also measure what the disk allows (this checkout)")
+    parser.add_argument(
+        "--floors", action="store_true", help="also measure what the disk allows (this checkout)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--automap-from", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.batch, args.runs, args.layers, args.automap_from, args.floors)))
+        print(
+            json.dumps(
+                worker(args.worker, args.batch, args.runs, args.layers, args.automap_from, args.floors)
+            )
+        )
         return
     rows = compare(args)
     print(json.dumps(rows))

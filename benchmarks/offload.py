@@ -30,6 +30,7 @@ With ``--device cuda`` the budget goes to cuda:0 and CPU RAM holds another share
 units stream to the GPU, and the achieved host-to-device bandwidth is set against a pinned copy
 measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,16 @@ def llama_config(layers: int, hidden: int):
     from transformers import LlamaConfig
 
     # 16 full KV heads and a 2.7x MLP: ~50M parameters a layer at hidden 2048, like a 1B Llama.
-    return LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
-                       num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875),
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 def build_checkpoint(root: Path, layers: int, hidden: int, dtype: str = "float32") -> Path:
@@ -76,8 +84,11 @@ def build_checkpoint(root: Path, layers: int, hidden: int, dtype: str = "float32
     root.mkdir(parents=True, exist_ok=True)
     shapes = llama_shapes(llama_config(layers, hidden))
     weights = random_weights(shapes, shapes, torch.Generator().manual_seed(0))
-    save_file({n: t.to(getattr(torch, dtype)) for n, t in weights.items()}, str(root / f".{CHECKPOINT}.tmp"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.to(getattr(torch, dtype)) for n, t in weights.items()},
+        str(root / f".{CHECKPOINT}.tmp"),
+        metadata={"format": "pt"},
+    )
     os.replace(root / f".{CHECKPOINT}.tmp", path)
     return path
 
@@ -96,8 +107,14 @@ def in_dtype(model, dtype):
     return model
 
 
-def make_plan(root: Path, layers: int, hidden: int, budget_share: float, device: str,
-              max_memory: dict[Any, int] | None = None) -> Path:
+def make_plan(
+    root: Path,
+    layers: int,
+    hidden: int,
+    budget_share: float,
+    device: str,
+    max_memory: dict[Any, int] | None = None,
+) -> Path:
     """Plan the skeleton for the budget (``max_memory`` instead, when given); every worker reads
     this one plan."""
     import torch
@@ -111,7 +128,11 @@ def make_plan(root: Path, layers: int, hidden: int, budget_share: float, device:
     budget = int(size * budget_share)
     if max_memory is None:
         max_memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": int(size * 0.3)}
-    plan = automap.plan(skeleton, max_memory=max_memory, example_inputs={"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)})
+    plan = automap.plan(
+        skeleton,
+        max_memory=max_memory,
+        example_inputs={"input_ids": torch.zeros(1, TOKENS, dtype=torch.long)},
+    )
     path = root / f"plan-{device}.json"
     path.write_text(plan.to_json())
     return path
@@ -153,7 +174,9 @@ def best_disk_bound(root: Path, plan_path: Path, before: dict) -> dict:
     return {**best, "measured": [before, after]}
 
 
-def time_forwards(model, device: str, runs: int, before: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+def time_forwards(
+    model, device: str, runs: int, before: Callable[[], None] | None = None
+) -> list[tuple[float, float]]:
     """``(wall seconds, process CPU seconds)`` of each of ``runs`` forwards over TOKENS tokens.
     CPU time (all threads of this process) is what stays comparable when other processes
     share the cores; wall time is what a user waits."""
@@ -174,7 +197,9 @@ def time_forwards(model, device: str, runs: int, before: Callable[[], None] | No
     return seconds
 
 
-def measure(setup: Callable[[], tuple[Any, Callable[[], None]]], device: str, runs: int, cold_runs: int) -> dict:
+def measure(
+    setup: Callable[[], tuple[Any, Callable[[], None]]], device: str, runs: int, cold_runs: int
+) -> dict:
     """Set up, then warm forwards, then cold forwards; memory and I/O around all of it."""
     io0 = read_io()
     with MemWatch() as watch:
@@ -189,10 +214,14 @@ def measure(setup: Callable[[], tuple[Any, Callable[[], None]]], device: str, ru
     cold = time_forwards(model, device, cold_runs, before=evict_offloaded) if cold_runs else []
     io3 = read_io()
     return {
-        **watch.result(), "setup_seconds": setup_s,
-        "forward_seconds": [w for w, _ in warm], "forward_median_seconds": statistics.median(w for w, _ in warm),
-        "forward_cpu_seconds": [c for _, c in warm], "forward_median_cpu_seconds": statistics.median(c for _, c in warm),
-        "setup_read_bytes": io1["read_bytes"] - io0["read_bytes"], "setup_write_bytes": io1["write_bytes"] - io0["write_bytes"],
+        **watch.result(),
+        "setup_seconds": setup_s,
+        "forward_seconds": [w for w, _ in warm],
+        "forward_median_seconds": statistics.median(w for w, _ in warm),
+        "forward_cpu_seconds": [c for _, c in warm],
+        "forward_median_cpu_seconds": statistics.median(c for _, c in warm),
+        "setup_read_bytes": io1["read_bytes"] - io0["read_bytes"],
+        "setup_write_bytes": io1["write_bytes"] - io0["write_bytes"],
         "warm_read_bytes_per_forward": (io2["read_bytes"] - io1["read_bytes"]) / (runs + 1),
         "cold_forward_seconds": [w for w, _ in cold],
         "cold_forward_median_seconds": statistics.median(w for w, _ in cold) if cold else None,
@@ -216,8 +245,11 @@ def setup_ram(root: Path, layers: int, hidden: int, device: str):
     from safetensors.torch import load_file
 
     model = _skeleton(root, layers, hidden)
-    model.load_state_dict(load_file(str(root / CHECKPOINT), device="cuda:0" if device == "cuda" else "cpu"),
-                          strict=False, assign=True)
+    model.load_state_dict(
+        load_file(str(root / CHECKPOINT), device="cuda:0" if device == "cuda" else "cpu"),
+        strict=False,
+        assign=True,
+    )
     model.to("cuda:0" if device == "cuda" else "cpu")
     return model, lambda: None
 
@@ -247,8 +279,13 @@ def setup_automap(root: Path, layers: int, hidden: int, device: str, transfer: C
                 model.get_submodule(owner)._parameters[key] = nn.Parameter(f.get_tensor(name).to(where))
     source = CheckpointSource({n: (checkpoint, n) for n in on_disk})  # read in place: nothing written
     # ... but for buffers computed at init (rotary frequencies) on disk: they go to a store.
-    dispatch_plan(model, plan, source=source, offload_dir=root / "automap-offload",
-                  **({"transfer": transfer} if transfer else {}))
+    dispatch_plan(
+        model,
+        plan,
+        source=source,
+        offload_dir=root / "automap-offload",
+        **({"transfer": transfer} if transfer else {}),
+    )
     return model, lambda: state_of(model).source.evict()
 
 
@@ -275,8 +312,9 @@ def setup_accelerate(root: Path, layers: int, hidden: int, device: str):
     with init_empty_weights():
         model = in_dtype(LlamaForCausalLM(llama_config(layers, hidden)).eval(), checkpoint_dtype(root))
     folder = root / "accelerate-offload"
-    model = load_checkpoint_and_dispatch(model, str(root / CHECKPOINT), device_map=plan.device_map,
-                                         offload_folder=str(folder))
+    model = load_checkpoint_and_dispatch(
+        model, str(root / CHECKPOINT), device_map=plan.device_map, offload_folder=str(folder)
+    )
     files = [root / CHECKPOINT] + sorted(folder.glob("*.dat"))
     return model, lambda: evict(files)
 
@@ -297,8 +335,9 @@ def preload() -> None:
     import automap.runtime  # noqa: F401
 
 
-def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
-                setups: dict[str, Callable] | None = None) -> dict:
+def interleaved(
+    root: Path, layers: int, hidden: int, device: str, runs: int, setups: dict[str, Callable] | None = None
+) -> dict:
     """All three set up in this one process, then timed in shuffled rounds, one forward each."""
     import random
     import resource
@@ -318,15 +357,21 @@ def interleaved(root: Path, layers: int, hidden: int, device: str, runs: int,
             faults[kind].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
-    return {"kind": "timing", "rounds": runs, "median_forward_seconds": wall, "median_forward_cpu_seconds": cpu,
-            "forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
-            # Page faults a forward takes (fresh memory being mapped in): what makes accelerate's
-            # forward vary from one run to the next (it copies every offloaded weight anew).
-            "median_minor_faults_per_forward": {k: statistics.median(v) for k, v in faults.items()},
-            "automap_vs_ram": wall["automap"] / wall["ram"], "automap_vs_accelerate": wall["automap"] / wall["accelerate"],
-            "accelerate_vs_ram": wall["accelerate"] / wall["ram"],
-            "automap_vs_ram_cpu_time": cpu["automap"] / cpu["ram"],
-            "automap_vs_accelerate_cpu_time": cpu["automap"] / cpu["accelerate"]}
+    return {
+        "kind": "timing",
+        "rounds": runs,
+        "median_forward_seconds": wall,
+        "median_forward_cpu_seconds": cpu,
+        "forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
+        # Page faults a forward takes (fresh memory being mapped in): what makes accelerate's
+        # forward vary from one run to the next (it copies every offloaded weight anew).
+        "median_minor_faults_per_forward": {k: statistics.median(v) for k, v in faults.items()},
+        "automap_vs_ram": wall["automap"] / wall["ram"],
+        "automap_vs_accelerate": wall["automap"] / wall["accelerate"],
+        "accelerate_vs_ram": wall["accelerate"] / wall["ram"],
+        "automap_vs_ram_cpu_time": cpu["automap"] / cpu["ram"],
+        "automap_vs_accelerate_cpu_time": cpu["automap"] / cpu["accelerate"],
+    }
 
 
 def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: int) -> dict:
@@ -336,7 +381,11 @@ def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: in
     machine hits all of them alike."""
     import random
 
-    setups = {"automap": setup_automap, "automap_direct": setup_automap_direct, "accelerate": setup_accelerate}
+    setups = {
+        "automap": setup_automap,
+        "automap_direct": setup_automap_direct,
+        "accelerate": setup_accelerate,
+    }
     models = {kind: setup(root, layers, hidden, device) for kind, setup in setups.items()}
     os.sync()
     for model, _ in models.values():
@@ -359,15 +408,29 @@ def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: in
                 # the others'): unmapped here, the bound and the other contenders read cold.
                 models[kind][1]()
     cold = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
-    bound, floor = statistics.median(bounds), max(statistics.median(bounds), statistics.median(w for w, _ in warm))
-    return {"kind": "cold", "rounds": runs, "median_cold_forward_seconds": cold, "bound_seconds": bounds,
-            "median_bound_seconds": bound, "cold_forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
-            "median_cold_forward_cpu_seconds": {k: statistics.median(c for _, c in v) for k, v in samples.items()},
-            "automap_warm_forward_seconds": [w for w, _ in warm],
-            "median_automap_warm_forward_cpu_seconds": statistics.median(c for _, c in warm),
-            **{f"{k}_cold_vs_max_of_bound_and_warm": cold[k] / floor for k in ("automap", "automap_direct")},
-            **{f"{k}_cold_vs_disk_bound": cold[k] / bound for k in ("automap", "automap_direct")},
-            **{f"{k}_cold_vs_accelerate_cold": cold[k] / cold["accelerate"] for k in ("automap", "automap_direct")}}
+    bound, floor = (
+        statistics.median(bounds),
+        max(statistics.median(bounds), statistics.median(w for w, _ in warm)),
+    )
+    return {
+        "kind": "cold",
+        "rounds": runs,
+        "median_cold_forward_seconds": cold,
+        "bound_seconds": bounds,
+        "median_bound_seconds": bound,
+        "cold_forward_seconds": {k: [w for w, _ in v] for k, v in samples.items()},
+        "median_cold_forward_cpu_seconds": {
+            k: statistics.median(c for _, c in v) for k, v in samples.items()
+        },
+        "automap_warm_forward_seconds": [w for w, _ in warm],
+        "median_automap_warm_forward_cpu_seconds": statistics.median(c for _, c in warm),
+        **{f"{k}_cold_vs_max_of_bound_and_warm": cold[k] / floor for k in ("automap", "automap_direct")},
+        **{f"{k}_cold_vs_disk_bound": cold[k] / bound for k in ("automap", "automap_direct")},
+        **{
+            f"{k}_cold_vs_accelerate_cold": cold[k] / cold["accelerate"]
+            for k in ("automap", "automap_direct")
+        },
+    }
 
 
 def worker(kind: str, root: Path, layers: int, hidden: int, device: str, runs: int, cold_runs: int) -> dict:
@@ -377,7 +440,9 @@ def worker(kind: str, root: Path, layers: int, hidden: int, device: str, runs: i
     if kind == "cold":
         return interleaved_cold(root, layers, hidden, device, cold_runs)
     setup = {**SETUPS, **COLD_SETUPS}[kind]
-    result = measure(lambda: setup(root, layers, hidden, device), device, runs, cold_runs if kind != "ram" else 0)
+    result = measure(
+        lambda: setup(root, layers, hidden, device), device, runs, cold_runs if kind != "ram" else 0
+    )
     if device == "cuda":
         result["pinned_h2d_bytes_per_second"] = pinned_bandwidth()
     return {"kind": kind, **result}
@@ -410,10 +475,14 @@ def cold_ratios(am: dict, acc: dict, bound: dict) -> dict:
     if not cold:
         return {}
     floor = max(bound["bound_seconds"], am["forward_median_seconds"])
-    return {"disk_bound": bound, "automap_cold_vs_disk_bound": cold / bound["bound_seconds"],
-            "automap_cold_vs_accelerate_cold": cold / acc["cold_forward_median_seconds"]
-            if acc["cold_forward_median_seconds"] else None,
-            "automap_cold_vs_max_of_bound_and_warm": cold / floor}
+    return {
+        "disk_bound": bound,
+        "automap_cold_vs_disk_bound": cold / bound["bound_seconds"],
+        "automap_cold_vs_accelerate_cold": cold / acc["cold_forward_median_seconds"]
+        if acc["cold_forward_median_seconds"]
+        else None,
+        "automap_cold_vs_max_of_bound_and_warm": cold / floor,
+    }
 
 
 def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, device: str) -> dict:
@@ -427,19 +496,30 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
     budget = plan.device("cpu" if device == "cpu" else "cuda:0").capacity_bytes
     bound = budget + max(u.weight_bytes for u in units) + 200_000_000
     summary = {
-        "device": device, "budget_bytes": budget, "model_bytes": sum(u.weight_bytes for u in units),
-        "offloaded_bytes": streamed, "offloaded_units": len(offloaded),
+        "device": device,
+        "budget_bytes": budget,
+        "model_bytes": sum(u.weight_bytes for u in units),
+        "offloaded_bytes": streamed,
+        "offloaded_units": len(offloaded),
         "interleaved": {k: v for k, v in timing.items() if k not in ("kind",)},
         "separate_processes": {
             "automap_vs_ram": am["forward_median_seconds"] / ram["forward_median_seconds"],
             "automap_vs_accelerate": am["forward_median_seconds"] / acc["forward_median_seconds"],
             "automap_vs_ram_cpu_time": am["forward_median_cpu_seconds"] / ram["forward_median_cpu_seconds"],
-            "automap_vs_accelerate_cpu_time": am["forward_median_cpu_seconds"] / acc["forward_median_cpu_seconds"],
+            "automap_vs_accelerate_cpu_time": am["forward_median_cpu_seconds"]
+            / acc["forward_median_cpu_seconds"],
         },
-        "peak_anon_above_base_bytes": {k: r["peak_anon_above_base_bytes"] for k, r in (("ram", ram), ("automap", am), ("accelerate", acc))},
-        "peak_file_above_base_bytes": {k: r["peak_file_above_base_bytes"] for k, r in (("ram", ram), ("automap", am), ("accelerate", acc))},
+        "peak_anon_above_base_bytes": {
+            k: r["peak_anon_above_base_bytes"]
+            for k, r in (("ram", ram), ("automap", am), ("accelerate", acc))
+        },
+        "peak_file_above_base_bytes": {
+            k: r["peak_file_above_base_bytes"]
+            for k, r in (("ram", ram), ("automap", am), ("accelerate", acc))
+        },
         "setup_write_bytes": {k: r["setup_write_bytes"] for k, r in (("automap", am), ("accelerate", acc))},
-        "automap_anon_bound_bytes": bound, "automap_anon_within_bound": am["peak_anon_above_base_bytes"] <= bound,
+        "automap_anon_bound_bytes": bound,
+        "automap_anon_within_bound": am["peak_anon_above_base_bytes"] <= bound,
         "disk_read_bytes_per_second": bandwidth,
     }
     for name, r in (("automap", am), ("accelerate", acc)):
@@ -457,12 +537,16 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="main", choices=["main", "timing", "cold", *SETUPS, *COLD_SETUPS])
+    parser.add_argument(
+        "role", nargs="?", default="main", choices=["main", "timing", "cold", *SETUPS, *COLD_SETUPS]
+    )
     parser.add_argument("--root", type=Path, default=Path("/tmp/automap-bench"))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--budget-share", type=float, default=0.25)
-    parser.add_argument("--dtype", default="float32", help="of the checkpoint written (bfloat16: use another --root)")
+    parser.add_argument(
+        "--dtype", default="float32", help="of the checkpoint written (bfloat16: use another --root)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cold-runs", type=int, default=2)
@@ -475,17 +559,41 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        result = worker(args.role, args.root, args.layers, args.hidden, args.device, args.runs, args.cold_runs)
+        result = worker(
+            args.role, args.root, args.layers, args.hidden, args.device, args.runs, args.cold_runs
+        )
         print(json.dumps(result))
         return
     build_checkpoint(args.root, args.layers, args.hidden, args.dtype)
     plan_path = make_plan(args.root, args.layers, args.hidden, args.budget_share, args.device)
     bandwidth = disk_bandwidth(args.root / CHECKPOINT)
-    bound = disk_bound(args.root / CHECKPOINT, offloaded_ranges(args.root, plan_path)) if args.cold_runs else None
-    flags = ["--root", str(args.root), "--layers", str(args.layers), "--hidden", str(args.hidden), "--device",
-             args.device, "--runs", str(args.runs), "--cold-runs", str(args.cold_runs), "--threads", str(args.threads)]
+    bound = (
+        disk_bound(args.root / CHECKPOINT, offloaded_ranges(args.root, plan_path)) if args.cold_runs else None
+    )
+    flags = [
+        "--root",
+        str(args.root),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--device",
+        args.device,
+        "--runs",
+        str(args.runs),
+        "--cold-runs",
+        str(args.cold_runs),
+        "--threads",
+        str(args.threads),
+    ]
     results = {}
-    for kind in ("ram", "automap", "accelerate", "timing", *((*COLD_SETUPS, "cold") if args.cold_runs else ())):
+    for kind in (
+        "ram",
+        "automap",
+        "accelerate",
+        "timing",
+        *((*COLD_SETUPS, "cold") if args.cold_runs else ()),
+    ):
         log.info("running %s in a fresh process", kind)
         results[kind] = run_fresh("benchmarks.offload", kind, *flags)
     summary = summarise(results, plan_path, bandwidth, args.device)
@@ -493,8 +601,16 @@ def main(argv: list[str] | None = None) -> None:
         best = best_disk_bound(args.root, plan_path, bound)
         summary.update(cold_ratios(results["automap"], results["accelerate"], best))
         direct = cold_ratios(results["automap_direct"], results["accelerate"], best)
-        summary.update({f"{k.replace('automap', 'automap_direct', 1)}": v for k, v in direct.items() if k != "disk_bound"})
-        summary["automap_direct_cold_forward_seconds"] = results["automap_direct"]["cold_forward_median_seconds"]
+        summary.update(
+            {
+                f"{k.replace('automap', 'automap_direct', 1)}": v
+                for k, v in direct.items()
+                if k != "disk_bound"
+            }
+        )
+        summary["automap_direct_cold_forward_seconds"] = results["automap_direct"][
+            "cold_forward_median_seconds"
+        ]
         summary["automap_direct_warm_forward_seconds"] = results["automap_direct"]["forward_median_seconds"]
         summary["interleaved_cold"] = {k: v for k, v in results["cold"].items() if k != "kind"}
     report = {"summary": {**summary, "threads": args.threads}, "runs": results}
@@ -502,16 +618,28 @@ def main(argv: list[str] | None = None) -> None:
     (args.out or args.root / f"offload-{args.device}.json").write_text(text)
     print(text)
     if "automap_cold_vs_disk_bound" in summary:
-        log.info("cold forward: %.2f x the disk bound (%.2f s: %.2f GB at %.2f GB/s), %.2f x accelerate's cold forward",
-                 summary["automap_cold_vs_disk_bound"], summary["disk_bound"]["bound_seconds"],
-                 summary["disk_bound"]["bytes"] / 1e9, summary["disk_bound"]["best_bytes_per_second"] / 1e9,
-                 summary["automap_cold_vs_accelerate_cold"] or float("nan"))
-        log.info("cold forward past the page cache (O_DIRECT): %.2f x the disk bound, %.2f x accelerate's cold forward",
-                 summary["automap_direct_cold_vs_disk_bound"], summary["automap_direct_cold_vs_accelerate_cold"] or float("nan"))
+        log.info(
+            "cold forward: %.2f x the disk bound (%.2f s: %.2f GB at %.2f GB/s), %.2f x accelerate's cold forward",
+            summary["automap_cold_vs_disk_bound"],
+            summary["disk_bound"]["bound_seconds"],
+            summary["disk_bound"]["bytes"] / 1e9,
+            summary["disk_bound"]["best_bytes_per_second"] / 1e9,
+            summary["automap_cold_vs_accelerate_cold"] or float("nan"),
+        )
+        log.info(
+            "cold forward past the page cache (O_DIRECT): %.2f x the disk bound, %.2f x accelerate's cold forward",
+            summary["automap_direct_cold_vs_disk_bound"],
+            summary["automap_direct_cold_vs_accelerate_cold"] or float("nan"),
+        )
         cold = summary["interleaved_cold"]
-        log.info("interleaved cold rounds: O_DIRECT %.2f x the disk bound, %.2f x accelerate; through the page cache "
-                 "%.2f x, %.2f x", cold["automap_direct_cold_vs_disk_bound"], cold["automap_direct_cold_vs_accelerate_cold"],
-                 cold["automap_cold_vs_disk_bound"], cold["automap_cold_vs_accelerate_cold"])
+        log.info(
+            "interleaved cold rounds: O_DIRECT %.2f x the disk bound, %.2f x accelerate; through the page cache "
+            "%.2f x, %.2f x",
+            cold["automap_direct_cold_vs_disk_bound"],
+            cold["automap_direct_cold_vs_accelerate_cold"],
+            cold["automap_cold_vs_disk_bound"],
+            cold["automap_cold_vs_accelerate_cold"],
+        )
 
 
 if __name__ == "__main__":

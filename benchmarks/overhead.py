@@ -13,6 +13,7 @@ behind other processes and the timings become noise (``--threads 2`` to compare)
 
     python -m benchmarks.overhead [--width 512] [--batch 16] [--rounds 40] [--out overhead.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,14 +80,20 @@ def timed(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
 
 
 def hooks_on(model: nn.Module) -> int:
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + ("_hf_hook" in m.__dict__) for m in model.modules())
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + ("_hf_hook" in m.__dict__)
+        for m in model.modules()
+    )
 
 
 def run(width: int, batch: int, rounds: int, repeats: int) -> dict:
     torch.manual_seed(0)
     plain = Tower(width).eval()
-    models = {"plain": plain, "automap": with_automap(copy.deepcopy(plain)),
-              "accelerate": with_accelerate(copy.deepcopy(plain))}
+    models = {
+        "plain": plain,
+        "automap": with_automap(copy.deepcopy(plain)),
+        "accelerate": with_accelerate(copy.deepcopy(plain)),
+    }
     x = torch.randn(batch, width)
     with torch.no_grad():
         expected = plain(x)
@@ -101,8 +108,13 @@ def run(width: int, batch: int, rounds: int, repeats: int) -> dict:
             samples[name].append(timed(models[name], x, repeats))
     median = {name: statistics.median(s) for name, s in samples.items()}
     return {
-        "units": UNITS, "width": width, "batch": batch, "rounds": rounds, "repeats": repeats,
-        "threads": torch.get_num_threads(), "hooks": {name: hooks_on(m) for name, m in models.items()},
+        "units": UNITS,
+        "width": width,
+        "batch": batch,
+        "rounds": rounds,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "hooks": {name: hooks_on(m) for name, m in models.items()},
         "median_forward_seconds": median,
         "automap_overhead": median["automap"] / median["plain"] - 1,
         "accelerate_overhead": median["accelerate"] / median["plain"] - 1,
@@ -121,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = [run(args.width, args.batch, args.rounds, args.repeats),
-               run(64, 1, args.rounds, args.repeats)]  # tiny units: the hook cost laid bare
+    results = [
+        run(args.width, args.batch, args.rounds, args.repeats),
+        run(64, 1, args.rounds, args.repeats),
+    ]  # tiny units: the hook cost laid bare
     text = json.dumps(results, indent=1)
     if args.out:
         args.out.write_text(text)

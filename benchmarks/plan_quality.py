@@ -16,6 +16,7 @@ layers (the cache measured on meta by automap, for both maps).
 
     .venv/bin/python -m benchmarks.plan_quality --json benchmarks/notes/plan_quality.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,16 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int) -> Callabl
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                             num_attention_heads=heads, num_key_value_heads=kv, vocab_size=32000)
+        config = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=32000,
+        )
         return LlamaForCausalLM(config).half()
+
     return build
 
 
@@ -133,8 +141,9 @@ def _devices(total: int, count: int, ratio: float) -> tuple[DeviceSpec, ...]:
 def _accelerate_maps(model: nn.Module, devices: tuple[DeviceSpec, ...], case: Case) -> dict[str, Any]:
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
-    budget: dict[int | str, int] = {d.index if d.kind == "cuda" else d.name: d.capacity_bytes
-                                    for d in devices if d.kind != "disk"}
+    budget: dict[int | str, int] = {
+        d.index if d.kind == "cuda" else d.name: d.capacity_bytes for d in devices if d.kind != "disk"
+    }
     kwargs = dict(no_split_module_classes=case.no_split, dtype=case.dtype)
 
     def balanced() -> dict:
@@ -150,12 +159,14 @@ def _accelerate_maps(model: nn.Module, devices: tuple[DeviceSpec, ...], case: Ca
 def _judge(plan: Plan, best: float | None, seconds: float) -> dict[str, Any]:
     gpu_rows = [r for r in summary(plan) if r.device.is_accelerator]
     spilled = sum(plan.placements.bytes_on[d.name] for d in plan.devices if not d.is_accelerator)
-    streamed = max((u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded),
-                   default=0)
+    streamed = max((u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded), default=0)
     over = [r for r in gpu_rows if _gpu_need(plan, r, streamed) > r.device.capacity_bytes]
     total = sum(u.flops for u in plan.units) or 1
-    on_gpus = sum(u.flops for u, d in zip(plan.units, plan.placement)
-                  if plan.device(plan.placements.by_home[d].compute).is_accelerator)
+    on_gpus = sum(
+        u.flops
+        for u, d in zip(plan.units, plan.placement)
+        if plan.device(plan.placements.by_home[d].compute).is_accelerator
+    )
     return {
         "oom": bool(over),
         "spilled_bytes": spilled,
@@ -188,38 +199,63 @@ def generation_fit(batch: int = 16, max_length: int = 8192) -> dict[str, Any]:
     prof = automap.profile(model, prompt, no_split=case.no_split, dtype=dtype, backward=False)
     prof = profile_generation(model, prof, prompt, batch=batch, max_length=max_length, dtype=dtype)
     gib = 2**30
-    devices = (make_device("cuda:0", 80 * gib), make_device("cuda:1", 80 * gib), make_device("cpu", 200 * gib),
-               make_device("disk", 2**40))
+    devices = (
+        make_device("cuda:0", 80 * gib),
+        make_device("cuda:1", 80 * gib),
+        make_device("cpu", 200 * gib),
+        make_device("disk", 2**40),
+    )
     tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     plans = {"automap": make_plan(prof, devices, "auto")}
-    balanced = _accelerate_maps(model, devices, Case(case.name, case.build, case.no_split, dtype))["accelerate balanced"]
-    plans["accelerate balanced"] = plan_from_device_map(prof, devices, parse_device_map(balanced(), model.named_modules(remove_duplicate=False), tensors))
+    balanced = _accelerate_maps(model, devices, Case(case.name, case.build, case.no_split, dtype))[
+        "accelerate balanced"
+    ]
+    plans["accelerate balanced"] = plan_from_device_map(
+        prof, devices, parse_device_map(balanced(), model.named_modules(remove_duplicate=False), tensors)
+    )
     result: dict[str, Any] = {"batch": batch, "max_length": max_length, "kv_bytes": prof.total_kv_bytes}
     for label, plan in plans.items():
-        streamed = max((u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded),
-                   default=0)
-        rows = [{"device": r.device.name, "capacity_bytes": r.device.capacity_bytes, "weight_bytes": r.weight_bytes,
-                 "activation_bytes": r.activation_bytes, "kv_bytes": r.kv_bytes,
-                 "need_bytes": _gpu_need(plan, r, streamed)}
-                for r in summary(plan) if r.device.is_accelerator]
-        result[label] = {"gpus": rows, "overflows": any(r["need_bytes"] > r["capacity_bytes"] for r in rows),
-                         "spilled_bytes": sum(plan.placements.bytes_on[d.name] for d in devices
-                                              if not d.is_accelerator)}
+        streamed = max(
+            (u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded), default=0
+        )
+        rows = [
+            {
+                "device": r.device.name,
+                "capacity_bytes": r.device.capacity_bytes,
+                "weight_bytes": r.weight_bytes,
+                "activation_bytes": r.activation_bytes,
+                "kv_bytes": r.kv_bytes,
+                "need_bytes": _gpu_need(plan, r, streamed),
+            }
+            for r in summary(plan)
+            if r.device.is_accelerator
+        ]
+        result[label] = {
+            "gpus": rows,
+            "overflows": any(r["need_bytes"] > r["capacity_bytes"] for r in rows),
+            "spilled_bytes": sum(plan.placements.bytes_on[d.name] for d in devices if not d.is_accelerator),
+        }
     return result
 
 
 def generation_markdown(fit: dict[str, Any]) -> str:
     gib = 2**30
-    lines = [f"Llama-2-70B bf16, 2 x 80 GiB, generate {fit['batch']} x {fit['max_length']:,} tokens "
-             f"(KV cache {fit['kv_bytes'] / gib:.1f} GiB)", "",
-             "| planner | GPU | weights | activations | KV cache | needs / capacity | overflows |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Llama-2-70B bf16, 2 x 80 GiB, generate {fit['batch']} x {fit['max_length']:,} tokens "
+        f"(KV cache {fit['kv_bytes'] / gib:.1f} GiB)",
+        "",
+        "| planner | GPU | weights | activations | KV cache | needs / capacity | overflows |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label in ("automap", "accelerate balanced"):
         for r in fit[label]["gpus"]:
-            lines.append(f"| {label} | {r['device']} | {r['weight_bytes'] / gib:.1f} GiB | "
-                         f"{r['activation_bytes'] / gib:.2f} GiB | {r['kv_bytes'] / gib:.1f} GiB | "
-                         f"{r['need_bytes'] / gib:.1f} / {r['capacity_bytes'] / gib:.0f} GiB | "
-                         f"{'**yes**' if r['need_bytes'] > r['capacity_bytes'] else 'no'} |")
+            lines.append(
+                f"| {label} | {r['device']} | {r['weight_bytes'] / gib:.1f} GiB | "
+                f"{r['activation_bytes'] / gib:.2f} GiB | {r['kv_bytes'] / gib:.1f} GiB | "
+                f"{r['need_bytes'] / gib:.1f} / {r['capacity_bytes'] / gib:.0f} GiB | "
+                f"{'**yes**' if r['need_bytes'] > r['capacity_bytes'] else 'no'} |"
+            )
     return "\n".join(lines)
 
 
@@ -235,14 +271,23 @@ def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -
         for ratio in ratios:
             devices = _devices(prof.total_bytes, count, ratio)
             best = optimum(prof, devices[:count]) if ratio >= 1 else None
-            row: dict[str, Any] = {"model": case.name, "gpus": count, "gpu_total_vs_model": ratio,
-                                   "model_bytes": prof.total_bytes, "units": len(prof.units)}
-            plan, seconds = _median_seconds(lambda: make_plan(prof, devices, "auto", refine=splitter), repeats)
+            row: dict[str, Any] = {
+                "model": case.name,
+                "gpus": count,
+                "gpu_total_vs_model": ratio,
+                "model_bytes": prof.total_bytes,
+                "units": len(prof.units),
+            }
+            plan, seconds = _median_seconds(
+                lambda: make_plan(prof, devices, "auto", refine=splitter), repeats
+            )
             row["automap"] = _judge(plan, best, seconds)
             for label, fn in _accelerate_maps(model, devices, case).items():
                 try:
                     device_map, seconds = _median_seconds(fn, max(1, repeats // 3))
-                    parsed = parse_device_map(device_map, model.named_modules(remove_duplicate=False), tensors)
+                    parsed = parse_device_map(
+                        device_map, model.named_modules(remove_duplicate=False), tensors
+                    )
                     judged = plan_from_device_map(prof, devices, parsed)
                     row[label] = _judge(judged, best, seconds)
                 except (AutomapError, Exception) as exc:  # noqa: BLE001 - reported in the table
@@ -255,8 +300,17 @@ def run_case(case: Case, counts: list[int], ratios: list[float], repeats: int) -
 def synthetic_speed(units: int = 1000, devices: int = 8, repeats: int = 5) -> dict[str, Any]:
     """Planning time for a 1,000-unit chain on 8 GPUs (the "never matters" target), when it
     fits (1.3x) and when 40% of it is offloaded to CPU RAM (0.6x)."""
-    named = tuple(Unit(f"u{i}", (f"u{i}.w",), param_bytes=10**6 + (i * 7919) % 10**6, flops=10**9 + (i * 104729) % 10**9,
-                       peak_activation_bytes=10**5, calls=1) for i in range(units))
+    named = tuple(
+        Unit(
+            f"u{i}",
+            (f"u{i}.w",),
+            param_bytes=10**6 + (i * 7919) % 10**6,
+            flops=10**9 + (i * 104729) % 10**9,
+            peak_activation_bytes=10**5,
+            calls=1,
+        )
+        for i in range(units)
+    )
     graph = nx.DiGraph()
     for i in range(1, units):
         graph.add_edge(f"u{i - 1}", f"u{i}", bytes=10**5 + (i * 31) % 10**5)
@@ -287,15 +341,25 @@ def tutorial_split() -> dict[str, Any]:
     total = sum(u.train_flops for u in prof.units) or 1
 
     def shares(plan: Plan) -> list[float]:
-        return [sum(u.train_flops for u, d in zip(plan.units, plan.placement) if d == dev.name) / total
-                for dev in devices]
+        return [
+            sum(u.train_flops for u, d in zip(plan.units, plan.placement) if d == dev.name) / total
+            for dev in devices
+        ]
 
-    return {"tutorial": shares(hand_plan), "automap": shares(auto_plan), "automap_nvlink": shares(nvlink_plan),
-            "automap_split_after": next((plan_unit.name for plan_unit, d, nxt in
-                                         zip(auto_plan.units, auto_plan.placement, auto_plan.placement[1:])
-                                         if d != nxt), None),
-            "bottleneck_ratio_tutorial_vs_automap":
-                bottleneck_seconds(hand_plan) / bottleneck_seconds(auto_plan)}
+    return {
+        "tutorial": shares(hand_plan),
+        "automap": shares(auto_plan),
+        "automap_nvlink": shares(nvlink_plan),
+        "automap_split_after": next(
+            (
+                plan_unit.name
+                for plan_unit, d, nxt in zip(auto_plan.units, auto_plan.placement, auto_plan.placement[1:])
+                if d != nxt
+            ),
+            None,
+        ),
+        "bottleneck_ratio_tutorial_vs_automap": bottleneck_seconds(hand_plan) / bottleneck_seconds(auto_plan),
+    }
 
 
 def _cell(result: dict[str, Any]) -> str:
@@ -303,19 +367,25 @@ def _cell(result: dict[str, Any]) -> str:
         return "error"
     vs = result["bottleneck_vs_optimum"]
     spilled = result["spilled_bytes"] / 2**20
-    return (f"{spilled:,.0f} MiB / {100 * result['busiest_gpu_flops_share']:.0f}% / "
-            f"{100 * result['gpu_flops_share']:.0f}% / "
-            f"{'-' if vs is None else f'{vs:.2f}x'} / {1e3 * result['planning_seconds']:.1f} ms"
-            + (" **OOM**" if result["oom"] else ""))
+    return (
+        f"{spilled:,.0f} MiB / {100 * result['busiest_gpu_flops_share']:.0f}% / "
+        f"{100 * result['gpu_flops_share']:.0f}% / "
+        f"{'-' if vs is None else f'{vs:.2f}x'} / {1e3 * result['planning_seconds']:.1f} ms"
+        + (" **OOM**" if result["oom"] else "")
+    )
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | GPUs | GPU total / model | automap | accelerate balanced | accelerate sequential |\n"
-            "|---|---|---|---|---|---|")
+    head = (
+        "| model | GPUs | GPU total / model | automap | accelerate balanced | accelerate sequential |\n"
+        "|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['gpus']} | {r['gpu_total_vs_model']}x | {_cell(r['automap'])} | "
-                     f"{_cell(r['accelerate balanced'])} | {_cell(r['accelerate sequential'])} |")
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {r['gpu_total_vs_model']}x | {_cell(r['automap'])} | "
+            f"{_cell(r['accelerate balanced'])} | {_cell(r['accelerate sequential'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -324,8 +394,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--models", nargs="*", default=[c.name for c in CASES])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--generation-only", action="store_true",
-                        help="only the 70B generation check (seconds, not minutes)")
+    parser.add_argument(
+        "--generation-only", action="store_true", help="only the 70B generation check (seconds, not minutes)"
+    )
     args = parser.parse_args()
     if args.generation_only:
         fit = generation_fit()
@@ -340,8 +411,12 @@ def main() -> None:
     for case in CASES:
         if case.name in args.models:
             rows += run_case(case, [2, 4, 8], [1.3, 0.6], args.repeats)
-    result = {"rows": rows, "speed_1000x8": synthetic_speed(), "tutorial_resnet50": tutorial_split(),
-              "generation_70b": generation_fit()}
+    result = {
+        "rows": rows,
+        "speed_1000x8": synthetic_speed(),
+        "tutorial_resnet50": tutorial_split(),
+        "generation_70b": generation_fit(),
+    }
     print(markdown(rows))
     print(generation_markdown(result["generation_70b"]))
     print(json.dumps({k: result[k] for k in ("speed_1000x8", "tutorial_resnet50")}, indent=2))

@@ -13,6 +13,7 @@ to ``plan.to_json()`` or the ``AutomapError`` it raised. The disk tier's capacit
 when ``max_memory`` names no disk, is fixed at 20 GiB so that runs at different times compare.
 ``compare`` exits 1 and lists the cases that differ.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,20 @@ import torch
 _Usage = collections.namedtuple("_Usage", "total used free")
 
 FRACTIONS: list[dict[Any, float]] = [
-    {0: 2, 1: 2}, {0: 0.6, 1: 0.6}, {0: 0.4, 1: 0.4, 2: 0.4}, {0: 0.3, 1: 0.3, "cpu": 2},
-    {0: 0.3, "cpu": 0.2, "disk": 10}, {0: 0.5, "disk": 10}, {0: 1.2, "disk": 10}, {"cpu": 2},
-    {"cpu": 0.3, "disk": 10}, {0: 0.05, 1: 0.1, "cpu": 0.5, "disk": 10}, {0: 0.15, 1: 0.3, "cpu": 0.1, "disk": 10},
-    {0: 0.02, "cpu": 0.05}, {0: 0.7, 1: 0.2, "cpu": 1.0}, {0: 0.9, 1: 0.2},
+    {0: 2, 1: 2},
+    {0: 0.6, 1: 0.6},
+    {0: 0.4, 1: 0.4, 2: 0.4},
+    {0: 0.3, 1: 0.3, "cpu": 2},
+    {0: 0.3, "cpu": 0.2, "disk": 10},
+    {0: 0.5, "disk": 10},
+    {0: 1.2, "disk": 10},
+    {"cpu": 2},
+    {"cpu": 0.3, "disk": 10},
+    {0: 0.05, 1: 0.1, "cpu": 0.5, "disk": 10},
+    {0: 0.15, 1: 0.3, "cpu": 0.1, "disk": 10},
+    {0: 0.02, "cpu": 0.05},
+    {0: 0.7, 1: 0.2, "cpu": 1.0},
+    {0: 0.9, 1: 0.2},
 ]
 
 
@@ -38,17 +49,29 @@ def tiny_llama(layers: int, tie: bool = False) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                        max_position_embeddings=128, tie_word_embeddings=tie)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+            tie_word_embeddings=tie,
+        )
+    ).eval()
 
 
 def tiny_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=128,
-                                      bos_token_id=0, eos_token_id=0)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0, eos_token_id=0
+        )
+    ).eval()
 
 
 def resnet50() -> torch.nn.Module:

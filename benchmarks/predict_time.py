@@ -9,6 +9,7 @@ the whole as JSON (``--json``).
 
     .venv/bin/python -m benchmarks.predict_time --runs 7 --json benchmarks/notes/predict-time.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,15 @@ def _llama(dtype: torch.dtype = torch.float32, hidden: int = 512, layers: int = 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -55,18 +63,24 @@ def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_embd=768, n_layer=4, n_head=12, vocab_size=8192, n_positions=512)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(n_embd=768, n_layer=4, n_head=12, vocab_size=8192, n_positions=512)
+    ).eval()
 
 
 def _ids(batch: int, tokens: int) -> Callable[[], dict[str, torch.Tensor]]:
-    return lambda: {"input_ids": torch.randint(0, 8192, (batch, tokens), generator=torch.Generator().manual_seed(0))}
+    return lambda: {
+        "input_ids": torch.randint(0, 8192, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    }
 
 
 CASES = (
     Case("llama-512 fp32 forward 1x128", _llama, _ids(1, 128)),
     Case("llama-512 bf16 forward 1x128", lambda: _llama(torch.bfloat16), _ids(1, 128)),
     Case("gpt2-768 fp32 forward 4x128", _gpt2, _ids(4, 128)),
-    Case("llama-1024 fp32 decode 1 token", lambda: _llama(hidden=1024), _ids(1, 32), decode=True, max_length=64),
+    Case(
+        "llama-1024 fp32 decode 1 token", lambda: _llama(hidden=1024), _ids(1, 32), decode=True, max_length=64
+    ),
     Case("llama-512 fp32 forward 1x128, half on disk", _llama, _ids(1, 128), budget={"cpu": "45MB"}),
 )
 
@@ -107,8 +121,13 @@ def forward_of(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[]
 
 def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
     model, inputs = case.build(), case.inputs()
-    plan = automap.plan(model, max_memory=case.budget, example_inputs=inputs, max_length=case.max_length,
-                        offload_dir=offload_dir)
+    plan = automap.plan(
+        model,
+        max_memory=case.budget,
+        example_inputs=inputs,
+        max_length=case.max_length,
+        offload_dir=offload_dir,
+    )
     if case.decode:
         prediction = predict_decode(plan)
         predicted = prediction.step_seconds if prediction is not None else float("nan")
@@ -129,11 +148,17 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
     finally:
         automap.undispatch(model)
     cpu = next(d for d in plan.devices if d.name == "cpu")
-    return {"case": case.name, "predicted_seconds": predicted, "measured_seconds": measured,
-            "warm_page_cache_seconds": warm,
-            "ratio": measured / predicted, "devices": sorted(set(plan.placement)),
-            "cpu_flops_per_second": cpu.flops_per_second, "cpu_memory_bytes_per_second": cpu.memory_bytes_per_second,
-            "measured_figures": {d.name: list(d.measured) for d in plan.devices}}
+    return {
+        "case": case.name,
+        "predicted_seconds": predicted,
+        "measured_seconds": measured,
+        "warm_page_cache_seconds": warm,
+        "ratio": measured / predicted,
+        "devices": sorted(set(plan.placement)),
+        "cpu_flops_per_second": cpu.flops_per_second,
+        "cpu_memory_bytes_per_second": cpu.memory_bytes_per_second,
+        "measured_figures": {d.name: list(d.measured) for d in plan.devices},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,11 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_case(case, args.runs, args.offload_dir))
         gc.collect()
         row = rows[-1]
-        print(f"{row['case']:<44} predicted {row['predicted_seconds'] * 1e3:8.2f} ms  measured "
-              f"{row['measured_seconds'] * 1e3:8.2f} ms  measured/predicted {row['ratio']:.2f}", flush=True)
+        print(
+            f"{row['case']:<44} predicted {row['predicted_seconds'] * 1e3:8.2f} ms  measured "
+            f"{row['measured_seconds'] * 1e3:8.2f} ms  measured/predicted {row['ratio']:.2f}",
+            flush=True,
+        )
     within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.15)
     print(f"within 15 %: {within} of {len(rows)}")
-    result = {"threads": torch.get_num_threads(), "runs": args.runs, "rows": rows, "within_15_percent": within}
+    result = {
+        "threads": torch.get_num_threads(),
+        "runs": args.runs,
+        "rows": rows,
+        "within_15_percent": within,
+    }
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -6,6 +6,7 @@ ranges, 16 MB chunks, 4 in flight), in alternating rounds; then the disk bound o
     python -m benchmarks.offload --root /tmp/automap-bench     # writes the checkpoint and plan
     python -m benchmarks.prefetch_rate --root /tmp/automap-bench --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint, plan_path = args.root / CHECKPOINT, args.root / "plan-cpu.json"
     plan = automap.Plan.from_json(plan_path.read_text())
     stored = read_header(checkpoint).tensors
-    units = [[n for n in u.tensors if n in stored]
-             for u, p in zip(plan.units, plan.placements) if p.offloaded]
+    units = [
+        [n for n in u.tensors if n in stored] for u, p in zip(plan.units, plan.placements) if p.offloaded
+    ]
     source = CheckpointSource({n: (checkpoint, n) for unit in units for n in unit})
     mapped = source.files[checkpoint.resolve()]
     seconds: dict[str, list[float]] = {"one request": [], "readahead": []}
@@ -44,10 +46,20 @@ def main(argv: list[str] | None = None) -> None:
     source.evict()  # pages mapped here would survive the bound's eviction
     bound = disk_bound(checkpoint, offloaded_ranges(args.root, plan_path))
     medians = {k: statistics.median(v) for k, v in seconds.items()}
-    print(json.dumps({"bytes": bound["bytes"], "units": len(units), "seconds": seconds, "median_seconds": medians,
-                      "bytes_per_second": {k: bound["bytes"] / m for k, m in medians.items()},
-                      "vs_disk_bound": {k: m / bound["bound_seconds"] for k, m in medians.items()},
-                      "disk_bound": bound}, indent=1))
+    print(
+        json.dumps(
+            {
+                "bytes": bound["bytes"],
+                "units": len(units),
+                "seconds": seconds,
+                "median_seconds": medians,
+                "bytes_per_second": {k: bound["bytes"] / m for k, m in medians.items()},
+                "vs_disk_bound": {k: m / bound["bound_seconds"] for k, m in medians.items()},
+                "disk_bound": bound,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ memory figures; the report gives medians over runs, as JSON on the last stdout l
 
     .venv/bin/python -m benchmarks.profile_scale --runs 3 --out benchmarks/results/profile_scale.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ from benchmarks.memwatch import MemWatch, read_status, run_fresh
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-SHAPE = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-         "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}
+SHAPE = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
 
 
 def one_run(tokens: int, backward: bool) -> dict[str, Any]:
@@ -46,10 +54,16 @@ def one_run(tokens: int, backward: bool) -> dict[str, Any]:
         seconds = time.perf_counter() - start
     layer = prof.index("model.layers.40")
     return {
-        "profile_seconds": seconds, "build_seconds": build_seconds, **watch.result(),
-        "peak_rss_bytes": watch.peak_anon_bytes + watch.peak_file_bytes, "vm_hwm_bytes": read_status()["VmHWM"],
-        "units": len(prof.units), "weight_bytes": prof.total_bytes, "forward_flops": prof.total_flops,
-        "train_flops": prof.total_train_flops, "cut_bytes_mid": prof.cut_bytes(layer),
+        "profile_seconds": seconds,
+        "build_seconds": build_seconds,
+        **watch.result(),
+        "peak_rss_bytes": watch.peak_anon_bytes + watch.peak_file_bytes,
+        "vm_hwm_bytes": read_status()["VmHWM"],
+        "units": len(prof.units),
+        "weight_bytes": prof.total_bytes,
+        "forward_flops": prof.total_flops,
+        "train_flops": prof.total_train_flops,
+        "cut_bytes_mid": prof.cut_bytes(layer),
         "layer_peak_activation_bytes": prof.units[layer].peak_activation_bytes,
     }
 
@@ -88,12 +102,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = one_run(args.tokens, backward=args.child == "train")
         print(json.dumps(result))
         return result
-    report: dict[str, Any] = {"model": "Llama-2-70B shape " + json.dumps(SHAPE), "dtype": "bfloat16",
-                              "tokens": args.tokens, "runs": args.runs, "python": sys.version.split()[0]}
+    report: dict[str, Any] = {
+        "model": "Llama-2-70B shape " + json.dumps(SHAPE),
+        "dtype": "bfloat16",
+        "tokens": args.tokens,
+        "runs": args.runs,
+        "python": sys.version.split()[0],
+    }
     for setting in ("train", "forward", "flopcounter"):
-        runs = [run_fresh("benchmarks.profile_scale", "--child", setting, "--tokens", str(args.tokens))
-                for _ in range(args.runs)]
-        report[setting] = {"median": median_of(runs), "profile_seconds_all": [r["profile_seconds"] for r in runs]}
+        runs = [
+            run_fresh("benchmarks.profile_scale", "--child", setting, "--tokens", str(args.tokens))
+            for _ in range(args.runs)
+        ]
+        report[setting] = {
+            "median": median_of(runs),
+            "profile_seconds_all": [r["profile_seconds"] for r in runs],
+        }
     train = report["train"]["median"]
     report["meets_target"] = train["profile_seconds"] < 5 and train["peak_rss_bytes"] < 1.5 * GIB
     if args.out:

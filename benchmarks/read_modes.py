@@ -15,6 +15,7 @@ and the bytes brought into memory against those asked for (``mincore``).
 
     python -m benchmarks.read_modes --dir /tmp --runs 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ def resident_bytes(address: int, length: int) -> int:
     return sum(b & 1 for b in vector.raw) * PAGE
 
 
-def measure(path: Path, exact: bool, workers: int, chunk: int, spans: int, span_bytes: int, runs: int) -> dict:
+def measure(
+    path: Path, exact: bool, workers: int, chunk: int, spans: int, span_bytes: int, runs: int
+) -> dict:
     fd = os.open(path, os.O_RDONLY)
     try:
         if exact:
@@ -70,14 +73,21 @@ def measure(path: Path, exact: bool, workers: int, chunk: int, spans: int, span_
         os.close(fd)
     median = statistics.median(seconds)
     asked = spans * span_bytes
-    return {"mode": "exact" if exact else "readahead", "workers": workers, "chunk_bytes": chunk,
-            "median_seconds": median, "bytes_per_second": asked / median,
-            "read_vs_asked": statistics.median(read) / asked}
+    return {
+        "mode": "exact" if exact else "readahead",
+        "workers": workers,
+        "chunk_bytes": chunk,
+        "median_seconds": median,
+        "bytes_per_second": asked / median,
+        "read_vs_asked": statistics.median(read) / asked,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch file goes (the disk measured)")
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where the scratch file goes (the disk measured)"
+    )
     parser.add_argument("--span-mib", type=float, default=4.5, help="one routed expert's rows of one tensor")
     parser.add_argument("--spans", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5)
@@ -92,11 +102,17 @@ def main() -> None:
                 f.write(os.urandom(16 << 20))
             f.flush()
             os.fsync(f.fileno())
-        rows = [measure(path, exact, w, c, args.spans, span, args.runs) for w, c in SETTINGS for exact in (False, True)]
+        rows = [
+            measure(path, exact, w, c, args.spans, span, args.runs)
+            for w, c in SETTINGS
+            for exact in (False, True)
+        ]
     for row in rows:
-        print(f"{row['mode']:9s} {row['workers']:2d} x {row['chunk_bytes'] >> 10:5d} KiB: "
-              f"{row['median_seconds'] * 1e3:6.1f} ms, {row['bytes_per_second'] / 1e9:.2f} GB/s, "
-              f"read {row['read_vs_asked']:.2f}x the bytes asked for")
+        print(
+            f"{row['mode']:9s} {row['workers']:2d} x {row['chunk_bytes'] >> 10:5d} KiB: "
+            f"{row['median_seconds'] * 1e3:6.1f} ms, {row['bytes_per_second'] / 1e9:.2f} GB/s, "
+            f"read {row['read_vs_asked']:.2f}x the bytes asked for"
+        )
     print(json.dumps(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

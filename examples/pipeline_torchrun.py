@@ -11,6 +11,7 @@ stage under a 1F1B (or GPipe) schedule. gloo on CPU, NCCL on GPUs.
 
 Nothing is downloaded: the model is built from a config with random weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ log = logging.getLogger("pipeline_torchrun")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (>= number of ranks)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -36,17 +39,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=3, help="training steps")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    parser.add_argument("--check", action="store_true",
-                        help="first compare outputs and gradients with the whole model in one process")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="first compare outputs and gradients with the whole model in one process",
+    )
     return parser.parse_args()
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=max(128, args.seq))
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=max(128, args.seq),
+    )
     torch.manual_seed(0)  # every rank must hold the same weights
     return LlamaForCausalLM(config)
 
@@ -80,16 +92,22 @@ def check(model: nn.Module, pipe: RankPipeline, args: argparse.Namespace, device
     ref_loss.backward()
     grads = dict(ref.named_parameters())
     losses = step(pipe, make_schedule(pipe.stage, args.schedule, args.chunks, loss_fn), ids, labels)
-    worst = max((p.grad - grads[n].grad).abs().max().item() / (grads[n].grad.abs().max().item() + 1e-12)
-                for n, p in pipe.module.named_parameters())
+    worst = max(
+        (p.grad - grads[n].grad).abs().max().item() / (grads[n].grad.abs().max().item() + 1e-12)
+        for n, p in pipe.module.named_parameters()
+    )
     ok = worst < 1e-3
     if pipe.is_last:
         ok &= abs(torch.stack(losses).mean().item() - ref_loss.item()) < 1e-4 * max(1.0, ref_loss.item())
     verdict = torch.tensor([0 if ok else 1])
     dist.all_reduce(verdict)  # every rank exits with the same verdict
     if verdict.item():
-        raise SystemExit(f"rank {pipe.rank}: pipelined step differs from one process (worst relative {worst:.2e})")
-    log.info("rank %d: pipelined gradients match one process (worst relative difference %.1e)", pipe.rank, worst)
+        raise SystemExit(
+            f"rank {pipe.rank}: pipelined step differs from one process (worst relative {worst:.2e})"
+        )
+    log.info(
+        "rank %d: pipelined gradients match one process (worst relative difference %.1e)", pipe.rank, worst
+    )
     if pipe.rank == 0:
         log.info("check passed: the pipelined step matches one process")
     pipe.module.zero_grad()
@@ -113,8 +131,17 @@ def main() -> None:
             log.info("automap plan for %d ranks:\n%s", world, plan.report())
         model.config.use_cache = False  # no KV cache in a training graph
         ids, _ = batch(args, 0, device)
-        pipe = build_stage(model, plan, (ids.cpu(),), rank=rank, world_size=world, device=device,
-                           chunks=args.chunks, schedule=args.schedule, loss_fn=loss_fn)
+        pipe = build_stage(
+            model,
+            plan,
+            (ids.cpu(),),
+            rank=rank,
+            world_size=world,
+            device=device,
+            chunks=args.chunks,
+            schedule=args.schedule,
+            loss_fn=loss_fn,
+        )
         if args.check:
             check(model, pipe, args, device)
         optimizer = torch.optim.AdamW(pipe.module.parameters(), lr=1e-3)

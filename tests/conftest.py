@@ -1,4 +1,5 @@
 """Shared builders of real models with small configs (random weights, nothing downloaded)."""
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,16 @@ os.environ["AUTOMAP_CALIBRATION"] = "off"
 def tiny_llama(layers: int = 4, tie: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=tie)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -29,14 +37,23 @@ def tiny_moe(kind: str, *, layers: int, hidden: int, experts: int, shared: int):
     ``shared`` features)."""
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    common = dict(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+    )
     if kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=experts)
         build = transformers.MixtralForCausalLM
     else:
-        config = transformers.Qwen2MoeConfig(**common, num_experts=experts, moe_intermediate_size=32,
-                                             shared_expert_intermediate_size=shared)
+        config = transformers.Qwen2MoeConfig(
+            **common, num_experts=experts, moe_intermediate_size=32, shared_expert_intermediate_size=shared
+        )
         build = transformers.Qwen2MoeForCausalLM
     torch.manual_seed(0)
     return build(config).eval()
@@ -45,8 +62,9 @@ def tiny_moe(kind: str, *, layers: int, hidden: int, experts: int, shared: int):
 def tiny_gpt2(layers: int = 4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=128,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).eval()
 
@@ -54,8 +72,15 @@ def tiny_gpt2(layers: int = 4):
 def tiny_t5(layers: int = 2):
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(d_model=64, d_ff=128, d_kv=16, num_layers=layers, num_heads=4, vocab_size=256,
-                      decoder_start_token_id=0)
+    config = T5Config(
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=layers,
+        num_heads=4,
+        vocab_size=256,
+        decoder_start_token_id=0,
+    )
     torch.manual_seed(0)
     return T5ForConditionalGeneration(config).eval()
 
@@ -135,7 +160,10 @@ def streamed_files(model: nn.Module) -> dict[str, object]:
     from automap.runtime import state_of
 
     ids = state_of(model).streamed_ids()
-    named = dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
+    named = dict(
+        list(model.named_parameters(remove_duplicate=False))
+        + list(model.named_buffers(remove_duplicate=False))
+    )
     return {n: file_backing(t) for n, t in named.items() if id(t) in ids}
 
 
@@ -166,16 +194,28 @@ def nothing_written_into_the_checkout():
     from pathlib import Path
 
     root = Path(os.getcwd())
+
     def stores() -> set[str]:  # in the folder and one level down (offload_dir="x")
-        return {str(p.relative_to(root)) for pattern in ("automap-store-*", "*/automap-store-*") for p in root.glob(pattern)}
+        return {
+            str(p.relative_to(root))
+            for pattern in ("automap-store-*", "*/automap-store-*")
+            for p in root.glob(pattern)
+        }
 
     before = stores()
     yield
     assert not stores() - before, f"tests left offload stores in {root}: {sorted(stores() - before)[:5]}"
 
 
-def pin_machine(path, monkeypatch, folder=None, *, cpu_flops: float = 40e9, cpu_memory: float = 12e9,
-                disk_read: float = 1.5e9):
+def pin_machine(
+    path,
+    monkeypatch,
+    folder=None,
+    *,
+    cpu_flops: float = 40e9,
+    cpu_memory: float = 12e9,
+    disk_read: float = 1.5e9,
+):
     """Point AUTOMAP_CALIBRATION at ``path`` holding this machine's record with the figures
     given (nothing measured): plans read them as measured here. The disk's are recorded for the
     file system of ``folder`` (the working directory when None)."""
@@ -183,8 +223,13 @@ def pin_machine(path, monkeypatch, folder=None, *, cpu_flops: float = 40e9, cpu_
 
     monkeypatch.setenv("AUTOMAP_CALIBRATION", str(path))
     rates = {"float32": cpu_flops, "bfloat16": cpu_flops / 2, "float16": cpu_flops / 50}
-    record = {"fingerprint": machine.fingerprint(), "capacities": {},
-              "devices": {"cpu": {"flops_per_second": rates, "memory_bytes_per_second": cpu_memory},
-                          machine.disk_key(folder): {"read_bytes_per_second": disk_read}}}
+    record = {
+        "fingerprint": machine.fingerprint(),
+        "capacities": {},
+        "devices": {
+            "cpu": {"flops_per_second": rates, "memory_bytes_per_second": cpu_memory},
+            machine.disk_key(folder): {"read_bytes_per_second": disk_read},
+        },
+    }
     machine.write_record(record)
     return record

@@ -30,6 +30,7 @@ raised together by :meth:`FakeOps.assert_clean`.
 a no-op: the same as deleting its one call in ``StagedTransfer``, so a test can show that the
 fake catches each missing call.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -140,26 +141,40 @@ class FakeOps:
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         with self._lock, self._internal():
             stream = self.current_stream()
-            fill = float("nan") if dtype.is_floating_point or dtype.is_complex else (True if dtype == torch.bool else -1)
+            fill = (
+                float("nan")
+                if dtype.is_floating_point or dtype.is_complex
+                else (True if dtype == torch.bool else -1)
+            )
             tensor = torch.full(shape, fill, dtype=dtype)
             self._collect_frees()
             self._hand_out_freed(stream, tensor.untyped_storage().nbytes(), describe(tensor))
-            block = Block(next(self._numbers), stream, tensor.untyped_storage().nbytes(), describe(tensor),
-                          StorageWeakRef(tensor.untyped_storage()))
+            block = Block(
+                next(self._numbers),
+                stream,
+                tensor.untyped_storage().nbytes(),
+                describe(tensor),
+                StorageWeakRef(tensor.untyped_storage()),
+            )
             self._blocks[tensor.untyped_storage().data_ptr()] = block
             return tensor
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-            self._pinned[buffer.untyped_storage().data_ptr()] = (StorageWeakRef(buffer.untyped_storage()), nbytes)
+            self._pinned[buffer.untyped_storage().data_ptr()] = (
+                StorageWeakRef(buffer.untyped_storage()),
+                nbytes,
+            )
             return buffer
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count ``tensor`` as page-locked (a RAM source's pinned copy), so it is not staged."""
         with self._lock:
-            self._pinned[tensor.untyped_storage().data_ptr()] = (StorageWeakRef(tensor.untyped_storage()),
-                                                                 tensor.untyped_storage().nbytes())
+            self._pinned[tensor.untyped_storage().data_ptr()] = (
+                StorageWeakRef(tensor.untyped_storage()),
+                tensor.untyped_storage().nbytes(),
+            )
             return tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
@@ -172,7 +187,9 @@ class FakeOps:
             stream = self.current_stream()
             block = self._block_of(dst)
             if block is None:
-                self.violations.append(f"copy into {describe(dst)}, a tensor the ops did not allocate with empty()")
+                self.violations.append(
+                    f"copy into {describe(dst)}, a tensor the ops did not allocate with empty()"
+                )
                 dst.copy_(src)
                 return
             if not self.is_pinned(src):
@@ -236,7 +253,9 @@ class FakeOps:
 
     def assert_clean(self) -> None:
         self.drain()
-        assert not self.violations, "stream-ordering violations:\n- " + "\n- ".join(dict.fromkeys(self.violations))
+        assert not self.violations, "stream-ordering violations:\n- " + "\n- ".join(
+            dict.fromkeys(self.violations)
+        )
 
     @property
     def internal(self) -> bool:
@@ -267,7 +286,8 @@ class FakeOps:
         if job is not None and job.stream is not stream and stream.waited.get(job.stream, 0) < job.seq:
             self.violations.append(
                 f"stream {stream} read {block} before waiting on an event recorded after the copy that wrote it "
-                f"(copy #{job.seq} on {job.stream}): wait_event is missing")
+                f"(copy #{job.seq} on {job.stream}): wait_event is missing"
+            )
         elif job is not None and not job.done:
             self._run(job.stream, job.seq)  # the device would have finished it before this kernel ran
         if stream is not block.stream:
@@ -286,7 +306,8 @@ class FakeOps:
         if not torch.equal(job.src, job.snapshot):
             self.violations.append(
                 f"the host bytes that copy #{job.seq} on {job.stream} ({job.what}) reads{self._where(job.src)} changed "
-                "before the copy ran: the staging buffer was reused before its copy finished (synchronize is missing)")
+                "before the copy ran: the staging buffer was reused before its copy finished (synchronize is missing)"
+            )
         job.dst.copy_(job.src)
         job.done = True
         job.dst = job.src = job.snapshot = None  # the device copy no longer holds either side
@@ -321,7 +342,8 @@ class FakeOps:
             for reader in readers:
                 self.violations.append(
                     f"{block} was freed while stream {reader} may still read it and handed out again for "
-                    f"{what} on {stream}: the tensor was used on {reader} without keep_alive (record_stream)")
+                    f"{what} on {stream}: the tensor was used on {reader} without keep_alive (record_stream)"
+                )
                 reader.reading.discard(block)
             return
 

@@ -5,6 +5,7 @@ Invariants: safetensors headers go through the one validating parser and tensors
 into the tensor that holds them; pickles load with ``weights_only=True``; automap's own stores are
 never read as checkpoints.
 """
+
 from __future__ import annotations
 
 import abc
@@ -87,8 +88,10 @@ class SafetensorsReader(Reader):
         finally:
             os.close(fd)
         self.identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-        self.tensors = {key: Stored(key, path, info.torch_dtype, info.shape, info.nbytes, info.begin)
-                        for key, info in header.tensors.items()}
+        self.tensors = {
+            key: Stored(key, path, info.torch_dtype, info.shape, info.nbytes, info.begin)
+            for key, info in header.tensors.items()
+        }
         self._handle: io.FileIO | None = None
 
     def open_checked(self) -> int:
@@ -101,8 +104,10 @@ class SafetensorsReader(Reader):
         info = os.fstat(fd)
         if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self.identity:
             os.close(fd)
-            raise CheckpointError(f"{self.path} was replaced or changed since automap read its header; nothing of it "
-                                  "was read. Leave the checkpoint alone while it loads, and load again")
+            raise CheckpointError(
+                f"{self.path} was replaced or changed since automap read its header; nothing of it "
+                "was read. Leave the checkpoint alone while it loads, and load again"
+            )
         return fd
 
     def map(self, keys: list[str]) -> MappedFile:
@@ -123,8 +128,10 @@ class SafetensorsReader(Reader):
         while done < len(view):
             got = self._handle.readinto(view[done:])
             if not got:
-                raise CheckpointError(f"{self.path} ended while reading {stored.key!r} ({done} of "
-                                      f"{len(view)} bytes); the file was truncated during the load")
+                raise CheckpointError(
+                    f"{self.path} ended while reading {stored.key!r} ({done} of "
+                    f"{len(view)} bytes); the file was truncated during the load"
+                )
             done += got
 
     def release(self) -> None:
@@ -140,8 +147,10 @@ class PickleReader(Reader):
     def __init__(self, path: Path):
         super().__init__(path)
         self._data, self.extras = load_pickle(path)
-        self.tensors = {k: Stored(k, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
-                        for k, t in self._data.items()}
+        self.tensors = {
+            k: Stored(k, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
+            for k, t in self._data.items()
+        }
 
     def read(self, stored: Stored) -> torch.Tensor:
         return self._data[stored.key].clone()
@@ -150,10 +159,17 @@ class PickleReader(Reader):
         self._data = {}
 
 
-READERS: dict[str, type[Reader]] = {".safetensors": SafetensorsReader, ".bin": PickleReader,
-                                    ".pt": PickleReader, ".pth": PickleReader, ".ckpt": PickleReader}
+READERS: dict[str, type[Reader]] = {
+    ".safetensors": SafetensorsReader,
+    ".bin": PickleReader,
+    ".pt": PickleReader,
+    ".pth": PickleReader,
+    ".ckpt": PickleReader,
+}
 SAFETENSORS = ".safetensors"
-INDEX_SUFFIX = ".index.json"  # a Hugging Face shard index: model.safetensors.index.json, pytorch_model.bin.index.json
+INDEX_SUFFIX = (
+    ".index.json"  # a Hugging Face shard index: model.safetensors.index.json, pytorch_model.bin.index.json
+)
 
 
 class Checkpoint:
@@ -212,7 +228,9 @@ class Checkpoint:
         with open(first.file, "rb") as one, open(second.file, "rb") as other:
             for start in range(0, first.nbytes, chunk):
                 length = min(chunk, first.nbytes - start)
-                if os.pread(one.fileno(), length, first.offset + start) != os.pread(other.fileno(), length, second.offset + start):
+                if os.pread(one.fileno(), length, first.offset + start) != os.pread(
+                    other.fileno(), length, second.offset + start
+                ):
                     return False
         return True
 
@@ -246,7 +264,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(f"checkpoint {root} does not exist; pass a .safetensors/.bin file or a folder of shards")
+        raise CheckpointError(
+            f"checkpoint {root} does not exist; pass a .safetensors/.bin file or a folder of shards"
+        )
     if root.is_dir():
         files, expected = _files_in(root)
     elif root.name.endswith(INDEX_SUFFIX):
@@ -266,7 +286,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             elif key in tensors:
                 raise CheckpointError(
                     f"tensor {key!r} is in both {tensors[key].file.name} and {file.name} in {root}, and there is no "
-                    "index saying which to use; remove the stale copy, or pass the one file you mean")
+                    "index saying which to use; remove the stale copy, or pass the one file you mean"
+                )
             else:
                 tensors[key] = stored
     if expected is not None:
@@ -277,14 +298,21 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 def _reader_for(file: Path) -> Reader:
     reader = READERS.get(file.suffix)
     if reader is None:
-        raise CheckpointError(f"{file} is not a checkpoint automap reads; give a file ending in "
-                              f"{', '.join(READERS)} or a folder of them")
+        raise CheckpointError(
+            f"{file} is not a checkpoint automap reads; give a file ending in "
+            f"{', '.join(READERS)} or a folder of them"
+        )
     return reader(file)
 
 
 # What transformers' from_pretrained reads in a model folder, in its order: the first present wins
 # (hub repos often keep older .bin shards, variants or a consolidated copy beside the safetensors).
-CANONICAL = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+CANONICAL = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # Weights that are not the model's: a PEFT adapter saved beside it.
 NOT_MODEL = re.compile(r"adapter_model\.(safetensors|bin)")
 
@@ -298,22 +326,36 @@ def _files_in(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
         if found.is_file():
             log.debug("%s: reading %s, as from_pretrained does", folder, name)
             return _indexed(found) if name.endswith(INDEX_SUFFIX) else ([found], None)
-    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"), key=lambda p: (not p.name.endswith(SAFETENSORS + INDEX_SUFFIX), p.name))
+    indexes = sorted(
+        folder.glob(f"*{INDEX_SUFFIX}"),
+        key=lambda p: (not p.name.endswith(SAFETENSORS + INDEX_SUFFIX), p.name),
+    )
     if indexes:
         return _indexed(indexes[0])
     skip = _legacy_store_files(folder)
     for pattern in (f"*{SAFETENSORS}", *(f"*{s}" for s in READERS if s != SAFETENSORS)):
-        files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.name not in skip and not _not_weights(p.name)
-                       and not NOT_MODEL.fullmatch(p.name))
+        files = sorted(
+            p
+            for p in folder.glob(pattern)
+            if p.is_file()
+            and p.name not in skip
+            and not _not_weights(p.name)
+            and not NOT_MODEL.fullmatch(p.name)
+        )
         if files:
             return files, None
-    raise CheckpointError(f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth"
-                          f"{_foreign_note(folder)}")
+    raise CheckpointError(
+        f"folder {folder} holds no checkpoint: no *.index.json, *.safetensors, *.bin, *.pt or *.pth"
+        f"{_foreign_note(folder)}"
+    )
 
 
 # Weights of other frameworks that hub folders hold instead of PyTorch's, and how to get those.
-FOREIGN = {".h5": ("TensorFlow", "from_tf=True"), ".msgpack": ("Flax", "from_flax=True"),
-           ".gguf": ("GGUF", "gguf_file=...")}
+FOREIGN = {
+    ".h5": ("TensorFlow", "from_tf=True"),
+    ".msgpack": ("Flax", "from_flax=True"),
+    ".gguf": ("GGUF", "gguf_file=..."),
+}
 
 
 def _foreign_note(folder: Path) -> str:
@@ -323,9 +365,11 @@ def _foreign_note(folder: Path) -> str:
     if not found:
         return ""
     framework, flag = FOREIGN[Path(found[0]).suffix]
-    return (f"; it holds {framework} weights ({', '.join(found[:3])}), which automap does not read. Convert them once "
-            f"with transformers (AutoModel...from_pretrained(folder, {flag}).save_pretrained(folder); transformers 5 "
-            "reads only GGUF so, TensorFlow and Flax weights need transformers 4.x) and load the safetensors it writes")
+    return (
+        f"; it holds {framework} weights ({', '.join(found[:3])}), which automap does not read. Convert them once "
+        f"with transformers (AutoModel...from_pretrained(folder, {flag}).save_pretrained(folder); transformers 5 "
+        "reads only GGUF so, TensorFlow and Flax weights need transformers 4.x) and load the safetensors it writes"
+    )
 
 
 def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:
@@ -337,7 +381,8 @@ def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:
     if outside:
         raise CheckpointError(
             f"index {index} names {outside[0]!r}, which is not a file name inside {folder}; shard indexes "
-            "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder")
+            "list plain file names (no folders, no '..'). Fix the index, or load the shards from their own folder"
+        )
     missing = [n for n in names if not (folder / n).exists()]
     if missing:
         raise CheckpointError(
@@ -346,16 +391,20 @@ def _indexed(index: Path) -> tuple[list[Path], dict[str, str]]:
         )
     odd = [n for n in names if not (folder / n).is_file()]
     if odd:
-        raise CheckpointError(f"index {index} names {odd[0]!r}, which is in {folder} but is no regular file (a "
-                              "folder, pipe or device); put the shard file there under that name, or fix the index")
+        raise CheckpointError(
+            f"index {index} names {odd[0]!r}, which is in {folder} but is no regular file (a "
+            "folder, pipe or device); put the shard file there under that name, or fix the index"
+        )
     return [folder / n for n in names], weight_map
 
 
 # What training writes beside the weights (transformers' Trainer, accelerate's save_state): pickles
 # of arguments, optimizer and scheduler states, random states. Never weights; their pickles hold
 # objects a safe load refuses.
-NOT_WEIGHTS = re.compile(r"(training_args|optimizer(_\d+)?|scheduler(_\d+)?|scaler|rng_state(_\d+)?|"
-                         r"random_states(_\d+)?)\.(bin|pt|pth|pkl)")
+NOT_WEIGHTS = re.compile(
+    r"(training_args|optimizer(_\d+)?|scheduler(_\d+)?|scaler|rng_state(_\d+)?|"
+    r"random_states(_\d+)?)\.(bin|pt|pth|pkl)"
+)
 
 
 def _not_weights(name: str) -> bool:
@@ -384,8 +433,12 @@ def _legacy_store_files(folder: Path) -> set[str]:
     names = [e.get("file") for e in entries if isinstance(e, dict)]
     found = {f for f in names if isinstance(f, str) and _plain_name(f)}
     if found:
-        log.info("%s: not reading %d file(s) of an old automap offload store (%s)", folder, len(found),
-                 ", ".join(sorted(found)[:3]))
+        log.info(
+            "%s: not reading %d file(s) of an old automap offload store (%s)",
+            folder,
+            len(found),
+            ", ".join(sorted(found)[:3]),
+        )
     return found
 
 
@@ -405,8 +458,10 @@ def _read_index(path: Path) -> dict[str, str]:
     data = load_json(raw, f"index {path} is not a valid shard index", hint)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise FormatError(f"index {path} is not a valid shard index: it needs a 'weight_map' object of tensor name "
-                          f"-> file name; {hint}")
+        raise FormatError(
+            f"index {path} is not a valid shard index: it needs a 'weight_map' object of tensor name "
+            f"-> file name; {hint}"
+        )
     return weight_map
 
 

@@ -1,6 +1,7 @@
 """A load as one step: the checkpoint's tensors read (:func:`~automap.loading.materialise.materialise`),
 installed in the model and dispatched — all of it, or none of it, whatever stops it (an error,
 Ctrl-C at any moment)."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,15 @@ from automap.runtime import dispatch_plan, state_of
 from automap.runtime.swap import install
 
 
-def load_and_dispatch(model: nn.Module, chosen: Plan, tasks: list[Task], ckpt: Checkpoint,
-                      folder: str | os.PathLike[str] | None, match: Match, quiet: bool) -> Loaded:
+def load_and_dispatch(
+    model: nn.Module,
+    chosen: Plan,
+    tasks: list[Task],
+    ckpt: Checkpoint,
+    folder: str | os.PathLike[str] | None,
+    match: Match,
+    quiet: bool,
+) -> Loaded:
     """Read the tensors, install them and dispatch ``model``: all of it, or none of it.
 
     This call's one record of what it changed: the stores it created (each in ``created`` in

@@ -15,22 +15,28 @@ from automap.errors import AutomapError
 from automap.sizes import MAX_COUNT, parse_number, shown
 
 # Fields that count something: their names, split at "_", hold one of these words, or start so.
-_COUNT_WORDS = frozenset((
-    "size sizes dim dims layers heads positions embeddings experts channels labels length rank ctx "
-    "embd inner layer head ff kv depths groups blocks filters"
-).split())
+_COUNT_WORDS = frozenset(
+    (
+        "size sizes dim dims layers heads positions embeddings experts channels labels length rank ctx "
+        "embd inner layer head ff kv depths groups blocks filters"
+    ).split()
+)
 _COUNT_PREFIXES = ("num_", "n_", "d_")
 # The sizes every model of a family has: 1 or more (other counts may be -1, "the last layer").
-_SIZES = frozenset((
-    "hidden_size num_hidden_layers num_attention_heads intermediate_size vocab_size n_embd n_layer "
-    "n_head d_model num_layers num_heads max_position_embeddings n_positions num_key_value_heads "
-    "embed_dim d_ff d_kv encoder_layers decoder_layers"
-).split())
+_SIZES = frozenset(
+    (
+        "hidden_size num_hidden_layers num_attention_heads intermediate_size vocab_size n_embd n_layer "
+        "n_head d_model num_layers num_heads max_position_embeddings n_positions num_key_value_heads "
+        "embed_dim d_ff d_kv encoder_layers decoder_layers"
+    ).split()
+)
 # Words that make a field something else, although a count word is in its name.
-_NOT_COUNTS = frozenset((
-    "id ids ratio factor eps epsilon dropout prob std range scale type types act theta multiplier "
-    "bias init norm pdrop rate mode name names fn implementation alpha beta temperature"
-).split())
+_NOT_COUNTS = frozenset(
+    (
+        "id ids ratio factor eps epsilon dropout prob std range scale type types act theta multiplier "
+        "bias init norm pdrop rate mode name names fn implementation alpha beta temperature"
+    ).split()
+)
 
 
 def is_count_field(name: str) -> bool:
@@ -104,13 +110,15 @@ def _check_count(value: Any, field: str, where: str, error: type[AutomapError], 
 
 
 # A generation config's numbers that are no counts: each a number >= 0 when given.
-_GENERATION_NUMBERS = frozenset((
-    "temperature top_p top_k min_p typical_p repetition_penalty length_penalty diversity_penalty "
-    "epsilon_cutoff eta_cutoff encoder_repetition_penalty"
-).split())
-_GENERATION_FLAGS = frozenset((
-    "do_sample use_cache output_scores return_dict_in_generate renormalize_logits"
-).split())
+_GENERATION_NUMBERS = frozenset(
+    (
+        "temperature top_p top_k min_p typical_p repetition_penalty length_penalty diversity_penalty "
+        "epsilon_cutoff eta_cutoff encoder_repetition_penalty"
+    ).split()
+)
+_GENERATION_FLAGS = frozenset(
+    ("do_sample use_cache output_scores return_dict_in_generate renormalize_logits").split()
+)
 
 
 def check_generation_fields(data: Any, where: str, error: type[AutomapError]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 :class:`Recipe` objects: which checkpoint tensors, through which of transformers' own operations,
 build each tensor of the model. No rule here is written for a family.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,7 +50,9 @@ class Recipe:
         for key, pattern in self.sources:
             converter.add_tensor(self.first, key, pattern, read(key))
         try:
-            built = converter.convert(self.first, model=self.model, config=getattr(self.model, "config", None))
+            built = converter.convert(
+                self.first, model=self.model, config=getattr(self.model, "config", None)
+            )
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party op means the same here
             raise CheckpointError(
                 f"transformers' conversion {_ops(self.converter)} failed building {self.first!r} from "
@@ -85,7 +88,9 @@ class Conversion:
         if not self.recipes and not renamed:
             return None
         built = sum(len(r.targets) for r in self.recipes)
-        parts = [f"{built} tensors built from {len(self.consumed)} checkpoint tensors"] if self.recipes else []
+        parts = (
+            [f"{built} tensors built from {len(self.consumed)} checkpoint tensors"] if self.recipes else []
+        )
         parts += [f"{renamed} keys renamed"] if renamed else []
         return f"converted at load: {', '.join(parts)} (transformers' conversion for {self.family})"
 
@@ -105,12 +110,16 @@ def conversion_for(model: nn.Module, stored: Mapping[str, Stored]) -> Conversion
     try:
         transforms = api["get_model_conversion_mapping"](model)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation, reported in one line
-        raise CheckpointError(f"transformers could not give the checkpoint conversion of {type(model).__name__} "
-                              f"({type(exc).__name__}: {exc}); build the model with the transformers version that "
-                              "saved the checkpoint") from exc
+        raise CheckpointError(
+            f"transformers could not give the checkpoint conversion of {type(model).__name__} "
+            f"({type(exc).__name__}: {exc}); build the model with the transformers version that "
+            "saved the checkpoint"
+        ) from exc
     renames, groups = _pair_keys(model, stored, transforms, api)
     family = str(getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__)
-    recipes = tuple(_recipe(model, first, converter, sources, stored) for first, (converter, sources) in groups.items())
+    recipes = tuple(
+        _recipe(model, first, converter, sources, stored) for first, (converter, sources) in groups.items()
+    )
     return Conversion(family, renames, recipes)
 
 
@@ -125,16 +134,21 @@ def _machinery() -> dict[str, Any] | None:
         from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
     except ImportError:  # transformers 4: checkpoints load as saved
         return None
-    return {"PreTrainedModel": PreTrainedModel, "get_model_conversion_mapping": get_model_conversion_mapping,
-            "WeightConverter": WeightConverter, "dot_natural_key": dot_natural_key,
-            "rename_source_key": rename_source_key}
+    return {
+        "PreTrainedModel": PreTrainedModel,
+        "get_model_conversion_mapping": get_model_conversion_mapping,
+        "WeightConverter": WeightConverter,
+        "dot_natural_key": dot_natural_key,
+        "rename_source_key": rename_source_key,
+    }
 
 
 Groups = dict[str, tuple[Any, list[tuple[str, str]]]]
 
 
-def _pair_keys(model: nn.Module, stored: Mapping[str, Stored], transforms: list[Any],
-               api: dict[str, Any]) -> tuple[dict[str, str], Groups]:
+def _pair_keys(
+    model: nn.Module, stored: Mapping[str, Stored], transforms: list[Any], api: dict[str, Any]
+) -> tuple[dict[str, str], Groups]:
     """Each checkpoint key renamed as ``from_pretrained`` renames it (transformers' function,
     same order, same fallbacks); keys a converter matched are grouped by their first target."""
     converters = [t for t in transforms if isinstance(t, api["WeightConverter"])]
@@ -157,8 +171,9 @@ def _pair_keys(model: nn.Module, stored: Mapping[str, Stored], transforms: list[
     return renames, groups
 
 
-def _recipe(model: nn.Module, first: str, converter: Any, sources: list[tuple[str, str]],
-            stored: Mapping[str, Stored]) -> Recipe:
+def _recipe(
+    model: nn.Module, first: str, converter: Any, sources: list[tuple[str, str]], stored: Mapping[str, Stored]
+) -> Recipe:
     """A recipe, with the shape and dtype of each target learned from a run on meta tensors
     (transformers' operations stack, concatenate, split and transpose: all run on meta).
 
@@ -173,4 +188,6 @@ def _recipe(model: nn.Module, first: str, converter: Any, sources: list[tuple[st
 
 
 def _ops(converter: Any) -> str:
-    return "+".join(type(op).__name__ for op in getattr(converter, "operations", ())) or type(converter).__name__
+    return (
+        "+".join(type(op).__name__ for op in getattr(converter, "operations", ())) or type(converter).__name__
+    )

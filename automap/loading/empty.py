@@ -5,6 +5,7 @@ a module registers them, before any initialiser touches them. Buffers stay where
 module computed them: they are small, and many are not in any checkpoint (rotary
 ``inv_freq``, ``position_ids``), so their computed values are the only correct ones.
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,7 +54,9 @@ def _close() -> None:
     global _open_blocks
     with _LOCK:
         _open_blocks -= 1
-        if not _open_blocks and nn.Module.register_parameter is _register:  # else patched over since: left as is
+        if (
+            not _open_blocks and nn.Module.register_parameter is _register
+        ):  # else patched over since: left as is
             nn.Module.register_parameter = _original  # type: ignore[method-assign]
 
 

@@ -2,6 +2,7 @@
 transformers' own classes (local files only: nothing is downloaded). transformers is imported
 here only, when a folder is built.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,13 @@ from automap.loading.checkpoint import Checkpoint, open_checkpoint
 from automap.kinds import available_ram_bytes
 from automap.loading.configs import check_generation_fields, measure_on_meta, wrapped
 from automap.loading.empty import empty_model
-from automap.loading.hf_config import AUTO_CLASSES, configured, import_transformers, remote_class, remote_code_refused
+from automap.loading.hf_config import (
+    AUTO_CLASSES,
+    configured,
+    import_transformers,
+    remote_class,
+    remote_code_refused,
+)
 from automap.loading.keys import Match, match_keys
 from automap.loading.pretrained_args import FolderOptions
 from automap.loading.quantized import CONFIG_NAME, refuse_declared
@@ -34,25 +41,15 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 _DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-
-
-
-
-
-
-
-
-
-
 def config_dtype(config: Any) -> torch.dtype | None:
     """The dtype a config says its weights are in (``"dtype"``, formerly ``"torch_dtype"``)."""
     # transformers 5 keeps "dtype" and warns on every read of "torch_dtype"; older ones have only the latter.
-    dtype = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    dtype = (
+        getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    )
     if isinstance(dtype, str):  # a config.json stores "bfloat16"
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) else None
-
-
 
 
 def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
@@ -76,7 +73,9 @@ def instantiate(config: Any, *, guess: bool = False) -> nn.Module | None:
     return None
 
 
-def folder_model(config: Any, folder: str | os.PathLike[str], trust_remote_code: bool = False) -> nn.Module | None:
+def folder_model(
+    config: Any, folder: str | os.PathLike[str], trust_remote_code: bool = False
+) -> nn.Module | None:
     """The model ``folder``'s config names (None: transformers lacks its class), or, when it
     names none, the head its checkpoint fits (:func:`fitting_head`), built on the current
     default device: what :func:`build_from_folder` loads and ``automap plan FOLDER`` plans.
@@ -112,7 +111,9 @@ def fitting_head(config: Any, folder: str | os.PathLike[str]) -> nn.Module | Non
                 match_keys(model, ckpt)
             except CheckpointError:
                 continue
-            log.info("%s names no architecture: built %s, whose tensors its checkpoint holds", folder, cls.__name__)
+            log.info(
+                "%s names no architecture: built %s, whose tensors its checkpoint holds", folder, cls.__name__
+            )
             return model
     return instantiate(config)
 
@@ -121,10 +122,16 @@ def _family_heads(config: Any) -> list[type]:
     """The model classes transformers maps ``config``'s family to, :data:`AUTO_CLASSES`' first."""
     transformers = import_transformers()
     mappings = transformers.models.auto.modeling_auto
-    first = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-             "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")
+    first = (
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    )
     others = sorted(n for n in dir(mappings) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
-    names = [getattr(mappings, n).get(getattr(config, "model_type", None)) for n in (*first, *others, "MODEL_MAPPING_NAMES")]
+    names = [
+        getattr(mappings, n).get(getattr(config, "model_type", None))
+        for n in (*first, *others, "MODEL_MAPPING_NAMES")
+    ]
     found = [getattr(transformers, n, None) for n in dict.fromkeys(n for n in names if isinstance(n, str))]
     return [cls for cls in found if cls is not None and getattr(cls, "config_class", None) is type(config)]
 
@@ -144,8 +151,9 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None = None,
-                      options: FolderOptions = FolderOptions()) -> nn.Module:
+def build_from_folder(
+    folder: str | os.PathLike[str], dtype: torch.dtype | None = None, options: FolderOptions = FolderOptions()
+) -> nn.Module:
     """The model of a Hugging Face folder, as a skeleton: parameters on meta, buffers computed.
 
     Args:
@@ -183,7 +191,8 @@ def build_from_folder(folder: str | os.PathLike[str], dtype: torch.dtype | None 
         raise CheckpointError(
             f"{Path(folder) / CONFIG_NAME} names {', '.join(map(str, names))}, which this transformers "
             f"({import_transformers().__version__}) does not have (a model with its own code?); build the model "
-            "yourself under automap.empty_model() and call automap.load(model, folder)")
+            "yourself under automap.empty_model() and call automap.load(model, folder)"
+        )
     keep_in_fp32(model, dtype)
     initialise_buffers(model)
     read_generation_config(model, folder)
@@ -200,8 +209,10 @@ def _folder_model(config: Any, folder: str | os.PathLike[str], options: FolderOp
     except (ValueError, ImportError) as exc:
         if options.attn_implementation is None and options.experts_implementation is None:
             raise
-        raise ArgumentError(f"{type(config).__name__}: transformers refused the implementation asked for "
-                            f"({type(exc).__name__}: {exc})") from exc
+        raise ArgumentError(
+            f"{type(config).__name__}: transformers refused the implementation asked for "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:
@@ -212,10 +223,12 @@ def check_fits_in_ram(sizes: tuple[int, int], where: str) -> None:
     largest, total = sizes
     room = min(available_ram_bytes(), _address_space_left())
     if largest > room:
-        raise CheckpointError(f"{where} describes a model whose largest tensor needs {format_bytes(largest)} "
-                              f"({format_bytes(total)} in all), more than this process's free memory "
-                              f"({format_bytes(room)}) in which each tensor of a skeleton is made before "
-                              "it goes to meta; check the config's sizes (vocab_size, hidden_size, ...)")
+        raise CheckpointError(
+            f"{where} describes a model whose largest tensor needs {format_bytes(largest)} "
+            f"({format_bytes(total)} in all), more than this process's free memory "
+            f"({format_bytes(room)}) in which each tensor of a skeleton is made before "
+            "it goes to meta; check the config's sizes (vocab_size, hidden_size, ...)"
+        )
 
 
 def _address_space_left() -> int:
@@ -250,12 +263,17 @@ def read_generation_config(model: nn.Module, folder: str | os.PathLike[str]) -> 
     if not os.path.lexists(path):  # none: an older config.json's settings, as from_pretrained falls back
         path, given = Path(folder) / CONFIG_NAME, {"_from_model_config": True}
         where = repr(str(path))
-    data = read_json_file(path, "generation settings", error=CheckpointError,
-                          hint="save it again with generation_config.save_pretrained, or remove it")
+    data = read_json_file(
+        path,
+        "generation settings",
+        error=CheckpointError,
+        hint="save it again with generation_config.save_pretrained, or remove it",
+    )
     if not given:  # config.json's fields were checked as a config's when it was read
         check_generation_fields(data, where, CheckpointError)
-    model.generation_config = wrapped(lambda: generation_config.from_dict(dict(data), **given), where,
-                                      CheckpointError)
+    model.generation_config = wrapped(
+        lambda: generation_config.from_dict(dict(data), **given), where, CheckpointError
+    )
 
 
 def initialise_buffers(model: nn.Module) -> None:
@@ -268,7 +286,9 @@ def initialise_buffers(model: nn.Module) -> None:
     if initialise is None:
         return
     saved = {id(t) for t in model.state_dict(keep_vars=True).values()}
-    marked = [t for t in [*model.parameters(), *model.buffers()] if id(t) in saved or isinstance(t, nn.Parameter)]
+    marked = [
+        t for t in [*model.parameters(), *model.buffers()] if id(t) in saved or isinstance(t, nn.Parameter)
+    ]
     for tensor in marked:
         tensor._is_hf_initialized = True
     for module in model.modules():  # built: each marked done by its own post_init, inside the build's dtype
@@ -292,28 +312,40 @@ def compute_declared_missing(model: nn.Module, match: Match) -> list[str]:
     transient = _non_persistent(model)
     lacking: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in _meta_tensors(model):
-        if (name not in match.sources and name not in match.built and _sentinel(tensor.dtype) is not None
-                and (name in transient or any(re.search(p, name) for p in patterns))):
+        if (
+            name not in match.sources
+            and name not in match.built
+            and _sentinel(tensor.dtype) is not None
+            and (name in transient or any(re.search(p, name) for p in patterns))
+        ):
             lacking[id(tensor)] = (name, tensor)
     if not lacking:
         return []
-    undo = install(model, {i: torch.full(t.shape, _sentinel(t.dtype), dtype=t.dtype) for i, (_, t) in lacking.items()})
+    undo = install(
+        model, {i: torch.full(t.shape, _sentinel(t.dtype), dtype=t.dtype) for i, (_, t) in lacking.items()}
+    )
     _initialise_only(model, set(undo), initialise)
     now = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) in undo}
     unfilled = {id(undo[i]) for i, t in now.items() if _unfilled(t)}
     install(model, {i: undo[i] for i, t in now.items() if id(undo[i]) in unfilled})
     computed = [name for i, (name, _) in lacking.items() if i not in unfilled]
     if computed:
-        log.info("computed %d tensor(s) the checkpoint does not hold, as the model declares (%s)", len(computed),
-                 ", ".join(computed[:3]))
+        log.info(
+            "computed %d tensor(s) the checkpoint does not hold, as the model declares (%s)",
+            len(computed),
+            ", ".join(computed[:3]),
+        )
     return computed
 
 
 def _initialise_only(model: nn.Module, tensors: set[int], initialise: Any) -> None:
     """Run the model's initialiser on the modules holding ``tensors`` (ids) alone: every other
     module and tensor is marked initialised while it runs, and the marks are put back after."""
-    owners = {id(m) for m in model.modules()
-              if any(id(t) in tensors for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)}
+    owners = {
+        id(m)
+        for m in model.modules()
+        if any(id(t) in tensors for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
+    }
     flags = {m: m.__dict__.get("_is_hf_initialized") for m in model.modules()}
     done = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in tensors]
     marks = {id(t): t.__dict__.get("_is_hf_initialized") for t in done}
@@ -332,8 +364,12 @@ def _initialise_only(model: nn.Module, tensors: set[int], initialise: Any) -> No
 
 def _non_persistent(model: nn.Module) -> set[str]:
     """The names of the model's buffers that ``state_dict()`` leaves out."""
-    return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None}
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+        if module._buffers.get(name) is not None
+    }
 
 
 def _sentinel(dtype: torch.dtype) -> float | int | None:
@@ -386,7 +422,12 @@ def take_stored_dtypes(model: nn.Module, checkpoint: Checkpoint, match: Match) -
     changed = 0
     for name, tensor in _meta_tensors(model):
         stored = _stored_dtype(name, checkpoint, match)
-        if stored is not None and stored != tensor.dtype and stored.is_floating_point and tensor.is_floating_point():
+        if (
+            stored is not None
+            and stored != tensor.dtype
+            and stored.is_floating_point
+            and tensor.is_floating_point()
+        ):
             _retype(tensor, stored)
             changed += 1
     return changed

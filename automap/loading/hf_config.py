@@ -4,6 +4,7 @@ unless ``trust_remote_code`` (:func:`remote_code_refused`), else imported from t
 (:func:`remote_class`). transformers is always told ``trust_remote_code``'s value, so it never
 asks on a terminal.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,7 +20,12 @@ from automap.userfiles import read_json_file
 
 # Heads to try when a config names no architecture, most useful first: a family is built as
 # what people run it as.
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
+AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForImageClassification",
+    "AutoModel",
+)
 
 
 def is_model_folder(path: str | os.PathLike[str]) -> bool:
@@ -41,8 +47,9 @@ def import_transformers(purpose: str = "building a model from a Hugging Face fol
     except ImportError as exc:
         raise DependencyError(
             f"{purpose} needs transformers, which is not installed ({exc}); install it with "
-            "pip install \"automap[hf]\" (or pip install transformers), or build the model yourself under "
-            "automap.empty_model() and call automap.load(model, folder)") from exc
+            'pip install "automap[hf]" (or pip install transformers), or build the model yourself under '
+            "automap.empty_model() and call automap.load(model, folder)"
+        ) from exc
     return transformers
 
 
@@ -58,22 +65,37 @@ def read_config(folder: str | os.PathLike[str], trust_remote_code: bool = False)
     """
     root = Path(folder)
     if not os.path.lexists(root):
-        hub = "" if os.path.isabs(str(folder)) or str(folder).count("/") != 1 else (
-            f"; if {str(folder)!r} is a hub id: automap never downloads; download it with "
-            f"hf download {folder} --local-dir ./{root.name} and pass ./{root.name}")
-        raise CheckpointError(f"{root} does not exist; automap.load(path) takes a Hugging Face model folder "
-                              f"(config.json and its weights){hub}")
+        hub = (
+            ""
+            if os.path.isabs(str(folder)) or str(folder).count("/") != 1
+            else (
+                f"; if {str(folder)!r} is a hub id: automap never downloads; download it with "
+                f"hf download {folder} --local-dir ./{root.name} and pass ./{root.name}"
+            )
+        )
+        raise CheckpointError(
+            f"{root} does not exist; automap.load(path) takes a Hugging Face model folder "
+            f"(config.json and its weights){hub}"
+        )
     if not root.is_dir():
-        raise CheckpointError(f"{root} is a file, not a folder; automap.load(path) takes a Hugging Face model "
-                              "folder (config.json and its weights). For a single checkpoint file, build the "
-                              "model and call automap.load(model, path)")
+        raise CheckpointError(
+            f"{root} is a file, not a folder; automap.load(path) takes a Hugging Face model "
+            "folder (config.json and its weights). For a single checkpoint file, build the "
+            "model and call automap.load(model, path)"
+        )
     if not is_model_folder(root):
-        raise CheckpointError(f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
-                              "yourself under automap.empty_model() and call automap.load(model, folder)")
+        raise CheckpointError(
+            f"{root} has no {CONFIG_NAME}, so automap cannot tell which model to build; build it "
+            "yourself under automap.empty_model() and call automap.load(model, folder)"
+        )
     transformers = import_transformers()
     path = root / CONFIG_NAME
-    data = read_json_file(path, "config file", error=CheckpointError,
-                          hint="save it again with save_pretrained, or build the model yourself")
+    data = read_json_file(
+        path,
+        "config file",
+        error=CheckpointError,
+        hint="save it again with save_pretrained, or build the model yourself",
+    )
     where = repr(str(path))
     check_config_fields(data, where, CheckpointError)
     auto_map = data.get("auto_map") if isinstance(data.get("auto_map"), dict) else {}
@@ -83,15 +105,21 @@ def read_config(folder: str | os.PathLike[str], trust_remote_code: bool = False)
         return config_from_fields(data, where, CheckpointError)
     # The folder's own config class (trusted), or an old config without model_type: transformers
     # guesses the family from the folder's name.
-    return wrapped(lambda: transformers.AutoConfig.from_pretrained(str(root), local_files_only=True,
-                                                                   trust_remote_code=trust_remote_code),
-                   where, CheckpointError)
+    return wrapped(
+        lambda: transformers.AutoConfig.from_pretrained(
+            str(root), local_files_only=True, trust_remote_code=trust_remote_code
+        ),
+        where,
+        CheckpointError,
+    )
 
 
 def _auto_map(root: Path) -> dict[str, Any]:
     """config.json's ``auto_map`` (the folder's own code per Auto class), without running anything."""
     try:
-        found = read_json_file(root / CONFIG_NAME, "config file", hint="", error=CheckpointError).get("auto_map")
+        found = read_json_file(root / CONFIG_NAME, "config file", hint="", error=CheckpointError).get(
+            "auto_map"
+        )
     except (CheckpointError, AttributeError):
         return {}
     return found if isinstance(found, dict) else {}
@@ -103,7 +131,8 @@ def remote_code_refused(folder: str | os.PathLike[str], auto_map: dict[str, Any]
     return CheckpointError(
         f"{Path(folder) / CONFIG_NAME} maps the model to code of its own in the folder (auto_map: {listed}); "
         "automap runs it only when asked, never by a prompt: read that code, then pass "
-        "automap.load(folder, trust_remote_code=True)")
+        "automap.load(folder, trust_remote_code=True)"
+    )
 
 
 def remote_class(config: Any, folder: str | os.PathLike[str]) -> type | None:
@@ -113,7 +142,8 @@ def remote_class(config: Any, folder: str | os.PathLike[str]) -> type | None:
     wanted = list(getattr(config, "architectures", None) or ())
     refs = [ref for key, ref in auto_map.items() if key != "AutoConfig" and isinstance(ref, str)]
     chosen = next((r for r in refs if r.rpartition(".")[2] in wanted), None) or next(
-        (auto_map[k] for k in AUTO_CLASSES if isinstance(auto_map.get(k), str)), None)
+        (auto_map[k] for k in AUTO_CLASSES if isinstance(auto_map.get(k), str)), None
+    )
     if chosen is None:
         return None
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -139,15 +169,19 @@ def configured(folder: str | os.PathLike[str], options: FolderOptions) -> Any:
         raise CheckpointError(f"use_safetensors=True, but {folder} has no .safetensors file")
     for name, value in options.overrides.items():
         if not hasattr(config, name):
-            raise ArgumentError(f"automap.load(folder, {name}=...): neither an argument of from_pretrained automap "
-                                f"takes nor an attribute of {type(config).__name__}; see docs/loading.md for the "
-                                "arguments, or set it on the model after loading")
+            raise ArgumentError(
+                f"automap.load(folder, {name}=...): neither an argument of from_pretrained automap "
+                f"takes nor an attribute of {type(config).__name__}; see docs/loading.md for the "
+                "arguments, or set it on the model after loading"
+            )
         setattr(config, name, value)
     if options.attn_implementation is not None:
         config._attn_implementation = options.attn_implementation
     if options.experts_implementation is not None:
         if not hasattr(config, "_experts_implementation"):
-            raise ArgumentError(f"experts_implementation={options.experts_implementation!r}: this transformers' "
-                                f"{type(config).__name__} has no experts implementations to choose from")
+            raise ArgumentError(
+                f"experts_implementation={options.experts_implementation!r}: this transformers' "
+                f"{type(config).__name__} has no experts implementations to choose from"
+            )
         config._experts_implementation = options.experts_implementation
     return config

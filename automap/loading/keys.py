@@ -4,6 +4,7 @@ then the model's own load path (each module's load-state-dict pre-hooks run on s
 ``weight_g``/``weight_v`` keys are accepted as ``load_state_dict`` takes them); then every tensor
 must be filled, every key used, every shape equal.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,11 @@ class Match:
 def extra_state_keys(model: nn.Module) -> dict[str, nn.Module]:
     """The ``state_dict`` keys under which modules save their extra state (a module defining
     ``get_extra_state``): no tensor to place, but a value to hand back to ``set_extra_state``."""
-    return {f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: module for name, module in model.named_modules()
-            if type(module).get_extra_state is not nn.Module.get_extra_state}
+    return {
+        f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE: module
+        for name, module in model.named_modules()
+        if type(module).get_extra_state is not nn.Module.get_extra_state
+    }
 
 
 def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
@@ -91,27 +95,38 @@ def match_keys(model: nn.Module, checkpoint: Checkpoint) -> Match:
         else:
             missing.append(names[0])
     missing += [k for k in extra if k not in saved]
-    missing = [n for n in _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
-               if not _filled_by_torch(model, n)]
-    unexpected = _drop([k for n, k in renamed.items() if n not in known] + [t for t in made if t not in known]
-                       + [k for n, k in saved.items() if n not in extra],
-                       getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    missing = [
+        n
+        for n in _drop(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
+        if not _filled_by_torch(model, n)
+    ]
+    unexpected = _drop(
+        [k for n, k in renamed.items() if n not in known]
+        + [t for t in made if t not in known]
+        + [k for n, k in saved.items() if n not in extra],
+        getattr(model, "_keys_to_ignore_on_load_unexpected", None),
+    )
     shapes = _shape_mismatches(expected, sources, checkpoint) + _built_mismatches(expected, built)
     converted = conversion.summary() if conversion is not None else None
     if missing or unexpected or shapes:
-        raise CheckpointError(_mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted))
+        raise CheckpointError(
+            _mismatch_message(model, checkpoint, how, missing, unexpected, shapes, converted)
+        )
     return Match(sources, how, built, converted, untied, {k: saved[k] for k in extra if k in saved})
 
 
-def _through_hooks(model: nn.Module, renamed: dict[str, str], keys: Mapping[str, Stored],
-                   how: str) -> tuple[dict[str, str], str]:
+def _through_hooks(
+    model: nn.Module, renamed: dict[str, str], keys: Mapping[str, Stored], how: str
+) -> tuple[dict[str, str], str]:
     """``renamed`` (model name -> checkpoint key) after the model's own load hooks moved names."""
     hooked = hook_renames(model, {n: keys[k] for n, k in renamed.items()})
     if not hooked:
         return renamed, how
     example = next(iter(hooked.items()))
-    return ({hooked.get(n, n): k for n, k in renamed.items()},
-            f"{how}, then the model's own load hooks ({len(hooked)} keys renamed, e.g. {example})")
+    return (
+        {hooked.get(n, n): k for n, k in renamed.items()},
+        f"{how}, then the model's own load hooks ({len(hooked)} keys renamed, e.g. {example})",
+    )
 
 
 def hook_renames(model: nn.Module, keys: Mapping[str, Stored]) -> dict[str, str]:
@@ -160,7 +175,7 @@ def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
         return found | shared if len(shared) == 1 and len(found) == 1 else found
 
     def strip(p: str) -> Callable[[str], str]:
-        return lambda k: k[len(p) + 1:] if k.startswith(p + ".") else k
+        return lambda k: k[len(p) + 1 :] if k.startswith(p + ".") else k
 
     def add(p: str) -> Callable[[str], str]:
         return lambda k: f"{p}.{k}"
@@ -171,14 +186,19 @@ def _renames(model_names: Iterable[str], keys: Iterable[str]) -> list[Rename]:
     return options
 
 
-def _best_rename(expected: Mapping[str, torch.Tensor], keys: Mapping[str, Stored],
-                 conversion: Conversion | None) -> Rename:
+def _best_rename(
+    expected: Mapping[str, torch.Tensor], keys: Mapping[str, Stored], conversion: Conversion | None
+) -> Rename:
     names = set(expected)
     options = _renames(names, keys)
     if conversion is not None and any(k != n for k, n in conversion.renames.items()):
-        table = conversion.renames  # transformers' renames come second: they win over "as saved" if they match more
+        table = (
+            conversion.renames
+        )  # transformers' renames come second: they win over "as saved" if they match more
         options.insert(1, (f"with transformers' renames for {conversion.family}", lambda k: table.get(k, k)))
-    scored = [(sum(rename(k) in names for k in keys), -i, (how, rename)) for i, (how, rename) in enumerate(options)]
+    scored = [
+        (sum(rename(k) in names for k in keys), -i, (how, rename)) for i, (how, rename) in enumerate(options)
+    ]
     return max(scored, key=lambda s: (s[0], s[1]))[2]
 
 
@@ -188,8 +208,9 @@ def _drop(names: list[str], patterns: Sequence[str] | None) -> list[str]:
     return [n for n in names if not any(re.search(p, n) for p in patterns)]
 
 
-def _shape_mismatches(expected: Mapping[str, torch.Tensor], sources: Mapping[str, str],
-                      checkpoint: Checkpoint) -> list[str]:
+def _shape_mismatches(
+    expected: Mapping[str, torch.Tensor], sources: Mapping[str, str], checkpoint: Checkpoint
+) -> list[str]:
     found: list[str] = []
     for name, key in sources.items():
         stored, model_shape = checkpoint.tensors[key].shape, tuple(expected[name].shape)
@@ -198,18 +219,29 @@ def _shape_mismatches(expected: Mapping[str, torch.Tensor], sources: Mapping[str
     return found
 
 
-def _built_mismatches(expected: Mapping[str, torch.Tensor], built: Mapping[str, tuple[Recipe, str]]) -> list[str]:
+def _built_mismatches(
+    expected: Mapping[str, torch.Tensor], built: Mapping[str, tuple[Recipe, str]]
+) -> list[str]:
     found: list[str] = []
     for name, (recipe, target) in built.items():
         made, model_shape = recipe.targets[target][0], tuple(expected[name].shape)
         if made != model_shape and name == target:
-            found.append(f"'{target}' is {list(made)} as transformers' conversion builds it from "
-                         f"{len(recipe.sources)} checkpoint tensors, {list(model_shape)} in the model")
+            found.append(
+                f"'{target}' is {list(made)} as transformers' conversion builds it from "
+                f"{len(recipe.sources)} checkpoint tensors, {list(model_shape)} in the model"
+            )
     return found
 
 
-def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missing: list[str],
-                      unexpected: list[str], shapes: list[str], converted: str | None = None) -> str:
+def _mismatch_message(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    how: str,
+    missing: list[str],
+    unexpected: list[str],
+    shapes: list[str],
+    converted: str | None = None,
+) -> str:
     parts = []
     if missing:
         parts.append(f"{len(missing)} tensor(s) of the model are missing from it, first {missing[:3]}")
@@ -219,14 +251,19 @@ def _mismatch_message(model: nn.Module, checkpoint: Checkpoint, how: str, missin
         parts.append(f"{len(shapes)} tensor(s) have another shape, first {'; '.join(shapes[:3])}")
     how = f"{how}; {converted}" if converted else how
     if missing and SHARD.search(checkpoint.path.name):
-        fix = (f"{checkpoint.path.name} is one shard of a sharded checkpoint: pass its folder "
-               f"({checkpoint.path.parent}) or its *.index.json")
+        fix = (
+            f"{checkpoint.path.name} is one shard of a sharded checkpoint: pass its folder "
+            f"({checkpoint.path.parent}) or its *.index.json"
+        )
     elif missing or shapes:
         fix = "Build the model from the config the checkpoint was saved with, or load a checkpoint of this architecture"
     else:
         fix = "strict=False skips keys the model lacks (as accelerate does)"
-    return (f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
-            + "; ".join(parts) + f". {fix}")
+    return (
+        f"checkpoint {checkpoint.path} does not match {type(model).__name__} (keys read {how}): "
+        + "; ".join(parts)
+        + f". {fix}"
+    )
 
 
 SHARD = re.compile(r"-\d{5}-of-\d{5}\.")  # model-00001-of-00004.safetensors: one of several

@@ -2,6 +2,7 @@
 ``strict=False``, or in the folder form as ``from_pretrained`` skips), ties the checkpoint does
 not keep undone, tensors the model declares it computes computed, and a tensor with no value
 anywhere refused, with one warning for what was skipped."""
+
 from __future__ import annotations
 
 import warnings
@@ -31,7 +32,9 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
     try:
         match, skipped = _keys(model, ckpt, strict, folder_form)
     except CheckpointError as exc:
-        note = declared_note(ckpt.path)  # a quantized checkpoint's keys (qweight, absmax) say little by themselves
+        note = declared_note(
+            ckpt.path
+        )  # a quantized checkpoint's keys (qweight, absmax) say little by themselves
         if not note:
             raise
         raise CheckpointError(f"{exc}{note}") from exc
@@ -41,9 +44,12 @@ def matched(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool 
     if match.untied:
         untie(model, match.untied)
         tied = ", ".join(" = ".join(g) for g in match.untied[:3])
-        warnings.warn(f"the checkpoint holds other values for {tied} than for the tensor the model ties them to: "
-                      "loaded untied, each from its own key, as from_pretrained does (a config saying "
-                      "tie_word_embeddings=False describes this checkpoint)", stacklevel=user_stacklevel())
+        warnings.warn(
+            f"the checkpoint holds other values for {tied} than for the tensor the model ties them to: "
+            "loaded untied, each from its own key, as from_pretrained does (a config saying "
+            "tie_word_embeddings=False describes this checkpoint)",
+            stacklevel=user_stacklevel(),
+        )
     compute_declared_missing(model, match)
     _check_valued(model, match)
     if skipped:
@@ -55,15 +61,19 @@ def _check_no_complex_to_real(model: nn.Module, stored: dict[str, torch.dtype], 
     """Refuse filling a real tensor of ``model`` from a complex one: the cast keeps the real
     part and drops the rest of the values without a word."""
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
-    cast = [name for name, dtype in stored.items()
-            if dtype.is_complex and name in tensors and not tensors[name].dtype.is_complex]
+    cast = [
+        name
+        for name, dtype in stored.items()
+        if dtype.is_complex and name in tensors and not tensors[name].dtype.is_complex
+    ]
     if cast:
         name = cast[0]
         raise CheckpointError(
             f"{ckpt.path} stores {len(cast)} of the model's real tensors as complex numbers (first {name!r}: "
             f"{str(stored[name]).removeprefix('torch.')} in the checkpoint, {str(tensors[name].dtype).removeprefix('torch.')} "
             "in the model); casting would drop their imaginary parts. Build the model the checkpoint was saved "
-            "from, or convert the checkpoint (tensor.real, or torch.view_as_real) and save it again")
+            "from, or convert the checkpoint (tensor.real, or torch.view_as_real) and save it again"
+        )
 
 
 def _keys(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool) -> tuple[Match, str]:
@@ -100,7 +110,11 @@ def _keys(model: nn.Module, ckpt: Checkpoint, strict: bool, folder_form: bool) -
 def _check_valued(model: nn.Module, match: Match) -> None:
     """Refuse, before anything is read, model tensors on meta that the checkpoint does not
     hold: nothing could give them a value."""
-    lacking = [(n, t) for n, t in all_named_tensors(model) if t.is_meta and n not in match.sources and n not in match.built]
+    lacking = [
+        (n, t)
+        for n, t in all_named_tensors(model)
+        if t.is_meta and n not in match.sources and n not in match.built
+    ]
     if lacking:
         parameter = any(isinstance(t, nn.Parameter) for _, t in lacking)
         names = [n for n, t in lacking if isinstance(t, nn.Parameter) == parameter]

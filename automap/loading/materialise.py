@@ -3,6 +3,7 @@
 Invariants: offloaded safetensors tensors already in the target dtype are referenced in place, not
 read; the model changes only at the caller's install, once everything was read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,17 @@ def plan_tasks(model: nn.Module, plan: Plan, match: Match, dtype: torch.dtype | 
             tensor = tensors[name]
             weight = isinstance(tensor, nn.Parameter) or name in match.sources or name in match.built
             target = dtype if dtype is not None and tensor.is_floating_point() and weight else tensor.dtype
-            tasks.append(Task(name, tensor, match.sources.get(name), target,
-                              _destination(placement, name in unit.loose), unit.name, match.built.get(name)))
+            tasks.append(
+                Task(
+                    name,
+                    tensor,
+                    match.sources.get(name),
+                    target,
+                    _destination(placement, name in unit.loose),
+                    unit.name,
+                    match.built.get(name),
+                )
+            )
     return tasks
 
 
@@ -93,8 +103,13 @@ def _destination(placement: Placement, loose: bool) -> torch.device | None:
     return None if placement.in_store else torch_device(placement.home)
 
 
-def materialise(tasks: list[Task], checkpoint: Checkpoint, offload_dir: str | os.PathLike[str] | None,
-                *, quiet: bool = False) -> Loaded:
+def materialise(
+    tasks: list[Task],
+    checkpoint: Checkpoint,
+    offload_dir: str | os.PathLike[str] | None,
+    *,
+    quiet: bool = False,
+) -> Loaded:
     """Read every task's tensor to its device, and build the weight source for the rest.
 
     Raises:
@@ -161,7 +176,11 @@ def _computed(task: Task) -> torch.Tensor:
 
 def _in_place(task: Task, checkpoint: Checkpoint) -> bool:
     """Whether the checkpoint's own bytes of ``task`` can serve as its weights, unconverted."""
-    return task.key is not None and checkpoint.in_place(task.key) and checkpoint.tensors[task.key].dtype == task.dtype
+    return (
+        task.key is not None
+        and checkpoint.in_place(task.key)
+        and checkpoint.tensors[task.key].dtype == task.dtype
+    )
 
 
 def store_bytes(tasks: list[Task], checkpoint: Checkpoint) -> int:
@@ -170,25 +189,38 @@ def store_bytes(tasks: list[Task], checkpoint: Checkpoint) -> int:
     return sum(t.nbytes for t in tasks if t.device is None and not _in_place(t, checkpoint))
 
 
-def _build_source(tasks: list[Task], reader: _Reader, offload_dir: str | os.PathLike[str] | None,
-                  progress: _Progress, loaded: Loaded) -> WeightSource:
+def _build_source(
+    tasks: list[Task],
+    reader: _Reader,
+    offload_dir: str | os.PathLike[str] | None,
+    progress: _Progress,
+    loaded: Loaded,
+) -> WeightSource:
     checkpoint = reader.checkpoint
-    references = {t.name: (checkpoint.tensors[t.key].file, t.key) for t in tasks if _in_place(t, checkpoint)
-                  if t.key is not None}
+    references = {
+        t.name: (checkpoint.tensors[t.key].file, t.key)
+        for t in tasks
+        if _in_place(t, checkpoint)
+        if t.key is not None
+    }
     to_write = {t.name: t for t in tasks if t.name not in references}
     for task in tasks:
         if task.name in references:
             progress.step(task.nbytes)
     loaded.referenced, loaded.written = len(references), len(to_write)
     if to_write and offload_dir is None:
-        raise no_offload_dir(f"{len(to_write)} tensor(s) (first {next(iter(to_write))!r})",
-                             " that must be written there (converted to another dtype, merged by transformers' "
-                             "checkpoint conversion, read from a pickle, or buffers computed at init)")
+        raise no_offload_dir(
+            f"{len(to_write)} tensor(s) (first {next(iter(to_write))!r})",
+            " that must be written there (converted to another dtype, merged by transformers' "
+            "checkpoint conversion, read from a pickle, or buffers computed at init)",
+        )
     sources: list[WeightSource] = [_in_place_source(references, checkpoint)] if references else []
     if to_write:
         assert offload_dir is not None
         specs = {n: TensorSpec(t.unit, t.dtype, tuple(t.tensor.shape)) for n, t in to_write.items()}
-        sources.append(OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], reader, progress)))
+        sources.append(
+            OffloadStore.write(offload_dir, specs, lambda name: _written(to_write[name], reader, progress))
+        )
     return sources[0] if len(sources) == 1 else SourceSet(sources)
 
 
@@ -224,11 +256,16 @@ def offloaded_names(model: nn.Module, tasks: list[Task]) -> set[str]:
 
 def verify_loaded(model: nn.Module, on_purpose: set[str]) -> None:
     """Every tensor holds data, except the ones offloaded on purpose."""
-    left = [n for n, t in all_named_tensors(model, remove_duplicate=False)
-            if t.device.type == "meta" and n not in on_purpose]
+    left = [
+        n
+        for n, t in all_named_tensors(model, remove_duplicate=False)
+        if t.device.type == "meta" and n not in on_purpose
+    ]
     if left:
-        raise CheckpointError(f"{len(left)} tensor(s) are still on meta after loading, first {left[:3]}; "
-                              "the plan does not cover them: plan this model again")
+        raise CheckpointError(
+            f"{len(left)} tensor(s) are still on meta after loading, first {left[:3]}; "
+            "the plan does not cover them: plan this model again"
+        )
 
 
 def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, match: Match, seconds: float) -> None:
@@ -237,9 +274,16 @@ def log_summary(model: nn.Module, tasks: list[Task], loaded: Loaded, match: Matc
         where = str(task.device) if task.device is not None else "disk"
         by_device[where] = by_device.get(where, 0) + task.nbytes
     placed = ", ".join(f"{format_bytes(n)} to {d}" for d, n in by_device.items())
-    log.info("loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d%s",
-             type(model).__name__, seconds, match.how, placed, loaded.referenced, loaded.written,
-             f"; {match.converted}" if match.converted else "")
+    log.info(
+        "loaded %s in %.1f s (keys read %s): %s; offloaded tensors referenced in place %d, written %d%s",
+        type(model).__name__,
+        seconds,
+        match.how,
+        placed,
+        loaded.referenced,
+        loaded.written,
+        f"; {match.converted}" if match.converted else "",
+    )
 
 
 def noted(plan: Plan, match: Match) -> Plan:
@@ -254,8 +298,12 @@ def missing_value_message(names: list[str], parameter: bool) -> str:
     """What to say of model tensors on meta that the checkpoint does not hold."""
     listed = f"{names[0]!r}" if len(names) == 1 else f"{len(names)} tensors, first {names[:3]}"
     if parameter:
-        return (f"parameter {listed} is not in the checkpoint and the model holds no value for it (it is on meta); load "
-                "a checkpoint saved from this model class (one with that module), or build the model with real "
-                "weights for that module and the rest inside automap.empty_model()")
-    return (f"buffer {listed} is not in the checkpoint and has no value (it is on meta); build the model inside "
-            "automap.empty_model(), which keeps the buffers computed at init, or load a checkpoint that holds it")
+        return (
+            f"parameter {listed} is not in the checkpoint and the model holds no value for it (it is on meta); load "
+            "a checkpoint saved from this model class (one with that module), or build the model with real "
+            "weights for that module and the rest inside automap.empty_model()"
+        )
+    return (
+        f"buffer {listed} is not in the checkpoint and has no value (it is on meta); build the model inside "
+        "automap.empty_model(), which keeps the buffers computed at init, or load a checkpoint that holds it"
+    )

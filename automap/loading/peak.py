@@ -2,6 +2,7 @@
 placed in RAM, automap's own state, and for a moment the tensors the largest conversion makes),
 predicted from its tasks before it reads anything.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ def _in_ram(task: Task) -> bool:
     return task.device is not None and on_host(task.device)
 
 
-def load_plan(model: nn.Module, match: Any, dtype: torch.dtype | None,
-              planned: Callable[[Any], Plan]) -> tuple[Plan, list[Task]]:
+def load_plan(
+    model: nn.Module, match: Any, dtype: torch.dtype | None, planned: Callable[[Any], Plan]
+) -> tuple[Plan, list[Task]]:
     """The plan of a load and its tasks, with the load's predicted peak (:func:`load_peak_bytes`).
     When the load's conversions (merged experts) would take the CPU over its budget, planned
     again keeping that much of the budget free, so the load holds it too.
@@ -61,8 +63,10 @@ def load_plan(model: nn.Module, match: Any, dtype: torch.dtype | None,
     host = next((d for d in chosen.devices if kind_of(d).is_host), None)
     over = load_peak_bytes(tasks) - host.capacity_bytes if host is not None and host.capacity_bytes else 0
     if over > 0 and chosen.origin is Origin.STRATEGY:
-        log.info("the load's conversions need %s more than the CPU's room beside the run: planned again keeping it",
-                 format_bytes(over))
+        log.info(
+            "the load's conversions need %s more than the CPU's room beside the run: planned again keeping it",
+            format_bytes(over),
+        )
         chosen = noted(planned({host.name: over}), match)
         tasks = plan_tasks(model, chosen, match, dtype)
     return replace(chosen, inputs=replace(chosen.inputs, load_peak_bytes=load_peak_bytes(tasks))), tasks

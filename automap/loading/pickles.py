@@ -2,6 +2,7 @@
 mmap=True)`` (whose tensors stay on disk until touched), pickles that would run code refused, a
 training checkpoint's one state dict unwrapped, and every tensor checked by :func:`tensor_kind`
 to be a dense tensor of values before anything is installed."""
+
 from __future__ import annotations
 
 import logging
@@ -27,21 +28,26 @@ def load_pickle(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     except pickle.UnpicklingError as exc:
         reason = [line for line in str(exc).splitlines() if "GLOBAL" in line]
         if not reason:
-            raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({str(exc)[:200]}); "
-                                  "save or copy it again") from exc
+            raise CheckpointError(
+                f"{file} is truncated or not a PyTorch checkpoint ({str(exc)[:200]}); save or copy it again"
+            ) from exc
         raise CheckpointError(
             f"refused to load {file}: its pickle calls code that torch.load(weights_only=True) will not run "
             f"({reason[0].strip()}); loading it could execute arbitrary code. If you trust its source, convert "
             "it to safetensors yourself and load that"
         ) from exc
     except Exception as exc:  # noqa: BLE001 - any failure to parse the file means the same to the user
-        raise CheckpointError(f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
-                              f"{str(exc)[:300]}); save or copy it again") from exc
+        raise CheckpointError(
+            f"{file} is truncated or not a PyTorch checkpoint ({type(exc).__name__}: "
+            f"{str(exc)[:300]}); save or copy it again"
+        ) from exc
     data = _unwrapped(file, data)
     for key, value in data.items():
         if isinstance(value, torch.Tensor):
             _check_kind(file, str(key), value)
-    extras = {str(k): v for k, v in data.items() if not isinstance(v, torch.Tensor) and str(k).endswith(EXTRA_STATE)}
+    extras = {
+        str(k): v for k, v in data.items() if not isinstance(v, torch.Tensor) and str(k).endswith(EXTRA_STATE)
+    }
     skipped = [k for k, v in data.items() if not isinstance(v, torch.Tensor) and k not in extras]
     if skipped:
         log.info("%s: ignoring %d non-tensor entries (%s)", file, len(skipped), skipped[:3])
@@ -74,7 +80,8 @@ def _check_kind(file: Path, key: str, tensor: torch.Tensor) -> None:
         raise CheckpointError(
             f"tensor {key!r} in {file} is {kind}, not a dense tensor of values; automap loads only dense "
             "tensors (a model's weights). Save it dense (tensor.to_dense(), or the dequantized weights, or a "
-            "quantized model with its quantization config), or load this checkpoint with torch.load yourself")
+            "quantized model with its quantization config), or load this checkpoint with torch.load yourself"
+        )
 
 
 def _unwrapped(file: Path, data: Any) -> dict:
@@ -90,19 +97,31 @@ def _unwrapped(file: Path, data: Any) -> dict:
         raise CheckpointError(f"{file} holds a {type(data).__name__}, not a state dict of name -> tensor")
     if any(isinstance(v, torch.Tensor) for v in data.values()):
         return data
-    inner = {k: v for k, v in data.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())}
+    inner = {
+        k: v
+        for k, v in data.items()
+        if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())
+    }
     if "state_dict" in inner or len(inner) == 1:
         key = "state_dict" if "state_dict" in inner else next(iter(inner))
-        log.info("%s: reading the state dict under %r (beside %s)", file, key, sorted(map(str, set(data) - {key}))[:5])
+        log.info(
+            "%s: reading the state dict under %r (beside %s)",
+            file,
+            key,
+            sorted(map(str, set(data) - {key}))[:5],
+        )
         return inner[key]
     listed = ", ".join(repr(k) for k in list(data)[:8])
     if not inner:
-        raise CheckpointError(f"{file} holds no tensors: its top-level entries are {listed}; pass a checkpoint of the "
-                              "model's weights (a state dict of name -> tensor)")
+        raise CheckpointError(
+            f"{file} holds no tensors: its top-level entries are {listed}; pass a checkpoint of the "
+            "model's weights (a state dict of name -> tensor)"
+        )
     raise CheckpointError(
         f"{file} wraps several state dicts ({', '.join(repr(k) for k in inner)}) and it is not clear which holds the "
         f"model's weights; save the one you mean on its own, e.g. safetensors.torch.save_file(torch.load(path)"
-        f"[{next(iter(inner))!r}], 'model.safetensors'), and load that")
+        f"[{next(iter(inner))!r}], 'model.safetensors'), and load that"
+    )
 
 
 def _torch_load(file: Path) -> Any:

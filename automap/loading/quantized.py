@@ -2,6 +2,7 @@
 ``quantization_config``, or a floating-point parameter filled from an integer or float8 tensor,
 would otherwise give silently wrong weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,11 @@ CONFIG_NAME = "config.json"  # the config of a Hugging Face model folder
 MAX_CONFIG_BYTES = 16 << 20
 # The fields that say most about a quantization, named in messages after its method.
 _DETAILS = ("bits", "load_in_4bit", "load_in_8bit", "format", "fmt")
-FIX = ("load it with transformers' from_pretrained, which builds quantized layers for it (automap can plan them: "
-       "from_pretrained(folder, device_map=automap.plan(skeleton, max_memory=...).device_map)), or load a copy "
-       "saved without quantization")
+FIX = (
+    "load it with transformers' from_pretrained, which builds quantized layers for it (automap can plan them: "
+    "from_pretrained(folder, device_map=automap.plan(skeleton, max_memory=...).device_map)), or load a copy "
+    "saved without quantization"
+)
 
 
 def describe(quantization: Any) -> str:
@@ -30,7 +33,9 @@ def describe(quantization: Any) -> str:
         to_dict = getattr(quantization, "to_dict", None)
         quantization = to_dict() if callable(to_dict) else {}
     method = quantization.get("quant_method", "a method it does not name")
-    details = ", ".join(f"{k}={quantization[k]}" for k in _DETAILS if quantization.get(k) not in (None, False))
+    details = ", ".join(
+        f"{k}={quantization[k]}" for k in _DETAILS if quantization.get(k) not in (None, False)
+    )
     return f"{method!r}" + (f" ({details})" if details else "")
 
 
@@ -45,7 +50,8 @@ def refuse_declared(folder: str | os.PathLike[str], config: Any) -> None:
         raise CheckpointError(
             f"{Path(folder) / CONFIG_NAME} declares quantized weights (quantization_config: {describe(quantization)}); "
             f"automap builds and loads plain floating-point weights and does not quantize or dequantize, so it "
-            f"cannot build this model as from_pretrained does; {FIX}")
+            f"cannot build this model as from_pretrained does; {FIX}"
+        )
 
 
 def declared(checkpoint: str | os.PathLike[str]) -> str | None:
@@ -68,8 +74,10 @@ def declared_note(checkpoint: str | os.PathLike[str]) -> str:
     method = declared(checkpoint)
     if method is None:
         return ""
-    return (f". Its {CONFIG_NAME} declares quantized weights (quantization_config: {method}), which automap does "
-            f"not load into plain layers; {FIX}")
+    return (
+        f". Its {CONFIG_NAME} declares quantized weights (quantization_config: {method}), which automap does "
+        f"not load into plain layers; {FIX}"
+    )
 
 
 def check_no_dequantizing_cast(model: nn.Module, stored: Mapping[str, torch.dtype], checkpoint: Path) -> None:
@@ -83,18 +91,27 @@ def check_no_dequantizing_cast(model: nn.Module, stored: Mapping[str, torch.dtyp
     """
     quantization = declared(checkpoint)
     params = dict(model.named_parameters(remove_duplicate=False))
-    cast = [(name, dtype) for name, dtype in stored.items()
-            if name in params and params[name].is_floating_point() and dtype != params[name].dtype
-            and (_integer(dtype) or (quantization is not None and dtype.itemsize == 1))]
+    cast = [
+        (name, dtype)
+        for name, dtype in stored.items()
+        if name in params
+        and params[name].is_floating_point()
+        and dtype != params[name].dtype
+        and (_integer(dtype) or (quantization is not None and dtype.itemsize == 1))
+    ]
     if not cast:
         return
     name, dtype = cast[0]
-    origin = f"its {CONFIG_NAME} declares quantization_config: {quantization}" if quantization else (
-        "quantized weights are stored so")
+    origin = (
+        f"its {CONFIG_NAME} declares quantization_config: {quantization}"
+        if quantization
+        else ("quantized weights are stored so")
+    )
     raise CheckpointError(
         f"{checkpoint} stores {len(cast)} of the model's floating-point parameters as {str(dtype).removeprefix('torch.')} "
         f"(first {name!r}, a {str(params[name].dtype).removeprefix('torch.')} parameter; {origin}): casting would "
-        f"not dequantize them and would give wrong weights; {FIX}")
+        f"not dequantize them and would give wrong weights; {FIX}"
+    )
 
 
 def _integer(dtype: torch.dtype) -> bool:

@@ -3,6 +3,7 @@ nothing else: a store is removed only when it is a real directory of this user's
 manifest and nothing but its own single-link files, and its lock can be taken (held while it is
 removed). ``offload_dir`` itself and everything else in it are never touched.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,11 @@ class CleanResult:
         """What was removed and left, one line each, then the bytes freed."""
         lines = [f"removed {path} ({format_bytes(size)})" for path, size in self.removed]
         lines += [f"left {path}: {why}" for path, why in self.kept]
-        lines.append(f"freed {format_bytes(self.freed)} ({len(self.removed)} store(s) removed)"
-                     if self.removed else "no automap store removed; nothing freed")
+        lines.append(
+            f"freed {format_bytes(self.freed)} ({len(self.removed)} store(s) removed)"
+            if self.removed
+            else "no automap store removed; nothing freed"
+        )
         return "\n".join(lines)
 
 
@@ -83,11 +87,14 @@ def clean(path: str | os.PathLike[str] = "offload") -> CleanResult:
     """
     root = Path(path)
     if not os.path.lexists(root):
-        raise OffloadError(f"{root} does not exist; give the offload_dir a model was dispatched with "
-                              "(e.g. automap clean offload)")
+        raise OffloadError(
+            f"{root} does not exist; give the offload_dir a model was dispatched with "
+            "(e.g. automap clean offload)"
+        )
     if not root.is_dir():
-        raise OffloadError(f"{root} is a file, not a folder; give the offload_dir a model was dispatched "
-                           "with")
+        raise OffloadError(
+            f"{root} is a file, not a folder; give the offload_dir a model was dispatched with"
+        )
     result = CleanResult()
     for directory in stores_in(root):
         why = _remove_store(directory, result)

@@ -6,6 +6,7 @@ Invariants: a ring buffer is handed out again only when no tensor views it any m
 storage's use count), so nothing a unit let escape is ever overwritten; a tensor written in
 memory since it was mapped is never read from its file (its home is used instead).
 """
+
 from __future__ import annotations
 
 import errno
@@ -63,7 +64,9 @@ def reads_direct(file_bytes: int, cache_bytes: int | None, setting: str | None =
     """
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower() or "auto"
     if setting not in SETTINGS:
-        raise OffloadError(f"{ENV}={setting!r} is not a setting; give one of {', '.join(SETTINGS)} (or unset it)")
+        raise OffloadError(
+            f"{ENV}={setting!r} is not a setting; give one of {', '.join(SETTINGS)} (or unset it)"
+        )
     if setting != "auto":
         return setting == "direct"
     return cache_bytes is not None and file_bytes > cache_bytes
@@ -104,7 +107,7 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     """``nbytes`` of uninitialised host memory starting on a :data:`BLOCK` boundary."""
     raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
     start = -raw.data_ptr() % BLOCK
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,9 @@ class UnitReads:
     nbytes: int
 
 
-def unit_reads(tensors: Sequence[tuple[str, MappedFile, str]], request_bytes: int = REQUEST_BYTES) -> UnitReads:
+def unit_reads(
+    tensors: Sequence[tuple[str, MappedFile, str]], request_bytes: int = REQUEST_BYTES
+) -> UnitReads:
     """The aligned superset of each file's ranges of ``tensors`` (``(name, file, key)``), ranges
     within :data:`GAP` merged, laid out one after another in one buffer and cut into requests."""
     pieces, requests, at = [], [], 0
@@ -147,8 +152,11 @@ def unit_reads(tensors: Sequence[tuple[str, MappedFile, str]], request_bytes: in
         by_path.setdefault(mapped.path, []).append((name, mapped, key))
     for path, entries in by_path.items():
         infos = {key: entries[0][1].info(key) for _, _, key in entries}
-        spans = [(i.begin - i.begin % BLOCK, -(-i.end // BLOCK) * BLOCK - i.begin + i.begin % BLOCK)
-                 for i in infos.values() if i.nbytes]
+        spans = [
+            (i.begin - i.begin % BLOCK, -(-i.end // BLOCK) * BLOCK - i.begin + i.begin % BLOCK)
+            for i in infos.values()
+            if i.nbytes
+        ]
         placed = []
         for start, length in coalesce(spans, GAP):
             placed.append((start, at))
@@ -195,7 +203,9 @@ class Ring:
                 if buffer is None or buffer.numel() < nbytes:
                     self._buffers[index] = buffer = None
                     self._buffers[index] = buffer = aligned_empty(nbytes)
-                    self._idle[index] = self._uses(buffer)  # its own references: the slot's tensor and its base
+                    self._idle[index] = self._uses(
+                        buffer
+                    )  # its own references: the slot's tensor and its base
                 return buffer, self._lock
         self._lock.release()
         return None
@@ -289,12 +299,12 @@ class DirectReads:
         its dtype (:meth:`read` copies it once read)."""
         mapped, key = self._entry(piece.name)
         info = mapped.info(key)
-        raw = buffer[piece.at:piece.at + info.nbytes]
+        raw = buffer[piece.at : piece.at + info.nbytes]
         return raw if piece.at % info.torch_dtype.itemsize else shaped(raw, mapped, key)
 
     def _request(self, buffer: torch.Tensor, request: Request) -> None:
         fd = self.descriptors[request.path]
-        target = memoryview(buffer[request.at:request.at + request.length].numpy())
+        target = memoryview(buffer[request.at : request.at + request.length].numpy())
         done = 0
         while done < request.needed:
             got = os.preadv(fd, [target[done:]], request.offset + done)
@@ -302,10 +312,12 @@ class DirectReads:
                 break
             done += got
         if done < request.needed:
-            raise OffloadError(f"offload file {request.path} ended at byte {request.offset + done} while automap read "
-                               f"it, before the {request.needed - done} bytes more its tensors need: it was truncated "
-                               "or rewritten under the model; restore it, or drop this model and dispatch (or load) it "
-                               "again")
+            raise OffloadError(
+                f"offload file {request.path} ended at byte {request.offset + done} while automap read "
+                f"it, before the {request.needed - done} bytes more its tensors need: it was truncated "
+                "or rewritten under the model; restore it, or drop this model and dispatch (or load) it "
+                "again"
+            )
 
 
 def shaped(raw: torch.Tensor, mapped: MappedFile, key: str) -> torch.Tensor:
@@ -385,7 +397,9 @@ class DirectTransfer(Transfer):
             got = self.reads.read(names, spare=False)
         return {n: got[n] for n in names}
 
-    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+    def take_rows(
+        self, key: str, names: Sequence[str], rows: Sequence[int] | None
+    ) -> dict[str, torch.Tensor]:
         # Routed experts: the rows the routing chose, read through the page cache as the page
         # path reads them (a few small ranges); their homes are what the runtime swaps in.
         self._read_rows(names, rows)
@@ -411,8 +425,12 @@ def host_transfer(source: WeightSource, buffers: int | None = None) -> Transfer:
     """
     fits = buffers is None or buffers > SLOTS  # the ring, and one buffer of its own when every slot is held
     if not fits and reads_direct(file_bytes(source), page_cache_bytes()):
-        log.info("reads past the page cache need %d buffers of the largest offloaded unit beside the run; "
-                 "the budget has room for %d: offloaded units are read through the page cache", SLOTS + 1, buffers)
+        log.info(
+            "reads past the page cache need %d buffers of the largest offloaded unit beside the run; "
+            "the budget has room for %d: offloaded units are read through the page cache",
+            SLOTS + 1,
+            buffers,
+        )
     reads = direct_reads(source) if fits and reads_direct(file_bytes(source), page_cache_bytes()) else None
     return PageTransfer(source) if reads is None else DirectTransfer(source, reads)
 

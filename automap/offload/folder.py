@@ -6,6 +6,7 @@ free space there). Dispatching or loading it without a folder uses that one; wit
 folder, the room there is checked first, before anything is written, because the plan's disk
 budget says nothing about it.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,10 @@ from automap.sizes import format_bytes
 def no_offload_dir(what: str, why: str = "") -> OffloadDirError:
     """The error for weights that must be written to disk with no folder to write them to:
     ``what`` names them (``"2 units (fc1, fc2)"``), ``why`` says why they need writing."""
-    return OffloadDirError(f"the plan offloads {what} to disk{why} but no offload_dir was given; pass "
-                           "offload_dir='path/to/dir' or raise max_memory so everything fits")
+    return OffloadDirError(
+        f"the plan offloads {what} to disk{why} but no offload_dir was given; pass "
+        "offload_dir='path/to/dir' or raise max_memory so everything fits"
+    )
 
 
 def store_folder(plan: Plan, given: str | os.PathLike[str] | None, needed_bytes: int) -> Path | None:
@@ -48,7 +51,8 @@ def store_folder(plan: Plan, given: str | os.PathLike[str] | None, needed_bytes:
             f"the plan was sized for offload_dir {plan.offload_dir!r}, but it is given {str(folder)!r}, which has "
             f"{format_bytes(free)} free for the {format_bytes(needed_bytes)} its disk units need; pass "
             f"offload_dir={plan.offload_dir!r} (or none: the plan's folder is used), free "
-            f"{format_bytes(needed_bytes - free)} there, or plan again with offload_dir={str(folder)!r}")
+            f"{format_bytes(needed_bytes - free)} there, or plan again with offload_dir={str(folder)!r}"
+        )
     return folder
 
 

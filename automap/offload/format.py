@@ -5,6 +5,7 @@ Invariant: a header is trusted only after every rule holds, and nothing but
 :class:`~automap.errors.FormatError` escapes the parsers (:func:`load_json` comes from
 :mod:`automap.userfiles`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,11 +25,24 @@ from automap.userfiles import load_json, read_regular  # noqa: F401 - read_regul
 
 # safetensors dtype names (the format's own spelling).
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
 }
 if hasattr(torch, "float8_e8m0fnu"):  # MX block scales (torch 2.7 and later)
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
@@ -129,38 +143,51 @@ def _read_head(file: Path, fd: int) -> tuple[int, int, bytes]:
         if stat.S_ISDIR(info.st_mode):
             raise FormatError(f"{file} is a directory, not a safetensors file")
         if not stat.S_ISREG(info.st_mode):
-            raise FormatError(f"{file} is not a regular file (a pipe, socket or device); pass a safetensors file")
+            raise FormatError(
+                f"{file} is not a regular file (a pipe, socket or device); pass a safetensors file"
+            )
         size = info.st_size
         raw = os.pread(fd, 8, 0)
         if len(raw) != 8:
-            raise FormatError(f"{file} is not a safetensors file: shorter than its 8-byte header size; {_HINT}")
+            raise FormatError(
+                f"{file} is not a safetensors file: shorter than its 8-byte header size; {_HINT}"
+            )
         (length,) = struct.unpack("<Q", raw)
         if length > min(MAX_HEADER_BYTES, size - 8):
-            raise FormatError(f"{file} has a corrupted safetensors header: it claims {length} bytes of "
-                              f"header in a file of {size}; {_HINT}")
+            raise FormatError(
+                f"{file} has a corrupted safetensors header: it claims {length} bytes of "
+                f"header in a file of {size}; {_HINT}"
+            )
         text = os.pread(fd, length, 8)
     except OSError as exc:
         raise FormatError(f"{file} cannot be read ({exc.strerror or exc}); {_HINT}") from exc
     if len(text) != length:
-        raise FormatError(f"{file} is truncated: its header needs {length} bytes, {len(text)} were read; {_HINT}")
+        raise FormatError(
+            f"{file} is truncated: its header needs {length} bytes, {len(text)} were read; {_HINT}"
+        )
     return length, size, text
 
 
 def _validated(file: Path, data: Any, start: int, size: int) -> Header:
     if not isinstance(data, dict):
-        raise FormatError(f"{file} has a corrupted safetensors header: a JSON {type(data).__name__}, "
-                          f"not an object of tensor name -> entry; {_HINT}")
+        raise FormatError(
+            f"{file} has a corrupted safetensors header: a JSON {type(data).__name__}, "
+            f"not an object of tensor name -> entry; {_HINT}"
+        )
     metadata = data.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise FormatError(f"{file} has a corrupted safetensors header: '__metadata__' must map strings to "
-                          f"strings; {_HINT}")
+        raise FormatError(
+            f"{file} has a corrupted safetensors header: '__metadata__' must map strings to strings; {_HINT}"
+        )
     tensors = {key: _entry(file, key, info, start) for key, info in data.items()}
     spans = sorted((t.begin, t.end, t.key) for t in tensors.values() if t.end > t.begin)
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise FormatError(f"{file} has a corrupted safetensors header: tensors {_short(first)} and "
-                              f"{_short(second)} "
-                              f"overlap (bytes {begin - start}..{end - start}); {_HINT}")
+            raise FormatError(
+                f"{file} has a corrupted safetensors header: tensors {_short(first)} and "
+                f"{_short(second)} "
+                f"overlap (bytes {begin - start}..{end - start}); {_HINT}"
+            )
     needed = max((t.end for t in tensors.values()), default=start)
     if size < needed:
         raise FormatError(f"{file} is truncated: {size} bytes, its header needs {needed}; {_HINT}")
@@ -182,11 +209,15 @@ def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
         raise FormatError(f"{where}: its entry is a {type(info).__name__}, not an object; {_HINT}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read "
-                          f"(it reads {', '.join(DTYPES)}); convert the file to one of those")
+        raise FormatError(
+            f"{file}: tensor {_short(key)} has dtype {_short(dtype)}, which automap cannot read "
+            f"(it reads {', '.join(DTYPES)}); convert the file to one of those"
+        )
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise FormatError(f"{where}: shape {_short(shape)} is not a list of non-negative integers (at most "
-                          f"{MAX_DIMS}); {_HINT}")
+        raise FormatError(
+            f"{where}: shape {_short(shape)} is not a list of non-negative integers (at most "
+            f"{MAX_DIMS}); {_HINT}"
+        )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(x) for x in offsets):
         raise FormatError(f"{where}: data_offsets {_short(offsets)} is not two integers; {_HINT}")
     begin, end = offsets
@@ -195,8 +226,9 @@ def _entry(file: Path, key: str, info: Any, start: int) -> TensorInfo:
         numel *= d
     expected = numel * DTYPES[dtype].itemsize
     if begin < 0 or end - begin != expected:
-        raise FormatError(f"{where}: it is {dtype} {shape} ({expected} bytes) but spans bytes {begin}..{end}; "
-                          f"{_HINT}")
+        raise FormatError(
+            f"{where}: it is {dtype} {shape} ({expected} bytes) but spans bytes {begin}..{end}; {_HINT}"
+        )
     return TensorInfo(key, dtype, tuple(shape), start + begin, start + end)
 
 
@@ -263,15 +295,23 @@ def permutations_of(header: Header) -> dict[str, tuple[int, ...]]:
     checked: dict[str, tuple[int, ...]] = {}
     for name, order in found.items():
         info = header.tensors.get(name)
-        if (info is None or not isinstance(order, list) or not all(type(d) is int for d in order)
-                or sorted(order) != list(range(len(info.shape)))):
-            raise FormatError(f"{header.path}: {PERMUTATIONS!r} metadata gives {name!r} the order {order!r}, "
-                              f"which is not one of its dims; {_HINT}")
+        if (
+            info is None
+            or not isinstance(order, list)
+            or not all(type(d) is int for d in order)
+            or sorted(order) != list(range(len(info.shape)))
+        ):
+            raise FormatError(
+                f"{header.path}: {PERMUTATIONS!r} metadata gives {name!r} the order {order!r}, "
+                f"which is not one of its dims; {_HINT}"
+            )
         checked[name] = tuple(order)
     return checked
 
 
-def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
+def encode_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
     """The header bytes for ``tensors`` and the order their data follows it in: largest
     first. In a unit's file that puts stacked experts (read by rows, without readahead) before
     the dense tensors (read whole, with it), so the kernel's readahead past the dense part runs
@@ -282,7 +322,9 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     one that the safetensors library itself reads."""
     order = sorted(tensors, key=lambda n: (-tensors[n].nbytes, n))
     if any(n.startswith(PADDING) for n in order):
-        raise FormatError(f"tensor names starting with {PADDING!r} are reserved for padding in automap's files")
+        raise FormatError(
+            f"tensor names starting with {PADDING!r} are reserved for padding in automap's files"
+        )
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
@@ -292,17 +334,28 @@ def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
         nbytes = t.numel() * t.element_size()
         gap = -offset % DATA_ALIGN
         if gap:
-            entries[f"{PADDING}{len(entries)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            entries[f"{PADDING}{len(entries)}"] = {
+                "dtype": "U8",
+                "shape": [gap],
+                "data_offsets": [offset, offset + gap],
+            }
             offset += gap
-        entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % DATA_ALIGN)
     return struct.pack("<Q", len(text)) + text, order
 
 
-def write_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
-               metadata: Mapping[str, str] | None = None) -> int:
+def write_file(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
     """Write ``tensors`` as a new safetensors file at ``path``, which must not exist: it is
     created exclusively, and never through a symbolic link, so no existing file is ever replaced
     or written through. Returns the bytes written.
@@ -311,6 +364,7 @@ def write_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]
         OSError: the name exists (a file or a link), or the write failed (disk full, quota, I/O
             error); the partial file is left for the caller, who created it, to remove.
     """
+
     def opener(name: str, flags: int) -> int:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
@@ -318,7 +372,9 @@ def write_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]
         return write_tensors(f, tensors, metadata)
 
 
-def write_tensors(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+def write_tensors(
+    f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
     """Write ``tensors`` in the safetensors format to the open binary file ``f`` (at its
     start); returns the bytes written. Raises OSError when a write fails."""
     head, order = encode_header(tensors, metadata)

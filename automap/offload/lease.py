@@ -8,6 +8,7 @@ The break signal goes to automap's own thread (``F_SETOWN_EX``), which waits for
 signal blocked: neither the main thread nor a Python handler is needed. Limits (the kernel breaks
 a lease by force after 45 s; forks; files that cannot be leased): docs/offload-safety.md.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,7 +32,14 @@ CANDIDATES = range(signal.SIGRTMAX - 7, signal.SIGRTMAX - 1) if hasattr(signal, 
 _PAGE = mmap.PAGESIZE
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_LIBC.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
 _LIBC.mremap.restype = ctypes.c_void_p
 _LIBC.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 _LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
@@ -200,8 +208,9 @@ def detach(spans: Iterable[tuple[int, int]]) -> int:
     """
     total = 0
     for start, length in merged(spans):
-        copy = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                          -1, 0)
+        copy = _LIBC.mmap(
+            None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+        )
         if copy in (None, _FAILED):
             raise OSError(ctypes.get_errno(), f"no memory to copy {length} bytes of a mapped file")
         ctypes.memmove(copy, start, length)
@@ -221,7 +230,8 @@ def attach(spans: Iterable[tuple[int, int]], fd: int, base: int) -> None:
         OSError: the map failed (the spans keep their copies).
     """
     for start, length in merged(spans):
-        done = _LIBC.mmap(start, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED,
-                          fd, start - base)
+        done = _LIBC.mmap(
+            start, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, start - base
+        )
         if done != start:
             raise OSError(ctypes.get_errno(), "mapping the file again failed")

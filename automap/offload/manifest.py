@@ -7,6 +7,7 @@ damaged, hostile, of another format or version, or not complete only ever means 
 store" (:func:`read_manifest` never raises). It is written under a temporary name and renamed
 over the old one, never through a link (:meth:`~automap.offload.store_files.StoreDir.write_new`).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,16 +49,29 @@ def checksum(tensor: torch.Tensor) -> int:
 
 def plain_file(name: Any) -> bool:
     """A store file's name: ``*.safetensors``, no folder, not hidden (temporary names are)."""
-    return isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name \
-        and not name.startswith(".") and "\0" not in name
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+        and "\0" not in name
+    )
 
 
-def write_manifest(folder: StoreDir, records: Mapping[str, Record], complete: bool, files: Iterable[str] = ()) -> None:
+def write_manifest(
+    folder: StoreDir, records: Mapping[str, Record], complete: bool, files: Iterable[str] = ()
+) -> None:
     """Write the manifest (to a temporary name, then renamed over the old one). ``files`` are
     further files the store owns beyond those its records name (about to be written)."""
     owned = sorted({r.file for r in records.values()} | set(files))
-    payload = {"format": FORMAT, "version": VERSION, "complete": complete, "files": owned,
-               "tensors": {n: {**asdict(r), "shape": list(r.shape)} for n, r in records.items()}}
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": complete,
+        "files": owned,
+        "tensors": {n: {**asdict(r), "shape": list(r.shape)} for n, r in records.items()},
+    }
     folder.write_new(MANIFEST, json.dumps(payload, indent=1).encode())
 
 
@@ -65,7 +79,9 @@ def is_manifest(folder: StoreDir) -> bool:
     """Whether ``folder`` holds a manifest of automap's format (any version, complete or not).
     It is always whole JSON: written under a temporary name and renamed."""
     try:
-        data = load_json(folder.read(MANIFEST, MAX_MANIFEST_BYTES), f"manifest {folder / MANIFEST} is damaged", "")
+        data = load_json(
+            folder.read(MANIFEST, MAX_MANIFEST_BYTES), f"manifest {folder / MANIFEST} is damaged", ""
+        )
     except (OSError, FormatError):
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT
@@ -120,4 +136,3 @@ def parse_record(entry: Any) -> Record:
     if not _int(nbytes, 0, 1 << 63) or not _int(crc, 0, 1 << 32):
         raise FormatError("a manifest entry has a bad size or checksum")
     return Record(file, key, dtype, tuple(shape), nbytes, crc)
-

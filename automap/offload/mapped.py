@@ -5,6 +5,7 @@ mapped and checked, so a truncated file is refused by name before a read could r
 the file is held with a read lease where the kernel grants one, so that another process writing
 or truncating it first waits while the tensors' bytes are copied out of it (:mod:`.lease`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,10 +26,17 @@ from automap.offload import lease
 from automap.offload.format import Header, TensorInfo, header_of, permutations_of
 from automap.offload.opening import Identity, Signature, open_for_map, reopen, signature
 from automap.offload.pages import (
-    MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, madvise, page_range, private_pages, resident_spans,
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
+    PAGE,
+    madvise,
+    page_range,
+    private_pages,
+    resident_spans,
 )
 
 log = logging.getLogger(__name__)
+
 
 class SpanReader(Protocol):
     """What reads page-aligned ``(address, length)`` spans of the file ``fd`` mapped at ``base``
@@ -56,8 +64,14 @@ class MappedFile:
         >>> mapped.tensor("lm_head.weight").shape
     """
 
-    def __init__(self, path: Path, keys: Iterable[str] | None = None, *, fd: int | None = None,
-                 identity: Identity | None = None):
+    def __init__(
+        self,
+        path: Path,
+        keys: Iterable[str] | None = None,
+        *,
+        fd: int | None = None,
+        identity: Identity | None = None,
+    ):
         self.path = Path(os.path.abspath(path))
         self._hold_file(fd, identity)
         try:
@@ -65,9 +79,11 @@ class MappedFile:
             wanted = list(self.header.tensors) if keys is None else list(dict.fromkeys(keys))
             missing = [k for k in wanted if k not in self.header.tensors]
             if missing:
-                raise OffloadError(f"{path} has no tensor {missing[0]!r}"
-                                   + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
-                                   + "; it is not the file automap read before, or it was changed")
+                raise OffloadError(
+                    f"{path} has no tensor {missing[0]!r}"
+                    + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    + "; it is not the file automap read before, or it was changed"
+                )
             # Routed experts' rows are read through a descriptor of their own without the kernel's
             # readahead, which would add up to read_ahead_kb (8 MiB on many volumes) after each row:
             # the rows of experts no token went to. Whole tensors keep it: on this machine's disk a
@@ -91,7 +107,9 @@ class MappedFile:
         self._exact_lock = threading.Lock()
         self._held: dict[tuple[str, int], tuple[int, int]] = {}  # (key, row) -> its pages held in memory
         self._held_lock = threading.Lock()  # held and released by the experts' worker, read by others
-        self._lease_lock = threading.RLock()  # detaching (the lease thread) and attaching again, one at a time
+        self._lease_lock = (
+            threading.RLock()
+        )  # detaching (the lease thread) and attaching again, one at a time
         self.detached: int | None = None  # since a writer came: the bytes the user had written in memory
         self.unleased = lease.take(self) if self._map is not None else None  # why no lease (None: held)
         if self.unleased:
@@ -105,16 +123,22 @@ class MappedFile:
         self._finalizer = weakref.finalize(self, os.close, self.fd)
         if identity is not None and self.identity != identity:
             self.close()
-            raise OffloadError(f"{self.path} is not the file automap wrote or read there (another file was put in "
-                               "its place); it is not read. Restore it, or dispatch (or load) again")
+            raise OffloadError(
+                f"{self.path} is not the file automap wrote or read there (another file was put in "
+                "its place); it is not read. Restore it, or dispatch (or load) again"
+            )
 
     def _tensor(self, info: TensorInfo) -> torch.Tensor:
         dtype = info.torch_dtype
         if info.nbytes == 0 or self._map is None:
             return torch.empty(info.shape, dtype=dtype)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is (private)
-            flat = torch.frombuffer(self._map, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.begin)
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # "the given buffer is not writable": it is (private)
+            flat = torch.frombuffer(
+                self._map, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.begin
+            )
         order = self.permutations.get(info.key)
         return flat.view(info.shape) if order is None else flat.view(info.shape).permute(order)
 
@@ -160,9 +184,13 @@ class MappedFile:
             written = self.written_bytes() or 0
             copied = lease.detach(self.spans(self._tensors))
             self.detached = written
-        log.warning("%s is being written by another process while tensors are read from it; automap copied "
-                    "their %.1f MiB into memory (reads of the file would crash once it is cut short), and refuses "
-                    "the file until it reads as before", self.path, copied / 2**20)
+        log.warning(
+            "%s is being written by another process while tensors are read from it; automap copied "
+            "their %.1f MiB into memory (reads of the file would crash once it is cut short), and refuses "
+            "the file until it reads as before",
+            self.path,
+            copied / 2**20,
+        )
 
     def attach(self) -> str | None:
         """After :meth:`detach`, map the file again (the lease taken again): None when done (or
@@ -185,8 +213,11 @@ class MappedFile:
         file was truncated in place): reading them would raise SIGBUS, and their values are
         gone. ``size``: the file's size, if just taken."""
         size = signature(self.fd)[2] if size is None else size
-        return [k for k in (self._tensors if keys is None else keys)
-                if self.header.tensors[k].nbytes and self.header.tensors[k].end > size]
+        return [
+            k
+            for k in (self._tensors if keys is None else keys)
+            if self.header.tensors[k].nbytes and self.header.tensors[k].end > size
+        ]
 
     def spans(self, keys: Iterable[str]) -> list[tuple[int, int]]:
         """The page-aligned ``(address, length)`` span of each of ``keys`` in this process (none when empty)."""
@@ -358,8 +389,12 @@ class MappedFile:
             return self.detached
         with self._held_lock:
             held = {p for start, length in self._held.values() for p in page_range(start, length)}
-        pages = [p for start, length in self.spans(self._tensors if keys is None else keys)
-                 for p in page_range(start, length) if p not in held]
+        pages = [
+            p
+            for start, length in self.spans(self._tensors if keys is None else keys)
+            for p in page_range(start, length)
+            if p not in held
+        ]
         count = private_pages(pages)
         return None if count is None else count * PAGE
 
@@ -374,8 +409,10 @@ class MappedFile:
         if self.detached is not None:
             return  # no page of the tensors is the file's (a writer came): nothing to drop
         if written:
-            raise OffloadError(f"{written} bytes of {self.path} were written in memory (copy-on-write); evicting "
-                               "the file's pages would lose them")
+            raise OffloadError(
+                f"{written} bytes of {self.path} were written in memory (copy-on-write); evicting "
+                "the file's pages would lose them"
+            )
         self._mapped_in.clear()
         if self._map is not None:
             with self._held_lock:

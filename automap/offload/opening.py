@@ -2,6 +2,7 @@
 automap wrote the path, not a link), and identified by device and inode, so that every later
 read, map and check goes through the open file rather than its name.
 """
+
 from __future__ import annotations
 
 import errno
@@ -43,8 +44,10 @@ def open_for_map(path: str | os.PathLike[str], *, dir_fd: int | None = None, fol
         raise FormatError(f"{shown} is missing") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow:
-            raise FormatError(f"{shown} is a symbolic link where automap wrote a file; it is not followed. "
-                              "Remove it, and dispatch (or load) again") from exc
+            raise FormatError(
+                f"{shown} is a symbolic link where automap wrote a file; it is not followed. "
+                "Remove it, and dispatch (or load) again"
+            ) from exc
         fix = OPEN_FILE_FIXES.get(exc.errno, "Make it readable")
         raise FormatError(f"{shown} cannot be read ({exc.strerror or exc}). {fix}") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -88,7 +91,9 @@ def backing_file(tensor: torch.Tensor) -> Path | None:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if start <= address < end:
                     path = fields[5].strip() if len(fields) > 5 else ""
-                    return Path(path) if path.startswith("/") and not path.startswith(ANONYMOUS_FILES) else None
+                    return (
+                        Path(path) if path.startswith("/") and not path.startswith(ANONYMOUS_FILES) else None
+                    )
     except OSError:
         return None
     return None

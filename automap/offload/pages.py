@@ -2,6 +2,7 @@
 the GIL is released), which pages are in memory (``mincore``) and which hold a private copy
 (``/proc/self/pagemap``).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,7 @@
 """Reading a unit's file ranges ahead with several large requests in flight (merged contiguous
 ranges, one thread per chunk, through the page cache: no anonymous memory, no copy).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,9 @@ from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
 log = logging.getLogger(__name__)
 
 WORKERS = 4  # requests in flight: where this machine's disk (and most NVMe) reaches its best rate
-CHUNK_BYTES = 16 << 20  # large enough that each request is a long transfer, small enough to spread a 200 MB layer
+CHUNK_BYTES = (
+    16 << 20
+)  # large enough that each request is a long transfer, small enough to spread a 200 MB layer
 
 
 def coalesce(spans: Iterable[tuple[int, int]], gap: int = PAGE) -> list[tuple[int, int]]:
@@ -35,8 +38,11 @@ def coalesce(spans: Iterable[tuple[int, int]], gap: int = PAGE) -> list[tuple[in
 def chunked(spans: Iterable[tuple[int, int]], chunk_bytes: int) -> list[tuple[int, int]]:
     """The spans cut into pieces of at most ``chunk_bytes`` (page-aligned cuts)."""
     size = max(PAGE, chunk_bytes // PAGE * PAGE)
-    return [(offset, min(size, start + length - offset))
-            for start, length in spans for offset in range(start, start + length, size)]
+    return [
+        (offset, min(size, start + length - offset))
+        for start, length in spans
+        for offset in range(start, start + length, size)
+    ]
 
 
 class Chunk(NamedTuple):
@@ -77,7 +83,10 @@ class ReadAhead:
         """Read the page-aligned ``(address, length)`` spans of the file ``fd``, mapped at
         ``base``, into memory and map them in; returns when every page is there (or the kernel
         refused: a hint, never an error)."""
-        chunks = [Chunk(fd, start - base, start, length) for start, length in chunked(coalesce(spans), self.chunk_bytes)]
+        chunks = [
+            Chunk(fd, start - base, start, length)
+            for start, length in chunked(coalesce(spans), self.chunk_bytes)
+        ]
         if len(chunks) <= 1 or self.workers <= 1:
             for chunk in chunks:
                 self._one(chunk)
@@ -107,7 +116,9 @@ class ReadAhead:
         in. Where ``sendfile`` cannot read the file, readahead is queued instead."""
         if not _send(chunk.fd, chunk.offset, chunk.length):
             madvise(chunk.address, chunk.length, mmap.MADV_WILLNEED)
-        madvise(chunk.address, chunk.length, MADV_POPULATE_READ)  # kernels before 5.14 lack it: the pages are read
+        madvise(
+            chunk.address, chunk.length, MADV_POPULATE_READ
+        )  # kernels before 5.14 lack it: the pages are read
 
     def close(self) -> None:
         """Stop the threads (a later :meth:`read` starts them again)."""

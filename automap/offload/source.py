@@ -2,6 +2,7 @@
 loader see offloaded weights, and the RAM and composite sources. A new kind of source implements
 it here; nothing in ``automap/runtime/`` changes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,10 +32,17 @@ class SourceStats:
     written_bytes: int | None = 0
 
     def __add__(self, other: SourceStats) -> SourceStats:
-        written = None if self.written_bytes is None or other.written_bytes is None else \
-            self.written_bytes + other.written_bytes
-        return SourceStats(self.file_bytes + other.file_bytes, self.ram_bytes + other.ram_bytes,
-                           self.pinned_bytes + other.pinned_bytes, written)
+        written = (
+            None
+            if self.written_bytes is None or other.written_bytes is None
+            else self.written_bytes + other.written_bytes
+        )
+        return SourceStats(
+            self.file_bytes + other.file_bytes,
+            self.ram_bytes + other.ram_bytes,
+            self.pinned_bytes + other.pinned_bytes,
+            written,
+        )
 
 
 @runtime_checkable
@@ -139,14 +147,18 @@ class MappedSource:
 
     kind = "offload file"
 
-    def __init__(self, entries: Mapping[str, tuple[Path, str]], files: Mapping[Path, MappedFile] | None = None):
+    def __init__(
+        self, entries: Mapping[str, tuple[Path, str]], files: Mapping[Path, MappedFile] | None = None
+    ):
         self.entries = dict(entries)
         by_file: dict[Path, list[str]] = {}
         for path, key in self.entries.values():
             by_file.setdefault(path, []).append(key)
         # Files opened (and checked) by the caller are used as they are: never opened again by name.
         given = dict(files or {})
-        self.files = {path: given[path] if path in given else MappedFile(path, keys) for path, keys in by_file.items()}
+        self.files = {
+            path: given[path] if path in given else MappedFile(path, keys) for path, keys in by_file.items()
+        }
         self._names_in = {path: [n for n, (p, _) in self.entries.items() if p == path] for path in by_file}
         self._lock = threading.Lock()  # one thread at a time decides about a changed file
         self.reader: ReadAhead = SHARED  # several large reads in flight
@@ -214,9 +226,11 @@ class MappedSource:
                 raise OffloadError(self.truncated(mapped, now[2], lost))
             why = mapped.attach()  # after a writer came, the file is read again only under a lease
             if why:
-                raise OffloadError(f"{self.kind} {mapped.path} changed: another process wrote it while tensors were "
-                                   f"read from it, and automap keeps copies of their bytes in memory until it can "
-                                   f"read the file again, which it cannot now ({why}); {self.fix}")
+                raise OffloadError(
+                    f"{self.kind} {mapped.path} changed: another process wrote it while tensors were "
+                    f"read from it, and automap keeps copies of their bytes in memory until it can "
+                    f"read the file again, which it cannot now ({why}); {self.fix}"
+                )
             self.accept_change(mapped, now)
             mapped.signature = now
 
@@ -224,19 +238,28 @@ class MappedSource:
         """The message for a file truncated in place under tensors (file keys ``lost``)."""
         by_key = {key: name for name, (p, key) in self.entries.items() if p == mapped.path}
         names = [by_key.get(k, k) for k in lost]
-        listed = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        fate = ("reading them would kill the process (SIGBUS)" if mapped.detached is None else
-                "automap copied them into memory when the writer came, so no read of them raises SIGBUS")
-        return (f"{self.kind} {mapped.path} is truncated: {size} bytes in place, its header needs "
-                f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone from "
-                f"it, and {fate}: restore it (its former contents: the model then works "
-                "again, and automap.undispatch reads them back); if they are lost, drop this model and load or build it "
-                "again")
+        listed = ", ".join(repr(n) for n in names[:3]) + (
+            f" and {len(names) - 3} more" if len(names) > 3 else ""
+        )
+        fate = (
+            "reading them would kill the process (SIGBUS)"
+            if mapped.detached is None
+            else "automap copied them into memory when the writer came, so no read of them raises SIGBUS"
+        )
+        return (
+            f"{self.kind} {mapped.path} is truncated: {size} bytes in place, its header needs "
+            f"{mapped.header.needed}; the bytes of tensor{'s' if len(names) > 1 else ''} {listed} are gone from "
+            f"it, and {fate}: restore it (its former contents: the model then works "
+            "again, and automap.undispatch reads them back); if they are lost, drop this model and load or build it "
+            "again"
+        )
 
     @property
     def fix(self) -> str:
-        return ("restore it (then the model works again, and automap.undispatch reads it back); if it is lost, drop "
-                "this model and dispatch (or load) it again")
+        return (
+            "restore it (then the model works again, and automap.undispatch reads it back); if it is lost, drop "
+            "this model and dispatch (or load) it again"
+        )
 
     def accept_change(self, mapped: MappedFile, now: Signature) -> None:
         """The file was rewritten in place (same inode, still long enough): raise if the
@@ -248,8 +271,10 @@ class MappedSource:
         for mapped in self.files.values():
             more = mapped.written_bytes()
             written = None if written is None or more is None else written + more
-        return SourceStats(file_bytes=sum(self.get(n).numel() * self.get(n).element_size() for n in self.entries),
-                           written_bytes=written)
+        return SourceStats(
+            file_bytes=sum(self.get(n).numel() * self.get(n).element_size() for n in self.entries),
+            written_bytes=written,
+        )
 
     def evict(self) -> None:
         """Drop every page of the files from memory (a cold start, for benchmarks)."""

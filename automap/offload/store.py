@@ -4,6 +4,7 @@ locks, holding the weights of units placed on disk, read back copy-on-write.
 Invariants: automap never creates, replaces, truncates or deletes a file it did not create; one
 live model per store (``flock``); a store is complete only when its manifest says so.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,16 @@ import torch
 
 from automap.errors import OffloadError
 from automap.offload.format import DTYPE_NAMES, write_file
-from automap.offload.manifest import (FORMAT, MANIFEST, VERSION, Record, checksum, is_manifest, read_manifest,
-                                      write_manifest)
+from automap.offload.manifest import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    Record,
+    checksum,
+    is_manifest,
+    read_manifest,
+    write_manifest,
+)
 from automap.offload.mapped import MappedFile, Signature
 from automap.offload.source import MappedSource
 from automap.interrupts import deferred
@@ -29,8 +38,22 @@ from automap.offload.store_files import StoreDir, check_offload_dir, is_temp_of,
 from automap.offload.store_lock import LOCK, StoreLock, holder_of
 from automap.offload.store_writer import StoreWriter, TensorSpec, as_offload_error, intact
 
-__all__ = ["FORMAT", "LOCK", "MANIFEST", "STORE_PREFIX", "VERSION", "OffloadStore", "Record", "TensorSpec",
-           "check_offload_dir", "checksum", "fingerprint_of", "intact", "read_manifest", "write_file"]
+__all__ = [
+    "FORMAT",
+    "LOCK",
+    "MANIFEST",
+    "STORE_PREFIX",
+    "VERSION",
+    "OffloadStore",
+    "Record",
+    "TensorSpec",
+    "check_offload_dir",
+    "checksum",
+    "fingerprint_of",
+    "intact",
+    "read_manifest",
+    "write_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +76,21 @@ class OffloadStore(MappedSource):
 
     kind = "offload store file"
 
-    def __init__(self, folder: StoreDir, records: Mapping[str, Record], lock: StoreLock, *,
-                 created: Iterable[str] = (), fresh: bool = False, made: Iterable[Path] = (),
-                 files: Mapping[Path, MappedFile] | None = None):
-        super().__init__({n: (folder / r.file, r.key) for n, r in records.items()},
-                         map_files(folder, records) if files is None else files)
+    def __init__(
+        self,
+        folder: StoreDir,
+        records: Mapping[str, Record],
+        lock: StoreLock,
+        *,
+        created: Iterable[str] = (),
+        fresh: bool = False,
+        made: Iterable[Path] = (),
+        files: Mapping[Path, MappedFile] | None = None,
+    ):
+        super().__init__(
+            {n: (folder / r.file, r.key) for n, r in records.items()},
+            map_files(folder, records) if files is None else files,
+        )
         self.folder, self.directory, self.records, self.lock = folder, folder.path, dict(records), lock
         # What this call created, for close(discard=True): files, whether the store directory
         # is new, and the folders above it that it had to make.
@@ -65,16 +98,20 @@ class OffloadStore(MappedSource):
 
     @property
     def fix(self) -> str:
-        return ("restore it, or call automap.undispatch(model) and dispatch (or load) again; automap will "
-                "rebuild the store")
+        return (
+            "restore it, or call automap.undispatch(model) and dispatch (or load) again; automap will "
+            "rebuild the store"
+        )
 
     def accept_change(self, mapped: MappedFile, now: Signature) -> None:
         """A store file rewritten in place is used only if every tensor still matches its
         checksum (a touched file, or one restored from a copy)."""
         for name in self._names_in[mapped.path]:
             if checksum(self.get(name)) != self.records[name].crc32:
-                raise OffloadError(f"offload tensor {name!r} in {mapped.path} does not match its checksum; the file "
-                                   f"was changed after writing: {self.fix}")
+                raise OffloadError(
+                    f"offload tensor {name!r} in {mapped.path} does not match its checksum; the file "
+                    f"was changed after writing: {self.fix}"
+                )
         log.warning("offload file %s changed on disk but still matches its checksums; using it", mapped.path)
 
     def verify(self) -> None:
@@ -99,8 +136,12 @@ class OffloadStore(MappedSource):
     # -------------------------------------------------------------- writing
 
     @classmethod
-    def write(cls, offload_dir: str | os.PathLike[str], specs: Mapping[str, TensorSpec],
-              read: Callable[[str], torch.Tensor]) -> OffloadStore:
+    def write(
+        cls,
+        offload_dir: str | os.PathLike[str],
+        specs: Mapping[str, TensorSpec],
+        read: Callable[[str], torch.Tensor],
+    ) -> OffloadStore:
         """Store the tensors named in ``specs`` (``read(name)`` gives each, one unit at a time)
         in a store directory of automap's own under ``offload_dir``, reusing a free store of the
         same tensors when there is one.
@@ -115,7 +156,8 @@ class OffloadStore(MappedSource):
             raise OffloadError(
                 f"{len(unstorable)} offloaded tensor(s) have a dtype the offload store (safetensors) cannot hold, first "
                 f"{name!r} ({str(dtype).replace('torch.', '')}); keep its module in memory (map it to 'cpu' or a GPU), "
-                "or convert it to a dtype safetensors has")
+                "or convert it to a dtype safetensors has"
+            )
         root = Path(offload_dir)
         made = make_root(root)
         fingerprint = fingerprint_of(specs)
@@ -145,8 +187,13 @@ class OffloadStore(MappedSource):
             raise wrapped from exc
 
     @classmethod
-    def _reuse(cls, directory: Path, specs: Mapping[str, TensorSpec], read: Callable[[str], torch.Tensor],
-               made: list[Path]) -> OffloadStore | None:
+    def _reuse(
+        cls,
+        directory: Path,
+        specs: Mapping[str, TensorSpec],
+        read: Callable[[str], torch.Tensor],
+        made: list[Path],
+    ) -> OffloadStore | None:
         """The store at ``directory`` filled with ``specs``, or None when it is passed over."""
         taken = take_store(directory)
         if taken is None:
@@ -160,9 +207,17 @@ class OffloadStore(MappedSource):
             return None
 
     @classmethod
-    def _fill(cls, folder: StoreDir, lock: StoreLock, specs: Mapping[str, TensorSpec],
-              read: Callable[[str], torch.Tensor], *, fresh: bool, made: list[Path],
-              started: list[Path] | None = None) -> OffloadStore:
+    def _fill(
+        cls,
+        folder: StoreDir,
+        lock: StoreLock,
+        specs: Mapping[str, TensorSpec],
+        read: Callable[[str], torch.Tensor],
+        *,
+        fresh: bool,
+        made: list[Path],
+        started: list[Path] | None = None,
+    ) -> OffloadStore:
         writer: StoreWriter | None = None
         try:
             writer = StoreWriter(folder, fresh)
@@ -171,7 +226,9 @@ class OffloadStore(MappedSource):
             records = writer.write_all(specs, read)
             files = map_files(folder, records, writer.identities)
             with deferred():  # built and known to the caller together (see collecting)
-                store = cls(folder, records, lock, created=writer.created, fresh=fresh, made=made, files=files)
+                store = cls(
+                    folder, records, lock, created=writer.created, fresh=fresh, made=made, files=files
+                )
                 _collected(store)
         except BaseException as exc:
             wrapped = as_offload_error(exc, folder)
@@ -189,8 +246,9 @@ class OffloadStore(MappedSource):
         return store
 
 
-def map_files(folder: StoreDir, records: Mapping[str, Record],
-              identities: Mapping[str, tuple[int, int]] | None = None) -> dict[Path, MappedFile]:
+def map_files(
+    folder: StoreDir, records: Mapping[str, Record], identities: Mapping[str, tuple[int, int]] | None = None
+) -> dict[Path, MappedFile]:
     """Each file of the store mapped through the held folder (never by its path, never through
     a link), and checked to be the very file written (``identities``: its ``st_dev``/``st_ino``
     when written); the maps then hold those bytes whatever becomes of the names.
@@ -237,9 +295,11 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     if folder is None:
         return None
     if not folder.is_own_file(LOCK) or folder.is_dir(MANIFEST) or not folder.writable() or folder.shared():
-        log.info("%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
-                 "manifest's name, the folder is not writable, or others may write in it); passing it over",
-                 directory)
+        log.info(
+            "%s is not a store automap can use (its lock file is not a plain file of ours, a folder has its "
+            "manifest's name, the folder is not writable, or others may write in it); passing it over",
+            directory,
+        )
         folder.close()
         return None
     lock = StoreLock.take(folder)
@@ -250,7 +310,11 @@ def take_store(directory: Path) -> tuple[StoreDir, StoreLock] | None:
     try:
         StoreLock.mark(folder)
     except OSError as exc:
-        log.info("offload store %s: its lock file cannot be rewritten (%s); passing it over", directory, exc.strerror)
+        log.info(
+            "offload store %s: its lock file cannot be rewritten (%s); passing it over",
+            directory,
+            exc.strerror,
+        )
         lock.release()
         folder.close()
         return None
@@ -317,8 +381,10 @@ def new_store_dir(root: Path, fingerprint: str, started: list[Path]) -> tuple[St
             return start_store(folder, lock)
         if folder is not None:
             folder.close()  # another process took it over between our mkdir and our lock
-    raise OffloadError(f"{root} already holds {MAX_STORES:,} offload stores of this model; delete the "
-                       f"{STORE_PREFIX}{fingerprint}-* directories that no process uses")
+    raise OffloadError(
+        f"{root} already holds {MAX_STORES:,} offload stores of this model; delete the "
+        f"{STORE_PREFIX}{fingerprint}-* directories that no process uses"
+    )
 
 
 def discard_started(started: list[Path]) -> None:

@@ -2,6 +2,7 @@
 created exclusively without following links and renamed into place, so no write of automap's
 follows a link or touches a file it did not create.
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,7 +53,9 @@ class StoreDir:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            log.info("%s is not a directory automap can use as a store (%s); passing it over", path, exc.strerror)
+            log.info(
+                "%s is not a directory automap can use as a store (%s); passing it over", path, exc.strerror
+            )
             return None
         owner = os.fstat(fd).st_uid
         if owner != os.geteuid():
@@ -87,8 +90,12 @@ class StoreDir:
     def is_own_file(self, name: str) -> bool:
         """A regular file of this user's with no other name (no hard link to a user's file)."""
         info = self.lstat(name)
-        return info is not None and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() \
+        return (
+            info is not None
+            and stat.S_ISREG(info.st_mode)
+            and info.st_uid == os.geteuid()
             and info.st_nlink == 1
+        )
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
@@ -98,7 +105,9 @@ class StoreDir:
         others may write it): then nothing in it can be trusted to be what automap wrote."""
         return bool(os.fstat(self.fd).st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
-    def map(self, name: str, keys: Iterable[str] | None = None, identity: Identity | None = None) -> MappedFile:
+    def map(
+        self, name: str, keys: Iterable[str] | None = None, identity: Identity | None = None
+    ) -> MappedFile:
         """The file ``name`` of this folder mapped (:class:`MappedFile`), opened once relative
         to the held directory without following a link, refused unless it is a regular file of
         this user's and (given ``identity``) the very file automap wrote.
@@ -110,8 +119,10 @@ class StoreDir:
         owner = os.fstat(fd).st_uid
         if owner != os.geteuid():
             os.close(fd)
-            raise OffloadError(f"{self / name} belongs to uid {owner}, not to this user: it is not the file automap "
-                               "wrote, and it is not read. Remove it, and dispatch (or load) again")
+            raise OffloadError(
+                f"{self / name} belongs to uid {owner}, not to this user: it is not the file automap "
+                "wrote, and it is not read. Remove it, and dispatch (or load) again"
+            )
         return MappedFile(self / name, keys, fd=fd, identity=identity)
 
     def writable(self) -> bool:
@@ -130,8 +141,12 @@ class StoreDir:
             temp = temp_name(name, k)
             created.append(temp)
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=self.fd)
+                fd = os.open(
+                    temp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=self.fd,
+                )
             except FileExistsError:
                 created.pop()
                 continue
@@ -220,20 +235,39 @@ def make_root(root: Path) -> list[Path]:
                 os.mkdir(path)
             except FileExistsError:
                 if not path.is_dir():  # a file or a dangling link came meanwhile: not a folder to use
-                    raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory", str(path)) from None
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "it is a file, not a directory", str(path)
+                    ) from None
                 continue  # another caller made it just now: theirs, used but never removed here
             made.append(path)
         if not os.access(root, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied", str(root))
     except OSError as exc:
         remove_folders(made)
-        raise OffloadError(f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory") from exc
+        raise OffloadError(
+            f"offload_dir {root} is not writable ({exc.strerror}); pass a writable directory"
+        ) from exc
     return made
 
 
 # File systems that are kernel interfaces and store no files of anyone's.
-_PSEUDO = {"proc", "sysfs", "debugfs", "tracefs", "devpts", "cgroup", "cgroup2", "securityfs", "bpf", "configfs",
-           "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc"}
+_PSEUDO = {
+    "proc",
+    "sysfs",
+    "debugfs",
+    "tracefs",
+    "devpts",
+    "cgroup",
+    "cgroup2",
+    "securityfs",
+    "bpf",
+    "configfs",
+    "pstore",
+    "efivarfs",
+    "fusectl",
+    "mqueue",
+    "binfmt_misc",
+}
 
 
 def check_offload_dir(root: str | os.PathLike[str]) -> None:
@@ -249,18 +283,24 @@ def check_offload_dir(root: str | os.PathLike[str]) -> None:
         os.stat(root)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # os.path.exists says False as for a dangling link
-            raise OffloadError(f"offload_dir {root} leads through a loop of symbolic links; fix the links, or pass "
-                               "a real directory") from None
+            raise OffloadError(
+                f"offload_dir {root} leads through a loop of symbolic links; fix the links, or pass "
+                "a real directory"
+            ) from None
     if os.path.islink(root) and not os.path.exists(root):
-        raise OffloadError(f"offload_dir {root} is a symbolic link to {os.readlink(root)}, which does not exist; "
-                           "create that directory, or pass another offload_dir")
+        raise OffloadError(
+            f"offload_dir {root} is a symbolic link to {os.readlink(root)}, which does not exist; "
+            "create that directory, or pass another offload_dir"
+        )
     existing = root
     while _missing(existing) and existing.parent != existing:
         existing = existing.parent
     kind = mount_type(existing)
     if kind in _PSEUDO:
-        raise OffloadError(f"offload_dir {root} is on {kind}, a kernel interface that stores no files; pass a "
-                           "directory on a disk, e.g. offload_dir='offload'")
+        raise OffloadError(
+            f"offload_dir {root} is on {kind}, a kernel interface that stores no files; pass a "
+            "directory on a disk, e.g. offload_dir='offload'"
+        )
 
 
 def mount_type(path: Path) -> str | None:

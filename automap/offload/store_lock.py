@@ -2,6 +2,7 @@
 exists and dropped by the kernel when its holder exits (``kill -9`` included); a forked child
 never inherits it.
 """
+
 from __future__ import annotations
 
 import fcntl

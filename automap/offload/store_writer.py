@@ -7,6 +7,7 @@ is written under a temporary name (created exclusively, never through a link) an
 place. File names come from the unit's name, cut and hashed past :data:`MAX_BASE` characters so
 that no name the file system refuses is ever asked for.
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,7 +56,7 @@ def file_base(group: str) -> str:
     hashed when long."""
     base = re.sub(r"[^A-Za-z0-9_-]", "_", group or "root")
     if len(base) > MAX_BASE:
-        base = f"{base[:MAX_BASE - 17]}-{hashlib.sha256(group.encode()).hexdigest()[:16]}"
+        base = f"{base[: MAX_BASE - 17]}-{hashlib.sha256(group.encode()).hexdigest()[:16]}"
     return base
 
 
@@ -96,7 +97,9 @@ class StoreWriter:
         self.identities: dict[str, Identity] = {}
         self.marked = False  # the manifest on disk says "complete": false and lists the new files
 
-    def write_all(self, specs: Mapping[str, TensorSpec], read: Callable[[str], torch.Tensor]) -> dict[str, Record]:
+    def write_all(
+        self, specs: Mapping[str, TensorSpec], read: Callable[[str], torch.Tensor]
+    ) -> dict[str, Record]:
         groups: dict[str, list[str]] = {}
         for name, spec in specs.items():
             groups.setdefault(spec.group, []).append(name)
@@ -116,14 +119,18 @@ class StoreWriter:
         free = free_bytes + sum(r.nbytes for r in self.old.values())
         where = self.folder.path
         if needed > free:
-            raise OffloadError(f"the offload store needs {format_bytes(needed)} in {where} but its disk has "
-                               f"{format_bytes(free)} free; free space there, pass another offload_dir, or raise "
-                               "max_memory so that less goes to disk")
+            raise OffloadError(
+                f"the offload store needs {format_bytes(needed)} in {where} but its disk has "
+                f"{format_bytes(free)} free; free space there, pass another offload_dir, or raise "
+                "max_memory so that less goes to disk"
+            )
         files = len(planned - self.owned) + 1  # new files, and one temporary file at a time
         if free_inodes is not None and files > free_inodes:
-            raise OffloadError(f"the offload store needs {files} new files in {where} but its file system has "
-                               f"{free_inodes} free inodes; delete files there, pass another offload_dir, or raise "
-                               "max_memory so that less goes to disk")
+            raise OffloadError(
+                f"the offload store needs {files} new files in {where} but its file system has "
+                f"{free_inodes} free inodes; delete files there, pass another offload_dir, or raise "
+                "max_memory so that less goes to disk"
+            )
 
     def _file_names(self, groups: Mapping[str, list[str]]) -> dict[str, str]:
         taken: set[str] = {MANIFEST, LOCK}
@@ -138,15 +145,29 @@ class StoreWriter:
             names[group] = name
         return names
 
-    def _group(self, file: str, names: list[str], read: Callable[[str], torch.Tensor],
-               planned: set[str]) -> dict[str, Record]:
+    def _group(
+        self, file: str, names: list[str], read: Callable[[str], torch.Tensor], planned: set[str]
+    ) -> dict[str, Record]:
         values = {n: read(n).detach().to("cpu") for n in names}
         laid = {n: memory_order(t) for n, t in values.items()}  # a channels-last weight keeps its strides
         tensors = {n: stored for n, (stored, _) in laid.items()}
         permuted = {n: order for n, (_, order) in laid.items() if order is not None}
-        records = {n: Record(file, n, DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size(),
-                             checksum(values[n])) for n, t in tensors.items()}
-        same = intact(self.folder, file, records) if all(self.old.get(n) == r for n, r in records.items()) else None
+        records = {
+            n: Record(
+                file,
+                n,
+                DTYPE_NAMES[t.dtype],
+                tuple(t.shape),
+                t.numel() * t.element_size(),
+                checksum(values[n]),
+            )
+            for n, t in tensors.items()
+        }
+        same = (
+            intact(self.folder, file, records)
+            if all(self.old.get(n) == r for n, r in records.items())
+            else None
+        )
         if same is not None:
             self.identities[file] = same
             return records  # the same bytes are on disk already
@@ -171,7 +192,9 @@ class StoreWriter:
         """Temporary files of writers that crashed (the lock is ours, so none is alive): of
         the manifest, the lock file, and the files the store owns or is about to write."""
         names = self.owned | planned | {MANIFEST, LOCK}
-        self.folder.remove([e for e in self.folder.names() if is_temp_of(e, names) and self.folder.is_own_file(e)])
+        self.folder.remove(
+            [e for e in self.folder.names() if is_temp_of(e, names) and self.folder.is_own_file(e)]
+        )
 
     def remove_stale(self, records: Mapping[str, Record]) -> None:
         """Files the store owned that it no longer needs."""
@@ -189,19 +212,25 @@ def as_offload_error(exc: BaseException, folder: StoreDir | Path) -> BaseExcepti
         if exc.errno == errno.ENOSPC and isinstance(folder, StoreDir) and _no_inodes(folder):
             reason += ", no free inodes"
         fix = _FIXES.get(exc.errno, "Free space there or pass another offload_dir")
-        return OffloadError(f"writing the offload store in {directory} failed ({reason}{where}); nothing it wrote was "
-                            f"kept. {fix}")
+        return OffloadError(
+            f"writing the offload store in {directory} failed ({reason}{where}); nothing it wrote was "
+            f"kept. {fix}"
+        )
     if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
         return exc
-    return OffloadError(f"writing the offload store in {directory} failed ({type(exc).__name__}: {exc}); "
-                        "nothing it wrote was kept")
+    return OffloadError(
+        f"writing the offload store in {directory} failed ({type(exc).__name__}: {exc}); "
+        "nothing it wrote was kept"
+    )
 
 
 # What to do about a failed write, by its errno (the rest: the disk is full, or quota).
 _FIXES = {
     **OPEN_FILE_FIXES,
-    errno.EFBIG: ("A file may not grow that large here: raise the process's file size limit (ulimit -f), or pass "
-                  "an offload_dir on a file system that takes files that large"),
+    errno.EFBIG: (
+        "A file may not grow that large here: raise the process's file size limit (ulimit -f), or pass "
+        "an offload_dir on a file system that takes files that large"
+    ),
     errno.EROFS: "The file system is read-only: pass an offload_dir on a writable one",
     errno.EACCES: "Pass an offload_dir you may write to",
     errno.EPERM: "Pass an offload_dir you may write to",

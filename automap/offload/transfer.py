@@ -5,6 +5,7 @@ prefetched while the current one computes.
 accelerator executes: pinned staging, copies on a side stream, every ordering step through
 :class:`DeviceOps`). This module attaches the built-in accelerators' ops to their kinds.
 """
+
 from __future__ import annotations
 
 import abc
@@ -111,7 +112,9 @@ class Transfer(abc.ABC):
             OffloadError: a file behind them changed, was truncated or deleted.
         """
 
-    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+    def take_rows(
+        self, key: str, names: Sequence[str], rows: Sequence[int] | None
+    ) -> dict[str, torch.Tensor]:
         """``names`` on the execution device, read now (the routing that decides what a unit
         of experts needs is known only as it runs): of each, only ``rows`` along its first
         dimension when given (the routed experts of tensors that stack every expert; the
@@ -189,7 +192,9 @@ class PageTransfer(Transfer):
             wait([future])
         return {n: self.source.get(n) for n in names}
 
-    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+    def take_rows(
+        self, key: str, names: Sequence[str], rows: Sequence[int] | None
+    ) -> dict[str, torch.Tensor]:
         self._read_rows(names, rows)
         return {n: self.source.get(n) for n in names}
 
@@ -309,7 +314,9 @@ class StagedTransfer(Transfer):
             self.ops.keep_alive(tensor, current)  # its memory is reused only after compute used it
         return {n: got[n] for n in names}
 
-    def take_rows(self, key: str, names: Sequence[str], rows: Sequence[int] | None) -> dict[str, torch.Tensor]:
+    def take_rows(
+        self, key: str, names: Sequence[str], rows: Sequence[int] | None
+    ) -> dict[str, torch.Tensor]:
         self._read_rows(names, rows)
         got, event = self._copy(tuple(names), rows)
         current = self.ops.current_stream()
@@ -318,7 +325,9 @@ class StagedTransfer(Transfer):
             self.ops.keep_alive(tensor, current)
         return got
 
-    def _copy(self, names: tuple[str, ...], rows: Sequence[int] | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+    def _copy(
+        self, names: tuple[str, ...], rows: Sequence[int] | None = None
+    ) -> tuple[dict[str, torch.Tensor], Any]:
         """Copy ``names`` (only ``rows`` of each along its first dimension, when given) into new
         tensors on the device, through the staging buffer where the source is not pinned."""
         sources = {n: self.source.get(n) for n in names}
@@ -352,7 +361,7 @@ class StagedTransfer(Transfer):
             self._staging = None
             self._staging = self.ops.pinned(total)
             log.debug("pinned staging buffer of %d bytes", total)
-        view = self._staging[offset:offset + src.nbytes].view(src.dtype).view(src.shape)
+        view = self._staging[offset : offset + src.nbytes].view(src.dtype).view(src.shape)
         view.copy_(src)
         return view
 

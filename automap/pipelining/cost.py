@@ -7,6 +7,7 @@ the kernels, so a micro-batch costs ``max(t/m, fixed)``; on a CPU they add up, `
 A GPipe pass costs the first micro-batch's trip through every stage plus ``m - 1`` periods,
 and the period is the busiest *real* device's share: stages mapped to one device never overlap.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,8 +70,14 @@ def best_chunks(costs: Sequence[StageCost], batch: int) -> int:
     return min(candidates, key=lambda m: (pipeline_seconds(costs, m), m))
 
 
-def stage_costs(plan: Plan, stages: Sequence[Stage], devices: Sequence[torch.device], model: nn.Module,
-                scale: float, training: bool) -> list[StageCost]:
+def stage_costs(
+    plan: Plan,
+    stages: Sequence[Stage],
+    devices: Sequence[torch.device],
+    model: nn.Module,
+    scale: float,
+    training: bool,
+) -> list[StageCost]:
     """Each stage's :class:`StageCost` on the device it really runs on.
 
     Args:
@@ -84,12 +91,24 @@ def stage_costs(plan: Plan, stages: Sequence[Stage], devices: Sequence[torch.dev
     result = []
     for stage, device in zip(stages, devices):
         spec = plan.device(stage.device)
-        speed = spec.flops_per_second if spec.kind == device.type else make_device(str(device), 0).flops_per_second
-        flops = sum(units[n].train_flops if training and units[n].train_flops else passes * units[n].flops
-                    for n in stage.units)
+        speed = (
+            spec.flops_per_second
+            if spec.kind == device.type
+            else make_device(str(device), 0).flops_per_second
+        )
+        flops = sum(
+            units[n].train_flops if training and units[n].train_flops else passes * units[n].flops
+            for n in stage.units
+        )
         ops = sum(_ops(modules[n]) for n in stage.units)
-        result.append(StageCost(scale * (flop_seconds(flops, speed) + into.get(stage.units[0], 0.0)),
-                                passes * ops * OP_SECONDS, str(device), device.type in ASYNC_KINDS))
+        result.append(
+            StageCost(
+                scale * (flop_seconds(flops, speed) + into.get(stage.units[0], 0.0)),
+                passes * ops * OP_SECONDS,
+                str(device),
+                device.type in ASYNC_KINDS,
+            )
+        )
     return result
 
 

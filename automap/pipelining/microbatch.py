@@ -1,4 +1,5 @@
 """Splitting a batch into micro-batches and joining their outputs again."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,10 @@ def batch_size(args: tuple, kwargs: Mapping[str, Any]) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
-    raise PipelineError("the inputs hold no tensor with a batch dimension to split into micro-batches; "
-                        "pass the batch as a tensor whose first dimension is the sample index")
+    raise PipelineError(
+        "the inputs hold no tensor with a batch dimension to split into micro-batches; "
+        "pass the batch as a tensor whose first dimension is the sample index"
+    )
 
 
 def split_batch(args: tuple, kwargs: Mapping[str, Any], chunks: int) -> list[tuple[tuple, dict]]:
@@ -29,8 +32,10 @@ def split_batch(args: tuple, kwargs: Mapping[str, Any], chunks: int) -> list[tup
     """
     batch = batch_size(args, kwargs)
     if chunks > batch:
-        raise PipelineError(f"chunks={chunks} but the batch has only {batch} sample(s); every micro-batch "
-                            f"needs at least one, so use chunks <= {batch} or a larger batch")
+        raise PipelineError(
+            f"chunks={chunks} but the batch has only {batch} sample(s); every micro-batch "
+            f"needs at least one, so use chunks <= {batch} or a larger batch"
+        )
     leaves, spec = tree_flatten((args, dict(kwargs)))
     parts = [leaf.tensor_split(chunks) if _is_batched(leaf, batch) else (leaf,) * chunks for leaf in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(chunks)]
@@ -60,13 +65,15 @@ def _merge_leaf(position: int, values: list[Any]) -> Any:
         if first.dim() == 0:
             raise PipelineError(
                 f"output #{position} is a scalar tensor (a loss?), which has no batch dimension to join "
-                "across micro-batches; return per-sample outputs and compute the loss on pipe(x)")
+                "across micro-batches; return per-sample outputs and compute the loss on pipe(x)"
+            )
         return torch.cat(values)
     if all(v is first or v == first for v in values[1:]):
         return first
     raise PipelineError(
         f"output #{position} is a {type(first).__name__} that differs per micro-batch and cannot be joined; "
-        "turn it off (for transformers models pass use_cache=False) or return tensors")
+        "turn it off (for transformers models pass use_cache=False) or return tensors"
+    )
 
 
 def input_bytes(args: tuple, kwargs: Mapping[str, Any]) -> int:
@@ -83,4 +90,3 @@ def chunk_sizes(batch: int, chunks: int) -> list[int]:
 def chunks_for_split_size(batch: int, split_size: int) -> int:
     """The tutorial's ``split_size`` (samples per micro-batch) as a chunk count."""
     return max(1, math.ceil(batch / split_size))
-

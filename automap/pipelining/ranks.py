@@ -2,6 +2,7 @@
 and ``torch.distributed.pipelining``'s ``split_spec`` (:func:`split_spec`), for
 :mod:`automap.distributed` and the plan exports alike.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,14 +22,17 @@ def rank_stages(plan: Plan, world_size: int | None = None) -> tuple[Stage, ...]:
         PipelineError: the plan offloads weights, or its stage count differs from ``world_size``.
     """
     if plan.offloaded_units:
-        raise PipelineError(f"the plan offloads {len(plan.offloaded_units)} unit(s) to CPU/disk; a distributed "
-                            "plan needs one device per rank: use automap.distributed.plan_for_ranks(model, n)")
+        raise PipelineError(
+            f"the plan offloads {len(plan.offloaded_units)} unit(s) to CPU/disk; a distributed "
+            "plan needs one device per rank: use automap.distributed.plan_for_ranks(model, n)"
+        )
     stages = plan_stages(plan)
     if world_size is not None and len(stages) != world_size:
         raise PipelineError(
             f"the plan has {len(stages)} stage(s) ({', '.join(s.device for s in stages)}) but there are "
             f"{world_size} rank(s); each rank runs one stage, so plan with "
-            f"automap.distributed.plan_for_ranks(model, world_size={world_size}) or start {len(stages)} processes")
+            f"automap.distributed.plan_for_ranks(model, world_size={world_size}) or start {len(stages)} processes"
+        )
     return stages
 
 

@@ -1,4 +1,5 @@
 """The schedule: one thread per micro-batch, a turnstile per stage (GPipe fill-drain)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -69,7 +70,9 @@ class _Modes:
     def capture() -> _Modes:
         kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
         casts = tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds)
-        return _Modes(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), casts, torch.get_num_threads())
+        return _Modes(
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), casts, torch.get_num_threads()
+        )
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -94,8 +97,14 @@ class Pipeline(nn.Module):
     flows through each micro-batch's graph; gradients add up to the whole batch's.
     """
 
-    def __init__(self, module: nn.Module, stages: tuple[Stage, ...], devices: tuple[torch.device, ...],
-                 chunks: Chunks, plan: Plan) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        stages: tuple[Stage, ...],
+        devices: tuple[torch.device, ...],
+        chunks: Chunks,
+        plan: Plan,
+    ) -> None:
         super().__init__()
         self.module = module
         self.stages = stages
@@ -114,9 +123,11 @@ class Pipeline(nn.Module):
         self._device_streams = {d: api.Stream(d) for d, api in self._apis.items()}
         self._streams = [self._device_streams.get(d) for d in devices]
         modules = dict(module.named_modules())
-        self._handles = [modules[name].register_forward_pre_hook(self._gate(stage.index), with_kwargs=True,
-                                                                 prepend=True)
-                         for stage in stages for name in stage.units]
+        self._handles = [
+            modules[name].register_forward_pre_hook(self._gate(stage.index), with_kwargs=True, prepend=True)
+            for stage in stages
+            for name in stage.units
+        ]
 
     # -------------------------------------------------------------- public
 
@@ -137,11 +148,19 @@ class Pipeline(nn.Module):
         if key not in self._auto:
             profiled = self._plan.cut_bytes[0] if self._plan.cut_bytes else 0
             scale = key[1] / profiled if profiled else 1.0
-            costs = stage_costs(self._plan, self.stages, self.devices, self.module, scale, self.module.training)
+            costs = stage_costs(
+                self._plan, self.stages, self.devices, self.module, scale, self.module.training
+            )
             self._auto[key] = best_chunks(costs, batch)
-            log.info("chunks='auto': %d micro-batches for batch %d (stages: %s)", self._auto[key], batch,
-                     ", ".join(f"{format_seconds(c.seconds)} + {format_seconds(c.fixed_seconds)}/micro-batch on {c.device}"
-                               for c in costs))
+            log.info(
+                "chunks='auto': %d micro-batches for batch %d (stages: %s)",
+                self._auto[key],
+                batch,
+                ", ".join(
+                    f"{format_seconds(c.seconds)} + {format_seconds(c.fixed_seconds)}/micro-batch on {c.device}"
+                    for c in costs
+                ),
+            )
         return self._auto[key]
 
     def close(self) -> nn.Module:
@@ -162,9 +181,15 @@ class Pipeline(nn.Module):
         modes = _Modes.capture()
         outputs: list[Any] = [None] * len(micro)
         errors: list[BaseException | None] = [None] * len(micro)
-        workers = [threading.Thread(target=self._work, args=(i, a, k, modes, outputs, errors),
-                                    name=f"automap-microbatch-{i}", daemon=True)
-                   for i, (a, k) in enumerate(micro)]
+        workers = [
+            threading.Thread(
+                target=self._work,
+                args=(i, a, k, modes, outputs, errors),
+                name=f"automap-microbatch-{i}",
+                daemon=True,
+            )
+            for i, (a, k) in enumerate(micro)
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -175,8 +200,15 @@ class Pipeline(nn.Module):
                 raise error
         return outputs
 
-    def _work(self, micro: int, args: tuple, kwargs: dict, modes: _Modes, outputs: list[Any],
-              errors: list[BaseException | None]) -> None:
+    def _work(
+        self,
+        micro: int,
+        args: tuple,
+        kwargs: dict,
+        modes: _Modes,
+        outputs: list[Any],
+        errors: list[BaseException | None],
+    ) -> None:
         ticket = _Ticket(micro)
         self._local.ticket = ticket
         try:
@@ -197,6 +229,7 @@ class Pipeline(nn.Module):
                 self._advance(ticket, stage)
             device = self.devices[stage]
             return send(args, device), send(kwargs, device)
+
         return hook
 
     def _advance(self, ticket: _Ticket, stage: int) -> None:
@@ -218,4 +251,3 @@ class Pipeline(nn.Module):
                 stream.wait_stream(caller)  # the inputs were made on the caller's stream
             else:
                 caller.wait_stream(stream)  # the outputs are read on the caller's stream
-

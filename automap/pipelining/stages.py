@@ -1,4 +1,5 @@
 """A plan's stages: the maximal runs of consecutive units that compute on one device."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,4 +36,3 @@ def plan_stages(plan: Plan) -> tuple[Stage, ...]:
             runs.append((device, []))
         runs[-1][1].append(unit.name)
     return tuple(Stage(i, device, tuple(names)) for i, (device, names) in enumerate(runs))
-

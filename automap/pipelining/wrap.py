@@ -1,6 +1,7 @@
 """``automap.pipeline``: a dispatched model (or one placed here from a plan) wrapped in a
 :class:`~automap.pipelining.runner.Pipeline` over its plan's stages; the package face
 (``automap.pipelining``) re-exports it."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,13 @@ from automap.profiling.units import all_named_tensors
 log = logging.getLogger(__name__)
 
 
-def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
-             devices: Mapping[str, str | torch.device] | None = None) -> Pipeline:
+def pipeline(
+    model: nn.Module,
+    plan: Plan | None = None,
+    *,
+    chunks: Chunks = 4,
+    devices: Mapping[str, str | torch.device] | None = None,
+) -> Pipeline:
     """Run ``model`` as a micro-batch pipeline over ``plan``'s stages (GPipe fill-drain).
 
     Args:
@@ -51,13 +57,16 @@ def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
     """
     _check_chunks(chunks)
     if model in PIPELINED:
-        raise PipelineError(f"{type(model).__name__} is already pipelined; call .close() on its Pipeline first")
+        raise PipelineError(
+            f"{type(model).__name__} is already pipelined; call .close() on its Pipeline first"
+        )
     plan = _resolve_plan(model, plan, devices)
     if plan.offloaded_units:
         raise PipelineError(
             f"the plan streams {len(plan.offloaded_units)} offloaded unit(s) (first {plan.offloaded_units[0]!r}) "
             "from CPU/disk; pipelining would stream them once per micro-batch. Plan without offload "
-            "(raise max_memory) or run the dispatched model unpipelined")
+            "(raise max_memory) or run the dispatched model unpipelined"
+        )
     stages = plan_stages(plan)
     real = _real_devices(plan, stages, devices)
     if devices is not None:
@@ -65,8 +74,13 @@ def pipeline(model: nn.Module, plan: Plan | None = None, *, chunks: Chunks = 4,
     _warn_batch_norm(model)
     pipe = Pipeline(model, stages, real, chunks, plan)
     PIPELINED[model] = pipe
-    log.info("pipelining %s over %d stage(s) (%s), chunks=%s", type(model).__name__, len(stages),
-             " -> ".join(str(d) for d in real), chunks)
+    log.info(
+        "pipelining %s over %d stage(s) (%s), chunks=%s",
+        type(model).__name__,
+        len(stages),
+        " -> ".join(str(d) for d in real),
+        chunks,
+    )
     return pipe
 
 
@@ -80,30 +94,41 @@ def _check_chunks(chunks: Chunks) -> None:
 def _resolve_plan(model: nn.Module, plan: Plan | None, devices: Mapping[str, Any] | None) -> Plan:
     state = state_of(model)
     if state is not None and devices is not None:
-        raise PipelineError(f"{type(model).__name__} is dispatched, so its units already run where the plan "
-                            "says; drop devices=..., or undispatch it first to place it with devices")
+        raise PipelineError(
+            f"{type(model).__name__} is dispatched, so its units already run where the plan "
+            "says; drop devices=..., or undispatch it first to place it with devices"
+        )
     if state is None and devices is None:
-        raise PipelineError(f"{type(model).__name__} is not dispatched; call automap.dispatch(model, plan) "
-                            "first, or pass devices={'cuda:0': 'cpu', 'cuda:1': 'cpu'} to run the plan's "
-                            "stages on devices of your choice")
+        raise PipelineError(
+            f"{type(model).__name__} is not dispatched; call automap.dispatch(model, plan) "
+            "first, or pass devices={'cuda:0': 'cpu', 'cuda:1': 'cpu'} to run the plan's "
+            "stages on devices of your choice"
+        )
     if plan is None:
         if state is None:
             raise PipelineError("no plan given; pass the Plan from automap.plan(model, ...)")
         return state.plan
-    if state is not None and (state.plan.placement != plan.placement
-                              or [u.name for u in state.plan.units] != [u.name for u in plan.units]):
-        raise PipelineError(f"{type(model).__name__} was dispatched with another plan; omit plan= to use that one")
+    if state is not None and (
+        state.plan.placement != plan.placement
+        or [u.name for u in state.plan.units] != [u.name for u in plan.units]
+    ):
+        raise PipelineError(
+            f"{type(model).__name__} was dispatched with another plan; omit plan= to use that one"
+        )
     return plan
 
 
-def _real_devices(plan: Plan, stages: tuple[Stage, ...],
-                  devices: Mapping[str, str | torch.device] | None) -> tuple[torch.device, ...]:
+def _real_devices(
+    plan: Plan, stages: tuple[Stage, ...], devices: Mapping[str, str | torch.device] | None
+) -> tuple[torch.device, ...]:
     if devices is None:
         return tuple(_indexed(torch.device(s.device)) for s in stages)
     missing = sorted({s.device for s in stages} - set(devices))
     if missing:
-        raise PipelineError(f"devices={dict(devices)!r} does not say where to run the plan's {missing}; "
-                            f"give a real device for each of {[s.device for s in stages]}")
+        raise PipelineError(
+            f"devices={dict(devices)!r} does not say where to run the plan's {missing}; "
+            f"give a real device for each of {[s.device for s in stages]}"
+        )
     return tuple(_indexed(torch.device(devices[s.device])) for s in stages)
 
 
@@ -115,14 +140,17 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def _place_units(model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: tuple[torch.device, ...]) -> None:
+def _place_units(
+    model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: tuple[torch.device, ...]
+) -> None:
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     where = {name: device for stage, device in zip(stages, real) for name in stage.units}
     for unit in plan.units:
         for name in unit.tensors:
             if name not in tensors:
-                raise PipelineError(f"the plan names tensor {name!r} that {type(model).__name__} lacks; "
-                                    "plan this model again")
+                raise PipelineError(
+                    f"the plan names tensor {name!r} that {type(model).__name__} lacks; plan this model again"
+                )
             if tensors[name].device != where[unit.name]:
                 tensors[name].data = tensors[name].data.to(where[unit.name])
 
@@ -130,7 +158,10 @@ def _place_units(model: nn.Module, plan: Plan, stages: tuple[Stage, ...], real: 
 def _warn_batch_norm(model: nn.Module) -> None:
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if norms:
-        log.warning("%s has %d BatchNorm layer(s) (first %r): in training each normalises one micro-batch "
-                    "(statistics differ from the whole batch's, as in GPipe); in eval() outputs match exactly",
-                    type(model).__name__, len(norms), norms[0])
-
+        log.warning(
+            "%s has %d BatchNorm layer(s) (first %r): in training each normalises one micro-batch "
+            "(statistics differ from the whole batch's, as in GPipe); in eval() outputs match exactly",
+            type(model).__name__,
+            len(norms),
+            norms[0],
+        )

@@ -3,6 +3,7 @@
 Invariant: every time automap predicts is built from these formulas, and each exists only here
 (the partitioner's probe applies them to arrays).
 """
+
 from __future__ import annotations
 
 from automap.devices import DeviceSpec

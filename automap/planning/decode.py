@@ -2,6 +2,7 @@
 (per computing device: compute, reads of weights and cache, streamed weights; overlapped on an
 accelerator, added on the CPU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,8 +18,12 @@ from automap.sizes import format_bytes, format_flops, format_rate
 
 # Batches tried when looking for the one that amortises a stream or a weight read.
 _MAX_BATCH = 4096
-_WHAT = {"compute": "of compute on", "weights": "of weights read from", "cache": "of KV cache read from",
-         "stream": "streamed from"}
+_WHAT = {
+    "compute": "of compute on",
+    "weights": "of weights read from",
+    "cache": "of KV cache read from",
+    "stream": "streamed from",
+}
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,12 @@ def _limit(steps: Iterable[DeviceStep]) -> Term | None:
     if not groups:
         return None
     terms = max(groups.values(), key=lambda ts: sum(t.seconds for t in ts))
-    return Term(terms[0].kind, ", ".join(dict.fromkeys(t.device for t in terms)),
-                sum(t.amount for t in terms), sum(t.seconds for t in terms))
+    return Term(
+        terms[0].kind,
+        ", ".join(dict.fromkeys(t.device for t in terms)),
+        sum(t.amount for t in terms),
+        sum(t.seconds for t in terms),
+    )
 
 
 def predict_decode(plan: Plan) -> DecodePrediction | None:
@@ -149,8 +158,14 @@ def predict_decode(plan: Plan) -> DecodePrediction | None:
     if generation is None or not generation.cache:
         return None
     steps = decode_steps(plan, 1.0)
-    return DecodePrediction(generation.batch, generation.prompt_length, generation.max_length,
-                            forward_seconds(plan), steps, _hint(plan, steps))
+    return DecodePrediction(
+        generation.batch,
+        generation.prompt_length,
+        generation.max_length,
+        forward_seconds(plan),
+        steps,
+        _hint(plan, steps),
+    )
 
 
 def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
@@ -171,25 +186,44 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
             tier[where] = tier.get(where, 0.0) + nbytes
         else:
             reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + nbytes
-    return tuple(_device_step(plan, plan.device(name), flops.get(name, 0.0),
-                              {k: reads.get((name, k), 0.0) for k in ("weights", "cache")}, streams.get(name, {}))
-                 for name in dict.fromkeys(plan.placements.by_home[d].compute for d in plan.placement))
+    return tuple(
+        _device_step(
+            plan,
+            plan.device(name),
+            flops.get(name, 0.0),
+            {k: reads.get((name, k), 0.0) for k in ("weights", "cache")},
+            streams.get(name, {}),
+        )
+        for name in dict.fromkeys(plan.placements.by_home[d].compute for d in plan.placement)
+    )
 
 
-def _device_step(plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float],
-                 streams: dict[str, float]) -> DeviceStep:
-    read = [Term(kind, device.name, nbytes, read_seconds(nbytes, device)) for kind, nbytes in reads.items() if nbytes]
-    stream = [Term("stream", tier, nbytes, link_seconds(plan, int(nbytes), tier, device.name))
-              for tier, nbytes in streams.items() if nbytes]
+def _device_step(
+    plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float], streams: dict[str, float]
+) -> DeviceStep:
+    read = [
+        Term(kind, device.name, nbytes, read_seconds(nbytes, device))
+        for kind, nbytes in reads.items()
+        if nbytes
+    ]
+    stream = [
+        Term("stream", tier, nbytes, link_seconds(plan, int(nbytes), tier, device.name))
+        for tier, nbytes in streams.items()
+        if nbytes
+    ]
     compute = Term("compute", device.name, flops, flop_seconds(flops, device.flops_per_second))
     overlapped = kind_of(device).overlaps
     if not overlapped:  # every part adds to the step
         return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped)
     c, r, s = _parts(compute, read, stream)
     top = max(c, r, s)  # the part that sets the device's time; the others hide behind it
-    return DeviceStep(device.name, replace(compute, binds=c == top),
-                      tuple(replace(t, binds=r == top and c < top) for t in read),
-                      tuple(replace(t, binds=s == top and c < top and r < top) for t in stream), overlapped)
+    return DeviceStep(
+        device.name,
+        replace(compute, binds=c == top),
+        tuple(replace(t, binds=r == top and c < top) for t in read),
+        tuple(replace(t, binds=s == top and c < top and r < top) for t in stream),
+        overlapped,
+    )
 
 
 def _hint(plan: Plan, steps: tuple[DeviceStep, ...]) -> str:
@@ -197,16 +231,22 @@ def _hint(plan: Plan, steps: tuple[DeviceStep, ...]) -> str:
     if limit is None or limit.seconds == 0:
         return ""
     if limit.kind == "compute":
-        return (f"compute-bound on {limit.device}: a larger batch no longer raises tokens/s; a faster device "
-                f"(speeds=...) or more devices sharing the layers would")
+        return (
+            f"compute-bound on {limit.device}: a larger batch no longer raises tokens/s; a faster device "
+            f"(speeds=...) or more devices sharing the layers would"
+        )
     if limit.kind == "cache":
-        return ("the KV cache read grows with batch and length: a shorter max_length, fewer sequences per "
-                "step, or the layers spread over more devices (read in parallel) raise tokens/s per sequence")
+        return (
+            "the KV cache read grows with batch and length: a shorter max_length, fewer sequences per "
+            "step, or the layers spread over more devices (read in parallel) raise tokens/s per sequence"
+        )
     hint = _batch_hint(plan, limit)
     if limit.kind == "stream":
         offloaded = plan.placements.offloaded_bytes
-        resident = (f"{format_bytes(offloaded)} more memory on {plan.execution_device} (max_memory) would keep "
-                    "every weight resident")
+        resident = (
+            f"{format_bytes(offloaded)} more memory on {plan.execution_device} (max_memory) would keep "
+            "every weight resident"
+        )
         hint = f"{resident}; or {hint}" if hint else resident
     return hint or f"{limit.describe()} limits every batch that fits"
 
@@ -217,8 +257,11 @@ def _batch_hint(plan: Plan, limit: Term) -> str:
     generation = plan.generation
     assert generation is not None
     kv = sum(u.kv_bytes for u in plan.units)
-    free = sum(r.device.capacity_bytes - r.used_bytes for r in summary(plan)
-               if r.device.name in {plan.placements.by_home[d].compute for d in plan.placement})
+    free = sum(
+        r.device.capacity_bytes - r.used_bytes
+        for r in summary(plan)
+        if r.device.name in {plan.placements.by_home[d].compute for d in plan.placement}
+    )
     shared = "stream" if limit.kind == "stream" else "weight reads"
     batch, fits = generation.batch, generation.batch
     while batch < _MAX_BATCH:
@@ -229,11 +272,15 @@ def _batch_hint(plan: Plan, limit: Term) -> str:
         steps = decode_steps(plan, batch / generation.batch)
         top = _limit(steps)
         if top is not None and (top.kind, top.device) != (limit.kind, limit.device):
-            return (f"decode more sequences at once, which share the {shared}: at batch {batch} the limit moves "
-                    f"to {top.describe()} (~{format_rate(batch / step_seconds(steps), 'tokens')}; its KV "
-                    f"cache needs {format_bytes(kv * batch // generation.batch)})")
+            return (
+                f"decode more sequences at once, which share the {shared}: at batch {batch} the limit moves "
+                f"to {top.describe()} (~{format_rate(batch / step_seconds(steps), 'tokens')}; its KV "
+                f"cache needs {format_bytes(kv * batch // generation.batch)})"
+            )
     if fits == generation.batch:
         return ""
     steps = decode_steps(plan, fits / generation.batch)
-    return (f"decode more sequences at once, which share the {shared}: batch {fits} still fits "
-            f"(~{format_rate(fits / step_seconds(steps), 'tokens')})")
+    return (
+        f"decode more sequences at once, which share the {shared}: batch {fits} still fits "
+        f"(~{format_rate(fits / step_seconds(steps), 'tokens')})"
+    )

@@ -1,6 +1,7 @@
 """Routed experts placed apart from their layer: the one cost model that picks how they run
 (computed on the CPU where they live, or streamed to the GPU), and the plan's per-layer record.
 """
+
 from __future__ import annotations
 
 import enum
@@ -59,17 +60,23 @@ class ExpertsCost:
         return cls(unit, unit.flops / tokens, 2 * unit.output_bytes / tokens)
 
 
-def mode_seconds(cost: ExpertsCost, tokens: float, home: DeviceSpec, cpu: DeviceSpec,
-                 gpu: DeviceSpec) -> dict[ExpertsMode, float]:
+def mode_seconds(
+    cost: ExpertsCost, tokens: float, home: DeviceSpec, cpu: DeviceSpec, gpu: DeviceSpec
+) -> dict[ExpertsMode, float]:
     """Predicted seconds of one call of the experts on ``tokens`` tokens, per mode (see the
     module docstring): the one cost model both the choice and the report use."""
     touched = touched_bytes(cost.unit, tokens)
-    on_cpu = (flop_seconds(cost.flops_per_token * tokens, cpu.flops_per_second) + read_seconds(touched, home)
-              + transfer_seconds(cost.activation_per_token * tokens, cpu, gpu))
+    on_cpu = (
+        flop_seconds(cost.flops_per_token * tokens, cpu.flops_per_second)
+        + read_seconds(touched, home)
+        + transfer_seconds(cost.activation_per_token * tokens, cpu, gpu)
+    )
     return {ExpertsMode.CPU_COMPUTES: on_cpu, ExpertsMode.STREAMED: transfer_seconds(touched, home, gpu)}
 
 
-def best_mode(cost: ExpertsCost, tokens: float, home: DeviceSpec, cpu: DeviceSpec, gpu: DeviceSpec) -> ExpertsMode:
+def best_mode(
+    cost: ExpertsCost, tokens: float, home: DeviceSpec, cpu: DeviceSpec, gpu: DeviceSpec
+) -> ExpertsMode:
     """The faster mode at ``tokens`` tokens; a tie computes on the CPU (no weights move)."""
     seconds = mode_seconds(cost, tokens, home, cpu, gpu)
     return min(seconds, key=lambda mode: (seconds[mode], mode is ExpertsMode.STREAMED))
@@ -79,6 +86,7 @@ def stream_from(cost: ExpertsCost, home: DeviceSpec, cpu: DeviceSpec, gpu: Devic
     """The fewest tokens at which streaming costs less than computing on the CPU; 0 when it
     never does up to :data:`MAX_TOKENS`. CPU work grows with the tokens while the streamed bytes
     stop growing, so the modes cross once: a bisection finds it."""
+
     def streams(tokens: int) -> bool:
         return best_mode(cost, tokens, home, cpu, gpu) is ExpertsMode.STREAMED
 
@@ -112,13 +120,25 @@ class ExpertsLayer:
     stream_from: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "unit": self.unit, "home": self.home, "decode": self.decode.value,
-                "prefill": self.prefill.value, "stream_from_tokens": self.stream_from}
+        return {
+            "layer": self.layer,
+            "unit": self.unit,
+            "home": self.home,
+            "decode": self.decode.value,
+            "prefill": self.prefill.value,
+            "stream_from_tokens": self.stream_from,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExpertsLayer:
-        return cls(str(data["layer"]), str(data["unit"]), str(data["home"]), ExpertsMode(data["decode"]),
-                   ExpertsMode(data["prefill"]), int(data.get("stream_from_tokens", 0)))
+        return cls(
+            str(data["layer"]),
+            str(data["unit"]),
+            str(data["home"]),
+            ExpertsMode(data["decode"]),
+            ExpertsMode(data["prefill"]),
+            int(data.get("stream_from_tokens", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -141,19 +161,26 @@ class ExpertsPlan:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``docs/plan-schema.md``)."""
-        return {"decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
-                "tokens_per_second": self.tokens_per_second,
-                "whole_layer_tokens_per_second": self.whole_layer_tokens_per_second,
-                "layers": [layer.as_dict() for layer in self.layers]}
+        return {
+            "decode_tokens": self.decode_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "whole_layer_tokens_per_second": self.whole_layer_tokens_per_second,
+            "layers": [layer.as_dict() for layer in self.layers],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ExpertsPlan | None:
         """The record :meth:`as_dict` wrote; None for plan JSON without one."""
         if not data:
             return None
-        return cls(tuple(ExpertsLayer.from_dict(d) for d in data["layers"]), int(data["decode_tokens"]),
-                   int(data["prefill_tokens"]), float(data["tokens_per_second"]),
-                   float(data["whole_layer_tokens_per_second"]))
+        return cls(
+            tuple(ExpertsLayer.from_dict(d) for d in data["layers"]),
+            int(data["decode_tokens"]),
+            int(data["prefill_tokens"]),
+            float(data["tokens_per_second"]),
+            float(data["whole_layer_tokens_per_second"]),
+        )
 
 
 # ------------------------------------------------------------------ hot experts kept in memory
@@ -229,8 +256,10 @@ class HotExperts:
             self._score = {k: v / self._step for k, v in self._score.items()}
             self._step = 1.0
         change = CacheChange([], [], hits)
-        missed = sorted(((k, s) for k, s in zip(keys, sizes) if k not in self.held and k not in self._refused),
-                        key=lambda ks: -self._score[ks[0]])
+        missed = sorted(
+            ((k, s) for k, s in zip(keys, sizes) if k not in self.held and k not in self._refused),
+            key=lambda ks: -self._score[ks[0]],
+        )
         for key, size in missed:
             if size > self.budget:
                 continue
@@ -323,7 +352,9 @@ def host_taken(plan: Any, host: str = "cpu") -> int:
     a storage tier (read ahead into the page cache)."""
     stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
     reserve = sum(b for name, b in plan.reserves if name == host)
-    return plan.placements.bytes_on.get(host, 0) + reserve + 2 * max((u.weight_bytes for u in stored), default=0)
+    return (
+        plan.placements.bytes_on.get(host, 0) + reserve + 2 * max((u.weight_bytes for u in stored), default=0)
+    )
 
 
 # ------------------------------------------------------------------ rows or whole layers

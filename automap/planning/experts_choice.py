@@ -10,6 +10,7 @@ the layout whose offloaded experts run as the cost model picks for the decode st
 when its predicted decode tokens/s beats the best whole-layer plan's. ``plan.choices`` says
 which won and by how much either way.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,7 +20,14 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import is_host_name
 from automap.planning.decode import predict_decode
-from automap.planning.experts import ExpertsCost, ExpertsLayer, ExpertsMode, ExpertsPlan, best_mode, stream_from
+from automap.planning.experts import (
+    ExpertsCost,
+    ExpertsLayer,
+    ExpertsMode,
+    ExpertsPlan,
+    best_mode,
+    stream_from,
+)
 from automap.planning.layout_plans import level_plans
 from automap.planning.layout_registry import EXPERTS
 from automap.planning.model import Plan
@@ -30,9 +38,11 @@ from automap.sizes import format_rate
 
 Refine = Callable[[Profile, Sequence[str]], Refinement]
 
-NO_GENERATION = ("layers kept whole: the model has routed experts, which may live apart from their layers when "
-                 "that decodes faster; plan for a generation (batch= and max_length=, or --max-length) to compare "
-                 "(docs/experts.md)")
+NO_GENERATION = (
+    "layers kept whole: the model has routed experts, which may live apart from their layers when "
+    "that decodes faster; plan for a generation (batch= and max_length=, or --max-length) to compare "
+    "(docs/experts.md)"
+)
 
 
 def decode_rate(plan: Plan) -> float:
@@ -41,14 +51,25 @@ def decode_rate(plan: Plan) -> float:
     return prediction.tokens_per_second if prediction is not None else 0.0
 
 
-def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devices: tuple[DeviceSpec, ...],
-                       strategy: Strategy, reserve: Mapping[str, int], refine: Refine | None) -> Plan:
+def with_experts_apart(
+    best: Plan,
+    whole: Sequence[Plan],
+    profile: Profile,
+    devices: tuple[DeviceSpec, ...],
+    strategy: Strategy,
+    reserve: Mapping[str, int],
+    refine: Refine | None,
+) -> Plan:
     """``best``, or the plan with routed experts apart when it decodes faster than each of
     ``whole`` (the whole-layer plans found); ``best`` as it is when the model has no routed
     experts, fits the accelerators, or was not planned for a generation."""
     generation = profile.generation
-    if (refine is None or not profile.routed or not any(d.is_accelerator for d in devices)
-            or all(best.device(d).is_accelerator for d in best.placement)):
+    if (
+        refine is None
+        or not profile.routed
+        or not any(d.is_accelerator for d in devices)
+        or all(best.device(d).is_accelerator for d in best.placement)
+    ):
         return best
     if generation is None or not generation.cache:
         return replace(best, provenance=replace(best.provenance, choices=best.choices + (NO_GENERATION,)))
@@ -58,9 +79,11 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
     rate = decode_rate(apart)
     baseline = max((decode_rate(p) for p in [best, *whole]), default=0.0)
     record = replace(experts_record(apart), tokens_per_second=rate, whole_layer_tokens_per_second=baseline)
-    compared = (f"routed experts apart from their layers: predicted decode "
-                f"{format_rate(rate, 'tokens')} against {format_rate(baseline, 'tokens')} for the best plan "
-                "that keeps each layer whole")
+    compared = (
+        f"routed experts apart from their layers: predicted decode "
+        f"{format_rate(rate, 'tokens')} against {format_rate(baseline, 'tokens')} for the best plan "
+        "that keeps each layer whole"
+    )
     if rate <= baseline:
         kept = best.choices + (f"kept layers whole; {compared}",)
         return replace(best, provenance=replace(best.provenance, choices=kept))
@@ -68,8 +91,13 @@ def with_experts_apart(best: Plan, whole: Sequence[Plan], profile: Profile, devi
     return replace(apart, experts=record, provenance=replace(apart.provenance, choices=choices))
 
 
-def experts_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy,
-                 reserve: Mapping[str, int], refine: Refine) -> Plan | None:
+def experts_plan(
+    profile: Profile,
+    devices: tuple[DeviceSpec, ...],
+    strategy: Strategy,
+    reserve: Mapping[str, int],
+    refine: Refine,
+) -> Plan | None:
     """The ``experts apart`` plan whose offloaded experts run (on the CPU, or streamed) as the
     cost model picks for most of their bytes at the decode step; None when the experts cannot
     be made units of their own or the layout fits nowhere."""
@@ -119,15 +147,21 @@ def experts_record(plan: Plan) -> ExpertsPlan:
             continue
         device = plan.device(home)
         if device.is_accelerator:
-            layers.append(ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.RESIDENT, ExpertsMode.RESIDENT))
+            layers.append(
+                ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.RESIDENT, ExpertsMode.RESIDENT)
+            )
             continue
         if not is_host_name(placement.compute):
-            layers.append(ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.STREAMED, ExpertsMode.STREAMED, 1))
+            layers.append(
+                ExpertsLayer(unit.split_from, unit.name, home, ExpertsMode.STREAMED, ExpertsMode.STREAMED, 1)
+            )
             continue
         switches = not placement.offloaded and len(around.get(unit.split_from, set())) == 1
         crossing = stream_from(ExpertsCost.of(unit, prefill), device, cpu, gpu) if switches else 0
-        modes = [ExpertsMode.STREAMED if crossing and tokens >= crossing else ExpertsMode.CPU_COMPUTES
-                 for tokens in (decode, prefill)]
+        modes = [
+            ExpertsMode.STREAMED if crossing and tokens >= crossing else ExpertsMode.CPU_COMPUTES
+            for tokens in (decode, prefill)
+        ]
         layers.append(ExpertsLayer(unit.split_from, unit.name, home, *modes, crossing))
     return ExpertsPlan(tuple(layers), decode, prefill, 0.0, 0.0)
 

@@ -5,6 +5,7 @@ items split out of one unit (``Unit.split_from``) form a *group*, which computes
 because the split module's own code (a residual add) runs between its pieces. Groups form a
 chain in execution order, which :mod:`automap.planning.layout_kinds` lays out over the tiers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,12 +95,17 @@ def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
     by_flops = profile.has_compute
     routed = tuple(any(units[i].experts for i in m) for m in members)
     work = [float(sum(units[i].flops if by_flops else units[i].weight_bytes for i in m)) for m in members]
-    return Items(members, Chain(
-        work=work,
-        weight=[sum(units[i].weight_bytes + units[i].kv_bytes for i in m) for m in members],
-        activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
-        cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
-    ), _split_groups(["" if routed[k] else units[m[0]].split_from for k, m in enumerate(members)]), routed)
+    return Items(
+        members,
+        Chain(
+            work=work,
+            weight=[sum(units[i].weight_bytes + units[i].kv_bytes for i in m) for m in members],
+            activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
+            cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
+        ),
+        _split_groups(["" if routed[k] else units[m[0]].split_from for k, m in enumerate(members)]),
+        routed,
+    )
 
 
 def _split_groups(origins: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -116,14 +122,17 @@ def _split_groups(origins: Sequence[str]) -> tuple[tuple[int, ...], ...]:
 def grouped(items: Items) -> Groups:
     """The groups of ``items`` as a chain of their own."""
     c, groups = items.chain, items.groups or tuple((i,) for i in range(len(items.chain)))
-    chain = Chain(work=[sum(c.work[i] for i in g) for g in groups],
-                  weight=[sum(c.weight[i] for i in g) for g in groups],
-                  activation=[max(c.activation[i] for i in g) for g in groups],
-                  cut=[c.cut[g[0]] for g in groups])
+    chain = Chain(
+        work=[sum(c.work[i] for i in g) for g in groups],
+        weight=[sum(c.weight[i] for i in g) for g in groups],
+        activation=[max(c.activation[i] for i in g) for g in groups],
+        cut=[c.cut[g[0]] for g in groups],
+    )
     return Groups(chain, tuple(max(c.weight[i] for i in g) for g in groups), groups)
 
 
 def sub_chain(chain: Chain, start: int, end: int) -> Chain:
     """Entries ``[start, end)`` of ``chain``."""
-    return Chain(chain.work[start:end], chain.weight[start:end], chain.activation[start:end],
-                 chain.cut[start:end])
+    return Chain(
+        chain.work[start:end], chain.weight[start:end], chain.activation[start:end], chain.cut[start:end]
+    )

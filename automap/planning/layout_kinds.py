@@ -1,6 +1,7 @@
 """The built-in layout kinds, registered in the order they are tried (resident, packed, streamed,
 CPU computes, experts apart; on the CPU alone: resident and streamed), and :func:`layout_options`.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,11 +11,29 @@ from automap.devices import DeviceSpec
 from automap.errors import PlanError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.items import grouped, sub_chain
-from automap.planning.layout_registry import (CPU_COMPUTES, EXPERTS, LAYOUT_KINDS, PACKED, RESIDENT, STREAMED, Layout,
-                                              LayoutContext, LayoutKind, Option, register_layout, room)
+from automap.planning.layout_registry import (
+    CPU_COMPUTES,
+    EXPERTS,
+    LAYOUT_KINDS,
+    PACKED,
+    RESIDENT,
+    STREAMED,
+    Layout,
+    LayoutContext,
+    LayoutKind,
+    Option,
+    register_layout,
+    room,
+)
 from automap.planning.memory import runtime_bytes
-from automap.planning.offloading import (MAX_OFFLOADED_HEAD, Offload, choose_offload, offload_seconds, store,
-                                         store_staged)
+from automap.planning.offloading import (
+    MAX_OFFLOADED_HEAD,
+    Offload,
+    choose_offload,
+    offload_seconds,
+    store,
+    store_staged,
+)
 from automap.planning.packing import pack_out_of_order
 from automap.planning.partition import Chain, Range, fill
 from automap.planning.residency import Room, keep_resident
@@ -77,8 +96,10 @@ class Packed(LayoutKind):
         if packed is None:
             return []
         owner, cuts = packed
-        note = (f"no contiguous split fits the accelerators with room for activations; units run out of "
-                f"order ({cuts} cuts for {len(ctx.compute)} devices)")
+        note = (
+            f"no contiguous split fits the accelerators with room for activations; units run out of "
+            f"order ({cuts} cuts for {len(ctx.compute)} devices)"
+        )
         names = [ctx.compute[j].name for g, j in zip(ctx.groups.items, owner) for _ in g]
         return [Layout(tuple(names), dict(ctx.reserve), (note,))]
 
@@ -105,22 +126,36 @@ class AcceleratorStreamed(LayoutKind):
         where, staging = stored
         executor = ctx.compute[chosen.executor]
         base = offload_seconds(ctx.items.chain, where, executor)
-        kept = ctx.stages(sub_chain(ctx.groups.chain, chosen.head, chosen.point), chosen.rooms(ctx.rooms), base,
-                          chosen.peak, chosen.executor)
+        kept = ctx.stages(
+            sub_chain(ctx.groups.chain, chosen.head, chosen.point),
+            chosen.rooms(ctx.rooms),
+            base,
+            chosen.peak,
+            chosen.executor,
+        )
         names = resident_extras(ctx, ctx.names(kept, chosen.head, where), chosen, where)
-        return [Layout(names, streamed_reserves(ctx, where, staging, executor), idle_note(ctx, names, executor),
-                       executor=_executor_name(ctx, names, executor))]
+        return [
+            Layout(
+                names,
+                streamed_reserves(ctx, where, staging, executor),
+                idle_note(ctx, names, executor),
+                executor=_executor_name(ctx, names, executor),
+            )
+        ]
 
 
-def streamed_reserves(ctx: LayoutContext, where: Mapping[int, DeviceSpec], staging: int,
-                      executor: DeviceSpec) -> dict[str, int]:
+def streamed_reserves(
+    ctx: LayoutContext, where: Mapping[int, DeviceSpec], staging: int, executor: DeviceSpec
+) -> dict[str, int]:
     """The user's reserve, plus the streamed weights on the executor (the largest item still
     streamed, once GPUs with room keep some; the offloaded units' activations show as
     activations) and the pinned staging in CPU RAM for items read from disk."""
     weight = ctx.items.chain.weight
     reserves = dict(ctx.reserve)
     reserves[executor.name] = reserves.get(executor.name, 0) + max((weight[i] for i in where), default=0)
-    staging = min(staging, max((weight[i] for i, d in where.items() if kind_of(d).staged_via_host), default=0))
+    staging = min(
+        staging, max((weight[i] for i, d in where.items() if kind_of(d).staged_via_host), default=0)
+    )
     if staging:
         host = next(d.name for d in ctx.storage if kind_of(d).is_host)
         reserves[host] = reserves.get(host, 0) + staging
@@ -139,27 +174,36 @@ def idle_note(ctx: LayoutContext, names: Sequence[str], executor: DeviceSpec) ->
     idle = [d.name for d in ctx.compute if d.name not in names and d is not executor]
     if not idle:
         return ()
-    return (f"{', '.join(idle)} hold nothing while units stream to {executor.name}: each streamed unit is larger "
-            f"than their room, or a piece of a unit whose other pieces compute on {executor.name}",)
+    return (
+        f"{', '.join(idle)} hold nothing while units stream to {executor.name}: each streamed unit is larger "
+        f"than their room, or a piece of a unit whose other pieces compute on {executor.name}",
+    )
 
 
-def resident_extras(ctx: LayoutContext, names: tuple[str, ...], chosen: Offload,
-                    where: dict[int, DeviceSpec]) -> tuple[str, ...]:
+def resident_extras(
+    ctx: LayoutContext, names: tuple[str, ...], chosen: Offload, where: dict[int, DeviceSpec]
+) -> tuple[str, ...]:
     """``names`` with the offloaded items that a GPU still has room for kept there
     (:mod:`automap.planning.residency`); ``where`` loses them."""
     chain, executor = ctx.items.chain, ctx.compute[chosen.executor]
     state = []
     for j, device in enumerate(ctx.compute):
-        mine = [i for i, name in enumerate(names) if name == device.name or (device is executor and i in where)]
+        mine = [
+            i for i, name in enumerate(names) if name == device.name or (device is executor and i in where)
+        ]
         weights = sum(chain.weight[i] for i, name in enumerate(names) if name == device.name)
-        peak = max([chain.activation[i] for i in mine] + ([chosen.peak] if device is executor else []), default=0)
+        peak = max(
+            [chain.activation[i] for i in mine] + ([chosen.peak] if device is executor else []), default=0
+        )
         streamed = chosen.streamed if device is executor else 0
         state.append(Room(ctx.rooms[j] - weights - peak - streamed, peak))
     piece = [False] * len(chain)
     for group in ctx.groups.items:
         for i in group:
             piece[i] = len(group) > 1
-    kept = keep_resident(sorted(where), chain.weight, chain.activation, chain.cut, piece, state, chosen.executor)
+    kept = keep_resident(
+        sorted(where), chain.weight, chain.activation, chain.cut, piece, state, chosen.executor
+    )
     placed = list(names)
     for i, j in kept.items():
         placed[i] = ctx.compute[j].name
@@ -183,12 +227,19 @@ class CpuComputes(LayoutKind):
         # The CPU's budget keeps room for the run of the units it computes (any of them: the
         # largest activations, and the runtime's overhead), which shows as its activations and
         # overhead (Plan.memory), not as a reserve.
-        extra = {d.name: min(runtime_bytes(d, max(ctx.items.chain.activation, default=0)), room(d, ctx.reserve))
-                 for d in ctx.storage if kind_of(d).is_host}
+        extra = {
+            d.name: min(runtime_bytes(d, max(ctx.items.chain.activation, default=0)), room(d, ctx.reserve))
+            for d in ctx.storage
+            if kind_of(d).is_host
+        }
         inner = ctx.with_reserve({**ctx.reserve, **{n: ctx.reserve.get(n, 0) + b for n, b in extra.items()}})
-        return [replace(layout, reserves={n: b - extra.get(n, 0) for n, b in layout.reserves.items()
-                                          if b - extra.get(n, 0)})
-                for layout in self._layouts(inner)]
+        return [
+            replace(
+                layout,
+                reserves={n: b - extra.get(n, 0) for n, b in layout.reserves.items() if b - extra.get(n, 0)},
+            )
+            for layout in self._layouts(inner)
+        ]
 
     def _layouts(self, ctx: LayoutContext) -> list[Layout]:
         run = cpu_computes_run(ctx)
@@ -205,10 +256,16 @@ def cpu_computes_run(ctx: LayoutContext) -> Layout | None:
     largest = max(ctx.rooms)
     # A run starts at the beginning, after a few leading groups, or after a group too large
     # for any accelerator (which the CPU computes).
-    starts = sorted({*range(min(MAX_OFFLOADED_HEAD, n - 1) + 1),
-                     *(i + 1 for i in range(n - 1) if chain.weight[i] + chain.activation[i] > largest)})
+    starts = sorted(
+        {
+            *range(min(MAX_OFFLOADED_HEAD, n - 1) + 1),
+            *(i + 1 for i in range(n - 1) if chain.weight[i] + chain.activation[i] > largest),
+        }
+    )
     spans = [(a, fill(chain, ctx.rooms, a)[1]) for a in starts]
-    start, end = max(spans, key=lambda s: (sum(chain.work[s[0]:s[1]]), sum(chain.weight[s[0]:s[1]]), -s[0]))
+    start, end = max(
+        spans, key=lambda s: (sum(chain.work[s[0] : s[1]]), sum(chain.weight[s[0] : s[1]]), -s[0])
+    )
     off = [i for g in [*range(start), *range(end, n)] for i in ctx.groups.items[g]]
     where = store(ctx.items.chain.weight, off, ctx.storage, ctx.reserve)
     if where is None:
@@ -250,14 +307,18 @@ class ExpertsApart(LayoutKind):
             names[i] = tier.name
         executor = ctx.compute[0]
         reserves = streamed_reserves(ctx, where, staging, executor)
-        return [Layout(tuple(names), reserves, executor="cpu"),
-                Layout(tuple(names), dict(reserves), executor=_executor_name(ctx, names, executor))]
+        return [
+            Layout(tuple(names), reserves, executor="cpu"),
+            Layout(tuple(names), dict(reserves), executor=_executor_name(ctx, names, executor)),
+        ]
 
 
 def without(chain: Chain, routed: Sequence[bool]) -> Chain:
     """``chain`` with the routed experts' items weighing nothing (they are placed apart)."""
+
     def keep(values: Sequence[Any]) -> list[Any]:
         return [0 if r else v for v, r in zip(values, routed)]
+
     return Chain(keep(chain.work), keep(chain.weight), keep(chain.activation), chain.cut)
 
 
@@ -287,8 +348,10 @@ def layout_options(ctx: LayoutContext) -> list[Option]:
         PlanError: nothing can run the model, or nothing fits.
     """
     if not ctx.compute:
-        raise PlanError(f"nothing can run the model: the plan's devices are {[d.name for d in ctx.devices]}; "
-                        "add CPU memory (max_memory={'cpu': '16GiB', ...}) or a GPU")
+        raise PlanError(
+            f"nothing can run the model: the plan's devices are {[d.name for d in ctx.devices]}; "
+            "add CPU memory (max_memory={'cpu': '16GiB', ...}) or a GPU"
+        )
     options: list[Option] = []
     for kind in LAYOUT_KINDS.values():
         found = [Option(kind.kind, layout) for layout in kind.build(ctx)] if kind.fits(ctx) else []

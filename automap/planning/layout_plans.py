@@ -6,6 +6,7 @@ for every layout that works, makes room for the generation cache of offloaded un
 compute, and builds each layout as a :class:`Plan` (:func:`build_plan`, also used for user maps);
 :mod:`automap.planning.splitting` keeps the one with the smallest predicted forward time.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,8 +24,15 @@ from automap.planning.strategies import Strategy
 from automap.profiling import Profile
 from automap.sizes import format_bytes
 
-__all__ = ["Candidate", "all_cut_bytes", "build_plan", "check_items_fit", "level_plans", "make_items",
-           "offloaded_kv_options"]
+__all__ = [
+    "Candidate",
+    "all_cut_bytes",
+    "build_plan",
+    "check_items_fit",
+    "level_plans",
+    "make_items",
+    "offloaded_kv_options",
+]
 
 
 @dataclass(frozen=True)
@@ -35,8 +43,9 @@ class Candidate:
     plan: Plan
 
 
-def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec],
-                    reserve: Mapping[str, int]) -> None:
+def check_items_fit(
+    profile: Profile, items: Items, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]
+) -> None:
     """Every item must have somewhere to run: an accelerator that holds its weights and
     activations, or the CPU, from its RAM or from disk (which needs no RAM).
 
@@ -56,8 +65,11 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
         names = [unit_label(profile.units[i].name) for i in members]
         first = f"unit {names[0]!r}" if profile.units[members[0]].name else names[0]
         what = first + (f" (tied to {names[1:]})" if len(names) > 1 else "")
-        detail = (f" ({format_bytes(weight)} of weights + {format_bytes(act)} of activations)"
-                  if best.is_accelerator else "")
+        detail = (
+            f" ({format_bytes(weight)} of weights + {format_bytes(act)} of activations)"
+            if best.is_accelerator
+            else ""
+        )
         raise PlanError(
             f"{what} needs {format_bytes(needs[best.name])}{detail} but the largest device that can run it, "
             f"{best.name}, has {format_bytes(room(best, reserve))}; raise max_memory for one device, allow "
@@ -66,8 +78,9 @@ def check_items_fit(profile: Profile, items: Items, devices: Sequence[DeviceSpec
         )
 
 
-def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy,
-                reserve: Mapping[str, int]) -> list[Candidate]:
+def level_plans(
+    profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Strategy, reserve: Mapping[str, int]
+) -> list[Candidate]:
     """Every option for ``profile``, each built as a plan (``devices`` sorted, fastest first).
 
     Raises:
@@ -90,8 +103,16 @@ def level_plans(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: Str
     options = [_less_reserve(option, runtime) for option in options]
     found = []
     for option in options:
-        plan = build_plan(profile, devices, _unit_devices(items, option.layout, len(profile.units)), strategy.name,
-                          option.layout.reserves, cuts, option.layout.notes, executor=option.layout.executor)
+        plan = build_plan(
+            profile,
+            devices,
+            _unit_devices(items, option.layout, len(profile.units)),
+            strategy.name,
+            option.layout.reserves,
+            cuts,
+            option.layout.notes,
+            executor=option.layout.executor,
+        )
         found.append(Candidate(option.kind, plan))
     return found
 
@@ -104,7 +125,9 @@ def cpu_activations(profile: Profile, devices: Sequence[DeviceSpec]) -> int:
     return max([profile.run_peak_bytes, *(u.peak_activation_bytes for u in profile.units)])
 
 
-def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> dict[str, int]:
+def runtime_room(
+    profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]
+) -> dict[str, int]:
     """Bytes of the CPU's budget kept from weights where it computes the whole model: the
     forward's activation peak (none known where the forward was not traced) and the runtime's
     overhead (:mod:`automap.planning.memory`), as much of them as the budget holds (a budget below them keeps no weight in RAM, and the plan
@@ -114,8 +137,11 @@ def runtime_room(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mappi
     # An untraced forward has no activation figures, but the runtime's own overhead still counts.
     activations = cpu_activations(profile, devices)
     transient = min(activations, profile.forward_peak_bytes or activations)
-    return {d.name: min(runtime_bytes(d, activations, transient), room(d, reserve))
-            for d in devices if kind_of(d).is_host}
+    return {
+        d.name: min(runtime_bytes(d, activations, transient), room(d, reserve))
+        for d in devices
+        if kind_of(d).is_host
+    }
 
 
 def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int]) -> None:
@@ -140,30 +166,37 @@ def check_runtime_fits(profile: Profile, devices: Sequence[DeviceSpec], reserve:
                 f"+ {format_bytes(need - activations)} of runtime overhead) before any weight, but its budget is "
                 f"{format_bytes(room(device, reserve))}; raise max_memory[{device.map_value!r}] to at least "
                 f"{format_bytes(need + reserve.get(device.name, 0))} (it cannot hold even one unit's "
-                f"{format_bytes(one_unit)}), or plan a smaller batch or sequence")
+                f"{format_bytes(one_unit)}), or plan a smaller batch or sequence"
+            )
 
 
 def _with_runtime_note(exc: PlanError, runtime: Mapping[str, int]) -> PlanError:
     if not any(runtime.values()) or isinstance(exc, RuntimeBudgetError):
         return exc
     kept = ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in runtime.items())
-    return PlanError(f"{exc} (the budgets above are what is left after the forward's activations and the runtime's "
-                     f"overhead where the CPU computes: {kept})")
+    return PlanError(
+        f"{exc} (the budgets above are what is left after the forward's activations and the runtime's "
+        f"overhead where the CPU computes: {kept})"
+    )
 
 
 def _less_reserve(option: Option, extra: Mapping[str, int]) -> Option:
     if not extra:
         return option
     reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in option.layout.reserves.items()}
-    return replace(option, layout=replace(option.layout, reserves={k: v for k, v in reserves.items() if v > 0}))
+    return replace(
+        option, layout=replace(option.layout, reserves={k: v for k, v in reserves.items() if v > 0})
+    )
 
 
 def _with_kv_note(exc: PlanError, profile: Profile) -> PlanError:
     if not profile.total_kv_bytes or profile.generation is None or isinstance(exc, RuntimeBudgetError):
         return exc  # the run's bytes come before any weight or cache
     g = profile.generation
-    return PlanError(f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
-                     f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs less)")
+    return PlanError(
+        f"{exc} (the bytes counted as weights include the KV cache of {g.batch} x {g.max_length} "
+        f"tokens, {format_bytes(profile.total_kv_bytes)}; a smaller batch or max_length needs less)"
+    )
 
 
 def _unit_devices(items: Items, placed: Layout, count: int) -> list[str]:
@@ -199,8 +232,13 @@ def offloaded_kv_options(profile: Profile, ctx: LayoutContext, options: Sequence
 
 def _offloaded_kv(profile: Profile, ctx: LayoutContext, layout: Layout) -> dict[str, int]:
     """Bytes of generation cache per device that computes ``layout``'s offloaded units."""
-    sketch = Plan(units=profile.units, devices=ctx.devices, provenance=Provenance(ctx.strategy.name),
-                  placement=tuple(_unit_devices(ctx.items, layout, len(profile.units))), executor=layout.executor)
+    sketch = Plan(
+        units=profile.units,
+        devices=ctx.devices,
+        provenance=Provenance(ctx.strategy.name),
+        placement=tuple(_unit_devices(ctx.items, layout, len(profile.units))),
+        executor=layout.executor,
+    )
     need: dict[str, int] = {}
     for unit, where in zip(sketch.units, sketch.placement):
         if sketch.placements.by_home[where].offloaded:
@@ -222,40 +260,64 @@ def _kv_settled(profile: Profile, ctx: LayoutContext, option: Option, rank: int 
         reserve = {name: ctx.reserve.get(name, 0) + extra.get(name, 0) for name in {*ctx.reserve, *extra}}
         alike = [o for o in layout_options(ctx.with_reserve(reserve)) if o.kind == option.kind]
         if rank >= len(alike):
-            raise PlanError(f"no {option.kind} layout keeps room for the generation cache of its offloaded units")
+            raise PlanError(
+                f"no {option.kind} layout keeps room for the generation cache of its offloaded units"
+            )
         option = alike[rank]
     # The cache shows as the computing device's KV, not as a reserve.
     reserves = {name: nbytes - extra.get(name, 0) for name, nbytes in option.layout.reserves.items()}
     return replace(option, layout=replace(option.layout, reserves={k: v for k, v in reserves.items() if v}))
 
 
-def build_plan(profile: Profile, devices: tuple[DeviceSpec, ...], placement: Sequence[str], strategy: str,
-               reserves: Mapping[str, int], cuts: Sequence[int] | None = None,
-               notes: Sequence[str] = (), origin: Origin = Origin.STRATEGY, executor: str = "") -> Plan:
+def build_plan(
+    profile: Profile,
+    devices: tuple[DeviceSpec, ...],
+    placement: Sequence[str],
+    strategy: str,
+    reserves: Mapping[str, int],
+    cuts: Sequence[int] | None = None,
+    notes: Sequence[str] = (),
+    origin: Origin = Origin.STRATEGY,
+    executor: str = "",
+) -> Plan:
     """Assemble a :class:`Plan` and the notes a user should read."""
-    inputs = PlanInputs(tie_groups=profile.tie_groups,
-                        cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
-                        example=profile.example, generation=profile.generation,
-                        reserves=tuple((d.name, int(reserves[d.name])) for d in devices
-                                       if reserves.get(d.name)),
-                        activation_peak_bytes=profile.run_peak_bytes,
-                        inference_peak_bytes=profile.forward_peak_bytes)
-    plan = Plan(units=profile.units, devices=devices, placement=tuple(placement),
-                provenance=Provenance(strategy, origin), inputs=inputs, executor=executor)
+    inputs = PlanInputs(
+        tie_groups=profile.tie_groups,
+        cut_bytes=tuple(all_cut_bytes(profile) if cuts is None else cuts),
+        example=profile.example,
+        generation=profile.generation,
+        reserves=tuple((d.name, int(reserves[d.name])) for d in devices if reserves.get(d.name)),
+        activation_peak_bytes=profile.run_peak_bytes,
+        inference_peak_bytes=profile.forward_peak_bytes,
+    )
+    plan = Plan(
+        units=profile.units,
+        devices=devices,
+        placement=tuple(placement),
+        provenance=Provenance(strategy, origin),
+        inputs=inputs,
+        executor=executor,
+    )
     found = list(notes)
     if plan.offloaded_units:
         count = len(plan.offloaded_units)
-        found.append(f"{count} unit{'' if count == 1 else 's'} offloaded "
-                     f"({format_bytes(plan.placements.offloaded_bytes)}), "
-                     f"streamed to {plan.execution_device} when they run")
+        found.append(
+            f"{count} unit{'' if count == 1 else 's'} offloaded "
+            f"({format_bytes(plan.placements.offloaded_bytes)}), "
+            f"streamed to {plan.execution_device} when they run"
+        )
     if is_host_name(executor) and any(d.is_accelerator for d in devices):
-        found.append("the CPU computes the units placed on 'cpu' (and streams those on 'disk'); accelerate and "
-                     "from_pretrained read 'cpu' in a device_map as streamed to GPU 0 instead, so pass this Plan, "
-                     "not its device_map, to automap.dispatch or automap.load")
+        found.append(
+            "the CPU computes the units placed on 'cpu' (and streams those on 'disk'); accelerate and "
+            "from_pretrained read 'cpu' in a device_map as streamed to GPU 0 instead, so pass this Plan, "
+            "not its device_map, to automap.dispatch or automap.load"
+        )
     if not profile.example:
         found.append("no example inputs: balanced by bytes, not FLOPs")
     if profile.uncalled:
-        found.append(f"{len(profile.uncalled)} unit{'' if len(profile.uncalled) == 1 else 's'} never called in the "
-                     "traced forward: "
-                     f"{', '.join(profile.uncalled[:3])}")
+        found.append(
+            f"{len(profile.uncalled)} unit{'' if len(profile.uncalled) == 1 else 's'} never called in the "
+            "traced forward: "
+            f"{', '.join(profile.uncalled[:3])}"
+        )
     return replace(plan, provenance=replace(plan.provenance, warnings=tuple(found)))

@@ -1,6 +1,7 @@
 """Layout kinds as registered objects (:func:`register_layout`), and the :class:`LayoutContext`
 every kind reads. A kind owns its fit test and the layouts it builds; splitting keeps the fastest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,12 +68,21 @@ class LayoutContext:
     reserve: Mapping[str, int]
 
     @classmethod
-    def of(cls, items: Items, devices: Sequence[DeviceSpec], strategy: Strategy,
-           reserve: Mapping[str, int]) -> LayoutContext:
+    def of(
+        cls, items: Items, devices: Sequence[DeviceSpec], strategy: Strategy, reserve: Mapping[str, int]
+    ) -> LayoutContext:
         """The context for ``items`` on ``devices`` (sorted, fastest first)."""
         compute, storage = tiers(devices)
-        return cls(items, grouped(items), tuple(devices), tuple(compute), tuple(storage),
-                   tuple(room(d, reserve) for d in compute), strategy, reserve)
+        return cls(
+            items,
+            grouped(items),
+            tuple(devices),
+            tuple(compute),
+            tuple(storage),
+            tuple(room(d, reserve) for d in compute),
+            strategy,
+            reserve,
+        )
 
     def with_reserve(self, reserve: Mapping[str, int]) -> LayoutContext:
         """The same items, devices and strategy with another reserve per device name."""
@@ -86,25 +96,36 @@ class LayoutContext:
     @property
     def total_fits(self) -> bool:
         """The weights fit the computing devices and the storage tiers together."""
-        return sum(self.items.chain.weight) <= sum(room(d, self.reserve) for d in [*self.compute, *self.storage])
+        return sum(self.items.chain.weight) <= sum(
+            room(d, self.reserve) for d in [*self.compute, *self.storage]
+        )
 
     @property
     def host_stores(self) -> bool:
         """CPU RAM is a storage tier (so the CPU can compute what it stores)."""
         return any(kind_of(d).is_host for d in self.storage)
 
-    def stages(self, chain: Chain, rooms: Sequence[int], base: float = 0.0, floor: int = 0,
-               executor: int = 0) -> list[Range | None]:
+    def stages(
+        self, chain: Chain, rooms: Sequence[int], base: float = 0.0, floor: int = 0, executor: int = 0
+    ) -> list[Range | None]:
         """Split ``chain`` (known to fit ``rooms``) over the computing devices with the
         strategy; the one at index ``executor`` also runs the offloaded units (``base``
         seconds, ``floor`` activation bytes)."""
-        slots = [Slot(r, d.flops_per_second, d.link_bytes_per_second, base if i == executor else 0.0,
-                      floor if i == executor else 0)
-                 for i, (d, r) in enumerate(zip(self.compute, rooms))]
+        slots = [
+            Slot(
+                r,
+                d.flops_per_second,
+                d.link_bytes_per_second,
+                base if i == executor else 0.0,
+                floor if i == executor else 0,
+            )
+            for i, (d, r) in enumerate(zip(self.compute, rooms))
+        ]
         return self.strategy.split(chain, slots, False)
 
-    def names(self, kept: Sequence[Range | None], offset: int = 0,
-              where: Mapping[int, DeviceSpec] | None = None) -> tuple[str, ...]:
+    def names(
+        self, kept: Sequence[Range | None], offset: int = 0, where: Mapping[int, DeviceSpec] | None = None
+    ) -> tuple[str, ...]:
         """Device name per item: stored items where ``where`` says, kept groups ``offset +
         range`` on their computing device."""
         names = [""] * sum(len(g) for g in self.groups.items)
@@ -123,9 +144,17 @@ class LayoutContext:
         if not self.accelerated:
             return self.does_not_fit(0)
         fits = self.total_fits
-        reason = ("" if not (fits and self.storage) else "no accelerator can hold its units beside the room to stream "
-                  "the largest offloaded one" + ("" if self.host_stores else ", and no CPU budget lets the CPU "
-                                                 "compute them (allow 'cpu' in max_memory)"))
+        reason = (
+            ""
+            if not (fits and self.storage)
+            else "no accelerator can hold its units beside the room to stream "
+            "the largest offloaded one"
+            + (
+                ""
+                if self.host_stores
+                else ", and no CPU budget lets the CPU compute them (allow 'cpu' in max_memory)"
+            )
+        )
         return self.does_not_fit(max(self.groups.stream, default=0) if fits else 0, reason)
 
     def does_not_fit(self, extra: int, reason: str = "") -> PlanError:
@@ -143,9 +172,11 @@ class LayoutContext:
         else:  # room enough in all, but not where it is needed
             largest = max(range(len(chain)), key=lambda i: chain.weight[i] + chain.activation[i], default=0)
             need = chain.weight[largest] + chain.activation[largest] if len(chain) else 0
-            verdict = (f"total {format_bytes(available)} is enough, but its largest piece ({format_bytes(need)} of "
-                       "weights and activations) must be in the memory of a device that computes to run, and the "
-                       f"most one has is {format_bytes(max((room(d, reserve) for d in self.compute), default=0))}")
+            verdict = (
+                f"total {format_bytes(available)} is enough, but its largest piece ({format_bytes(need)} of "
+                "weights and activations) must be in the memory of a device that computes to run, and the "
+                f"most one has is {format_bytes(max((room(d, reserve) for d in self.compute), default=0))}"
+            )
         return PlanError(
             f"the model does not fit even with offloading{': ' + reason if reason else ''}; it needs "
             f"{format_bytes(weights)} of weights + {format_bytes(peak)} of activations + {format_bytes(extra)} to "
@@ -179,9 +210,11 @@ LAYOUT_KINDS: dict[str, LayoutKind] = {}
 def register_layout(name: str) -> Callable[[type[LayoutKind]], type[LayoutKind]]:
     """Register the decorated :class:`LayoutKind` subclass as ``name``; kinds are tried in the
     order they are registered."""
+
     def decorate(cls: type[LayoutKind]) -> type[LayoutKind]:
         if name in LAYOUT_KINDS:
             raise ValueError(f"layout kind {name!r} is registered twice")
         LAYOUT_KINDS[name] = cls()
         return cls
+
     return decorate

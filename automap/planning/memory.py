@@ -4,6 +4,7 @@ overhead per device kind), from the plan's own inputs: nothing is measured here.
 places against the same figures (:func:`runtime_bytes`), and the report shows them
 (:func:`automap.planning.predict.memory`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,8 +55,14 @@ class DeviceMemory:
         return self.capacity_bytes == 0 or self.peak_bytes <= self.capacity_bytes
 
     def as_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "cache": self.cache, "staging": self.staging,
-                "activations": self.activations, "overhead": self.overhead, "peak": self.peak_bytes}
+        return {
+            "weights": self.weights,
+            "cache": self.cache,
+            "staging": self.staging,
+            "activations": self.activations,
+            "overhead": self.overhead,
+            "peak": self.peak_bytes,
+        }
 
 
 def runtime_overhead(device: DeviceSpec | str, activations: int, transient: int | None = None) -> int:
@@ -64,7 +71,9 @@ def runtime_overhead(device: DeviceSpec | str, activations: int, transient: int 
     inference forward's peak (a training forward keeps its saved tensors, which are never freed
     in it); default ``activations``."""
     kind = kind_of(device)
-    return int(kind.runtime_base_bytes + kind.runtime_share * (activations if transient is None else transient))
+    return int(
+        kind.runtime_base_bytes + kind.runtime_share * (activations if transient is None else transient)
+    )
 
 
 def runtime_bytes(device: DeviceSpec | str, activations: int, transient: int | None = None) -> int:
@@ -87,8 +96,17 @@ def device_memory(plan: Planned) -> tuple[DeviceMemory, ...]:
         activations = _activations(plan, device, mine)
         transient = min(activations, plan.inference_peak_bytes or activations)
         overhead = runtime_overhead(device, activations, transient) if mine else 0
-        rows.append(DeviceMemory(device.name, device.capacity_bytes, weights, cache, reserves.get(device.name, 0),
-                                 activations, overhead))
+        rows.append(
+            DeviceMemory(
+                device.name,
+                device.capacity_bytes,
+                weights,
+                cache,
+                reserves.get(device.name, 0),
+                activations,
+                overhead,
+            )
+        )
     return tuple(rows)
 
 

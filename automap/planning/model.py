@@ -1,6 +1,7 @@
 """The :class:`Plan`: where every placement unit lives, what each device holds and does, and
 what it is predicted to cost. Built by :mod:`automap.planning.layout_plans` or from a user map.
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,8 +46,10 @@ def _render(kind: str, *args: Any, **options: Any) -> Any:
     try:
         renderer = RENDERERS[kind]
     except KeyError:
-        raise PlanError(f"no {kind} renderer is registered: import automap.report (``import automap`` does) "
-                        "before drawing a plan") from None
+        raise PlanError(
+            f"no {kind} renderer is registered: import automap.report (``import automap`` does) "
+            "before drawing a plan"
+        ) from None
     return renderer(*args, **options)
 
 
@@ -62,8 +65,10 @@ def register_exporter(engine: str, exporter: Callable[..., Any]) -> None:
 
 def _export(engine: str, plan: Plan, **options: Any) -> Any:
     if not EXPORTERS:
-        raise PlanError("no exporter is registered: import automap.report (``import automap`` does) before "
-                        "exporting a plan")
+        raise PlanError(
+            "no exporter is registered: import automap.report (``import automap`` does) before "
+            "exporting a plan"
+        )
     if engine not in EXPORTERS:
         raise PlanError(f"no exporter for engine {engine!r}; the engines are {', '.join(sorted(EXPORTERS))}")
     return EXPORTERS[engine](plan, **options)
@@ -87,7 +92,13 @@ class DeviceSummary:
     @property
     def used_bytes(self) -> int:
         """The predicted peak: weights, activations, reserve (staging), cache and overhead."""
-        return self.weight_bytes + self.activation_bytes + self.reserve_bytes + self.kv_bytes + self.overhead_bytes
+        return (
+            self.weight_bytes
+            + self.activation_bytes
+            + self.reserve_bytes
+            + self.kv_bytes
+            + self.overhead_bytes
+        )
 
     @property
     def over_capacity(self) -> bool:
@@ -287,8 +298,12 @@ class Plan:
         """The one placement view: each unit's resolved placement (its home, tier, the device it
         computes on and the route its weights take there) and bytes, and how each device's units
         run. Dispatch, load, decode and the report read it instead of resolving device names."""
-        return placement_table([(u.name, u.weight_bytes) for u in self.units], self.placement,
-                               [d.name for d in self.devices], self.executor)
+        return placement_table(
+            [(u.name, u.weight_bytes) for u in self.units],
+            self.placement,
+            [d.name for d in self.devices],
+            self.executor,
+        )
 
     @property
     def used_devices(self) -> tuple[str, ...]:

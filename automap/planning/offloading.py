@@ -6,6 +6,7 @@
 read from disk passes through pinned staging, counted in the CPU budget). Plain arrays in and
 out: :mod:`automap.planning.layout_kinds` turns them into layouts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -45,8 +46,14 @@ class Offload:
         return [self.peak if j == self.executor else 0 for j in range(count)]
 
 
-def offload_point(chain: Chain, stream: Sequence[int], rooms: Sequence[int], executor: int, weights: int = 0,
-                  activations: int = 0) -> Offload:
+def offload_point(
+    chain: Chain,
+    stream: Sequence[int],
+    rooms: Sequence[int],
+    executor: int,
+    weights: int = 0,
+    activations: int = 0,
+) -> Offload:
     """The longest prefix the computing devices hold while the executor keeps room for the
     largest offloaded item's weights and activations (which, like its own units', run one at
     a time), starting from at least ``weights``/``activations``. Both only grow as the prefix
@@ -62,8 +69,9 @@ def offload_point(chain: Chain, stream: Sequence[int], rooms: Sequence[int], exe
         weights, activations = need_w, need_a
 
 
-def choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int], light_first: bool = False
-                   ) -> Offload | None:
+def choose_offload(
+    chain: Chain, stream: Sequence[int], rooms: Sequence[int], light_first: bool = False
+) -> Offload | None:
     """The offload that keeps the most bytes on the computing devices, trying each device as
     the executor and a few leading groups offloaded; None when no device can execute. With
     ``light_first`` (``balanced_low_0``) the first device executes only when no other can."""
@@ -75,14 +83,19 @@ def choose_offload(chain: Chain, stream: Sequence[int], rooms: Sequence[int], li
             found = offload_point(rest, rest_stream, rooms, executor, floor_w, floor_a)
             if rooms[executor] < found.streamed + found.peak:
                 continue  # this device cannot stream the largest offloaded item
-            kept = (not (light_first and executor == 0 and len(rooms) > 1), sum(rest.weight[:found.point]))
+            kept = (not (light_first and executor == 0 and len(rooms) > 1), sum(rest.weight[: found.point]))
             if kept > kept_best:
                 best, kept_best = replace(found, head=head, point=head + found.point), kept
     return best
 
 
-def store(weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec],
-          reserve: Mapping[str, int], held: Mapping[str, int] | None = None) -> dict[int, DeviceSpec] | None:
+def store(
+    weights: Sequence[int],
+    order: Sequence[int],
+    storage: Sequence[DeviceSpec],
+    reserve: Mapping[str, int],
+    held: Mapping[str, int] | None = None,
+) -> dict[int, DeviceSpec] | None:
     """Items ``order`` to storage tiers, each to the first tier (CPU RAM, then disk) with room
     left for it, less ``held`` bytes per tier; None when one fits none."""
     free = [room(d, reserve) - (held or {}).get(d.name, 0) for d in storage]
@@ -95,8 +108,9 @@ def store(weights: Sequence[int], order: Sequence[int], storage: Sequence[Device
     return where
 
 
-def store_staged(weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec],
-                 reserve: Mapping[str, int]) -> tuple[dict[int, DeviceSpec], int] | None:
+def store_staged(
+    weights: Sequence[int], order: Sequence[int], storage: Sequence[DeviceSpec], reserve: Mapping[str, int]
+) -> tuple[dict[int, DeviceSpec], int] | None:
     """:func:`store` for streaming to an accelerator: an item read from disk passes through a
     pinned staging buffer in CPU RAM, as large as the largest such item, so the CPU tier keeps
     that much free. Returns the tiers and the staging bytes (0 when nothing is on disk)."""
@@ -106,7 +120,11 @@ def store_staged(weights: Sequence[int], order: Sequence[int], storage: Sequence
         where = store(weights, order, storage, reserve, {host: staging} if host else None)
         if where is None:
             return None
-        need = max((weights[i] for i, d in where.items() if kind_of(d).staged_via_host), default=0) if host else 0
+        need = (
+            max((weights[i] for i, d in where.items() if kind_of(d).staged_via_host), default=0)
+            if host
+            else 0
+        )
         if need <= staging:
             return where, staging
         staging = need
@@ -116,6 +134,7 @@ def offload_seconds(chain: Chain, where: Mapping[int, DeviceSpec], executor: Dev
     """Seconds the execution device spends running offloaded items: compute plus streaming."""
     total = 0.0
     for i, tier in where.items():
-        total += flop_seconds(chain.work[i], executor.flops_per_second) + transfer_seconds(chain.weight[i], tier,
-                                                                                          executor)
+        total += flop_seconds(chain.work[i], executor.flops_per_second) + transfer_seconds(
+            chain.weight[i], tier, executor
+        )
     return total

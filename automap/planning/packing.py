@@ -1,6 +1,7 @@
 """Packing whole units on accelerators out of execution order: the last resort before
 offloading, for models whose units fit the accelerators only when not kept contiguous (large
 activations early, large weights late, as in ResNet-50 at 224x224)."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -9,8 +10,9 @@ from automap.devices import DeviceSpec
 from automap.planning.partition import Chain, Range, Slot, fill, min_bottleneck
 
 
-def pack_out_of_order(chain: Chain, compute: Sequence[DeviceSpec],
-                      rooms: Sequence[int]) -> tuple[list[int], int] | None:
+def pack_out_of_order(
+    chain: Chain, compute: Sequence[DeviceSpec], rooms: Sequence[int]
+) -> tuple[list[int], int] | None:
     """Last resort before offloading, when no contiguous split leaves room for activations.
 
     Starts from the balanced split by weights alone, from the longest prefix that fits, or
@@ -23,8 +25,11 @@ def pack_out_of_order(chain: Chain, compute: Sequence[DeviceSpec],
     """
     weights_only = Chain(chain.work, chain.weight, [0] * len(chain), chain.cut)
     slots = [Slot(room, d.flops_per_second, d.link_bytes_per_second) for d, room in zip(compute, rooms)]
-    starts: list[Sequence[Range | None]] = [min_bottleneck(weights_only, slots) or [None] * len(compute),
-                                           fill(chain, rooms)[0], [None] * len(compute)]
+    starts: list[Sequence[Range | None]] = [
+        min_bottleneck(weights_only, slots) or [None] * len(compute),
+        fill(chain, rooms)[0],
+        [None] * len(compute),
+    ]
     found = [owner for owner in (_scatter(chain, rooms, r) for r in starts) if owner is not None]
     if not found:
         return None
@@ -48,10 +53,15 @@ def _scatter(chain: Chain, rooms: Sequence[int], ranges: Sequence[Range | None])
         for i in range(start, stop):
             owner[i] = j
     weights = [sum(chain.weight[i] for i in range(len(chain)) if owner[i] == j) for j in range(len(rooms))]
-    peaks = [max((chain.activation[i] for i in range(len(chain)) if owner[i] == j), default=0)
-             for j in range(len(rooms))]
+    peaks = [
+        max((chain.activation[i] for i in range(len(chain)) if owner[i] == j), default=0)
+        for j in range(len(rooms))
+    ]
     for i in sorted((i for i in range(len(chain)) if owner[i] is None), key=lambda i: (-chain.weight[i], i)):
-        free = [rooms[j] - weights[j] - max(peaks[j], chain.activation[i]) - chain.weight[i] for j in range(len(rooms))]
+        free = [
+            rooms[j] - weights[j] - max(peaks[j], chain.activation[i]) - chain.weight[i]
+            for j in range(len(rooms))
+        ]
         fitting = [j for j in range(len(rooms)) if free[j] >= 0]
         if not fitting:
             return None

@@ -1,6 +1,7 @@
 """Contiguous partition of a chain of items over devices in a fixed order, minimising the slowest
 stage: the pure algorithm behind the balancer, on plain numpy arrays (no torch, no profile).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -76,7 +77,9 @@ def memory_reach(chain: Chain, room: int, floor: int = 0) -> list[int]:
     return reach
 
 
-def fill(chain: Chain, rooms: Sequence[int], start: int = 0, floors: Sequence[int] = ()) -> tuple[list[Range], int]:
+def fill(
+    chain: Chain, rooms: Sequence[int], start: int = 0, floors: Sequence[int] = ()
+) -> tuple[list[Range], int]:
     """Greedy fill: each room in turn takes as many items as fit. Returns the ranges and the
     end reached; no contiguous split reaches further (feasibility shrinks with the range).
     O(n + k): each item is looked at once, plus once per room where it does not fit."""
@@ -113,7 +116,7 @@ class _Probe:
         self.slots = list(slots)
         self.prefix = np.concatenate([[0.0], np.cumsum(np.asarray(chain.work, dtype=np.float64))])
         cut = np.zeros(self.n + 1)
-        cut[1:self.n] = np.asarray(chain.cut, dtype=np.float64)[1:self.n]
+        cut[1 : self.n] = np.asarray(chain.cut, dtype=np.float64)[1 : self.n]
         self.cut = cut
         self.memory = [np.asarray(memory_reach(chain, s.room, floor=s.floor)) for s in slots]
         self.index = np.arange(self.n + 1)
@@ -128,7 +131,9 @@ class _Probe:
         sweep = _Sweep([], [], [], False)
         for slot, memory in zip(self.slots, self.memory):
             link = np.minimum(best_link, slot.link)
-            transfer = np.where(self.cut > 0, self.cut / np.maximum(link, MIN_RATE), 0.0)  # cost.transfer_seconds
+            transfer = np.where(
+                self.cut > 0, self.cut / np.maximum(link, MIN_RATE), 0.0
+            )  # cost.transfer_seconds
             budget = (limit - slot.base - transfer) * slot.speed
             ends = np.searchsorted(self.prefix, self.prefix + budget, side="right") - 1
             ends = np.minimum(ends, memory)
@@ -155,11 +160,14 @@ def _upper_bound(chain: Chain, slots: Sequence[Slot]) -> float:
     largest cut over the slowest link, plus the largest fixed work."""
     speed = min(max(s.speed, 1e-300) for s in slots)
     link = min(max(s.link, MIN_RATE) for s in slots)
-    return (float(sum(chain.work)) / speed + float(max(chain.cut, default=0)) / link
-            + max(s.base for s in slots)) * (1 + 1e-9) + 1e-300
+    return (
+        float(sum(chain.work)) / speed + float(max(chain.cut, default=0)) / link + max(s.base for s in slots)
+    ) * (1 + 1e-9) + 1e-300
 
 
-def min_bottleneck(chain: Chain, slots: Sequence[Slot], anchor_first: bool = False) -> list[Range | None] | None:
+def min_bottleneck(
+    chain: Chain, slots: Sequence[Slot], anchor_first: bool = False
+) -> list[Range | None] | None:
     """The contiguous split of ``chain`` over ``slots`` (in order) with the smallest
     bottleneck, or None when no split fits in memory. With ``anchor_first`` the first slot
     takes at least the first item (it is the execution device of offloaded units).

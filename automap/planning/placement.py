@@ -2,6 +2,7 @@
 device), where it computes, and how its weights get there (resident, streamed or staged).
 Resolved once per plan; dispatch, load and the report read it instead of re-deriving it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -52,7 +53,12 @@ class Placement:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``docs/plan-schema.md``)."""
-        return {"home": self.home, "tier": self.tier, "compute_device": self.compute, "route": self.route.value}
+        return {
+            "home": self.home,
+            "tier": self.tier,
+            "compute_device": self.compute,
+            "route": self.route.value,
+        }
 
 
 def resolve(home: str, execution: str) -> Placement:
@@ -112,8 +118,9 @@ class PlacementTable:
         return sum(b for b, p in zip(self.weight_bytes, self.rows) if p.offloaded)
 
 
-def placement_table(units: Sequence[tuple[str, int]], homes: Sequence[str], devices: Sequence[str],
-                    executor: str = "") -> PlacementTable:
+def placement_table(
+    units: Sequence[tuple[str, int]], homes: Sequence[str], devices: Sequence[str], executor: str = ""
+) -> PlacementTable:
     """The table of units ``(name, weight bytes)`` living on ``homes``, over ``devices`` (names,
     fastest tier first); offloaded units compute on ``executor``, else on the first accelerator
     holding a unit, else on the CPU."""
@@ -124,6 +131,12 @@ def placement_table(units: Sequence[tuple[str, int]], homes: Sequence[str], devi
     held: dict[str, int] = dict.fromkeys(by_home, 0)
     for (_, nbytes), home in zip(units, homes):
         held[home] += nbytes
-    return PlacementTable(tuple(name for name, _ in units), tuple(by_home[h] for h in homes),
-                          tuple(nbytes for _, nbytes in units), execution, MappingProxyType(by_home),
-                          used_devices, MappingProxyType(held))
+    return PlacementTable(
+        tuple(name for name, _ in units),
+        tuple(by_home[h] for h in homes),
+        tuple(nbytes for _, nbytes in units),
+        execution,
+        MappingProxyType(by_home),
+        used_devices,
+        MappingProxyType(held),
+    )

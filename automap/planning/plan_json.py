@@ -3,6 +3,7 @@
 is checked against the kind its dataclass declares, every unit must sit on one of the plan's
 devices, and anything else is a :class:`~automap.errors.PlanError` naming the field and the fix.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,11 @@ def plan_from_text(text: str) -> Plan:
             kind), or of another version.
     """
     if not isinstance(text, (str, bytes, bytearray)):
-        raise PlanError(f"Plan.from_json takes the JSON text (a str), not a {type(text).__name__}; "
-                        "to read a file, "
-                        "use automap.report.read_json(path)")
+        raise PlanError(
+            f"Plan.from_json takes the JSON text (a str), not a {type(text).__name__}; "
+            "to read a file, "
+            "use automap.report.read_json(path)"
+        )
     return plan_from_value(load_json(text, "the plan JSON is not JSON", _REWRITE, PlanError))
 
 
@@ -59,7 +62,9 @@ _REWRITE = "write it again with plan.to_json() or 'automap plan ... --json FILE'
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     """The plan a parsed plan JSON object holds (see :func:`plan_from_text`)."""
     if data.get("version") != JSON_VERSION:
-        raise PlanError(f"plan JSON has version {data.get('version')!r}; this automap reads version {JSON_VERSION}")
+        raise PlanError(
+            f"plan JSON has version {data.get('version')!r}; this automap reads version {JSON_VERSION}"
+        )
     devices = _devices_of(data["devices"])
     units = tuple(Unit(**_fields_of(Unit, u, f"unit {i}")) for i, u in enumerate(data["units"]))
     origin, strategy = _origin_of(data)
@@ -67,15 +72,19 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         units=units,
         devices=devices,
         placement=_placement_of(data["units"], devices),
-        provenance=Provenance(strategy, origin, warnings=tuple(data.get("warnings", [])),
-                              choices=tuple(data.get("choices", []))),
+        provenance=Provenance(
+            strategy, origin, warnings=tuple(data.get("warnings", [])), choices=tuple(data.get("choices", []))
+        ),
         inputs=PlanInputs(
             tie_groups=tuple(tuple(g) for g in data.get("tie_groups", [])),
-            cut_bytes=tuple(int(_number(c, "cut_bytes", MAX_BYTES, integral=True))
-                            for c in data.get("cut_bytes", [])),
+            cut_bytes=tuple(
+                int(_number(c, "cut_bytes", MAX_BYTES, integral=True)) for c in data.get("cut_bytes", [])
+            ),
             example=data.get("example", ""),
-            reserves=tuple((str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))
-                           for k, v in data.get("reserves", {}).items()),
+            reserves=tuple(
+                (str(k), int(_number(v, f"reserves[{k!r}]", MAX_BYTES, integral=True)))
+                for k, v in data.get("reserves", {}).items()
+            ),
             generation=_generation_of(data.get("generation")),
             # Absent (None) in JSON written before the plan recorded it.
             offload_dir=str(data["offload_dir"]) if data.get("offload_dir") else None,
@@ -91,16 +100,21 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     if not executor or executor == plan.execution_device:
         return plan
     if canonical_name(executor) != executor or kind_of(executor).stores_only:
-        raise PlanError(f"plan JSON's execution_device {executor!r} is not a device that computes, such as "
-                        "'cpu' or 'cuda:0'")
+        raise PlanError(
+            f"plan JSON's execution_device {executor!r} is not a device that computes, such as "
+            "'cpu' or 'cuda:0'"
+        )
     return replace(plan, executor=executor)
 
 
 def _number(value: Any, field: str, maximum: float, integral: bool = False) -> float:
     """A number of the plan JSON, read as every number a user gives is
     (:func:`~automap.sizes.parse_number`): finite, >= 0, at most ``maximum``."""
-    return parse_number(value, f"plan JSON's {field}", integral=integral, maximum=maximum, error=PlanError,
-                        hint=_REWRITE)
+    return parse_number(
+        value, f"plan JSON's {field}", integral=integral, maximum=maximum, error=PlanError, hint=_REWRITE
+    )
+
+
 def _bytes_of(key: str, value: Any) -> int:
     return int(_number(value, key, MAX_BYTES, integral=True))
 
@@ -117,20 +131,24 @@ def _device_of(d: Any, i: int) -> DeviceSpec:
         raise PlanError(f"plan JSON's devices[{i}] is not a device's object (a name and a kind); {_REWRITE}")
     where = f"devices[{i}]"
     memory = d.get("memory_bytes_per_second", default_memory_bandwidth(d["kind"]))
-    return DeviceSpec(d["name"], d["kind"],
-                      int(_number(d["capacity_bytes"], f"{where}.capacity_bytes", MAX_BYTES, integral=True)),
-                      _number(d["flops_per_second"], f"{where}.flops_per_second", MAX_RATE),
-                      _number(d["link_bytes_per_second"], f"{where}.link_bytes_per_second", MAX_RATE),
-                      _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE),
-                      _measured_of(d.get("measured", [])))
+    return DeviceSpec(
+        d["name"],
+        d["kind"],
+        int(_number(d["capacity_bytes"], f"{where}.capacity_bytes", MAX_BYTES, integral=True)),
+        _number(d["flops_per_second"], f"{where}.flops_per_second", MAX_RATE),
+        _number(d["link_bytes_per_second"], f"{where}.link_bytes_per_second", MAX_RATE),
+        _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE),
+        _measured_of(d.get("measured", [])),
+    )
 
 
 def _measured_of(names: Any) -> tuple[str, ...]:
     """A device's ``measured``: names of its own figures (absent in JSON written before)."""
     fields = {"capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second"}
     if not isinstance(names, list) or not all(isinstance(n, str) and n in fields for n in names):
-        raise PlanError(f"plan JSON's device 'measured' is {names!r}, not a list of the figures "
-                        f"{sorted(fields)}")
+        raise PlanError(
+            f"plan JSON's device 'measured' is {names!r}, not a list of the figures {sorted(fields)}"
+        )
     return tuple(names)
 
 
@@ -140,8 +158,10 @@ def _placement_of(units: Any, devices: tuple[DeviceSpec, ...]) -> tuple[str, ...
     placement = tuple(u.get("device") for u in units)
     for where in placement:
         if not isinstance(where, str) or where not in names:
-            raise PlanError(f"plan JSON places a unit on {where!r}, which is not one of its devices "
-                            f"({', '.join(sorted(names))})")
+            raise PlanError(
+                f"plan JSON places a unit on {where!r}, which is not one of its devices "
+                f"({', '.join(sorted(names))})"
+            )
     return placement
 
 
@@ -169,7 +189,13 @@ def _fields_of(cls: type, data: Any, what: str) -> dict[str, Any]:
         value = tuple(value) if isinstance(value, list) else value
         if not _fits(value, hints[key]):
             hint = hints[key]
-            kind = "count (an int >= 0)" if hint is int else hint.__name__ if isinstance(hint, type) else str(hint)
+            kind = (
+                "count (an int >= 0)"
+                if hint is int
+                else hint.__name__
+                if isinstance(hint, type)
+                else str(hint)
+            )
             raise PlanError(f"plan JSON's {what} has {key}={value!r}, which is not a {kind}")
         found[key] = value
     return found
@@ -181,7 +207,9 @@ def _fits(value: Any, hint: Any) -> bool:
     if typing.get_origin(hint) is tuple:
         return isinstance(value, tuple) and all(_fits(v, args[0]) for v in value)
     if typing.get_origin(hint) is dict:
-        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+        return isinstance(value, dict) and all(
+            _fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items()
+        )
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return any(_fits(value, a) for a in args)
     if hint is bool or hint is str or hint is type(None):
@@ -198,8 +226,10 @@ def _origin_of(data: Mapping[str, Any]) -> tuple[Origin, str]:
     try:
         origin = Origin(data.get("origin") or (strategy if strategy in ("user", "actual") else "strategy"))
     except ValueError:
-        raise PlanError(f"plan JSON has origin {data.get('origin')!r}; expected one of "
-                        f"{', '.join(o.value for o in Origin)}") from None
+        raise PlanError(
+            f"plan JSON has origin {data.get('origin')!r}; expected one of "
+            f"{', '.join(o.value for o in Origin)}"
+        ) from None
     return origin, ("" if origin is not Origin.STRATEGY and strategy in ("user", "actual") else strategy)
 
 

@@ -4,6 +4,7 @@ cuts, per-device rows, compute per device, bottleneck, hooks' overhead and forwa
 
 Each result is computed once per plan (a plan is frozen) and kept while the plan lives.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -50,8 +51,16 @@ def _cuts(plan: Plan) -> tuple[Cut, ...]:
         src, dst = rows[i - 1].compute, rows[i].compute
         if src != dst:
             nbytes = plan.cut_bytes[i] if i < len(plan.cut_bytes) else plan.units[i - 1].output_bytes
-            result.append(Cut(plan.units[i - 1].name, plan.units[i].name, src, dst, nbytes,
-                              link_seconds(plan, nbytes, src, dst)))
+            result.append(
+                Cut(
+                    plan.units[i - 1].name,
+                    plan.units[i].name,
+                    src,
+                    dst,
+                    nbytes,
+                    link_seconds(plan, nbytes, src, dst),
+                )
+            )
     return tuple(result)
 
 
@@ -84,11 +93,26 @@ def _summary(plan: Plan) -> tuple[DeviceSummary, ...]:
         placed = table.by_home[device.name]
         compute = plan.device(placed.compute)
         streamed = link_seconds(plan, weights, device.name, compute.name) if placed.offloaded else 0.0
-        seconds = stage_seconds(flop_seconds(flops, compute.flops_per_second), streamed,
-                                incoming.get(device.name, 0.0) if units else 0.0)
+        seconds = stage_seconds(
+            flop_seconds(flops, compute.flops_per_second),
+            streamed,
+            incoming.get(device.name, 0.0) if units else 0.0,
+        )
         mem = held[device.name]  # activations and overhead count where the device computes
-        rows.append(DeviceSummary(device, tuple(u.name for u in units), weights, mem.activations, mem.staging,
-                                  flops, flops / total_flops, seconds, mem.cache, mem.overhead))
+        rows.append(
+            DeviceSummary(
+                device,
+                tuple(u.name for u in units),
+                weights,
+                mem.activations,
+                mem.staging,
+                flops,
+                flops / total_flops,
+                seconds,
+                mem.cache,
+                mem.overhead,
+            )
+        )
     return tuple(rows)
 
 
@@ -132,9 +156,12 @@ def forward_seconds(plan: Plan) -> float:
 def over_capacity_notes(plan: Plan) -> list[str]:
     """A warning per device that holds more than its budget (its units, or the run of the units
     it computes: their activations and the runtime's overhead)."""
-    return [f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
-            f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
-            for row in summary(plan) if (row.units or row.activation_bytes) and row.over_capacity]
+    return [
+        f"{row.device.name} holds {format_bytes(row.used_bytes)} but its budget is "
+        f"{format_bytes(row.device.capacity_bytes)}; it may run out of memory"
+        for row in summary(plan)
+        if (row.units or row.activation_bytes) and row.over_capacity
+    ]
 
 
 def tie_split_notes(plan: Plan) -> list[str]:
@@ -149,9 +176,13 @@ def tie_split_notes(plan: Plan) -> list[str]:
         if len(devices) < 2:
             continue
         unit = next((owner[n] for n in group if n in owner), None)
-        nbytes = unit.weight_bytes if unit is not None else 0  # Unit keeps no per-tensor sizes: an upper bound
+        nbytes = (
+            unit.weight_bytes if unit is not None else 0
+        )  # Unit keeps no per-tensor sizes: an upper bound
         seconds = link_seconds(plan, nbytes, devices[0], devices[1])
         places = ", ".join(f"{name} on {device}" for name, device in held.items())
-        notes.append(f"tied weights split: {places} share one tensor; up to {format_bytes(nbytes)} cross devices "
-                     f"each forward (~{format_seconds(seconds)}); map their units to one device to avoid it")
+        notes.append(
+            f"tied weights split: {places} share one tensor; up to {format_bytes(nbytes)} cross devices "
+            f"each forward (~{format_seconds(seconds)}); map their units to one device to avoid it"
+        )
     return notes

@@ -1,6 +1,7 @@
 """Room left on the GPUs of a streamed layout, given to offloaded items (largest first) so they
 stop streaming. Pure, on plain arrays, like :mod:`automap.planning.partition`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,15 @@ class Room:
         self.peak = max(self.peak, activation)
 
 
-def keep_resident(order: Sequence[int], weight: Sequence[int], activation: Sequence[int], cut: Sequence[float],
-                  piece: Sequence[bool], rooms: list[Room], executor: int) -> dict[int, int]:
+def keep_resident(
+    order: Sequence[int],
+    weight: Sequence[int],
+    activation: Sequence[int],
+    cut: Sequence[float],
+    piece: Sequence[bool],
+    rooms: list[Room],
+    executor: int,
+) -> dict[int, int]:
     """Which offloaded items (``order``) stay on which computing device (index into ``rooms``).
 
     Args:
@@ -49,7 +57,9 @@ def keep_resident(order: Sequence[int], weight: Sequence[int], activation: Seque
         crossing = cut[i] + (cut[i + 1] if i + 1 < len(cut) else 0.0)
         if piece[i] or weight[i] <= crossing:
             continue
-        fitting = [j for j, r in enumerate(rooms) if j != executor and r.need(weight[i], activation[i]) <= r.free]
+        fitting = [
+            j for j, r in enumerate(rooms) if j != executor and r.need(weight[i], activation[i]) <= r.free
+        ]
         if fitting:
             j = min(fitting, key=lambda j: (rooms[j].free, j))
             rooms[j].take(weight[i], activation[i])

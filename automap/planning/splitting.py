@@ -5,6 +5,7 @@ Invariant: one splitting rule for every device set (a unit larger than every com
 room, or put on disk whole while CPU RAM could hold a part, is split first); if some option keeps
 everything on the accelerators, only those count.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -44,9 +45,15 @@ class _Level:
     splits: tuple[str, ...]
 
 
-def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str = "auto", *,
-              reserve: Mapping[str, int] | None = None, refine: Refine | None = None,
-              accept: Callable[[Plan], bool] | None = None) -> Plan:
+def make_plan(
+    profile: Profile,
+    devices: tuple[DeviceSpec, ...],
+    strategy: str = "auto",
+    *,
+    reserve: Mapping[str, int] | None = None,
+    refine: Refine | None = None,
+    accept: Callable[[Plan], bool] | None = None,
+) -> Plan:
     """Place ``profile``'s units on ``devices`` with a named strategy.
 
     Args:
@@ -91,7 +98,11 @@ def make_plan(profile: Profile, devices: tuple[DeviceSpec, ...], strategy: str =
         # or packed out of order) splitting finer cannot do better.
         if refine is None or any(_all_computing(c.plan, devices) for c in candidates):
             break
-        wanted = {n: why for n, why in split_targets(current, devices, reserve, candidates).items() if n not in refused}
+        wanted = {
+            n: why
+            for n, why in split_targets(current, devices, reserve, candidates).items()
+            if n not in refused
+        }
         if not wanted:
             break
         refinement = refine(current, list(wanted))
@@ -116,14 +127,21 @@ def _map_note(plan: Plan) -> Plan:
         return plan
     reading = map_execution_device(plan)
     read_as = "computing them on the CPU" if is_host_name(reading) else f"streaming them into {reading}"
-    note = (f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
-            f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
-            "automap.load, or plan with map_only=True for a map that says everything")
+    note = (
+        f"offloaded units stream into {plan.execution_device}, but accelerate and from_pretrained would read "
+        f"this plan's device_map as {read_as}; pass this Plan itself to automap.dispatch or "
+        "automap.load, or plan with map_only=True for a map that says everything"
+    )
     return replace(plan, provenance=replace(plan.provenance, warnings=plan.warnings + (note,)))
 
 
-def _best_accepted(levels: list[_Level], refused: Mapping[str, str], error: PlanError | None,
-                   accept: Callable[[Plan], bool], best: Plan) -> Plan:
+def _best_accepted(
+    levels: list[_Level],
+    refused: Mapping[str, str],
+    error: PlanError | None,
+    accept: Callable[[Plan], bool],
+    best: Plan,
+) -> Plan:
     """The best plan ``accept`` takes, when it is as good a kind as ``best`` (all on the
     accelerators; the accelerators computing every unit; the CPU computing some).
 
@@ -131,15 +149,20 @@ def _best_accepted(levels: list[_Level], refused: Mapping[str, str], error: Plan
         MapFormatError: every plan of ``best``'s kind was refused; ``fallback`` is the best one
             taken, of a worse kind (None when none was).
     """
-    kept = [replace(level, candidates=tuple(c for c in level.candidates if accept(c.plan))) for level in levels]
+    kept = [
+        replace(level, candidates=tuple(c for c in level.candidates if accept(c.plan))) for level in levels
+    ]
     fallback = _best(kept, refused, error) if any(level.candidates for level in kept) else None
     if fallback is not None and _kind_rank(fallback) <= _kind_rank(best):
         return fallback
-    raise MapFormatError("no plan that fits can be said by a device map alone as well as one that cannot: "
-                         "those stream offloaded units into a GPU other than the lowest-numbered one holding "
-                         "units (or into one holding none), or let the CPU compute while GPUs hold units; raise "
-                         "the GPU budgets, allow 'cpu' in max_memory, or pass the Plan itself (not its "
-                         "device_map) to automap.dispatch/automap.load", fallback=fallback)
+    raise MapFormatError(
+        "no plan that fits can be said by a device map alone as well as one that cannot: "
+        "those stream offloaded units into a GPU other than the lowest-numbered one holding "
+        "units (or into one holding none), or let the CPU compute while GPUs hold units; raise "
+        "the GPU budgets, allow 'cpu' in max_memory, or pass the Plan itself (not its "
+        "device_map) to automap.dispatch/automap.load",
+        fallback=fallback,
+    )
 
 
 def _kind_rank(plan: Plan) -> int:
@@ -149,8 +172,12 @@ def _kind_rank(plan: Plan) -> int:
     return 1 if all(plan.device(p.compute).is_accelerator for p in plan.placements) else 2
 
 
-def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
-                  candidates: Sequence[Candidate]) -> dict[str, str]:
+def split_targets(
+    profile: Profile,
+    devices: Sequence[DeviceSpec],
+    reserve: Mapping[str, int],
+    candidates: Sequence[Candidate],
+) -> dict[str, str]:
     """The units that do not fit where they must go, and why (see the module docstring)."""
     computing, _ = tiers(devices)
     if not computing:
@@ -162,26 +189,37 @@ def split_targets(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapp
         need = unit.weight_bytes + unit.peak_activation_bytes
         if need > largest:
             wanted[unit.name] = f"larger than {what} ({format_bytes(need)} > {format_bytes(largest)})"
-    wanted.update((n, why) for n, why in _spilled_whole(profile, devices, reserve, candidates).items()
-                  if n not in wanted)
+    wanted.update(
+        (n, why)
+        for n, why in _spilled_whole(profile, devices, reserve, candidates).items()
+        if n not in wanted
+    )
     gpus = [d for d in computing if d.is_accelerator]
     if not gpus:
         return wanted
     plan = next((c.plan for c in candidates if c.kind == STREAMED), None)
-    executor = plan.device(plan.execution_device) if plan is not None else max(gpus, key=lambda d: room(d, reserve))
+    executor = (
+        plan.device(plan.execution_device) if plan is not None else max(gpus, key=lambda d: room(d, reserve))
+    )
     limit = STAGING_SHARE * room(executor, reserve)
     # The units streamed, or else those the CPU computes (streamed if an accelerator executed).
     off_gpu = plan or next((c.plan for c in candidates if c.kind == CPU_COMPUTES), None)
     for i, unit in enumerate(profile.units):
         on_gpu = off_gpu is not None and off_gpu.device(off_gpu.placement[i]).is_accelerator
         if unit.name not in wanted and unit.weight_bytes > limit and not on_gpu:
-            wanted[unit.name] = (f"streamed to {executor.name}, it would take more than a quarter of its room "
-                                 f"({format_bytes(unit.weight_bytes)} of {format_bytes(room(executor, reserve))})")
+            wanted[unit.name] = (
+                f"streamed to {executor.name}, it would take more than a quarter of its room "
+                f"({format_bytes(unit.weight_bytes)} of {format_bytes(room(executor, reserve))})"
+            )
     return wanted
 
 
-def _spilled_whole(profile: Profile, devices: Sequence[DeviceSpec], reserve: Mapping[str, int],
-                   candidates: Sequence[Candidate]) -> dict[str, str]:
+def _spilled_whole(
+    profile: Profile,
+    devices: Sequence[DeviceSpec],
+    reserve: Mapping[str, int],
+    candidates: Sequence[Candidate],
+) -> dict[str, str]:
     """Units a candidate puts on a storage-only tier (disk) whole though CPU RAM could hold a
     part of them: one larger than RAM's room, and the first one on disk where the RAM that
     candidate leaves free is at least a sixteenth of it (a piece of it may fill that room).
@@ -199,11 +237,15 @@ def _spilled_whole(profile: Profile, devices: Sequence[DeviceSpec], reserve: Map
             if not kind_of(plan.device(plan.placement[i])).stores_only or unit.name in wanted:
                 continue
             if unit.weight_bytes > ram:
-                wanted[unit.name] = (f"larger than the CPU's RAM budget, it would go to disk whole "
-                                     f"({format_bytes(unit.weight_bytes)} > {format_bytes(ram)})")
+                wanted[unit.name] = (
+                    f"larger than the CPU's RAM budget, it would go to disk whole "
+                    f"({format_bytes(unit.weight_bytes)} > {format_bytes(ram)})"
+                )
             elif first and free * 16 >= unit.weight_bytes:
-                wanted[unit.name] = (f"it would go to disk whole while {format_bytes(free)} of CPU RAM stays free "
-                                     f"({format_bytes(unit.weight_bytes)})")
+                wanted[unit.name] = (
+                    f"it would go to disk whole while {format_bytes(free)} of CPU RAM stays free "
+                    f"({format_bytes(unit.weight_bytes)})"
+                )
             first = False
     return wanted
 
@@ -215,9 +257,14 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
     pool = [(level, i, c) for i, level in enumerate(levels) for c in level.candidates]
     if not pool:
         assert error is not None
-        raise _explained(error, refused, {u.name: u.weight_bytes for level in levels for u in level.profile.units})
-    tiers = ([p for p in pool if p[2].kind in (RESIDENT, PACKED) and _all_on_accelerators(p[2].plan)],
-             [p for p in pool if p[2].kind != CPU_COMPUTES], pool)
+        raise _explained(
+            error, refused, {u.name: u.weight_bytes for level in levels for u in level.profile.units}
+        )
+    tiers = (
+        [p for p in pool if p[2].kind in (RESIDENT, PACKED) and _all_on_accelerators(p[2].plan)],
+        [p for p in pool if p[2].kind != CPU_COMPUTES],
+        pool,
+    )
     rank, tier = next((r, t) for r, t in enumerate(tiers) if t)
     level, index, best = min(tier, key=lambda p: (forward_seconds(p[2].plan), p[1]))
     notes = [n for n in (level.profile.untraced_summary,) if n] + list(level.splits)
@@ -228,28 +275,37 @@ def _best(levels: Sequence[_Level], refused: Mapping[str, str], error: PlanError
     if len(pool) > 1 or best.kind == CPU_COMPUTES:
         others = sorted((p for p in pool if p[2] is not best), key=lambda p: forward_seconds(p[2].plan))
         listed = ", ".join(f"{_describe(c, i)} ({_ms(c.plan)})" for _, i, c in others[:_LISTED]) or "none"
-        notes.append(f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({_TIER_REASONS[rank]}); "
-                     f"alternatives: {listed}" + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else ""))
+        notes.append(
+            f"chosen: {_describe(best, index)}, predicted forward {_ms(best.plan)} ({_TIER_REASONS[rank]}); "
+            f"alternatives: {listed}"
+            + (f", and {len(others) - _LISTED} more" if len(others) > _LISTED else "")
+        )
     _, faster_index, faster = min(pool, key=lambda p: (forward_seconds(p[2].plan), p[1]))
     if forward_seconds(faster.plan) < forward_seconds(best.plan):
         quick = forward_seconds(faster.plan)
         ratio = forward_seconds(best.plan) / quick if quick > 0 else 0.0
-        notes.append(f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}: "
-                     f"predicted {ratio:.2f}x as fast as the chosen {_ms(best.plan)}), not taken "
-                     f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
-                     "then the accelerators computing every unit, then the fastest")
+        notes.append(
+            f"chosen over a faster alternative ({_describe(faster, faster_index)}, {_ms(faster.plan)}: "
+            f"predicted {ratio:.2f}x as fast as the chosen {_ms(best.plan)}), not taken "
+            f"because {_OVER_FASTER[rank]}; the rules, in order: everything resident on the accelerators, "
+            "then the accelerators computing every unit, then the fastest"
+        )
     return replace(best.plan, provenance=replace(best.plan.provenance, choices=tuple(notes)))
 
 
 # Why the chosen plan beat a faster one in a later tier (see _best); the last tier is all plans,
 # so its choice is always the fastest.
-_OVER_FASTER = ("it keeps every unit resident on the accelerators and the faster one does not",
-                "the accelerators compute every unit in it, while in the faster one the CPU computes some")
+_OVER_FASTER = (
+    "it keeps every unit resident on the accelerators and the faster one does not",
+    "the accelerators compute every unit in it, while in the faster one the CPU computes some",
+)
 # Why the chosen plan's tier won (see _best).
-_TIER_REASONS = ("everything fits on the accelerators: the fastest such plan",
-                 "the fastest plan in which the accelerators compute every unit",
-                 "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those: "
-                 "the fastest such plan")
+_TIER_REASONS = (
+    "everything fits on the accelerators: the fastest such plan",
+    "the fastest plan in which the accelerators compute every unit",
+    "no accelerator can stream every unit the accelerators cannot hold, so the CPU computes those: "
+    "the fastest such plan",
+)
 
 
 def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]) -> tuple[str, ...]:
@@ -260,8 +316,9 @@ def _split_notes(pieces: Mapping[str, Sequence[str]], reasons: Mapping[str, str]
         alike.setdefault((len(parts), reasons[name].partition(" (")[0]), []).append(name)
     notes = []
     for (count, _), names in alike.items():
-        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 3 else
-                                        "".join(f", {n}" for n in names[2:]))
+        shown = ", ".join(names[:2]) + (
+            f" and {len(names) - 2} more" if len(names) > 3 else "".join(f", {n}" for n in names[2:])
+        )
         each = " each" if len(names) > 1 else ""
         notes.append(f"{shown} split into {count} pieces{each}: {reasons[names[0]]}")
     return tuple(notes)
@@ -281,11 +338,16 @@ def _describe(candidate: Candidate, level: int) -> str:
     plan = candidate.plan
     off = sum(plan.placements.bytes_on[d.name] for d in plan.devices if not d.is_accelerator)
     what = {
-        RESIDENT: "all on the accelerators" if any(d.is_accelerator for d in plan.devices) else "all in CPU RAM",
+        RESIDENT: "all on the accelerators"
+        if any(d.is_accelerator for d in plan.devices)
+        else "all in CPU RAM",
         PACKED: "units packed out of order on the accelerators",
         STREAMED: f"{format_bytes(off)} streamed to {plan.execution_device}",
-        CPU_COMPUTES: (f"the CPU computes {format_bytes(off)} the accelerators cannot hold"
-                       if is_host_name(plan.executor) else "all on the CPU"),
+        CPU_COMPUTES: (
+            f"the CPU computes {format_bytes(off)} the accelerators cannot hold"
+            if is_host_name(plan.executor)
+            else "all on the CPU"
+        ),
     }[candidate.kind]
     return what + (f" after {level} round{'' if level == 1 else 's'} of splitting" if level else "")
 
@@ -298,6 +360,8 @@ def _explained(error: PlanError, refused: Mapping[str, str], sizes: Mapping[str,
     """``error`` with the units that stayed whole (why, and their size) when that kept it from fitting."""
     if not refused:
         return error
-    whole = "; ".join(f"{name!r} ({why}, {format_bytes(sizes[name])})" if name in sizes else f"{name!r} ({why})"
-                      for name, why in list(refused.items())[:_LISTED])
+    whole = "; ".join(
+        f"{name!r} ({why}, {format_bytes(sizes[name])})" if name in sizes else f"{name!r} ({why})"
+        for name, why in list(refused.items())[:_LISTED]
+    )
     return PlanError(f"{error}. Units that could not be split: {whole}")

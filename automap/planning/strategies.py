@@ -7,6 +7,7 @@ groups, reserves) is shared and lives in :mod:`automap.planning.layout_kinds`. A
 function here with ``@register_strategy("name")``; ``device_map="name"`` then selects it, like
 ``torch.distributed.pipelining`` looks up its schedules by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -33,16 +34,19 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, summary: str, *, aliases: Sequence[str] = (),
-                      light_first: bool = False) -> Callable[[Split], Split]:
+def register_strategy(
+    name: str, summary: str, *, aliases: Sequence[str] = (), light_first: bool = False
+) -> Callable[[Split], Split]:
     """Register the decorated split function as strategy ``name`` (and ``aliases``); with
     ``light_first`` the first GPU keeps no streaming slot when another GPU can execute."""
+
     def decorate(split: Split) -> Split:
         for key in (name, *aliases):
             if key in STRATEGIES:
                 raise ValueError(f"strategy {key!r} is registered twice")
             STRATEGIES[key] = Strategy(key, summary, split, light_first)
         return split
+
     return decorate
 
 
@@ -55,7 +59,9 @@ def get_strategy(name: str) -> Strategy:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise PlanError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}, a dict, or a Plan") from None
+        raise PlanError(
+            f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}, a dict, or a Plan"
+        ) from None
 
 
 def _balanced_split(chain: Chain, slots: Sequence[Slot], anchor_first: bool) -> list[Range | None]:

@@ -1,4 +1,5 @@
 """User device maps (the Hugging Face / accelerate dict form), validated and turned into a Plan."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,11 @@ class UserMap:
         return longest_prefix(self.devices, name)
 
 
-def parse_device_map(device_map: Mapping[object, object], named_modules: Iterable[tuple[str, object]],
-                     tensor_names: Iterable[str]) -> UserMap:
+def parse_device_map(
+    device_map: Mapping[object, object],
+    named_modules: Iterable[tuple[str, object]],
+    tensor_names: Iterable[str],
+) -> UserMap:
     """Parse ``device_map`` (the Hugging Face / accelerate dict form) against a model: keys
     reaching a module through a second name (a module registered twice: ``self.b = self.a``,
     ALBERT's shared layer) are written with its first name, as ``named_modules()`` lists it (``b``
@@ -64,7 +68,7 @@ def parse_device_map(device_map: Mapping[object, object], named_modules: Iterabl
     for key, value in device_map.items():
         assert isinstance(key, str)
         alias = longest_prefix(aliases, key)
-        named = key if alias is None else other[alias] + key[len(alias):]
+        named = key if alias is None else other[alias] + key[len(alias) :]
         if named not in first and named not in known:
             close = sorted(n for n in first if n and (n.startswith(named) or named.startswith(n)))[:3]
             raise DeviceMapError(
@@ -76,8 +80,10 @@ def parse_device_map(device_map: Mapping[object, object], named_modules: Iterabl
         except DeviceError as exc:
             raise DeviceMapError(f"device_map[{key!r}] = {value!r} is not a device: {exc}") from exc
         if named in devices and devices[named] != device:
-            raise DeviceMapError(f"device_map puts {named!r} on {devices[named]!r} and, under its other name {key!r}, "
-                                 f"on {value!r}: it is one module; map it to one device")
+            raise DeviceMapError(
+                f"device_map puts {named!r} on {devices[named]!r} and, under its other name {key!r}, "
+                f"on {value!r}: it is one module; map it to one device"
+            )
         devices[named] = device
     return UserMap(MappingProxyType(devices), tensors, frozenset(first))
 
@@ -122,7 +128,9 @@ def loose_homes(user_map: UserMap, units: Sequence[str]) -> dict[str, str]:
 
 def _unit_device(profile: Profile, index: int, normalised: Mapping[str, str], default: str) -> str:
     unit = profile.units[index]
-    spots = {longest_prefix(normalised, t) for t in unit.tensors} or {longest_prefix(normalised, unit.name + ".x")}
+    spots = {longest_prefix(normalised, t) for t in unit.tensors} or {
+        longest_prefix(normalised, unit.name + ".x")
+    }
     spots.discard(None)
     if len(spots) > 1:
         raise DeviceMapError(_split_message(unit.name, unit.tensors, normalised))
@@ -141,10 +149,17 @@ def _split_message(unit: str, tensors: Sequence[str], normalised: Mapping[str, s
     holders = {t.rpartition(".")[0] for t in first.values()}
     below = all(h != unit and (not unit or h.startswith(unit + ".")) for h in holders)
     common = ".".join(os.path.commonprefix([h.split(".") for h in holders]))
-    fix = (f"map {unit!r} to one device, or pass no_split=[] to make its children units" if below else
-           f"map {common!r}, which holds them, to one device" if common else "map them to one device")
-    return (f"device_map puts {where}, which automap keeps in one unit {unit!r} (a module's own tensors run with it); "
-            f"{fix}")
+    fix = (
+        f"map {unit!r} to one device, or pass no_split=[] to make its children units"
+        if below
+        else f"map {common!r}, which holds them, to one device"
+        if common
+        else "map them to one device"
+    )
+    return (
+        f"device_map puts {where}, which automap keeps in one unit {unit!r} (a module's own tensors run with it); "
+        f"{fix}"
+    )
 
 
 def map_execution_device(plan: Plan) -> str:
@@ -162,8 +177,11 @@ def expressible(plan: Plan) -> bool:
     the CPU computes its units while GPUs keep others, or when units stream into a GPU that
     holds none (or is not the lowest-numbered one holding some)."""
     reading = map_execution_device(plan)
-    return all(plan.placements.by_home[where].compute == reading for where in plan.placement
-               if not plan.device(where).is_accelerator)
+    return all(
+        plan.placements.by_home[where].compute == reading
+        for where in plan.placement
+        if not plan.device(where).is_accelerator
+    )
 
 
 def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...], user_map: UserMap) -> Plan:
@@ -191,7 +209,9 @@ def plan_from_device_map(profile: Profile, devices: tuple[DeviceSpec, ...], user
         )
     known = {d.name: d for d in devices}
     extra = [make_device(n, 0) for n in sorted(set(normalised.values())) if n not in known]
-    if not any(is_host_name(n) for n in (*known, *normalised.values())):  # max_memory without "cpu": it computes
+    if not any(
+        is_host_name(n) for n in (*known, *normalised.values())
+    ):  # max_memory without "cpu": it computes
         extra.append(make_device("cpu", 0))
     all_devices = tuple(sorted(devices + tuple(extra), key=DeviceSpec.sort_key))
     default = all_devices[0].name

@@ -1,6 +1,7 @@
 """Building a :class:`~automap.profiling.result.Profile`: the units found, the trace run (or
 skipped, or stopped short), the figures assembled per unit, measured timings added. The package
 face (``automap.profiling``) re-exports :func:`profile` and :func:`untraced_profile`."""
+
 from __future__ import annotations
 
 import logging
@@ -14,25 +15,50 @@ from torch import nn
 from automap.errors import ProfileError
 from automap.progress import step
 from automap.profiling.experts import with_routed
-from automap.profiling.fallback import eval_mode, fill_untraced, flop_weights, untraced_reasons, untraced_units
+from automap.profiling.fallback import (
+    eval_mode,
+    fill_untraced,
+    flop_weights,
+    untraced_reasons,
+    untraced_units,
+)
 from automap.profiling.inputs import ExampleInputs, default_example_inputs, split_inputs, to_meta
 from automap.profiling.graph import build_graph
 from automap.profiling.result import Profile, Unit
 from automap.profiling.timing import measure_units
 from automap.profiling.result import TraceResult
 from automap.profiling.traced_run import run_trace
-from automap.profiling.units import (all_named_tensors, assign_tensors, check_units, find_units, has_forward,
-                                   stray_reads, tensor_bytes, tie_groups, unit_aliases)
+from automap.profiling.units import (
+    all_named_tensors,
+    assign_tensors,
+    check_units,
+    find_units,
+    has_forward,
+    stray_reads,
+    tensor_bytes,
+    tie_groups,
+    unit_aliases,
+)
 
 
 log = logging.getLogger(__name__)
 
 
-def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
-            no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
-            units: Sequence[str] | None = None, seq_len: int = 128, batch: int = 1, backward: bool = True,
-            measure: bool = False, device: str | torch.device | None = None, repeats: int = 5,
-            guessed: str = "") -> Profile:
+def profile(
+    model: nn.Module,
+    example_inputs: ExampleInputs | None = None,
+    *,
+    no_split: Iterable[str | type] | None = None,
+    dtype: torch.dtype | None = None,
+    units: Sequence[str] | None = None,
+    seq_len: int = 128,
+    batch: int = 1,
+    backward: bool = True,
+    measure: bool = False,
+    device: str | torch.device | None = None,
+    repeats: int = 5,
+    guessed: str = "",
+) -> Profile:
     """Profile ``model`` on the meta device.
 
     Args:
@@ -82,10 +108,18 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     unit_names = find_units(model, no_split) if units is None else check_units(model, units)
     how = guessed or "given"
     if example_inputs is None and not has_forward(model):
-        log.warning("%s has no forward of its own: planning its %d units from their weights", type(model).__name__,
-                    len(unit_names))
-        return _without_trace(model, unit_names, dtype, f"{type(model).__name__} has no forward of its own (a "
-                              "container of modules), so no forward can be traced")
+        log.warning(
+            "%s has no forward of its own: planning its %d units from their weights",
+            type(model).__name__,
+            len(unit_names),
+        )
+        return _without_trace(
+            model,
+            unit_names,
+            dtype,
+            f"{type(model).__name__} has no forward of its own (a "
+            "container of modules), so no forward can be traced",
+        )
     if example_inputs is None:
         example_inputs, how = default_example_inputs(model, seq_len, batch)
         guessed = how
@@ -102,19 +136,32 @@ def profile(model: nn.Module, example_inputs: ExampleInputs | None = None, *,
     except ProfileError as exc:
         if how == "given":
             raise
-        raise ProfileError(f"{exc}. automap guessed these inputs ({how}); pass the model's own as "
-                           "example_inputs=(...) (automap plan: --input-shape or --example-inputs)") from exc
-    log.info("profiled %s on %s: %d units, %.3g forward FLOPs", type(model).__name__, how,
-             len(unit_names), trace.total_flops)
+        raise ProfileError(
+            f"{exc}. automap guessed these inputs ({how}); pass the model's own as "
+            "example_inputs=(...) (automap plan: --input-shape or --example-inputs)"
+        ) from exc
+    log.info(
+        "profiled %s on %s: %d units, %.3g forward FLOPs",
+        type(model).__name__,
+        how,
+        len(unit_names),
+        trace.total_flops,
+    )
     prof = _assemble(model, unit_names, trace, dtype, how)
     if measure:
         prof = _with_timing(model, prof, trace, device, dtype, repeats)
     return prof
 
 
-def untraced_profile(model: nn.Module, reason: str, *, units: Sequence[str] | None = None,
-                     no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None,
-                     loose_homes: Mapping[str, str] | None = None) -> Profile:
+def untraced_profile(
+    model: nn.Module,
+    reason: str,
+    *,
+    units: Sequence[str] | None = None,
+    no_split: Iterable[str | type] | None = None,
+    dtype: torch.dtype | None = None,
+    loose_homes: Mapping[str, str] | None = None,
+) -> Profile:
     """What is known about ``model`` without running it: units (in definition order), the
     tensors each owns, their bytes, tie groups. FLOPs, activations and cuts are unknown (0), so
     plans balance by bytes; every unit's ``untraced`` is ``reason``.
@@ -137,20 +184,33 @@ def untraced_profile(model: nn.Module, reason: str, *, units: Sequence[str] | No
     return _without_trace(model, unit_names, dtype, reason, loose_homes or {})
 
 
-def _without_trace(model: nn.Module, unit_names: Sequence[str], dtype: torch.dtype | None, reason: str,
-                   loose_homes: Mapping[str, str] | None = None) -> Profile:
+def _without_trace(
+    model: nn.Module,
+    unit_names: Sequence[str],
+    dtype: torch.dtype | None,
+    reason: str,
+    loose_homes: Mapping[str, str] | None = None,
+) -> Profile:
     prof = _assemble(model, unit_names, TraceResult(first_use=dict(loose_homes or {})), dtype, "")
     return replace(prof, units=untraced_units(prof.units, reason))
 
 
-def _trace(model: nn.Module, example_inputs: ExampleInputs, unit_names: Sequence[str], dtype: torch.dtype | None,
-           backward: bool, measure: bool, guessed: bool) -> TraceResult:
+def _trace(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    unit_names: Sequence[str],
+    dtype: torch.dtype | None,
+    backward: bool,
+    measure: bool,
+    guessed: bool,
+) -> TraceResult:
     # Meta copies made under a caller's inference_mode could not take part in a backward.
     with torch.inference_mode(False), eval_mode(model):
         args, kwargs = split_inputs(to_meta(example_inputs, dtype))
         state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
-        return run_trace(model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure,
-                         guessed=guessed)
+        return run_trace(
+            model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure, guessed=guessed
+        )
 
 
 def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -161,8 +221,9 @@ def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return meta
 
 
-def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
-              dtype: torch.dtype | None, how: str) -> Profile:
+def _assemble(
+    model: nn.Module, unit_names: Sequence[str], trace: TraceResult, dtype: torch.dtype | None, how: str
+) -> Profile:
     owned = assign_tensors(model, unit_names, trace.order, trace.first_use)
     unreached = [n for n in unit_names if n not in trace.calls]
     ordered = list(trace.order) + unreached
@@ -176,13 +237,22 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
     if reasons:
         units = fill_untraced(units, reasons, flop_weights(model, units))
         first, why = next(iter(reasons.items()))
-        log.warning("%d unit(s) of %s are planned from their weights, without a trace, first %r: %s",
-                    len(reasons), type(model).__name__, first, why)
+        log.warning(
+            "%d unit(s) of %s are planned from their weights, without a trace, first %r: %s",
+            len(reasons),
+            type(model).__name__,
+            first,
+            why,
+        )
     # A unit whose tensors all belong to units that ran (T5's tied `shared` embedding) misses nothing.
     uncalled = [u.name for u in units if u.name in uncalled and (u.tensors or u.loose)]
     if uncalled:
-        log.warning("%d unit(s) of %s never ran in the traced forward: %s", len(uncalled), type(model).__name__,
-                    ", ".join(uncalled[:5]))
+        log.warning(
+            "%d unit(s) of %s never ran in the traced forward: %s",
+            len(uncalled),
+            type(model).__name__,
+            ", ".join(uncalled[:5]),
+        )
     units, routed = with_routed(model, units)
     repeated = [n for n, c in trace.calls.items() if c > 1]
     if repeated:
@@ -196,7 +266,9 @@ def _assemble(model: nn.Module, unit_names: Sequence[str], trace: TraceResult,
         uncalled=tuple(uncalled),
         flows=tuple(trace.flows),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
-        strays=tuple(stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))),
+        strays=tuple(
+            stray_reads(model, unit_names, trace.readers, (n for _, loose in owned.values() for n in loose))
+        ),
         routed=routed,
         **_peaks(trace, model.training),
     )
@@ -206,7 +278,11 @@ def _peaks(trace: TraceResult, training: bool) -> dict[str, Any]:
     """The profile's activation peaks: unknown (0) when the forward stopped before its end."""
     if trace.stopped:
         return {"training": training}
-    return {"forward_peak_bytes": trace.forward_peak, "train_peak_bytes": trace.train_peak, "training": training}
+    return {
+        "forward_peak_bytes": trace.forward_peak,
+        "train_peak_bytes": trace.train_peak,
+        "training": training,
+    }
 
 
 def _stopped(trace: TraceResult, how: str) -> str:
@@ -214,13 +290,22 @@ def _stopped(trace: TraceResult, how: str) -> str:
     if not trace.stopped:
         return ""
     if trace.guess_failed:
-        return (f"the forward failed on the guessed example inputs ({how}) {trace.stopped}; pass "
-                "example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)")
+        return (
+            f"the forward failed on the guessed example inputs ({how}) {trace.stopped}; pass "
+            "example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)"
+        )
     return f"the traced forward stopped before it ran, {trace.stopped}"
 
 
-def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, torch.Tensor], params: set[str],
-          aliases: tuple[str, ...], trace: TraceResult, dtype: torch.dtype | None) -> Unit:
+def _unit(
+    name: str,
+    owned: tuple[list[str], list[str]],
+    tensors: Mapping[str, torch.Tensor],
+    params: set[str],
+    aliases: tuple[str, ...],
+    trace: TraceResult,
+    dtype: torch.dtype | None,
+) -> Unit:
     names, loose = owned
     by_dtype: dict[str, int] = {}
     for n in names:
@@ -243,8 +328,14 @@ def _unit(name: str, owned: tuple[list[str], list[str]], tensors: Mapping[str, t
     )
 
 
-def _with_timing(model: nn.Module, prof: Profile, trace: TraceResult, device: str | torch.device | None,
-                 dtype: torch.dtype | None, repeats: int) -> Profile:
+def _with_timing(
+    model: nn.Module,
+    prof: Profile,
+    trace: TraceResult,
+    device: str | torch.device | None,
+    dtype: torch.dtype | None,
+    repeats: int,
+) -> Profile:
     with eval_mode(model):  # as traced: BatchNorm of a batch of 1, no dropout
         seconds = measure_units(model, trace.unit_inputs, device, dtype=dtype, repeats=repeats)
     units = tuple(replace(u, seconds=seconds.get(u.name)) for u in prof.units)

@@ -2,6 +2,7 @@
 are traced as ``grouped_mm`` with the eager loop's FLOPs, and get their own implementation back
 afterwards, error or not.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,10 +45,14 @@ def _switched(module: nn.Module) -> Iterator[None]:
     try:
         module.set_experts_implementation({k: TRACEABLE if v == "eager" else v for k, v in before.items()})
     except (ValueError, KeyError, ImportError, RuntimeError) as exc:  # transformers refused: eager stands in
-        log.debug("%s keeps its eager experts while tracing (%s)", type(module).__name__, exc)  # dense models too
+        log.debug(
+            "%s keeps its eager experts while tracing (%s)", type(module).__name__, exc
+        )  # dense models too
         yield
         return
-    log.info("tracing %s with its experts as %s (eager ones cannot run on meta)", type(module).__name__, TRACEABLE)
+    log.info(
+        "tracing %s with its experts as %s (eager ones cannot run on meta)", type(module).__name__, TRACEABLE
+    )
     try:
         yield
     finally:
@@ -95,8 +100,10 @@ def with_routed(model: nn.Module, units: tuple[Unit, ...]) -> tuple[tuple[Unit, 
     """``units`` with the routed-experts ones marked (``Unit.experts``,
     ``experts_per_token``), and the names of every routed-experts module of ``model``."""
     routed = routed_experts(model)
-    marked = tuple(replace(u, experts=routed[u.name][0], experts_per_token=routed[u.name][1])
-                   if u.name in routed else u for u in units)
+    marked = tuple(
+        replace(u, experts=routed[u.name][0], experts_per_token=routed[u.name][1]) if u.name in routed else u
+        for u in units
+    )
     return marked, tuple(routed)
 
 

@@ -2,6 +2,7 @@
 forward meta cannot run (a :class:`MetaLimit`) planned from their weights, as are those a forward
 on guessed inputs did not reach. Any other error on the user's own inputs is a ProfileError.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,7 +52,7 @@ def describe(exc: BaseException) -> str:
     for a report line."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if len(text) > _REASON_CHARS:
-        text = text[:_REASON_CHARS - 3].rstrip() + "..."
+        text = text[: _REASON_CHARS - 3].rstrip() + "..."
     if isinstance(exc, MetaLimit):
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -59,8 +60,9 @@ def describe(exc: BaseException) -> str:
 
 def is_meta_limit(exc: BaseException) -> bool:
     """Whether ``exc`` says what meta tensors cannot do (see the module docstring)."""
-    return isinstance(exc, MetaLimit) or (isinstance(exc, (RuntimeError, NotImplementedError, TypeError))
-                                          and bool(_ABOUT_META.search(str(exc))))
+    return isinstance(exc, MetaLimit) or (
+        isinstance(exc, (RuntimeError, NotImplementedError, TypeError)) and bool(_ABOUT_META.search(str(exc)))
+    )
 
 
 def meta_limit(func: Any, args: tuple, kwargs: dict, exc: Exception) -> MetaLimit | None:
@@ -80,10 +82,17 @@ def meta_limit(func: Any, args: tuple, kwargs: dict, exc: Exception) -> MetaLimi
         return None
     for dtype in (torch.bfloat16, torch.float16):
         if _runs_at(func, args, kwargs, dtype):
-            given = sorted({str(t.dtype).removeprefix("torch.") for t in tensors_in((args, kwargs))
-                            if t.dtype in (torch.float32, torch.float64)})
-            return MetaLimit(f"the meta kernel of {name} rejects {'/'.join(given)} but runs at "
-                             f"{str(dtype).removeprefix('torch.')} ({describe(exc)})")
+            given = sorted(
+                {
+                    str(t.dtype).removeprefix("torch.")
+                    for t in tensors_in((args, kwargs))
+                    if t.dtype in (torch.float32, torch.float64)
+                }
+            )
+            return MetaLimit(
+                f"the meta kernel of {name} rejects {'/'.join(given)} but runs at "
+                f"{str(dtype).removeprefix('torch.')} ({describe(exc)})"
+            )
     return None
 
 
@@ -104,7 +113,9 @@ def _runs_at(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> bool:
 
 
 @contextmanager
-def stand_ins(modules: Mapping[str, nn.Module], units: Sequence[str], failed: dict[str, str]) -> Iterator[None]:
+def stand_ins(
+    modules: Mapping[str, nn.Module], units: Sequence[str], failed: dict[str, str]
+) -> Iterator[None]:
     """Guard each unit's forward while tracing: a unit that fails with a meta limit (or fails
     at all once another unit stood in) returns a stand-in, and ``failed`` gets its reason.
 
@@ -145,10 +156,14 @@ def _guarded(forward: Callable[..., Any], name: str, failed: dict[str, str]) -> 
         except Exception as exc:  # noqa: BLE001 - only meta limits and their consequences are kept
             if not failed and not is_meta_limit(exc):
                 raise
-            reason = describe(exc) if is_meta_limit(exc) else \
-                f"{describe(exc)}, after the stand-in for {next(iter(failed))!r}"
+            reason = (
+                describe(exc)
+                if is_meta_limit(exc)
+                else f"{describe(exc)}, after the stand-in for {next(iter(failed))!r}"
+            )
             failed.setdefault(name, reason)
             return stand_in(args, kwargs)
+
     return run
 
 
@@ -159,8 +174,9 @@ def stand_in(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     return found[0].clone() if found else None
 
 
-def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: str,
-                     interrupted: Collection[str] = ()) -> dict[str, str]:
+def untraced_reasons(
+    units: Sequence[Unit], failed: Mapping[str, str], stopped: str, interrupted: Collection[str] = ()
+) -> dict[str, str]:
     """Why each unit the trace did not measure was not: it stood in, or the forward ended
     (``stopped``: why, as a clause) before it ran or while it ran (``interrupted``)."""
     reasons = {}
@@ -172,8 +188,9 @@ def untraced_reasons(units: Sequence[Unit], failed: Mapping[str, str], stopped: 
     return reasons
 
 
-def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str],
-                  weights: Mapping[str, int]) -> tuple[Unit, ...]:
+def fill_untraced(
+    units: Sequence[Unit], reasons: Mapping[str, str], weights: Mapping[str, int]
+) -> tuple[Unit, ...]:
     """``units`` with each unit named in ``reasons`` planned from its weights: FLOPs estimated
     from the shapes of its weights (see the module docstring), ``untraced`` set.
 
@@ -191,14 +208,21 @@ def fill_untraced(units: Sequence[Unit], reasons: Mapping[str, str],
     rate = sum(u.flops for u in traced) / sum(weights[u.name] for u in traced) if traced else 0.0
     trained = [u for u in traced if u.train_flops]
     ratio = sum(u.train_flops for u in trained) / sum(u.flops for u in trained) if trained else 0.0
-    return tuple(_estimated(u, reasons[u.name], rate * weights.get(u.name, 0), ratio) if u.name in reasons else u
-                 for u in units)
+    return tuple(
+        _estimated(u, reasons[u.name], rate * weights.get(u.name, 0), ratio) if u.name in reasons else u
+        for u in units
+    )
 
 
 def _estimated(unit: Unit, reason: str, estimate: float, train_ratio: float) -> Unit:
     flops = max(unit.flops, round(estimate))
-    return replace(unit, flops=flops, train_flops=max(unit.train_flops, round(flops * train_ratio)),
-                   untraced=reason, flops_estimated=round(estimate) > unit.flops)
+    return replace(
+        unit,
+        flops=flops,
+        train_flops=max(unit.train_flops, round(flops * train_ratio)),
+        untraced=reason,
+        flops_estimated=round(estimate) > unit.flops,
+    )
 
 
 # Modules whose weights are looked up, not multiplied: no FLOPs per element.
@@ -219,8 +243,13 @@ def flop_weights(model: nn.Module, units: Sequence[Unit]) -> dict[str, int]:
     params = dict(model.named_parameters(remove_duplicate=False))
     counts = {}
     for unit in units:
-        counts[unit.name] = sum(params[n].numel() for n in unit.tensors if n in params and params[n].dim() >= 2
-                                and not isinstance(modules.get(n.rpartition(".")[0]), _LOOKUPS))
+        counts[unit.name] = sum(
+            params[n].numel()
+            for n in unit.tensors
+            if n in params
+            and params[n].dim() >= 2
+            and not isinstance(modules.get(n.rpartition(".")[0]), _LOOKUPS)
+        )
     return counts
 
 

@@ -7,6 +7,7 @@ of its edges crosses any cut it is live across, and summing ``bytes`` over the e
 crosses gives :meth:`Profile.cut_bytes <automap.profiling.result.Profile.cut_bytes>` without
 counting a tensor twice.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -42,8 +43,13 @@ def build_graph(units: Sequence[Unit], flows: Sequence[Flow]) -> nx.DiGraph:
         links.setdefault((link[0].src, link[0].dst), []).append(link)
     for (src, dst), group in links.items():
         passed = [f for f, _ in group]
-        graph.add_edge(src, dst, bytes=live_bytes(passed), produced_bytes=live_bytes(f for f, first in group if first),
-                       tensors=len({f.tensor for f in passed}))
+        graph.add_edge(
+            src,
+            dst,
+            bytes=live_bytes(passed),
+            produced_bytes=live_bytes(f for f, first in group if first),
+            tensors=len({f.tensor for f in passed}),
+        )
     return graph
 
 

@@ -8,6 +8,7 @@ actually *calls*, found by a probe that runs the forward on meta until it reache
 with more required positional arguments than the guess fills (``forward(self, x, mask)``) gets
 ``None`` for the rest, which forwards that treat the argument as optional accept.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,9 @@ log = logging.getLogger(__name__)
 ExampleInputs = tuple[Any, ...] | Mapping[str, Any]
 
 
-def default_example_inputs(model: nn.Module, seq_len: int = 128, batch: int = 1) -> tuple[ExampleInputs | None, str]:
+def default_example_inputs(
+    model: nn.Module, seq_len: int = 128, batch: int = 1
+) -> tuple[ExampleInputs | None, str]:
     """Derive example inputs for common model families, and say which were used.
 
     transformers text models get ``input_ids`` of ``seq_len`` tokens (plus
@@ -73,12 +76,16 @@ def _float_dtype(model: nn.Module) -> torch.dtype | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int) -> tuple[ExampleInputs | None, str]:
+def _transformers_inputs(
+    model: nn.Module, config: Any, seq_len: int, batch: int
+) -> tuple[ExampleInputs | None, str]:
     main = getattr(model, "main_input_name", None)
     inputs: dict[str, Any]
     if main == "input_ids":
         text = getattr(config, "text_config", None)
-        limit = getattr(config, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            text, "max_position_embeddings", None
+        )
         if isinstance(limit, int) and limit > 0:  # XLNet's -1: no limit
             seq_len = min(seq_len, limit)
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
@@ -87,7 +94,9 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
             inputs["decoder_input_ids"] = ids
             how += " (+ decoder_input_ids)"
         vision = getattr(config, "vision_config", None)
-        if hasattr(vision, "image_size") and not _image_tokens(config):  # CLIP-like: text and image side by side
+        if hasattr(vision, "image_size") and not _image_tokens(
+            config
+        ):  # CLIP-like: text and image side by side
             size, channels = _pair(vision.image_size), getattr(vision, "num_channels", 3)
             inputs["pixel_values"] = torch.zeros(batch, channels, *size, device="meta")
             how += f" (+ pixel_values {batch}x{channels}x{size[0]}x{size[1]})"
@@ -96,8 +105,15 @@ def _transformers_inputs(model: nn.Module, config: Any, seq_len: int, batch: int
         inputs = {"pixel_values": torch.zeros(batch, channels, *size, device="meta")}
         how = f"pixel_values {batch}x{channels}x{size[0]}x{size[1]}"
     elif main == "input_values":  # wav2vec2-like speech models: raw audio, one second at 16 kHz
-        inputs, how = {"input_values": torch.zeros(batch, 16000, device="meta")}, f"input_values {batch}x16000 (audio)"
-    elif main == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
+        inputs, how = (
+            {"input_values": torch.zeros(batch, 16000, device="meta")},
+            f"input_values {batch}x16000 (audio)",
+        )
+    elif (
+        main == "input_features"
+        and hasattr(config, "num_mel_bins")
+        and hasattr(config, "max_source_positions")
+    ):
         inputs, how = _features(config, seq_len, batch)
     else:
         try:
@@ -148,19 +164,27 @@ def _input_for(module: nn.Module, model: nn.Module, batch: int) -> tuple[torch.T
     """An input ``module`` takes, and its description; None for a module of another kind."""
     if isinstance(module, nn.Conv2d):
         h, w = _pair(getattr(model, "image_size", 224))
-        return torch.zeros(batch, module.in_channels, h, w, device="meta"), \
-            f"image {batch}x{module.in_channels}x{h}x{w} (first conv)"
+        return torch.zeros(
+            batch, module.in_channels, h, w, device="meta"
+        ), f"image {batch}x{module.in_channels}x{h}x{w} (first conv)"
     if isinstance(module, nn.Conv1d):
-        return torch.zeros(batch, module.in_channels, 1024, device="meta"), \
-            f"signal {batch}x{module.in_channels}x1024 (first conv)"
+        return torch.zeros(
+            batch, module.in_channels, 1024, device="meta"
+        ), f"signal {batch}x{module.in_channels}x1024 (first conv)"
     if isinstance(module, nn.Embedding):
-        return torch.zeros(batch, 128, dtype=torch.long, device="meta"), f"token ids {batch}x128 (first embedding)"
+        return torch.zeros(
+            batch, 128, dtype=torch.long, device="meta"
+        ), f"token ids {batch}x128 (first embedding)"
     if isinstance(module, nn.Linear):
-        return torch.zeros(batch, module.in_features, device="meta"), f"vector {batch}x{module.in_features} (first linear)"
+        return torch.zeros(
+            batch, module.in_features, device="meta"
+        ), f"vector {batch}x{module.in_features} (first linear)"
     return None
 
 
-def _with_required(model: nn.Module, layer: nn.Module, root: nn.Module, batch: int) -> tuple[tuple[Any, ...], str]:
+def _with_required(
+    model: nn.Module, layer: nn.Module, root: nn.Module, batch: int
+) -> tuple[tuple[Any, ...], str]:
     """An input for ``layer``, padded with ``None`` up to ``model``'s required positional arguments."""
     found = _input_for(layer, root, batch)
     assert found is not None, type(layer).__name__  # only layers _input_for takes are asked about
@@ -185,10 +209,13 @@ class _Reached(BaseException):
         self.module = module
 
 
-def first_called(model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.Module], bool]) -> nn.Module | None:
+def first_called(
+    model: nn.Module, args: tuple[Any, ...], wanted: Callable[[nn.Module], bool]
+) -> nn.Module | None:
     """The first module for which ``wanted`` holds that ``model``'s forward calls on ``args``
     (meta tensors), or None when the forward fails or ends before calling one. The forward
     runs on meta copies of the weights and stops at that call; the model is not changed."""
+
     def stop(module: nn.Module, _args: Any) -> None:
         raise _Reached(module)
 
@@ -229,6 +256,7 @@ def to_meta(value: Any, dtype: torch.dtype | None = None) -> Any:
     Any other object in it (a transformers cache of keys and values from an earlier call) is
     copied with its tensors replaced so: a probe's forward writes into its copy, never into the
     user's object (a cache grown by a meta step would give the next real step other outputs)."""
+
     def meta(x: torch.Tensor) -> torch.Tensor:
         target = dtype if dtype is not None and x.is_floating_point() else x.dtype
         return torch.empty_strided(x.shape, x.stride(), device="meta", dtype=target)
@@ -239,9 +267,12 @@ def to_meta(value: Any, dtype: torch.dtype | None = None) -> Any:
         if isinstance(x, _IMMUTABLE) or callable(x):
             return x
         try:
-            return copy.deepcopy(x, {id(t): meta(t) for t in _tensors_in(x)})  # the tensors themselves not copied
+            return copy.deepcopy(
+                x, {id(t): meta(t) for t in _tensors_in(x)}
+            )  # the tensors themselves not copied
         except TypeError:  # holds what cannot be copied (a lock, a file): the probe gets it as it is
             return x
+
     return tree_map(convert, value)
 
 
@@ -259,7 +290,9 @@ def _tensors_in(value: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
         children = value
     else:
         children = list(getattr(value, "__dict__", {}).values())
-        children += [getattr(value, slot) for slot in getattr(type(value), "__slots__", ()) if hasattr(value, slot)]
+        children += [
+            getattr(value, slot) for slot in getattr(type(value), "__slots__", ()) if hasattr(value, slot)
+        ]
     return [tensor for child in children for tensor in _tensors_in(child, seen)]
 
 

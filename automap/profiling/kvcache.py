@@ -2,6 +2,7 @@
 ``generate`` runs the model: a prefill, then one decode step), and what one decode step costs.
 Nothing is derived from a config's field names.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -80,7 +81,9 @@ def find_cache(output: Any, forward_params: Sequence[str]) -> tuple[str, Any] | 
     return None
 
 
-def cache_bytes(cache: Any, producers: Sequence[Mapping[int, str]]) -> tuple[dict[str, int], dict[str, int], int]:
+def cache_bytes(
+    cache: Any, producers: Sequence[Mapping[int, str]]
+) -> tuple[dict[str, int], dict[str, int], int]:
     """Bytes of ``cache``'s tensors per producing unit: ``(storage bytes, tensor bytes,
     bytes no unit produced)``. ``producers`` are looked up in turn (latest run first)."""
     held: dict[str, int] = {}
@@ -105,8 +108,9 @@ def cache_bytes(cache: Any, producers: Sequence[Mapping[int, str]]) -> tuple[dic
     return held, read, unattributed
 
 
-def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None,
-              dtype: torch.dtype | None = None) -> _Prompt | None:
+def prompt_of(
+    model: nn.Module, example_inputs: ExampleInputs | None, dtype: torch.dtype | None = None
+) -> _Prompt | None:
     """The input of a generation, from the example inputs: the tensor under the model's
     ``main_input_name`` (``input_ids`` in a dict without it; the first positional argument).
     A decoder's is a ``batch x tokens`` token tensor; an encoder-decoder's is whatever its
@@ -118,7 +122,11 @@ def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None,
         value = example_inputs.get(name)
     else:
         name = next(iter(inspect.signature(model.forward).parameters), main)
-        value = example_inputs[0] if isinstance(example_inputs, (tuple, list)) and example_inputs else example_inputs
+        value = (
+            example_inputs[0]
+            if isinstance(example_inputs, (tuple, list)) and example_inputs
+            else example_inputs
+        )
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
     if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
@@ -135,8 +143,9 @@ def prompt_of(model: nn.Module, example_inputs: ExampleInputs | None,
 DEFAULT_PROMPT_TOKENS = 128
 
 
-def prompt_inputs(model: nn.Module, example_inputs: ExampleInputs | None, batch: int,
-                  max_length: int) -> tuple[ExampleInputs | None, str]:
+def prompt_inputs(
+    model: nn.Module, example_inputs: ExampleInputs | None, batch: int, max_length: int
+) -> tuple[ExampleInputs | None, str]:
     """The prompt a generation starts from, and how it was chosen: ``example_inputs`` when
     given, else (transformers token models) ``batch`` sequences of ``DEFAULT_PROMPT_TOKENS``
     tokens (at most half of ``max_length``), an encoder-decoder's decoder starting from one
@@ -174,15 +183,26 @@ def _step_kwargs(prompt: _Prompt, batch: int, prefill: TraceResult, cache: tuple
     return {"decoder_input_ids": ids, "encoder_outputs": (states,), cache[0]: cache[1]}
 
 
-def _run(model: nn.Module, state: Mapping[str, torch.Tensor], units: Sequence[str], kwargs: dict[str, Any],
-         params: Sequence[str]) -> TraceResult:
+def _run(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    units: Sequence[str],
+    kwargs: dict[str, Any],
+    params: Sequence[str],
+) -> TraceResult:
     if "use_cache" in params:
         kwargs = {**kwargs, "use_cache": True}
     return run_trace(model, state, (), kwargs, units, backward=False, record_inputs=False, keep_output=True)
 
 
-def _prefill_and_step(model: nn.Module, state: Mapping[str, torch.Tensor], units: Sequence[str], prompt: _Prompt,
-                      batch: int, tokens: int) -> _Step | None:
+def _prefill_and_step(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    units: Sequence[str],
+    prompt: _Prompt,
+    batch: int,
+    tokens: int,
+) -> _Step | None:
     params = list(inspect.signature(model.forward).parameters)
     prefill = _run(model, state, units, _token_kwargs(prompt, batch, tokens), params)
     cache = find_cache(prefill.output, params)
@@ -196,24 +216,47 @@ def _prefill_and_step(model: nn.Module, state: Mapping[str, torch.Tensor], units
 
 def check_batch(batch: int) -> None:
     """Raise :class:`PlanError` unless ``batch`` is a whole number of sequences, 1 or more."""
-    parse_number(batch, "batch", integral=True, minimum=1, maximum=MAX_COUNT, error=PlanError,
-                 hint=f"plan for 1 or more sequences (or images), at most {MAX_COUNT:,}, e.g. batch=1")
+    parse_number(
+        batch,
+        "batch",
+        integral=True,
+        minimum=1,
+        maximum=MAX_COUNT,
+        error=PlanError,
+        hint=f"plan for 1 or more sequences (or images), at most {MAX_COUNT:,}, e.g. batch=1",
+    )
 
 
 def check_generation(prompt_length: int, batch: int, max_length: int, encoder: bool) -> None:
     """Raise :class:`PlanError` unless ``batch`` sequences can grow to ``max_length`` tokens."""
     check_batch(batch)
-    parse_number(max_length, "max_length", integral=True, minimum=2, maximum=MAX_COUNT, error=PlanError,
-                 hint=f"a generation needs at least 2 tokens, at most {MAX_COUNT:,} (max_length counts "
-                      "the prompt and the new tokens, as generate(max_length=...) does)")
+    parse_number(
+        max_length,
+        "max_length",
+        integral=True,
+        minimum=2,
+        maximum=MAX_COUNT,
+        error=PlanError,
+        hint=f"a generation needs at least 2 tokens, at most {MAX_COUNT:,} (max_length counts "
+        "the prompt and the new tokens, as generate(max_length=...) does)",
+    )
     if not encoder and max_length <= prompt_length:
-        raise PlanError(f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
-                        f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "
-                        "or a shorter prompt in example_inputs")
+        raise PlanError(
+            f"max_length={max_length} is not longer than the prompt ({prompt_length} tokens), so "
+            f"nothing would be generated; give max_length > {prompt_length} (prompt + new tokens) "
+            "or a shorter prompt in example_inputs"
+        )
 
 
-def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleInputs | None, *,
-                       batch: int | None, max_length: int, dtype: torch.dtype | None = None) -> Profile:
+def profile_generation(
+    model: nn.Module,
+    prof: Profile,
+    example_inputs: ExampleInputs | None,
+    *,
+    batch: int | None,
+    max_length: int,
+    dtype: torch.dtype | None = None,
+) -> Profile:
     """``prof`` with each unit's cache bytes and decode cost for ``batch`` sequences grown to
     ``max_length`` tokens (see the module docstring).
 
@@ -244,12 +287,16 @@ def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleI
         batch = 1 if batch is None else batch
         check_generation(0, batch, max_length, True)
         main = getattr(model, "main_input_name", "input_ids")
-        note = (f"{type(model).__name__} takes no batch x tokens input in the example inputs, so no cache "
-                f"was planned; pass example_inputs={{'{main}': ...}} (the prompt's token ids) to plan one")
+        note = (
+            f"{type(model).__name__} takes no batch x tokens input in the example inputs, so no cache "
+            f"was planned; pass example_inputs={{'{main}': ...}} (the prompt's token ids) to plan one"
+        )
         return replace(prof, generation=Generation(batch, max_length, 0, notes=(note,)))
     if batch is not None and batch != prompt.batch:
-        raise PlanError(f"batch={batch} but the example inputs hold {prompt.batch} prompt(s); give one prompt per "
-                        "sequence decoded together, or leave batch out")
+        raise PlanError(
+            f"batch={batch} but the example inputs hold {prompt.batch} prompt(s); give one prompt per "
+            "sequence decoded together, or leave batch out"
+        )
     batch = prompt.batch
     check_generation(prompt.length, batch, max_length, prompt.encoder)
     start = 1 if prompt.encoder else prompt.length  # the decoder's tokens before the first step
@@ -262,13 +309,21 @@ def profile_generation(model: nn.Module, prof: Profile, example_inputs: ExampleI
         except ProfileError:
             if _generates(model):
                 raise
-            note = (f"{type(model).__name__} does not generate (transformers' can_generate() is False) and its "
-                    "forward does not run on tokens alone (CLIP's needs its images), so no cache was planned")
-            return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
-        last = _prefill_and_step(model, state, units, prompt, batch, max(max_length - 2, 1)) if first else None
+            note = (
+                f"{type(model).__name__} does not generate (transformers' can_generate() is False) and its "
+                "forward does not run on tokens alone (CLIP's needs its images), so no cache was planned"
+            )
+            return replace(
+                prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,))
+            )
+        last = (
+            _prefill_and_step(model, state, units, prompt, batch, max(max_length - 2, 1)) if first else None
+        )
     if first is None or last is None:
-        note = (f"{type(model).__name__} returns no cache from its forward, so nothing is reserved for one; "
-                "each decode step recomputes the whole sequence")
+        note = (
+            f"{type(model).__name__} returns no cache from its forward, so nothing is reserved for one; "
+            "each decode step recomputes the whole sequence"
+        )
         return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
     return _with_cache(prof, first, last, Generation(batch, max_length, start, encoder_length, last.cache))
 
@@ -281,17 +336,31 @@ def _generates(model: nn.Module) -> bool:
 
 
 def _with_cache(prof: Profile, first: _Step, last: _Step, generation: Generation) -> Profile:
-    units = tuple(replace(u, kv_bytes=last.held.get(u.name, 0),
-                          kv_read_bytes=_mean(first.read, last.read, u.name),
-                          decode_flops=_mean(first.flops, last.flops, u.name)) for u in prof.units)
+    units = tuple(
+        replace(
+            u,
+            kv_bytes=last.held.get(u.name, 0),
+            kv_read_bytes=_mean(first.read, last.read, u.name),
+            decode_flops=_mean(first.flops, last.flops, u.name),
+        )
+        for u in prof.units
+    )
     notes = []
     if last.unattributed:
-        notes.append(f"{format_bytes(last.unattributed)} of the cache was made outside every unit and is not "
-                     "reserved on a device")
+        notes.append(
+            f"{format_bytes(last.unattributed)} of the cache was made outside every unit and is not "
+            "reserved on a device"
+        )
     if not any(u.kv_bytes for u in units):
         notes.append(f"the {last.cache} the model returns holds no tensors: nothing reserved for it")
-    log.info("generation cache of %s for %d x %d tokens: %s (%s)", prof.model_name, generation.batch,
-             generation.max_length, format_bytes(sum(u.kv_bytes for u in units)), last.cache)
+    log.info(
+        "generation cache of %s for %d x %d tokens: %s (%s)",
+        prof.model_name,
+        generation.batch,
+        generation.max_length,
+        format_bytes(sum(u.kv_bytes for u in units)),
+        last.cache,
+    )
     return replace(prof, units=units, generation=replace(generation, notes=tuple(notes)))
 
 

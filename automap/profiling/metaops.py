@@ -5,6 +5,7 @@ bookkeeping. The 80 identical layers of a 70B model repeat the same calls, so a 
 output shapes and FLOPs are memoised by the shapes, strides and dtypes of its arguments:
 on meta nothing else can change them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ class MemoTable:
         self.results: dict[tuple, tuple[Any, int]] = {}
         self._is_pure: dict[Any, bool] = {}
 
-    def run(self, func: Any, formula: Callable[..., int] | None, args: tuple, kwargs: dict) -> tuple[Any, int]:
+    def run(
+        self, func: Any, formula: Callable[..., int] | None, args: tuple, kwargs: dict
+    ) -> tuple[Any, int]:
         """``func(*args, **kwargs)`` and its FLOPs by ``formula`` (0 without one)."""
         key = _memo_key(func, args, kwargs) if self._pure(func) else None
         hit = self.results.get(key) if key is not None else None
@@ -86,7 +89,8 @@ class MemoTable:
         if pure is None:
             schema = func._schema
             pure = self._is_pure[func] = not func.is_view and all(
-                a.alias_info is None for a in (*schema.arguments, *schema.returns))
+                a.alias_info is None for a in (*schema.arguments, *schema.returns)
+            )
         return pure
 
 
@@ -114,7 +118,11 @@ class _Uncacheable(Exception):
 
 def _arg_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, nn.Parameter) or value.layout != torch.strided or not value.is_meta:
+        if (
+            type(value) not in (torch.Tensor, nn.Parameter)
+            or value.layout != torch.strided
+            or not value.is_meta
+        ):
             raise _Uncacheable
         return ("T", tuple(value.shape), value.stride(), value.dtype)
     if isinstance(value, (list, tuple)):
@@ -150,10 +158,12 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.me
 def arg_specs(tree: Any) -> Any:
     """Shapes of a unit's arguments. Objects other than plain values (a transformers cache)
     belong to the traced run and become None: a unit timed alone starts without them."""
+
     def spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return InputTensorSpec(tuple(x.shape), x.dtype)
         return x if isinstance(x, _PLAIN) else None
+
     return tree_map(spec, tree)
 
 

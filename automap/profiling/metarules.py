@@ -1,6 +1,7 @@
 """Meta rules for ops whose meta kernel is narrower than their real kernels, and FLOP formulas
 for ops ``FlopCounterMode`` lacks: grouped matrix multiplication (exact routed work).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -27,7 +28,9 @@ def grouped_mm_shape(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tenso
     if mat_a.dim() not in (2, 3) or mat_b.dim() not in (2, 3):
         raise RuntimeError(f"grouped_mm takes 2-D or 3-D matrices, got {mat_a.dim()}-D and {mat_b.dim()}-D")
     if mat_a.shape[-1] != mat_b.shape[-2]:
-        raise RuntimeError(f"grouped_mm: contraction dimensions differ ({tuple(mat_a.shape)} x {tuple(mat_b.shape)})")
+        raise RuntimeError(
+            f"grouped_mm: contraction dimensions differ ({tuple(mat_a.shape)} x {tuple(mat_b.shape)})"
+        )
     groups = offs.shape[0] if offs is not None else None
     if mat_a.dim() == 3 and mat_b.dim() == 3:
         if mat_a.shape[0] != mat_b.shape[0]:
@@ -45,8 +48,9 @@ def grouped_mm_shape(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tenso
     return groups, mat_a.shape[0], mat_b.shape[1]
 
 
-def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None, *_: Any,
-                     **__: Any) -> int:
+def grouped_mm_flops(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None, *_: Any, **__: Any
+) -> int:
     """FLOPs of ``_grouped_mm``: 2 per multiply-add, summed over the groups (see the module
     docstring: exact without the values of ``offs``)."""
     if mat_a.dim() == 3 and mat_b.dim() == 2:
@@ -68,8 +72,13 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
         return rule(*args, **kwargs)
 
 
-def _grouped_mm_meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _grouped_mm_meta(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The output of ``_grouped_mm`` from the shapes alone, in the dtype the real kernel returns."""
     shape = grouped_mm_shape(mat_a, mat_b, offs)
     if bias is not None:

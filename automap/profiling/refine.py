@@ -2,6 +2,7 @@
 can run as units (each called, each tensor read only by its own piece, in a row, all traced).
 Deterministic: the same model and names give the same pieces.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,14 @@ class Splitter:
         ('layer4.0.conv1', 'layer4.0.bn1')
     """
 
-    def __init__(self, model: nn.Module, *, example_inputs: ExampleInputs | None = None,
-                 no_split: Iterable[str | type] | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        example_inputs: ExampleInputs | None = None,
+        no_split: Iterable[str | type] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.model, self.example_inputs, self.dtype = model, example_inputs, dtype
         self.keep_whole = no_split_classes(model, no_split)
         self.asked_whole = self.keep_whole if no_split is not None else set()
@@ -65,7 +72,9 @@ class Splitter:
         refused: dict[str, str] = {}
         units = {u.name for u in base.units}
         for asked in names:
-            name, (found, why) = (asked, self.pieces_of(asked)) if asked in units else self.isolating(asked, units)
+            name, (found, why) = (
+                (asked, self.pieces_of(asked)) if asked in units else self.isolating(asked, units)
+            )
             if not why and not base.example:
                 why = "no traced forward to check a split against (profiled without example inputs)"
             if not why and name in untraced:
@@ -95,8 +104,11 @@ class Splitter:
             children = tensor_children(name, module)
             if not children:
                 return (), f"leaf {kind}"
-            if len(children) > 1 or any(True for _ in module.parameters(recurse=False)) \
-                    or any(True for _ in module.buffers(recurse=False)):
+            if (
+                len(children) > 1
+                or any(True for _ in module.parameters(recurse=False))
+                or any(True for _ in module.buffers(recurse=False))
+            ):
                 return tuple(children), ""
             name, module = children[0], self.modules[children[0]]
 
@@ -115,7 +127,9 @@ class Splitter:
         kind = type(module).__name__
         if kind in self.asked_whole:
             return (), f"its class {kind} is in no_split"
-        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        if any(True for _ in module.parameters(recurse=False)) or any(
+            True for _ in module.buffers(recurse=False)
+        ):
             return (), f"{name!r} holds tensors of its own beside {target!r}"
         pieces: list[str] = []
         for child in tensor_children(name, module):
@@ -125,13 +139,20 @@ class Splitter:
             pieces += found
         return tuple(pieces), ""
 
-    def _retrace(self, base: Profile, pieces: Mapping[str, tuple[str, ...]]) -> tuple[Profile | None, dict[str, str]]:
+    def _retrace(
+        self, base: Profile, pieces: Mapping[str, tuple[str, ...]]
+    ) -> tuple[Profile | None, dict[str, str]]:
         units = [n for u in base.units for n in pieces.get(u.name, (u.name,))]
         try:
             with _quiet(logging.getLogger("automap.profiling")):
-                finer = profile(self.model, self.example_inputs, dtype=self.dtype, units=units,
-                                backward=base.total_train_flops > 0,
-                                guessed="" if base.example == "given" else base.example)
+                finer = profile(
+                    self.model,
+                    self.example_inputs,
+                    dtype=self.dtype,
+                    units=units,
+                    backward=base.total_train_flops > 0,
+                    guessed="" if base.example == "given" else base.example,
+                )
         except ProfileError as exc:
             return None, {name: f"tracing with its pieces failed ({exc})" for name in pieces}
         bad = {name: why for name, parts in pieces.items() if (why := _unrunnable(finer, parts))}
@@ -147,14 +168,21 @@ class Splitter:
             return finer
         if not generation.cache:  # nothing to measure: the same note
             return replace(finer, generation=generation)
-        return profile_generation(self.model, finer, self.example_inputs, batch=generation.batch,
-                                  max_length=generation.max_length, dtype=self.dtype)
+        return profile_generation(
+            self.model,
+            finer,
+            self.example_inputs,
+            batch=generation.batch,
+            max_length=generation.max_length,
+            dtype=self.dtype,
+        )
 
 
 @contextmanager
 def _quiet(logger: logging.Logger) -> Iterator[None]:
     """Drop ``logger``'s warnings for a while: a rejected split's uncalled pieces are expected
     there, and the reason goes into the plan's choices instead."""
+
     def drop(record: logging.LogRecord) -> bool:
         return record.levelno > logging.WARNING
 

@@ -2,6 +2,7 @@
 
 Plain frozen data, no torch: the planner reads these and never re-measures.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -204,6 +205,7 @@ class Profile:
     @property
     def total_kv_bytes(self) -> int:
         return sum(u.kv_bytes for u in self.units)
+
     strays: tuple[str, ...] = ()
     routed: tuple[str, ...] = ()
     forward_peak_bytes: int = 0
@@ -245,9 +247,16 @@ class Profile:
         found = [u for u in self.units if u.untraced]
         if not found:
             return ""
-        share = f"all {len(found)} units" if len(found) == len(self.units) else \
-            f"{len(found)} of {len(self.units)} units (first {found[0].name or '<model>'!r})"
-        how = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in found) else "by their bytes"
+        share = (
+            f"all {len(found)} units"
+            if len(found) == len(self.units)
+            else f"{len(found)} of {len(self.units)} units (first {found[0].name or '<model>'!r})"
+        )
+        how = (
+            "FLOPs estimated from their weight shapes"
+            if any(u.flops_estimated for u in found)
+            else "by their bytes"
+        )
         return f"{share} planned from their weights without a trace, {how}: {found[0].untraced}"
 
     @property
@@ -309,8 +318,10 @@ class Profile:
         """
         rate = self.achieved_flops_per_second
         if rate is None:
-            raise ProfileError(f"profile of {self.model_name} has no measured units with FLOPs; "
-                               "profile it with measure=True, device=... and example inputs")
+            raise ProfileError(
+                f"profile of {self.model_name} has no measured units with FLOPs; "
+                "profile it with measure=True, device=... and example inputs"
+            )
         overall = self.total_train_flops / self.total_flops if self.total_flops else 0.0
         units = tuple(u if u.seconds is None else _timed(u, rate, overall) for u in self.units)
         return replace(self, units=units)

@@ -2,6 +2,7 @@
 router), the weights a forward reads only for the experts its router picked, and guessing the
 next layer's routing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ def find_experts(root: nn.Module, prefix: str = "") -> list[Experts]:
         if count:
             found.append(Experts(name, _own_tensors(module, name), count))
         elif isinstance(module, nn.ModuleList) and _listed(module, name, root, prefix):
-            found.extend(Experts(f"{name}.{i}", _all_tensors(child, f"{name}.{i}"), 0) for i, child in enumerate(module))
+            found.extend(
+                Experts(f"{name}.{i}", _all_tensors(child, f"{name}.{i}"), 0)
+                for i, child in enumerate(module)
+            )
     return found
 
 
@@ -73,11 +77,13 @@ def _listed(experts: nn.ModuleList, name: str, root: nn.Module, prefix: str) -> 
         return False
     block = _parent(root, prefix, name)
     inside = {id(p) for p in experts.parameters()}
-    return any(p.dim() == 2 and p.shape[0] == len(children) for p in block.parameters() if id(p) not in inside)
+    return any(
+        p.dim() == 2 and p.shape[0] == len(children) for p in block.parameters() if id(p) not in inside
+    )
 
 
 def _parent(root: nn.Module, prefix: str, name: str) -> nn.Module:
-    relative = name[len(prefix) + 1:] if prefix else name
+    relative = name[len(prefix) + 1 :] if prefix else name
     owner = relative.rpartition(".")[0]
     return root.get_submodule(owner) if owner else root
 
@@ -99,8 +105,12 @@ def routing_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | 
     """The routing a call of a stacked module carries: its first integer tensor argument (the
     experts of each token, ``top_k`` along the last dimension), or None."""
     for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
-                and value.dtype is not torch.bool:
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype is not torch.bool
+        ):
             return value
     return None
 

@@ -4,6 +4,7 @@ One unit at a time is copied to the device (weights random when the model is on 
 called with tensors of the shapes the traced forward gave it, and timed: the median of
 ``repeats`` runs after one warm-up. The caller's model is never touched.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def measure_units(model: nn.Module, unit_inputs: Mapping[str, Any], device: str | torch.device | None, *,
-                  dtype: torch.dtype | None = None, repeats: int = 5) -> dict[str, float]:
+def measure_units(
+    model: nn.Module,
+    unit_inputs: Mapping[str, Any],
+    device: str | torch.device | None,
+    *,
+    dtype: torch.dtype | None = None,
+    repeats: int = 5,
+) -> dict[str, float]:
     """Median forward seconds of each unit, run alone on ``device``.
 
     Args:
@@ -58,13 +65,19 @@ def measure_units(model: nn.Module, unit_inputs: Mapping[str, Any], device: str 
         try:
             seconds[name] = _time_unit(modules[name], specs, target, dtype, repeats)
         except Exception as exc:  # noqa: BLE001 - one unit that cannot run alone is not fatal
-            log.warning("could not time unit %r alone on %s (%s: %s); its FLOPs stand in for it",
-                        name, target, type(exc).__name__, exc)
+            log.warning(
+                "could not time unit %r alone on %s (%s: %s); its FLOPs stand in for it",
+                name,
+                target,
+                type(exc).__name__,
+                exc,
+            )
     return seconds
 
 
-def _time_unit(module: nn.Module, specs: Any, device: torch.device, dtype: torch.dtype | None,
-               repeats: int) -> float:
+def _time_unit(
+    module: nn.Module, specs: Any, device: torch.device, dtype: torch.dtype | None, repeats: int
+) -> float:
     unit = _materialise(module, device, dtype)
     args, kwargs = tree_map(lambda s: _tensor_for(s, device, dtype), specs)
     runs = []
@@ -133,6 +146,8 @@ def calibrated_device(spec: DeviceSpec, prof: Profile) -> DeviceSpec:
     """
     rate = prof.achieved_flops_per_second
     if rate is None:
-        raise ProfileError(f"profile of {prof.model_name} has no measured units with FLOPs; "
-                           "profile it with measure=True, device=... and example inputs")
+        raise ProfileError(
+            f"profile of {prof.model_name} has no measured units with FLOPs; "
+            "profile it with measure=True, device=... and example inputs"
+        )
     return replace(spec, flops_per_second=rate)

@@ -2,6 +2,7 @@
 under a :class:`~automap.profiling.tracer.Tracer`, with each unit hooked, units whose forward meta
 cannot run standing in (``fallback.py``), eager experts run as grouped ones (``experts.py``), and
 fused attention counted as the fused kernel runs it."""
+
 from __future__ import annotations
 
 import gc
@@ -47,9 +48,18 @@ class FusedAttention(TorchFunctionMode):
         return out
 
 
-def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool = False,
-              guessed: bool = False) -> TraceResult:
+def run_trace(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    units: Sequence[str],
+    *,
+    backward: bool,
+    record_inputs: bool,
+    keep_output: bool = False,
+    guessed: bool = False,
+) -> TraceResult:
     """Run ``model`` with ``state`` (meta tensors) on meta inputs and measure every unit.
 
     Args:
@@ -88,20 +98,42 @@ def run_trace(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     if result.stopped and has_user_hooks(model):
         again = _run_once(model, state, args, kwargs, units, user_hooks=True, **options)
         if not again.stopped:
-            log.info("the forward of %s needs the hooks registered on it: traced with them", type(model).__name__)
+            log.info(
+                "the forward of %s needs the hooks registered on it: traced with them", type(model).__name__
+            )
             return again
     return result
 
 
-def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-              units: Sequence[str], *, backward: bool, record_inputs: bool, keep_output: bool, guessed: bool,
-              user_hooks: bool) -> TraceResult:
+def _run_once(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    units: Sequence[str],
+    *,
+    backward: bool,
+    record_inputs: bool,
+    keep_output: bool,
+    guessed: bool,
+    user_hooks: bool,
+) -> TraceResult:
     tracer = Tracer(state, record_inputs, backward)
     tracer.add_inputs((args, kwargs))
     handles: list[Any] = []
     try:
-        output, forward_flops = _traced(model, state, args, kwargs, units, tracer, handles, backward=backward,
-                                        guessed=guessed, user_hooks=user_hooks)
+        output, forward_flops = _traced(
+            model,
+            state,
+            args,
+            kwargs,
+            units,
+            tracer,
+            handles,
+            backward=backward,
+            guessed=guessed,
+            user_hooks=user_hooks,
+        )
     finally:
         interrupt: BaseException | None = None
         while handles:  # again when an interrupt came at the very call, before it held the handlers
@@ -109,7 +141,9 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
                 _remove(handles)
             except Exception:
                 raise
-            except BaseException as exc:  # KeyboardInterrupt, SystemExit from a handler: raised once they are gone
+            except (
+                BaseException
+            ) as exc:  # KeyboardInterrupt, SystemExit from a handler: raised once they are gone
                 interrupt = interrupt or exc
         if interrupt is not None:
             raise interrupt
@@ -119,8 +153,19 @@ def _run_once(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
     return result
 
 
-def _traced(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, units: Sequence[str],
-            tracer: Tracer, handles: list[Any], *, backward: bool, guessed: bool, user_hooks: bool) -> tuple[Any, int]:
+def _traced(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    units: Sequence[str],
+    tracer: Tracer,
+    handles: list[Any],
+    *,
+    backward: bool,
+    guessed: bool,
+    user_hooks: bool,
+) -> tuple[Any, int]:
     """The traced forward (and backward): the tracer's hooks on ``units``, listed in ``handles``
     for the caller to remove, and torch's modes around it; its output and forward FLOPs."""
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -134,7 +179,9 @@ def _traced(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kw
             stack.callback(gc.enable)
         with deferred():  # each hook registered and listed for removal together
             for name in units:
-                handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
+                handles.append(
+                    modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True)
+                )
                 handles.append(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True))
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad() if backward else torch.no_grad())
@@ -182,15 +229,26 @@ def _leave_modes(tracer: Tracer, attention: FusedAttention) -> None:
         overrides._pop_mode()
 
 
-def forward_of(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, tracer: Tracer,
-             guessed: bool, user_hooks: bool = False) -> Any:
+def forward_of(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    tracer: Tracer,
+    guessed: bool,
+    user_hooks: bool = False,
+) -> Any:
     try:
         return call_with(model, state, args, kwargs, user_hooks=user_hooks)
     except Exception as exc:  # noqa: BLE001 - re-raised with the unit where it happened
         result = tracer.result
         failed = result.failed
         if is_meta_limit(exc) or failed or guessed:
-            after = f", after the stand-in for {next(iter(failed))!r}" if failed and not is_meta_limit(exc) else ""
+            after = (
+                f", after the stand-in for {next(iter(failed))!r}"
+                if failed and not is_meta_limit(exc)
+                else ""
+            )
             result.stopped = f"{tracer.where()}: {describe(exc)}{after}"
             result.guess_failed = guessed and not is_meta_limit(exc) and not failed
             result.interrupted = tuple(call.name for call in tracer.active)
@@ -212,7 +270,8 @@ def backward_of(output: Any, tracer: Tracer) -> None:
     try:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     except Exception as exc:  # noqa: BLE001 - training FLOPs are optional; forward ones stand
-        log.warning("backward on meta failed (%s: %s); train_flops cover what ran before it",
-                    type(exc).__name__, exc)
+        log.warning(
+            "backward on meta failed (%s: %s); train_flops cover what ran before it", type(exc).__name__, exc
+        )
     finally:
         tracer.in_backward = False

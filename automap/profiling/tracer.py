@@ -2,6 +2,7 @@
 unit's call, or the code before the next unit) and following each storage from its producer to
 its readers, for flows between units and activation peaks.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -17,8 +18,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automap.profiling.fallback import MetaLimit, meta_limit
 from automap.profiling.metarules import flop_formulas
-from automap.profiling.metaops import (MemoTable, arg_specs, op_tensors, pack_saved, storage_of, tensors_in,
-                                      unique_bytes)
+from automap.profiling.metaops import (
+    MemoTable,
+    arg_specs,
+    op_tensors,
+    pack_saved,
+    storage_of,
+    tensors_in,
+    unique_bytes,
+)
 from automap.profiling.result import INPUT, OUTPUT, Flow, TraceResult
 
 log = logging.getLogger(__name__)
@@ -126,8 +134,10 @@ class Tracer(TorchDispatchMode):
             MetaLimit: the model reads a number from a tensor.
         """
         if t.dtype != torch.bool:
-            raise MetaLimit(f"it reads a {str(t.dtype).removeprefix('torch.')} value from a tensor "
-                            "(Tensor.item() or int(tensor)), and meta tensors have no values")
+            raise MetaLimit(
+                f"it reads a {str(t.dtype).removeprefix('torch.')} value from a tensor "
+                "(Tensor.item() or int(tensor)), and meta tensors have no values"
+            )
         if not self._assumed:
             log.info("the model branches on a tensor's value; on meta it is taken as True")
             self._assumed = True
@@ -136,8 +146,12 @@ class Tracer(TorchDispatchMode):
     def _decomposes(self, func: Any) -> bool:
         found = self._has_decomposition.get(func)
         if found is None:
-            found = self._has_decomposition[func] = func is not torch.ops.prim.device.default and \
-                torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+            found = self._has_decomposition[func] = (
+                func is not torch.ops.prim.device.default
+                and torch._C._dispatch_has_kernel_for_dispatch_key(
+                    func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+                )
+            )
         return found
 
     def _forward_op(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> None:
@@ -147,8 +161,9 @@ class Tracer(TorchDispatchMode):
             self._read(t, seg)
         writes = self._writes.get(func)
         if writes is None:
-            writes = self._writes[func] = any(a.alias_info is not None and a.alias_info.is_write
-                                              for a in func._schema.arguments)
+            writes = self._writes[func] = any(
+                a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+            )
         for t in op_tensors((out,), {}):
             self._wrote(t, seg, writes)
 
@@ -253,6 +268,7 @@ class Tracer(TorchDispatchMode):
             self.calls[name] += 1
             self.active.append(_Call(name, self.live, self.live, unique_bytes((args, kwargs))))
             self.begin(name)
+
         return hook
 
     def post_hook(self, name: str) -> Callable[..., None]:
@@ -264,6 +280,7 @@ class Tracer(TorchDispatchMode):
             peak = call.input_bytes + call.peak_live - call.entry_live
             r.peak_bytes[name] = max(r.peak_bytes.get(name, 0), peak)
             self.begin(self.active[-1].name if self.active else None)
+
         return hook
 
     def add_inputs(self, tree: Any) -> None:
@@ -296,7 +313,9 @@ class Tracer(TorchDispatchMode):
             if unit is not None:
                 r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
                 if self.probe_backward and not r.stopped:  # else not measured: 0, never a guess
-                    r.train_flops[unit] = r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
+                    r.train_flops[unit] = (
+                        r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
+                    )
         r.first_use = {name: unit for name, seg in self.seg_use.items() if (unit := owner[seg]) is not None}
         r.readers = {name: frozenset(units) for name, units in self.readers.items()}
         r.flows = self._flows(owner, tpos)
@@ -308,8 +327,11 @@ class Tracer(TorchDispatchMode):
     def producers(self) -> dict[int, str]:
         """The unit that produced (or last wrote) each storage alive now, by ``id``."""
         owner, _ = self._resolve()
-        return {key: unit for key, rec in self.storages.items()
-                if rec.segment >= 0 and (unit := owner[rec.segment]) is not None}
+        return {
+            key: unit
+            for key, rec in self.storages.items()
+            if rec.segment >= 0 and (unit := owner[rec.segment]) is not None
+        }
 
     def _resolve(self) -> tuple[list[str | None], list[int]]:
         """Each segment's unit and execution position; code between units goes to the next

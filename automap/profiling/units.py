@@ -4,6 +4,7 @@ Every parameter and buffer gets exactly one owning unit: its module's unit, or, 
 held directly by a non-unit module (ViT's ``class_token``, a rotary ``inv_freq`` on a parent),
 the unit whose code first uses it. Tied tensors are owned once and reported as a group.
 """
+
 from __future__ import annotations
 
 import copy
@@ -118,8 +119,10 @@ def check_units(model: nn.Module, units: Sequence[str]) -> list[str]:
     modules = dict(model.named_modules(remove_duplicate=False))
     unknown = [u for u in units if u not in modules]
     if unknown:
-        raise ProfileError(f"units {unknown[:5]} are not modules of {type(model).__name__}; "
-                           "use names from model.named_modules()")
+        raise ProfileError(
+            f"units {unknown[:5]} are not modules of {type(model).__name__}; "
+            "use names from model.named_modules()"
+        )
     seen: set[int] = set()
     kept = []
     for name in units:
@@ -145,8 +148,13 @@ def all_named_tensors(model: nn.Module, remove_duplicate: bool = True) -> Iterat
     yield from ((n, b) for n, b in model.named_buffers(remove_duplicate=remove_duplicate) if b is not None)
 
 
-def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict | None = None,
-              user_hooks: bool = False) -> object:
+def call_with(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict | None = None,
+    user_hooks: bool = False,
+) -> object:
     """``model(*args, **kwargs)`` with ``state``'s tensors in place of its own (``functional_call``),
     and the model as it was after, also when it raised: every module's parameters and buffers
     (``functional_call`` alone puts back those of a module reached under one name only: a module
@@ -160,7 +168,9 @@ def call_with(model: nn.Module, state: Mapping[str, torch.Tensor], args: tuple, 
         for module, _ in kept if not user_hooks else ():
             leave_out_observers(module)  # the saved tables come back with the rest
         with torch.random.fork_rng(devices=[]):
-            return torch.func.functional_call(model, dict(state), args, kwargs or {}, tie_weights=True, strict=False)
+            return torch.func.functional_call(
+                model, dict(state), args, kwargs or {}, tie_weights=True, strict=False
+            )
     finally:
         completed(lambda: [_put_back(module, saved) for module, saved in kept])  # none left half put back
 
@@ -187,8 +197,12 @@ def computes_the_model(hook: Any) -> bool:
 
 def has_user_hooks(model: nn.Module) -> bool:
     """Whether a module of ``model`` has a hook the user registered."""
-    return any(not computes_the_model(hook) for module in model.modules() for table in HOOK_TABLES
-               for hook in module.__dict__.get(table, {}).values())
+    return any(
+        not computes_the_model(hook)
+        for module in model.modules()
+        for table in HOOK_TABLES
+        for hook in module.__dict__.get(table, {}).values()
+    )
 
 
 def leave_out_observers(module: nn.Module) -> None:
@@ -209,7 +223,10 @@ _TABLES = tuple(name for name, value in vars(nn.Module()).items() if isinstance(
 
 def _python_state(module: nn.Module) -> tuple[nn.Module, tuple[dict, list]]:
     """``module``'s attributes and the contents of its tables of tensors and children."""
-    return module, (dict(module.__dict__), [copy.copy(module.__dict__[t]) for t in _TABLES if t in module.__dict__])
+    return module, (
+        dict(module.__dict__),
+        [copy.copy(module.__dict__[t]) for t in _TABLES if t in module.__dict__],
+    )
 
 
 def _put_back(module: nn.Module, saved: tuple[dict, list]) -> None:
@@ -248,8 +265,9 @@ def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
-                   first_use: Mapping[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+def assign_tensors(
+    model: nn.Module, units: Sequence[str], order: Sequence[str], first_use: Mapping[str, str]
+) -> dict[str, tuple[list[str], list[str]]]:
     """Give every tensor exactly one unit; return ``{unit: (owned names, loose names)}``.
 
     A tensor inside a unit's module (under any of the module's names) belongs to the earliest
@@ -289,8 +307,9 @@ def assign_tensors(model: nn.Module, units: Sequence[str], order: Sequence[str],
     return owned
 
 
-def stray_reads(model: nn.Module, units: Sequence[str], readers: Mapping[str, Iterable[str | None]],
-                loose: Iterable[str]) -> list[str]:
+def stray_reads(
+    model: nn.Module, units: Sequence[str], readers: Mapping[str, Iterable[str | None]], loose: Iterable[str]
+) -> list[str]:
     """Tensors read while no unit holding them ran: by a module's own code between units, or by
     a unit whose module does not hold them. Tensors in ``loose`` (held by a non-unit module,
     kept resident where they run) never count.

@@ -6,6 +6,7 @@
     >>> automap.report.figure(plan, "plan.png")
     >>> print(automap.placement(model).report())      # where the tensors really are
 """
+
 from automap.planning.model import register_renderer
 from automap.report.actual import placement
 from automap.errors import ReportError
@@ -19,5 +20,18 @@ register_renderer("text", render_text)
 register_renderer("json", to_json)
 register_renderer("line", render_line)
 
-__all__ = ["ReportError", "check_figure_path", "check_json_path", "draw", "figure", "format_seconds", "placement", "plan_dict", "read_json", "render_text",
-           "to_json", "unit_ranges", "write_json"]
+__all__ = [
+    "ReportError",
+    "check_figure_path",
+    "check_json_path",
+    "draw",
+    "figure",
+    "format_seconds",
+    "placement",
+    "plan_dict",
+    "read_json",
+    "render_text",
+    "to_json",
+    "unit_ranges",
+    "write_json",
+]

@@ -1,5 +1,6 @@
 """Where a model's tensors really are, as a :class:`~automap.planning.Plan` that the text, JSON and
 figure render like any other (its origin is ``Origin.ACTUAL``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +47,9 @@ def placement(model: nn.Module) -> Plan:
         >>> print(automap.placement(model).report())
     """
     if not isinstance(model, nn.Module):
-        raise ReportError(f"automap.placement describes an nn.Module, not {type(model).__name__}; pass the model")
+        raise ReportError(
+            f"automap.placement describes an nn.Module, not {type(model).__name__}; pass the model"
+        )
     state = state_of(model)
     if state is not None:
         streamed = state.streamed_ids()
@@ -82,16 +85,20 @@ def store_note(state: DispatchState) -> str:
         return ""
     where = ", ".join(f"{s.directory} ({format_bytes(store_size(s.directory))})" for s in stores)
     parent = stores[0].directory.parent
-    return (f"offload store: {where}; kept after undispatch and reused by the next dispatch of the same "
-            f"weights (nothing rewritten); remove it once undispatched with automap clean {parent} "
-            f"(or automap.clean({str(parent)!r})), which removes automap's stores there and nothing else")
+    return (
+        f"offload store: {where}; kept after undispatch and reused by the next dispatch of the same "
+        f"weights (nothing rewritten); remove it once undispatched with automap clean {parent} "
+        f"(or automap.clean({str(parent)!r})), which removes automap's stores there and nothing else"
+    )
 
 
 def memory_note(stats: SourceStats) -> str:
     """Where the offloaded tensors' bytes are: files, host RAM (pinned), written in memory."""
     parts = []
     if stats.file_bytes:
-        parts.append(f"{format_bytes(stats.file_bytes)} read from files in place (page cache, no anonymous memory)")
+        parts.append(
+            f"{format_bytes(stats.file_bytes)} read from files in place (page cache, no anonymous memory)"
+        )
     if stats.ram_bytes:
         parts.append(f"{format_bytes(stats.ram_bytes)} in host RAM")
     if stats.pinned_bytes:
@@ -99,8 +106,10 @@ def memory_note(stats: SourceStats) -> str:
     if stats.written_bytes is None:
         parts.append("copy-on-write bytes unknown (no /proc/self/pagemap)")
     elif stats.written_bytes:
-        parts.append(f"{format_bytes(stats.written_bytes)} written in memory since dispatch (copy-on-write: the "
-                     "files are unchanged; undispatch keeps the changes)")
+        parts.append(
+            f"{format_bytes(stats.written_bytes)} written in memory since dispatch (copy-on-write: the "
+            "files are unchanged; undispatch keeps the changes)"
+        )
     return "offloaded tensors: " + "; ".join(parts) if parts else ""
 
 
@@ -129,8 +138,10 @@ def _settle(unit: Unit, planned: str, where: Mapping[str, str], notes: list[str]
     if not devices:
         return planned
     if len(devices) > 1:
-        notes.append(f"unit {unit.name!r} is split over {', '.join(devices)}; "
-                     f"planned on {planned} (was a tensor moved by hand?)")
+        notes.append(
+            f"unit {unit.name!r} is split over {', '.join(devices)}; "
+            f"planned on {planned} (was a tensor moved by hand?)"
+        )
         return planned if planned in devices else devices[0]
     if devices[0] != planned:
         notes.append(f"unit {unit.name!r} is on {devices[0]} but the plan put it on {planned}")
@@ -141,9 +152,13 @@ def _as_plan(plan: Plan, found: tuple[str, ...], notes: list[str]) -> Plan:
     known = {d.name for d in plan.devices}
     extra = tuple(make_device(d, 0) for d in sorted(set(found)) if d not in known)
     return dataclasses.replace(
-        plan, devices=tuple(sorted(plan.devices + extra, key=DeviceSpec.sort_key)), placement=found,
-        provenance=dataclasses.replace(plan.provenance, origin=Origin.ACTUAL,
-                                       warnings=tuple(plan.warnings) + tuple(notes)))
+        plan,
+        devices=tuple(sorted(plan.devices + extra, key=DeviceSpec.sort_key)),
+        placement=found,
+        provenance=dataclasses.replace(
+            plan.provenance, origin=Origin.ACTUAL, warnings=tuple(plan.warnings) + tuple(notes)
+        ),
+    )
 
 
 def _undispatched(model: nn.Module) -> Plan:
@@ -154,19 +169,31 @@ def _undispatched(model: nn.Module) -> Plan:
     tensors = dict(all_named_tensors(model, remove_duplicate=False))
     notes: list[str] = []
     found = tuple(_device_of_unit(u, tensors, hf_map, notes) for u in prof.units)
-    base = Plan(units=prof.units, devices=detect_devices(), placement=found,
-                provenance=Provenance(origin=Origin.ACTUAL),
-                inputs=PlanInputs(tie_groups=prof.tie_groups, example=prof.example,
-                                  cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units)))))
+    base = Plan(
+        units=prof.units,
+        devices=detect_devices(),
+        placement=found,
+        provenance=Provenance(origin=Origin.ACTUAL),
+        inputs=PlanInputs(
+            tie_groups=prof.tie_groups,
+            example=prof.example,
+            cut_bytes=tuple(prof.cut_bytes(i) for i in range(len(prof.units))),
+        ),
+    )
     return _as_plan(base, found, notes)
 
 
-def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Mapping[str, str],
-                    notes: list[str]) -> str:
+def _device_of_unit(
+    unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Mapping[str, str], notes: list[str]
+) -> str:
     counts: dict[str, int] = {}
     for name in unit.tensors:
         tensor = tensors[name]
-        device = longest_prefix(hf_map, name) if tensor.device.type == "meta" else canonical_name(str(tensor.device))
+        device = (
+            longest_prefix(hf_map, name)
+            if tensor.device.type == "meta"
+            else canonical_name(str(tensor.device))
+        )
         if device is None:
             raise ReportError(
                 f"tensor {name!r} is on meta (no data) and the model has no hf_device_map saying where it "
@@ -176,4 +203,3 @@ def _device_of_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], hf_map: Map
     if len(counts) > 1:
         notes.append(f"unit {unit.name!r} is split over {', '.join(sorted(counts))}")
     return max(counts, key=lambda d: counts[d]) if counts else "cpu"
-

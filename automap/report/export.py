@@ -4,6 +4,7 @@
 flags for the GGUF tensor names). Pipeline engines refuse a plan that offloads.
 See docs/export.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,10 @@ def vllm_partition(plan: Plan) -> str:
         for unit in stage.units:
             layer = layer_index(unit, prefix)
             if layer is not None and owner.setdefault(layer, index) != index:
-                raise PlanError(f"layer {prefix}.{layer} computes in stages {owner[layer]} and {index}; vLLM runs a "
-                                "layer whole on one stage: plan with no_split set to the layer's class")
+                raise PlanError(
+                    f"layer {prefix}.{layer} computes in stages {owner[layer]} and {index}; vLLM runs a "
+                    "layer whole on one stage: plan with no_split set to the layer's class"
+                )
     counts = Counter(owner.values())
     return ",".join(str(counts.get(i, 0)) for i in range(len(_stages(plan))))
 
@@ -89,7 +92,7 @@ def layer_index(name: str, prefix: str) -> int | None:
     """The layer number of module or tensor ``name`` under ``prefix`` (None: outside the layers)."""
     if not name.startswith(prefix + "."):
         return None
-    head = name[len(prefix) + 1:].split(".", 1)[0]
+    head = name[len(prefix) + 1 :].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 
@@ -106,21 +109,27 @@ def gguf_arch(arch: str) -> Any:
     try:
         import gguf
     except ImportError as exc:
-        raise DependencyError(f"exporting to llama.cpp needs the gguf package for its tensor names ({exc}); "
-                              "pip install gguf") from exc
+        raise DependencyError(
+            f"exporting to llama.cpp needs the gguf package for its tensor names ({exc}); pip install gguf"
+        ) from exc
     by_name = {name: arch_ for arch_, name in gguf.MODEL_ARCH_NAMES.items()}
     for candidate in (arch, GGUF_ALIASES.get(arch, ""), arch.replace("_", ""), arch.replace("_", "-")):
         if candidate in by_name:
             return by_name[candidate]
-    raise PlanError(f"llama.cpp names no architecture {arch!r}; give arch= as llama.cpp's GGUF names it "
-                    f"(general.architecture, e.g. {', '.join(sorted(by_name)[:6])}, ...)")
+    raise PlanError(
+        f"llama.cpp names no architecture {arch!r}; give arch= as llama.cpp's GGUF names it "
+        f"(general.architecture, e.g. {', '.join(sorted(by_name)[:6])}, ...)"
+    )
 
 
 def gguf_names(name_map: Any, tensor: str) -> list[str]:
     """The GGUF tensors llama.cpp's converter makes of transformers tensor ``tensor`` (a fused
     gate-up projection becomes two), or [] when it has none."""
-    parts = [tensor.replace("gate_up_proj", "gate_proj"), tensor.replace("gate_up_proj", "up_proj")] \
-        if "gate_up_proj" in tensor else [tensor]
+    parts = (
+        [tensor.replace("gate_up_proj", "gate_proj"), tensor.replace("gate_up_proj", "up_proj")]
+        if "gate_up_proj" in tensor
+        else [tensor]
+    )
     found = []
     for part in parts:
         name = name_map.get_name(part, try_suffixes=(".weight", ".bias"))
@@ -150,7 +159,9 @@ def gguf_placement(plan: Plan, arch: str) -> dict[str, str]:
             for name in gguf_names(name_map, tensor):
                 placed[name] = backend(plan, placement.home)
     if not placed:
-        raise PlanError(f"none of the plan's tensors has a GGUF name for architecture {arch!r}; is it the model's?")
+        raise PlanError(
+            f"none of the plan's tensors has a GGUF name for architecture {arch!r}; is it the model's?"
+        )
     return placed
 
 
@@ -178,10 +189,16 @@ def llama_cpp_args(plan: Plan, arch: str) -> list[str]:
         experts = {d for n, d in tensors.items() if _EXPERTS.search(n)}
         if len(experts) == 1 and next(iter(experts)) != default:
             overrides.setdefault((r"ffn_.*_exps\.", next(iter(experts))), []).append(block)
-        singles += [(f"blk.{block}.{n}", d) for n, d in tensors.items()
-                    if d != default and not (_EXPERTS.search(n) and len(experts) == 1)]
-    singles += [(n, d) for n, d in placed.items() if not _BLOCK.match(n) and d != default
-                and not n.startswith("token_embd")]
+        singles += [
+            (f"blk.{block}.{n}", d)
+            for n, d in tensors.items()
+            if d != default and not (_EXPERTS.search(n) and len(experts) == 1)
+        ]
+    singles += [
+        (n, d)
+        for n, d in placed.items()
+        if not _BLOCK.match(n) and d != default and not n.startswith("token_embd")
+    ]
     args = ["-ngl", "999"]
     for (rest, device), blocks in overrides.items():
         args += ["-ot", f"blk\\.({'|'.join(map(str, blocks))})\\.{rest}={device}"]

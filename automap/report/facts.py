@@ -1,4 +1,5 @@
 """Numbers every rendering shares, derived once from a plan (nothing here is re-measured)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,8 +7,15 @@ from typing import TYPE_CHECKING, Sequence
 
 from automap.planning.decode import DecodePrediction, predict_decode
 from automap.planning.model import unit_label
-from automap.planning.predict import (bottleneck_seconds, compute_seconds, cuts, forward_seconds,
-                                      over_capacity_notes, summary, tie_split_notes)
+from automap.planning.predict import (
+    bottleneck_seconds,
+    compute_seconds,
+    cuts,
+    forward_seconds,
+    over_capacity_notes,
+    summary,
+    tie_split_notes,
+)
 from automap.sizes import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -138,8 +146,12 @@ def _noted(label: str) -> tuple[str, str]:
 def _next_in_run(current: str, candidate: str, stem: str, note: str = "") -> bool:
     (name, _), (cand, cand_note) = _noted(current), _noted(candidate)
     cand_stem, _, cand_last = cand.rpartition(".")
-    return (cand_stem == stem and cand_note == note and cand_last.isdigit()
-            and int(cand_last) == int(name.rpartition(".")[2]) + 1)
+    return (
+        cand_stem == stem
+        and cand_note == note
+        and cand_last.isdigit()
+        and int(cand_last) == int(name.rpartition(".")[2]) + 1
+    )
 
 
 def layer_labels(plan: Plan, names: Sequence[str]) -> list[str]:
@@ -157,9 +169,11 @@ def layer_labels(plan: Plan, names: Sequence[str]) -> list[str]:
         if layer not in apart:
             shown.append(name)
             continue
-        part = apart[layer][len(layer) + 1:]
+        part = apart[layer][len(layer) + 1 :]
         whole = apart[layer] in here and any(origin.get(n) == layer and n != apart[layer] for n in here)
-        label = layer if whole else f"{layer} ({part})" if name == apart[layer] else f"{layer} (all but {part})"
+        label = (
+            layer if whole else f"{layer} ({part})" if name == apart[layer] else f"{layer} (all but {part})"
+        )
         if not shown or shown[-1] != label:
             shown.append(label)
     return shown
@@ -169,8 +183,10 @@ def device_notes(plan: Plan, row: DeviceSummary) -> list[str]:
     """Short remarks printed under a device's row (offloading, overflow)."""
     notes = []
     if row.units and plan.placements.by_home[row.device.name].offloaded:
-        notes.append(f"stores only: weights stream to {plan.execution_device}, which computes their units "
-                     f"({format_seconds(row.stage_seconds)} of its stage)")
+        notes.append(
+            f"stores only: weights stream to {plan.execution_device}, which computes their units "
+            f"({format_seconds(row.stage_seconds)} of its stage)"
+        )
     if row.over_capacity:
         notes.append(f"over capacity by {format_bytes(row.used_bytes - row.device.capacity_bytes)}")
     return notes
@@ -188,10 +204,15 @@ def untraced_notes(plan: Plan) -> list[str]:
         if len(units) == len(plan.units):
             notes.append(f"all {len(units)} units planned without a trace, by their bytes ({reason})")
             continue
-        flops = "FLOPs estimated from their weight shapes" if any(u.flops_estimated for u in units) \
+        flops = (
+            "FLOPs estimated from their weight shapes"
+            if any(u.flops_estimated for u in units)
             else "FLOPs unknown"
+        )
         names = unit_ranges([unit_label(u.name) for u in units])
-        notes.append(f"{'unit' if len(units) == 1 else 'units'} {names} planned without a trace ({reason}); {flops}")
+        notes.append(
+            f"{'unit' if len(units) == 1 else 'units'} {names} planned without a trace ({reason}); {flops}"
+        )
     return notes
 
 

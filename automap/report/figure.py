@@ -2,6 +2,7 @@
 
 Drawn with matplotlib's object API (no pyplot, so no global state and no display needed).
 """
+
 from __future__ import annotations
 
 import textwrap
@@ -20,7 +21,16 @@ if TYPE_CHECKING:
     from automap.planning import DeviceSummary, Plan
 
 FORMATS = ("png", "svg", "pdf")
-_ACCELERATOR_COLOURS = ("#4C72B0", "#55A868", "#8172B3", "#64B5CD", "#2F6B3A", "#DA8BC3", "#1F3F73", "#CCB974")
+_ACCELERATOR_COLOURS = (
+    "#4C72B0",
+    "#55A868",
+    "#8172B3",
+    "#64B5CD",
+    "#2F6B3A",
+    "#DA8BC3",
+    "#1F3F73",
+    "#CCB974",
+)
 _KIND_COLOURS = {"cpu": "#DD8452", "disk": "#937860"}
 # Memory parts get neutral colours of their own so they are not read as devices.
 MEMORY_COLOURS = {"weights": "#5B6C7D", "activations": "#E5B13A", "kv cache": "#8172B3", "reserve": "#C44E52"}
@@ -60,8 +70,9 @@ def figure(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
         with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, small
             replace_whole(target, lambda file: fig.savefig(file, format=fmt, dpi=120, bbox_inches="tight"))
     except OSError as exc:
-        raise ReportError(f"cannot write the figure to {str(target)!r}: {exc.strerror or exc}; "
-                          "choose a writable path") from exc
+        raise ReportError(
+            f"cannot write the figure to {str(target)!r}: {exc.strerror or exc}; choose a writable path"
+        ) from exc
     return target
 
 
@@ -107,14 +118,18 @@ def device_colours(plan: Plan) -> dict[str, str]:
 
 def _title(plan: Plan, facts: Facts) -> str:
     what = "actual placement" if plan.origin is Origin.ACTUAL else f"automap plan ({plan.source})"
-    return (f"{what}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights; "
-            f"bottleneck {facts.bottleneck_device or '-'} {format_seconds(facts.bottleneck_seconds)}, "
-            f"forward {format_seconds(facts.forward_seconds)}")
+    return (
+        f"{what}: {len(plan.units)} units, {format_bytes(facts.weight_bytes)} of weights; "
+        f"bottleneck {facts.bottleneck_device or '-'} {format_seconds(facts.bottleneck_seconds)}, "
+        f"forward {format_seconds(facts.forward_seconds)}"
+    )
 
 
 def _device_axis(ax: Any, facts: Facts, with_capacity: bool) -> None:
-    labels = [f"{r.device.name}\n{format_bytes(r.device.capacity_bytes)}" if with_capacity else r.device.name
-              for r in facts.rows]
+    labels = [
+        f"{r.device.name}\n{format_bytes(r.device.capacity_bytes)}" if with_capacity else r.device.name
+        for r in facts.rows
+    ]
     ax.set_yticks(range(len(facts.rows)), labels, fontsize=9)
     ax.set_ylim(len(facts.rows) - 0.5, -0.5)  # fastest tier on top, as in the text report
     ax.grid(axis="x", alpha=0.3)
@@ -131,15 +146,26 @@ def _memory_panel(ax: Any, facts: Facts) -> None:
     peak = 100.0
     for y, row in enumerate(facts.rows):
         peak = max(peak, _memory_row(ax, y, row))
-    drawn = {part for row in facts.rows for part, nbytes in _memory_parts(row)
-             if nbytes and 100 * nbytes >= _VISIBLE_PERCENT * row.device.capacity_bytes}
+    drawn = {
+        part
+        for row in facts.rows
+        for part, nbytes in _memory_parts(row)
+        if nbytes and 100 * nbytes >= _VISIBLE_PERCENT * row.device.capacity_bytes
+    }
     handles = [Patch(color=colour, label=part) for part, colour in MEMORY_COLOURS.items() if part in drawn]
     handles.append(Patch(facecolor="none", edgecolor="#444444", label="capacity"))
     ax.set_xlim(0, min(peak, _MAX_PERCENT) + 32)
     ax.set_xticks(range(0, int(min(peak, _MAX_PERCENT)) + 1, 25))
     ax.set_xlabel("memory used, % of each device's capacity (label: bytes used)")
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False,
-              borderaxespad=0.1)
+    ax.legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        ncol=4,
+        frameon=False,
+        borderaxespad=0.1,
+    )
     _device_axis(ax, facts, with_capacity=True)
     ax.set_title("memory", fontsize=10, loc="left")
 
@@ -157,14 +183,23 @@ def _memory_row(ax: Any, y: int, row: DeviceSummary) -> float:
         shown = max(0.0, min(left + width, _MAX_PERCENT) - left)
         ax.barh(y, shown, left=min(left, _MAX_PERCENT), color=MEMORY_COLOURS[part], height=0.6)
         left += width
-    ax.text(min(max(left, 100), _MAX_PERCENT) + 1.5, y, f"{format_bytes(row.used_bytes)} ({left:.0f}%)",
-            va="center", fontsize=8)
+    ax.text(
+        min(max(left, 100), _MAX_PERCENT) + 1.5,
+        y,
+        f"{format_bytes(row.used_bytes)} ({left:.0f}%)",
+        va="center",
+        fontsize=8,
+    )
     return left
 
 
 def _memory_parts(row: DeviceSummary) -> tuple[tuple[str, int], ...]:
-    return (("weights", row.weight_bytes), ("activations", row.activation_bytes), ("kv cache", row.kv_bytes),
-            ("reserve", row.reserve_bytes))
+    return (
+        ("weights", row.weight_bytes),
+        ("activations", row.activation_bytes),
+        ("kv cache", row.kv_bytes),
+        ("reserve", row.reserve_bytes),
+    )
 
 
 def _flops_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> None:
@@ -214,25 +249,51 @@ def _strip_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) -> 
     total = float(max(sum(u.weight_bytes for u in plan.units), 1))
     for start, stop, device in _runs(plan):
         hatch = "//" if plan.placements.by_home[device].offloaded else None
-        ax.barh(0, stop - start, left=start, height=0.6, color=colours[device], edgecolor="white",
-                linewidth=0.5, hatch=hatch)
+        ax.barh(
+            0,
+            stop - start,
+            left=start,
+            height=0.6,
+            color=colours[device],
+            edgecolor="white",
+            linewidth=0.5,
+            hatch=hatch,
+        )
         if (stop - start) / total > _CHAR_WIDTH * (len(device) + 2) * 1.3:  # 9-point bold: wider characters
-            ax.text((start + stop) / 2, 0, device, ha="center", va="center", fontsize=9, color="white",
-                    fontweight="bold")
+            ax.text(
+                (start + stop) / 2,
+                0,
+                device,
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="white",
+                fontweight="bold",
+            )
     placed, omitted = _cut_labels(plan, facts, total)
     for position, text, tier in placed:
         ax.plot([position, position], [-0.3, 0.36 + 0.2 * tier], color="black", linewidth=1.0)
         if text:
-            ax.text(position, 0.36 + 0.2 * tier, text, ha="center", va="bottom", fontsize=7,
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+            ax.text(
+                position,
+                0.36 + 0.2 * tier,
+                text,
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
+            )
     ax.set_xlim(0, total)
     ticks = [total * k / 4 for k in range(5)]
     ax.set_xticks(ticks, [format_bytes(t) for t in ticks], fontsize=8)
     ax.set_ylim(-0.32, 0.58 + 0.2 * max((tier for _, text, tier in placed if text), default=0))
     ax.set_yticks([])
     left_out = f"; {omitted} labels left out where they would overlap" if omitted else ""
-    ax.set_xlabel(f"{len(plan.units)} units in execution order, each as wide as its weights (black lines: cuts, "
-                  f"labelled with the activation bytes crossing; hatched: streamed{left_out})", fontsize=9)
+    ax.set_xlabel(
+        f"{len(plan.units)} units in execution order, each as wide as its weights (black lines: cuts, "
+        f"labelled with the activation bytes crossing; hatched: streamed{left_out})",
+        fontsize=9,
+    )
     ax.set_title("which units sit where", fontsize=10, loc="left")
 
 
@@ -265,8 +326,15 @@ def _legend_panel(ax: Any, plan: Plan, facts: Facts, colours: dict[str, str]) ->
     from matplotlib.patches import Patch
 
     hatches = {name: "//" if p.offloaded else None for name, p in plan.placements.by_home.items()}
-    handles = [Patch(facecolor=colours[r.device.name], hatch=hatches[r.device.name],
-                     label=_legend_label(plan, r.device.name, r.units)) for r in facts.rows if r.units]
+    handles = [
+        Patch(
+            facecolor=colours[r.device.name],
+            hatch=hatches[r.device.name],
+            label=_legend_label(plan, r.device.name, r.units),
+        )
+        for r in facts.rows
+        if r.units
+    ]
     ax.axis("off")
     if handles:
         ax.legend(handles=handles, loc="upper center", fontsize=8, frameon=False, borderaxespad=0)
@@ -287,25 +355,40 @@ def _notes(plan: Plan, facts: Facts) -> list[str]:
             for note in notes:
                 lines += textwrap.wrap(note, _NOTE_CHARS, initial_indent="  - ", subsequent_indent="    ")
     if len(lines) > _MAX_NOTES:
-        lines = lines[:_MAX_NOTES - 1] + [f"  ... {len(lines) - _MAX_NOTES + 1} more lines in plan.report()"]
+        lines = lines[: _MAX_NOTES - 1] + [f"  ... {len(lines) - _MAX_NOTES + 1} more lines in plan.report()"]
     return lines or ["choices: none; warnings: none"]
 
 
 def _notes_panel(ax: Any, notes: Sequence[str]) -> None:
     ax.axis("off")
-    ax.text(0.0, 1.0, "\n".join(notes), ha="left", va="top", fontsize=8, family="monospace",
-            transform=ax.transAxes)
+    ax.text(
+        0.0,
+        1.0,
+        "\n".join(notes),
+        ha="left",
+        va="top",
+        fontsize=8,
+        family="monospace",
+        transform=ax.transAxes,
+    )
 
 
 def _legend_label(plan: Plan, device: str, units: tuple[str, ...]) -> str:
     offloaded = plan.placements.by_home[device].offloaded
     note = f" (offloaded, runs on {plan.execution_device})" if offloaded else ""
     text = f"{device}{note}: {unit_ranges([unit_label(u) for u in units])}"
-    return text if len(text) <= _LABEL_CHARS else text[:_LABEL_CHARS - 3] + "..."
+    return text if len(text) <= _LABEL_CHARS else text[: _LABEL_CHARS - 3] + "..."
 
 
-def bar_chart(means: Sequence[float], stds: Sequence[float], labels: Sequence[str], path: str | Path,
-              ylabel: str, *, title: str | None = None) -> Path:
+def bar_chart(
+    means: Sequence[float],
+    stds: Sequence[float],
+    labels: Sequence[str],
+    path: str | Path,
+    ylabel: str,
+    *,
+    title: str | None = None,
+) -> Path:
     """One bar per configuration (mean, with a +-std error bar), saved to ``path`` — the
     model-parallel tutorial's timing plot.
 
@@ -327,8 +410,10 @@ def bar_chart(means: Sequence[float], stds: Sequence[float], labels: Sequence[st
     from matplotlib.figure import Figure
 
     if not len(means) == len(stds) == len(labels):
-        raise ReportError(f"bar_chart needs one mean, std and label per bar; got {len(means)} means, "
-                          f"{len(stds)} stds and {len(labels)} labels")
+        raise ReportError(
+            f"bar_chart needs one mean, std and label per bar; got {len(means)} means, "
+            f"{len(stds)} stds and {len(labels)} labels"
+        )
     target = check_figure_path(path)
     fig = Figure(figsize=(max(6.0, 0.9 * len(means) + 2.0), 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -340,7 +425,9 @@ def bar_chart(means: Sequence[float], stds: Sequence[float], labels: Sequence[st
     if title:
         ax.set_title(title, fontsize=10)
     try:
-        replace_whole(target, lambda file: fig.savefig(file, format=target.suffix.lower().lstrip("."), dpi=120))
+        replace_whole(
+            target, lambda file: fig.savefig(file, format=target.suffix.lower().lstrip("."), dpi=120)
+        )
     except OSError as exc:
         raise ReportError(f"cannot write the chart to {str(target)!r}: {exc.strerror or exc}") from exc
     return target

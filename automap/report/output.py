@@ -1,6 +1,7 @@
 """Writing a report file the user named (plan JSON, figures, benchmark rows) so that a failure —
 a full disk, a quota, Ctrl-C — leaves the file that was there before untouched: the bytes go to
 a temporary file beside it, which replaces it only once complete."""
+
 from __future__ import annotations
 
 import os

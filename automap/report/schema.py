@@ -1,5 +1,6 @@
 """The plan as JSON for scripts and CI: the plan's own keys, per-device summaries, cuts
 and totals. Documented in ``docs/plan-schema.md``; keys are only ever added, never renamed."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from automap.report.output import replace_whole
 from automap.report.text import unit_ranges
 from automap.userfiles import as_path, check_output_path, read_json_file
 
-_REWRITE = ("give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' "
-            "wrote")
+_REWRITE = (
+    "give a plan JSON that automap.report.write_json(plan, path) or 'automap plan ... --json FILE' wrote"
+)
 
 if TYPE_CHECKING:
     from automap.planning import DeviceSummary
@@ -48,8 +50,10 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "bottleneck_seconds": bottleneck_seconds(plan),
         "forward_seconds": forward_seconds(plan),
         "cuts": [asdict(cut) for cut in facts.cuts],
-        "units": [{**asdict(u), "device": p.home, "placement": p.as_dict()}
-                  for u, p in zip(plan.units, plan.placements)],
+        "units": [
+            {**asdict(u), "device": p.home, "placement": p.as_dict()}
+            for u, p in zip(plan.units, plan.placements)
+        ],
         "tie_groups": [list(g) for g in plan.tie_groups],
         "cut_bytes": list(plan.cut_bytes),
         "warnings": list(plan.warnings),
@@ -71,8 +75,14 @@ def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
     if plan.generation is None:
         return None
     decode = facts.decode
-    speed: dict[str, Any] = {"decode_step_seconds": None, "decode_tokens_per_second": None, "decode_limit": None,
-                             "decode_summary": "", "decode_hint": "", "decode_steps": []}
+    speed: dict[str, Any] = {
+        "decode_step_seconds": None,
+        "decode_tokens_per_second": None,
+        "decode_limit": None,
+        "decode_summary": "",
+        "decode_hint": "",
+        "decode_steps": [],
+    }
     if decode is not None:
         limit = decode.limit
         speed = {
@@ -81,11 +91,17 @@ def _generation_dict(plan: Plan, facts: Facts) -> dict[str, Any] | None:
             "decode_limit": asdict(limit) if limit is not None else None,
             "decode_summary": decode.describe(),
             "decode_hint": decode.hint,
-            "decode_steps": [{"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
-                             for s in decode.steps],
+            "decode_steps": [
+                {"device": s.device, "seconds": s.seconds, "terms": [asdict(t) for t in s.terms]}
+                for s in decode.steps
+            ],
         }
-    return {**asdict(plan.generation), "kv_bytes": facts.kv_bytes, "prefill_seconds": facts.forward_seconds,
-            **speed}
+    return {
+        **asdict(plan.generation),
+        "kv_bytes": facts.kv_bytes,
+        "prefill_seconds": facts.forward_seconds,
+        **speed,
+    }
 
 
 def _device_dict(plan: Plan, facts: Facts, row: DeviceSummary) -> dict[str, Any]:
@@ -165,8 +181,9 @@ def write_json(plan: Plan, path: str | Path) -> Path:
         text = (to_json(plan) + "\n").encode()
         replace_whole(target, lambda file: file.write(text))
     except OSError as exc:
-        raise ReportError(f"cannot write the plan JSON to {str(target)!r}: {exc.strerror or exc}; "
-                          "choose a writable path") from exc
+        raise ReportError(
+            f"cannot write the plan JSON to {str(target)!r}: {exc.strerror or exc}; choose a writable path"
+        ) from exc
     return target
 
 

@@ -5,6 +5,7 @@ automap``) when it decorates. Nothing can be compiling until ``torch._dynamo`` i
 ``torch.compile`` imports it), so the decorated body runs plainly until then, and behind
 ``torch._dynamo.disable`` after: a compiled model breaks its graph at the call, never traces it.
 """
+
 from __future__ import annotations
 
 import functools

@@ -2,6 +2,7 @@
 router picked, once the routing is known, and reads ahead the experts it guesses for the next
 layer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,8 +81,10 @@ class ReadExperts(Hook):
     @skip_when_compiling
     def _guess_next(self, args: tuple, kwargs: dict) -> None:
         assert self.guess is not None
-        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()),
-                      None)
+        hidden = next(
+            (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()),
+            None,
+        )
         routing = routing_of(args, kwargs)
         if hidden is None or routing is None or hidden.shape[-1] != self.guess.router.shape[-1]:
             return
@@ -356,7 +359,9 @@ class ExpertsByCall(Hook):
             with torch.inference_mode(False), torch.no_grad():
                 for tensor in (*module.parameters(), *module.buffers()):
                     homes.append((tensor, tensor.data))
-                    tensor.data = tensor.data.to(self.accelerator, non_blocking=tensor.data.is_pinned(), copy=True)
+                    tensor.data = tensor.data.to(
+                        self.accelerator, non_blocking=tensor.data.is_pinned(), copy=True
+                    )
         except BaseException:
             with torch.inference_mode(False), torch.no_grad():
                 for tensor, home in homes:
@@ -386,7 +391,10 @@ def hook_experts_by_call(plan: Any, modules: dict[str, nn.Module], state: Dispat
         if not kind_of(placement.compute).is_host or len(accelerators) != 1:
             continue
         home = torch_device(placement.compute)
-        state.hooks.append(ExpertsByCall(home, torch_device(accelerators.pop()), layer.stream_from, state)
-                           .attach(modules[layer.unit]))
+        state.hooks.append(
+            ExpertsByCall(home, torch_device(accelerators.pop()), layer.stream_from, state).attach(
+                modules[layer.unit]
+            )
+        )
         hooked.add(layer.unit)
     return hooked

@@ -1,6 +1,7 @@
 """Gradients of offloaded weights: refused, and refused at the start of the backward, before any
 parameter's gradient changed.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
@@ -40,8 +41,10 @@ def refuse_gradients(state: DispatchState, tensor: torch.Tensor, name: str) -> N
 
 def refuse_grad(name: str) -> Callable[[torch.Tensor], None]:
     """A tensor hook that stops backward where a gradient reaches offloaded ``name``."""
+
     def hook(grad: torch.Tensor) -> None:
         raise refusal(name)
+
     return hook
 
 

@@ -2,6 +2,7 @@
 move or convert offloaded weights are refused before anything changes; copies and pickles are
 plain models; no read of a truncated file.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,14 @@ from automap.sizes import format_bytes
 log = logging.getLogger(__name__)
 
 # The module tables torch keeps hooks in (by handle id): automap's entries are left out of copies.
-HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_state_dict_pre_hooks")
+HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_state_dict_pre_hooks",
+)
 OVERRIDES = ("_apply", "__getstate__", "__deepcopy__")
 _CHECKED = "automap: memory checked"  # a key of deepcopy's memo (whose own keys are ints)
 # Offloaded bytes a dtype conversion made by the model's own forward may bring into RAM,
@@ -58,8 +65,13 @@ class Guard:
     def install(self) -> Guard:
         model = self._model()
         assert model is not None, "installed while dispatching: the caller holds the model"
-        self.names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
-                                            *model.named_buffers(remove_duplicate=False)]}
+        self.names = {
+            id(t): n
+            for n, t in [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+        }
         for module in model.modules():
             prior = {k: module.__dict__[k] for k in OVERRIDES if k in module.__dict__}
             self._installed.append((weakref.ref(module), prior))
@@ -68,7 +80,9 @@ class Guard:
             module.__deepcopy__ = self._deepcopy_of(module)
             if self.offloaded(module, recurse=False):
                 self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
-        self.hook_ids = {h.id for hook in self.state.hooks for h in hook.handles} | {h.id for h in self._handles}
+        self.hook_ids = {h.id for hook in self.state.hooks for h in hook.handles} | {
+            h.id for h in self._handles
+        }
         return self
 
     def remove(self) -> None:
@@ -123,9 +137,12 @@ class Guard:
                 return original(fn, recurse)
             finally:
                 self._converting.active = False
+
         return _apply
 
-    def check_conversion(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> None:
+    def check_conversion(
+        self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool
+    ) -> None:
         """Refuse ``fn`` (what ``Module._apply`` would apply) if it would move a tensor
         automap placed to another device, change an offloaded tensor's dtype or move it into
         shared memory."""
@@ -141,30 +158,47 @@ class Guard:
                 seen[key] = probe(fn, tensor, named[id(tensor)], self.refusal)
             dtype, device, shared = seen[key]
             if device != tensor.device:
-                raise ConversionError(self.refusal(f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
-                                                 f"{device}; automap placed every unit of the model, and moving it by "
-                                                 "hand would break that placement"))
+                raise ConversionError(
+                    self.refusal(
+                        f"would move tensor {named[id(tensor)]!r} from {tensor.device} to "
+                        f"{device}; automap placed every unit of the model, and moving it by "
+                        "hand would break that placement"
+                    )
+                )
             if id(tensor) in offloaded and shared:
-                raise ConversionError(self.refusal(
-                    f"would copy offloaded tensor {named[id(tensor)]!r} into shared memory (share_memory), reading "
-                    f"the offloaded weights ({format_bytes(self.offloaded_bytes(module, recurse))}) off disk into RAM "
-                    "behind the plan's back; to share the model between processes, keep its units in memory (map "
-                    "them to 'cpu')"))
+                raise ConversionError(
+                    self.refusal(
+                        f"would copy offloaded tensor {named[id(tensor)]!r} into shared memory (share_memory), reading "
+                        f"the offloaded weights ({format_bytes(self.offloaded_bytes(module, recurse))}) off disk into RAM "
+                        "behind the plan's back; to share the model between processes, keep its units in memory (map "
+                        "them to 'cpu')"
+                    )
+                )
             if id(tensor) in offloaded and dtype != tensor.dtype:
                 total = self.offloaded_bytes(module, recurse)
                 if total <= SMALL_CONVERSION_BYTES and self.in_forward():  # the model's own code: as plain
-                    log.info("%s: offloaded %r converted to %s, kept in RAM from now on (%s)", self.name,
-                             named[id(tensor)], dtype, format_bytes(total))
+                    log.info(
+                        "%s: offloaded %r converted to %s, kept in RAM from now on (%s)",
+                        self.name,
+                        named[id(tensor)],
+                        dtype,
+                        format_bytes(total),
+                    )
                     continue
-                raise ConversionError(self.refusal(
-                    f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
-                    f"offloaded weights ({format_bytes(total)}) off disk into RAM "
-                    f"behind the plan's back; to run it in {dtype}, load or dispatch it in that dtype "
-                    "(automap.load(..., dtype=...))"))
+                raise ConversionError(
+                    self.refusal(
+                        f"would turn offloaded tensor {named[id(tensor)]!r} from {tensor.dtype} into {dtype}, reading the "
+                        f"offloaded weights ({format_bytes(total)}) off disk into RAM "
+                        f"behind the plan's back; to run it in {dtype}, load or dispatch it in that dtype "
+                        "(automap.load(..., dtype=...))"
+                    )
+                )
 
     def offloaded_bytes(self, module: nn.Module, recurse: bool) -> int:
         offloaded = self.offloaded(module, recurse)
-        return sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse) if id(t) in offloaded)
+        return sum(
+            t.numel() * t.element_size() for t in module.parameters(recurse=recurse) if id(t) in offloaded
+        )
 
     def in_forward(self) -> bool:
         """Whether this thread is inside the forward of one of the model's modules (the call
@@ -178,8 +212,10 @@ class Guard:
         return False
 
     def refusal(self, what: str) -> str:
-        return (f"this conversion of dispatched {self.name} {what}. Call automap.undispatch(model) first (the model "
-                "then holds every weight in memory, with any change made to it), convert it, and dispatch it again")
+        return (
+            f"this conversion of dispatched {self.name} {what}. Call automap.undispatch(model) first (the model "
+            "then holds every weight in memory, with any change made to it), convert it, and dispatch it again"
+        )
 
     # -------------------------------------------------------------- copies and pickles
 
@@ -187,6 +223,7 @@ class Guard:
         def __getstate__() -> dict[str, Any]:
             self.check_readable(module)
             return self.plain_state(module)
+
         return __getstate__
 
     def plain_state(self, module: nn.Module) -> dict[str, Any]:
@@ -210,24 +247,30 @@ class Guard:
             memo[id(module)] = twin
             twin.__setstate__(copy.deepcopy(self.plain_state(module), memo))
             return twin
+
         return __deepcopy__
 
     def check_memory(self, module: nn.Module) -> None:
         """Refuse a deep copy whose offloaded weights would not fit in available memory."""
         offloaded = self.offloaded(module)
-        needed = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
-                     if id(t) in offloaded)
+        needed = sum(
+            t.numel() * t.element_size()
+            for t in [*module.parameters(), *module.buffers()]
+            if id(t) in offloaded
+        )
         free = available_ram_bytes()
         if needed > free:
             raise DispatchError(
                 f"copy.deepcopy of dispatched {self.name} would read its {len(offloaded)} offloaded tensors "
                 f"({format_bytes(needed)}) into RAM, but only {format_bytes(free)} is available. Save it instead "
                 "(model.save_pretrained, torch.save(model.state_dict()): they read the weights from disk as they "
-                "write), or call automap.undispatch(model) first on a machine with more memory")
+                "write), or call automap.undispatch(model) first on a machine with more memory"
+            )
 
 
-def probe(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name: str,
-          refusal: Callable[[str], str]) -> tuple[torch.dtype, torch.device, bool]:
+def probe(
+    fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name: str, refusal: Callable[[str], str]
+) -> tuple[torch.dtype, torch.device, bool]:
     """What ``fn`` makes of a tensor like ``tensor`` (dtype, device, and whether it moved it
     into shared memory, as ``share_memory`` does in place), tried on one element."""
     sample = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
@@ -236,8 +279,12 @@ def probe(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor, name
         with torch.no_grad():
             out = fn(sample)
     except Exception as exc:  # noqa: BLE001 - the conversion's own failure, reported with the refusal
-        raise ConversionError(refusal(f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
-                                    "conversion that moves a placed tensor is refused")) from exc
+        raise ConversionError(
+            refusal(
+                f"cannot be checked on tensor {name!r} ({type(exc).__name__}: {exc}); a "
+                "conversion that moves a placed tensor is refused"
+            )
+        ) from exc
     if not isinstance(out, torch.Tensor):
         raise ConversionError(refusal(f"does not give a tensor for {name!r}"))
     return out.dtype, out.device, out.is_shared() and not was_shared

@@ -4,6 +4,7 @@ raised), :meth:`Hook.detach`. Like accelerate's ``ModelHook``, but through torch
 (``register_forward_pre_hook(..., with_kwargs=True)``, ``register_forward_hook(...,
 always_call=True)``): ``module.forward`` is never patched, and the handles are kept so that
 :func:`automap.undispatch` removes every one."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,7 @@
 """Hooks for a model whose units compute in pieces: a split unit's own code runs where its
 pieces compute, a module holding loose tensors computes where they are, and a unit of routed
 experts that computes apart from the code around it sends its outputs back there."""
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def called(module: nn.Module) -> list[nn.Module]:
     return [m for child in module.children() for m in called(child)]
 
 
-def hook_loose_owners(plan: Plan, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
-                      state: DispatchState) -> None:
+def hook_loose_owners(
+    plan: Plan, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor], state: DispatchState
+) -> None:
     """A module that holds tensors itself (ViT's ``class_token``) computes with them in its own
     forward, so its inputs go to where those tensors are."""
     owners: dict[str, torch.device] = {}
@@ -68,8 +70,9 @@ def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchS
     hook_expert_outputs(plan, modules, state, devices)
 
 
-def hook_expert_outputs(plan: Plan, modules: dict[str, nn.Module], state: DispatchState,
-                        parents: dict[str, torch.device]) -> None:
+def hook_expert_outputs(
+    plan: Plan, modules: dict[str, nn.Module], state: DispatchState, parents: dict[str, torch.device]
+) -> None:
     """A unit of routed experts that computes apart from the code around it — its split
     parent's pieces (``parents``) or the unit that encloses it — sends its outputs back there."""
     computes = {u.name: torch_device(p.compute) for u, p in zip(plan.units, plan.placements)}

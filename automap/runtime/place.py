@@ -1,5 +1,6 @@
 """Placing a model as a plan says and hooking it (undone by :mod:`automap.runtime.undo`, also on a
 failed dispatch)."""
+
 from __future__ import annotations
 
 import logging
@@ -39,9 +40,16 @@ log = logging.getLogger(__name__)
 TransferFactory = Callable[[WeightSource, str, "int | None"], Transfer]
 
 
-def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | None = None,
-                  output_device: str | torch.device | None = None, source: WeightSource | None = None,
-                  always_hook: bool = False, transfer: TransferFactory = make_transfer) -> nn.Module:
+def dispatch_plan(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    offload_dir: str | Path | None = None,
+    output_device: str | torch.device | None = None,
+    source: WeightSource | None = None,
+    always_hook: bool = False,
+    transfer: TransferFactory = make_transfer,
+) -> nn.Module:
     """Place ``model`` as ``plan`` says and install the hooks that run it there.
 
     Args:
@@ -71,8 +79,15 @@ def dispatch_plan(model: nn.Module, plan: Plan, *, offload_dir: str | Path | Non
         return _dispatch(model, plan, offload_dir, output_device, source, always_hook, transfer)
 
 
-def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, output_device: str | torch.device | None,
-              source: WeightSource | None, always_hook: bool, transfer: TransferFactory) -> nn.Module:
+def _dispatch(
+    model: nn.Module,
+    plan: Plan,
+    offload_dir: str | Path | None,
+    output_device: str | torch.device | None,
+    source: WeightSource | None,
+    always_hook: bool,
+    transfer: TransferFactory,
+) -> nn.Module:
     offload_dir = store_folder(plan, offload_dir, stored_bytes(plan) if source is None else 0)
     tensors = named_tensors(model)
     check_plan_matches(model, tensors, plan)
@@ -82,7 +97,9 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
     check_meta(tensors, plan, source)
     state = DispatchState(plan=plan)
     try:
-        state.source = build_source(state, tensors, plan, source, offload_dir)  # reads and writes: interruptible
+        state.source = build_source(
+            state, tensors, plan, source, offload_dir
+        )  # reads and writes: interruptible
         with deferred():  # hooks attached and listed, tensors swapped and recorded: all or nothing
             apply(model, plan, state, output_device, always_hook, transfer)
             remember(model, state)
@@ -92,9 +109,16 @@ def _dispatch(model: nn.Module, plan: Plan, offload_dir: str | Path | None, outp
             restore(model, state, rollback=True)
         if isinstance(exc, AutomapError) or not isinstance(exc, Exception):
             raise
-        raise DispatchError(f"dispatching {type(model).__name__} failed ({exc}); the model was left as it was") from exc
-    log.info("dispatched %s: %d unit(s), %d streaming, executing on %s", type(model).__name__,
-             len(plan.units), len(state.groups), plan.execution_device)
+        raise DispatchError(
+            f"dispatching {type(model).__name__} failed ({exc}); the model was left as it was"
+        ) from exc
+    log.info(
+        "dispatched %s: %d unit(s), %d streaming, executing on %s",
+        type(model).__name__,
+        len(plan.units),
+        len(state.groups),
+        plan.execution_device,
+    )
     return model
 
 
@@ -117,7 +141,9 @@ def _output_device(asked: str | int | torch.device) -> torch.device:
     try:
         check_present(name)
     except DeviceError as exc:
-        raise DeviceError(f"output_device={asked!r}: {name} is not on this machine; give 'cpu' or a GPU it has") from exc
+        raise DeviceError(
+            f"output_device={asked!r}: {name} is not on this machine; give 'cpu' or a GPU it has"
+        ) from exc
     return torch.device(name)
 
 
@@ -129,22 +155,30 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
     modules = dict(model.named_modules())
     for unit, placement in zip(plan.units, plan.placements):
         if unit.name not in modules:
-            raise DispatchError(f"the plan names unit {unit.name!r} but the model has no such module; "
-                                "was the plan made for another model?")
+            raise DispatchError(
+                f"the plan names unit {unit.name!r} but the model has no such module; "
+                "was the plan made for another model?"
+            )
         module = modules[unit.name]
         if placement.offloaded and never_called(module):
             children = [f"{unit.name}.{c}" for c, _ in list(module.named_children())[:2]]
-            raise DispatchError(f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
-                                f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
-                                "to 'disk' instead")
+            raise DispatchError(
+                f"unit {unit.name!r} is a {type(module).__name__}, which is never called, so its "
+                f"weights cannot be streamed in when it runs; map its children ({children}, ...) "
+                "to 'disk' instead"
+            )
         bad = [t for t in unit.tensors if t not in tensors]
         if bad:
-            raise DispatchError(f"the plan names tensors {bad[:3]} that the model lacks; plan this model again")
+            raise DispatchError(
+                f"the plan names tensors {bad[:3]} that the model lacks; plan this model again"
+            )
     for name, devices in split_devices(plan, modules).items():
         if name not in modules or len(devices) > 1:
-            raise DispatchError(f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
-                                "own forward code runs between them, so they must compute on one device; plan the "
-                                "model again with automap.plan")
+            raise DispatchError(
+                f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
+                "own forward code runs between them, so they must compute on one device; plan the "
+                "model again with automap.plan"
+            )
 
 
 def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, Placement]]:
@@ -170,16 +204,25 @@ def check_meta(tensors: dict[str, torch.Tensor], plan: Plan, source: WeightSourc
         if tensor.device.type != "meta":
             continue
         if id(tensor) not in streamed:
-            raise DispatchError(f"tensor {name!r} is on meta (no data) but the plan keeps it resident; "
-                                "load its weights first (automap.load does) or plan it onto 'disk'")
+            raise DispatchError(
+                f"tensor {name!r} is on meta (no data) but the plan keeps it resident; "
+                "load its weights first (automap.load does) or plan it onto 'disk'"
+            )
         if streamed[id(tensor)] not in held:
-            raise DispatchError(f"tensor {name!r} is on meta and offloaded, but the weight source has no "
-                                f"entry {streamed[id(tensor)]!r}; load it with automap.load, or give the model "
-                                "real weights")
+            raise DispatchError(
+                f"tensor {name!r} is on meta and offloaded, but the weight source has no "
+                f"entry {streamed[id(tensor)]!r}; load it with automap.load, or give the model "
+                "real weights"
+            )
 
 
-def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: Plan, given: WeightSource | None,
-                 offload_dir: str | Path | None) -> WeightSource | None:
+def build_source(
+    state: DispatchState,
+    tensors: dict[str, torch.Tensor],
+    plan: Plan,
+    given: WeightSource | None,
+    offload_dir: str | Path | None,
+) -> WeightSource | None:
     """One source for every offloaded tensor: ``given`` for what it holds, and for the rest
     the source each storage tier's kind builds (a new store for "disk", host RAM, pinned for
     a GPU, for "cpu"), slowest tier first."""
@@ -193,8 +236,10 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
     for placement in sorted(tiers, key=lambda p: plan.device(p.home).sort_key(), reverse=True):
         make = kind_of(placement.tier).factory("source")
         if make is None:
-            raise DispatchError(f"the plan streams units from {placement.home!r}, a kind of device that holds no "
-                                "offloaded weights; plan the model again with automap.plan")
+            raise DispatchError(
+                f"the plan streams units from {placement.home!r}, a kind of device that holds no "
+                "offloaded weights; plan the model again with automap.plan"
+            )
         with collecting(state.owned):  # a store is in state.owned as soon as it exists (rollback removes it)
             source = make(tensors, tiers[placement], offload_dir, placement.compute)
         if not any(source is owned for owned in state.owned):
@@ -204,7 +249,9 @@ def build_source(state: DispatchState, tensors: dict[str, torch.Tensor], plan: P
     return state.owned[0] if len(state.owned) == 1 else SourceSet(state.owned)
 
 
-def write_store(tensors: dict[str, torch.Tensor], groups: dict[str, str], offload_dir: str | Path | None) -> OffloadStore:
+def write_store(
+    tensors: dict[str, torch.Tensor], groups: dict[str, str], offload_dir: str | Path | None
+) -> OffloadStore:
     if offload_dir is None:
         units = [unit_label(u) for u in dict.fromkeys(groups.values())]
         listed = ", ".join(units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
@@ -238,13 +285,21 @@ def off_meta(model: nn.Module, plan: Plan, state: DispatchState) -> None:
         state.replaced = install(model, {key: state.source.get(names[key]) for key in meta})
 
 
-def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str | torch.device | None,
-          always_hook: bool, transfer: TransferFactory) -> None:
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    state: DispatchState,
+    output_device: str | torch.device | None,
+    always_hook: bool,
+    transfer: TransferFactory,
+) -> None:
     off_meta(model, plan, state)
     modules = dict(model.named_modules())
     tensors = named_tensors(model)
     compute_devices = {p.compute for p in plan.placements}
-    needs_hooks = always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
+    needs_hooks = (
+        always_hook or len(compute_devices) > 1 or bool(plan.offloaded_units) or output_device is not None
+    )
     by_call = hook_experts_by_call(plan, modules, state) if needs_hooks else set()
     place_units(plan, state, modules, tensors, needs_hooks, by_call)
     name = type(model).__name__
@@ -252,11 +307,17 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
         assert state.source is not None
         link(state.groups)
         state.transfer = transfer(state.source, plan.execution_device, streaming_buffers(plan))
-        files = CheckFiles(state.gate, name) if state.transfer.swaps else \
-            CheckFiles(state.gate, name, state.groups, state.transfer)
+        files = (
+            CheckFiles(state.gate, name)
+            if state.transfer.swaps
+            else CheckFiles(state.gate, name, state.groups, state.transfer)
+        )
         for group in state.groups:
-            state.hooks.append(StreamWeights(group, state, None if state.transfer.swaps else files)
-                               .attach(modules[group.key]))
+            state.hooks.append(
+                StreamWeights(group, state, None if state.transfer.swaps else files).attach(
+                    modules[group.key]
+                )
+            )
         hook_experts(state, modules)
         state.hooks.append(files.attach(model))
         state.hooks.append(RefuseGradientsEarly(state).attach(model))
@@ -270,8 +331,14 @@ def apply(model: nn.Module, plan: Plan, state: DispatchState, output_device: str
     state.guard = Guard(model, state).install()
 
 
-def place_units(plan: Plan, state: DispatchState, modules: dict[str, nn.Module], tensors: dict[str, torch.Tensor],
-                needs_hooks: bool, own_inputs: set[str] = frozenset()) -> None:
+def place_units(
+    plan: Plan,
+    state: DispatchState,
+    modules: dict[str, nn.Module],
+    tensors: dict[str, torch.Tensor],
+    needs_hooks: bool,
+    own_inputs: set[str] = frozenset(),
+) -> None:
     """Point offloaded tensors at their homes, move resident ones to their devices, and make a
     streaming group per unit that has offloaded tensors (its own or tied ones). Units in
     ``own_inputs`` have a hook that moves their inputs already (:class:`ExpertsByCall`)."""
@@ -305,22 +372,26 @@ def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict
         tensor.data = home
     owner, _, key = name.rpartition(".")
     table = modules[owner]._buffers if is_buffer else modules[owner]._parameters
-    item = state.streamed.setdefault(id(tensor), Streamed(tensor, name, home, is_buffer, version=tensor._version,
-                                                        slot=(table, key)))
+    item = state.streamed.setdefault(
+        id(tensor), Streamed(tensor, name, home, is_buffer, version=tensor._version, slot=(table, key))
+    )
     if tensor.requires_grad:
         refuse_gradients(state, tensor, name)
     return item
 
 
-def aliases(module: nn.Module, name: str, inner: list[str], state: DispatchState,
-            own: list[Streamed]) -> list[Streamed]:
+def aliases(
+    module: nn.Module, name: str, inner: list[str], state: DispatchState, own: list[Streamed]
+) -> list[Streamed]:
     """Streamed tensors reachable from unit ``name``'s ``module`` that another unit owns (tied
     weights); not those of the ``inner`` units (modules inside it that are units of their own,
     as the model's children are inside a unit mapped as ``""``), which bring in their own."""
     mine = {id(i.tensor) for i in own}
     found = []
-    named = [*module.named_parameters(prefix=name, remove_duplicate=False),
-             *module.named_buffers(prefix=name, remove_duplicate=False)]
+    named = [
+        *module.named_parameters(prefix=name, remove_duplicate=False),
+        *module.named_buffers(prefix=name, remove_duplicate=False),
+    ]
     for key, t in named:
         if any(key.startswith(f"{n}.") for n in inner):
             continue

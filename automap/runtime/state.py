@@ -1,6 +1,7 @@
 """What a dispatched model carries: its plan, hook objects, original devices, streamed tensors
 and their weight source, found through :func:`state_of`; and the :class:`Gate` that lets
 :func:`automap.undispatch` wait for forwards in flight."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,13 @@ class Streamed:
 
 def holds(tensor: torch.Tensor, home: torch.Tensor) -> bool:
     """Whether ``tensor``'s data is ``home`` (same memory, layout and dtype)."""
-    return (tensor.data_ptr() == home.data_ptr() and tensor.dtype == home.dtype and tensor.shape == home.shape
-            and tensor.device == home.device and tensor.stride() == home.stride())
+    return (
+        tensor.data_ptr() == home.data_ptr()
+        and tensor.dtype == home.dtype
+        and tensor.shape == home.shape
+        and tensor.device == home.device
+        and tensor.stride() == home.stride()
+    )
 
 
 def data_ptr(tensor: torch.Tensor) -> int:
@@ -144,8 +150,10 @@ class Gate:
                 while self.closed and not self.done:
                     self._cond.wait()
             if self.done:
-                raise DispatchError(f"{model} was undispatched by another thread (automap.undispatch) as this "
-                                    "forward started; run it again on the undispatched model, or dispatch it again")
+                raise DispatchError(
+                    f"{model} was undispatched by another thread (automap.undispatch) as this "
+                    "forward started; run it again on the undispatched model, or dispatch it again"
+                )
             self._active[me] = self._active.get(me, 0) + 1
 
     def leave(self) -> None:
@@ -363,7 +371,8 @@ def claimed(model: nn.Module) -> Iterator[None]:
                 raise DispatchError(
                     f"{type(model).__name__} is being dispatched (or loaded) by another thread right now; a model "
                     "is dispatched once: wait for that call and use the model it returns, or give each thread its "
-                    "own model (copy.deepcopy)")
+                    "own model (copy.deepcopy)"
+                )
             check_not_dispatched(model)
             _CLAIMS[model] = me
         yield
@@ -380,7 +389,9 @@ def check_not_dispatched(model: nn.Module) -> None:
     useful message)."""
     state = _STATES.get(model)
     if state is not None and state.model is model:
-        raise DispatchError(f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first")
+        raise DispatchError(
+            f"{type(model).__name__} is already dispatched; call automap.undispatch(model) first"
+        )
     check_no_overlap(model)
     check_no_accelerate_hooks(model)
 
@@ -398,7 +409,8 @@ def check_no_overlap(model: nn.Module) -> None:
             raise DispatchError(
                 f"{what}'s module {name or '(the model)'!r} ({type(module).__name__}) is still hooked by an earlier "
                 "dispatch whose model is gone; call automap.undispatch on it first (automap.dispatch and "
-                "automap.load do that themselves)")
+                "automap.load do that themselves)"
+            )
     roots = {id(r): r for r in (s.model for s in list(_STATES.values())) if r is not None}
     for other in list(roots.values()) + [m for m in list(_CLAIMS.keys()) if m is not model]:
         theirs = next((name for name, module in other.named_modules() if id(module) in mine), None)
@@ -408,16 +420,18 @@ def check_no_overlap(model: nn.Module) -> None:
         if id(other) in mine:
             raise DispatchError(
                 f"{what}'s submodule {mine[id(other)]!r} ({kind}) is dispatched already; call "
-                f"automap.undispatch on it first, then dispatch the whole {what} once")
+                f"automap.undispatch on it first, then dispatch the whole {what} once"
+            )
         if any(module is model for module in other.modules()):
             raise DispatchError(
                 f"{what} is a part of a {kind} that automap dispatched; a model is dispatched as one: call "
-                f"automap.undispatch on that {kind} first, or leave this part placed as the whole model's plan put it")
+                f"automap.undispatch on that {kind} first, or leave this part placed as the whole model's plan put it"
+            )
         raise DispatchError(
             f"{what} shares its module {mine[id(other.get_submodule(theirs))]!r} with a {kind} that automap dispatched "
             f"(its {theirs!r}); dispatching both would hook it twice: call automap.undispatch on that {kind} first, "
-            "or give each model its own copy (copy.deepcopy)")
-
+            "or give each model its own copy (copy.deepcopy)"
+        )
 
 
 def check_no_accelerate_hooks(model: nn.Module) -> None:
@@ -425,15 +439,19 @@ def check_no_accelerate_hooks(model: nn.Module) -> None:
     ``from_pretrained(device_map=...)``): its hooks replace the modules' forwards and move
     weights behind automap's back. automap does not remove them itself: only the caller knows
     whether the weights they would leave on meta matter."""
-    hooked = [name or "(the model)" for name, module in model.named_modules()
-              if hasattr(module, "_hf_hook") and _moves_weights(module._hf_hook)]
+    hooked = [
+        name or "(the model)"
+        for name, module in model.named_modules()
+        if hasattr(module, "_hf_hook") and _moves_weights(module._hf_hook)
+    ]
     if hooked:
         raise DispatchError(
             f"{type(model).__name__} is dispatched by accelerate: {len(hooked)} module(s) carry its hooks (first "
             f"{hooked[:3]}). Remove them before automap places it: from accelerate.hooks import "
             "remove_hook_from_module; remove_hook_from_module(model, recurse=True) — weights accelerate offloaded "
             "come back only if the model had them before its dispatch; otherwise load it with automap.load, or "
-            "from_pretrained without device_map")
+            "from_pretrained without device_map"
+        )
 
 
 def _moves_weights(hook: object) -> bool:
@@ -444,5 +462,11 @@ def _moves_weights(hook: object) -> bool:
     from accelerate.hooks import AlignDevicesHook, SequentialHook  # installed: a module carries its hook
 
     hooks = hook.hooks if isinstance(hook, SequentialHook) else (hook,)
-    return not all(isinstance(h, AlignDevicesHook) and h.execution_device is None and not h.offload
-                   and h.weights_map is None and not h.place_submodules for h in hooks)
+    return not all(
+        isinstance(h, AlignDevicesHook)
+        and h.execution_device is None
+        and not h.offload
+        and h.weights_map is None
+        and not h.place_submodules
+        for h in hooks
+    )

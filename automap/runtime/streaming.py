@@ -4,6 +4,7 @@ of the files behind them (:class:`CheckFiles`).
 Invariant: between forwards every offloaded tensor holds its home (a real CPU tensor of its weight
 source), so state_dict, printing and optimizers see true values at all times.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,9 @@ log = logging.getLogger(__name__)
 
 # Runs a block outside torch.func's transforms (grad, vmap): the copies made there are plain
 # tensors, as outside a transform. Absent from a torch, the block runs as it is.
-outside_transforms: Callable[[], AbstractContextManager[Any]] = getattr(torch._C, "_DisableFuncTorch", nullcontext)
+outside_transforms: Callable[[], AbstractContextManager[Any]] = getattr(
+    torch._C, "_DisableFuncTorch", nullcontext
+)
 
 
 class StreamWeights(Hook):
@@ -91,8 +94,10 @@ class StreamWeights(Hook):
         self.lock.acquire()
         try:
             if self.state.undone:
-                raise DispatchError(f"the model was undispatched by another thread (automap.undispatch) while this "
-                                    f"forward ran, before unit {self.group.key!r}; run it again")
+                raise DispatchError(
+                    f"the model was undispatched by another thread (automap.undispatch) while this "
+                    f"forward ran, before unit {self.group.key!r}; run it again"
+                )
             self._swap_in()
         except BaseException:
             self.lock.release()
@@ -177,7 +182,9 @@ class CheckFiles(Hook):
         groups, transfer: the streamed groups and the transfer, when files are checked here.
     """
 
-    def __init__(self, gate: Gate, model: str, groups: list[Group] | None = None, transfer: Transfer | None = None):
+    def __init__(
+        self, gate: Gate, model: str, groups: list[Group] | None = None, transfer: Transfer | None = None
+    ):
         super().__init__()
         self.gate, self.model, self.transfer = gate, model, transfer
         self.first = groups[0] if groups else None
@@ -247,4 +254,5 @@ def save_by_name(hook: StreamWeights) -> tuple[Callable, Callable]:
         else:  # adopted: what the model holds now
             source = item.home.to(hook.device)
         return source.as_strided(saved.shape, saved.stride, source.storage_offset())
+
     return pack, unpack

@@ -1,5 +1,6 @@
 """Replacing tensor objects in a model (``.data`` cannot move a tensor off meta), so that
 every module referring to one gets the same replacement and tied weights stay tied."""
+
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
@@ -46,10 +47,14 @@ def allocation_failed(exc: BaseException) -> bool:
     return "allocate" in text or "out of memory" in text
 
 
-def moved_back(original: Mapping[int, tuple[torch.Tensor, torch.device]],
-               streamed: Collection[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def moved_back(
+    original: Mapping[int, tuple[torch.Tensor, torch.device]], streamed: Collection[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each tensor of ``original`` (by id: the tensor and its device before dispatch) that was
     moved to another device and not to a weight source (``streamed``), with a copy of it on the
     device it came from: all allocated before anything is put back."""
-    return [(tensor, tensor.data.to(device)) for key, (tensor, device) in original.items()
-            if key not in streamed and tensor.device != device]
+    return [
+        (tensor, tensor.data.to(device))
+        for key, (tensor, device) in original.items()
+        if key not in streamed and tensor.device != device
+    ]

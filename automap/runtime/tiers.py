@@ -6,6 +6,7 @@ Each is ``(tensors, groups, offload_dir, execution) -> WeightSource``: ``tensors
 model's (by name), ``groups`` the ones this tier holds (tensor name -> unit name), and
 ``execution`` the name of the device the units compute on.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,15 +19,23 @@ from automap.offload import RamSource, WeightSource
 from automap.runtime.place import write_store
 
 
-def ram_source(tensors: Mapping[str, torch.Tensor], groups: Mapping[str, str], offload_dir: str | Path | None,
-               execution: str) -> WeightSource:
+def ram_source(
+    tensors: Mapping[str, torch.Tensor],
+    groups: Mapping[str, str],
+    offload_dir: str | Path | None,
+    execution: str,
+) -> WeightSource:
     """CPU RAM: the tensors where they are, pinned when the execution device copies from
     pinned memory asynchronously (a GPU)."""
     return RamSource({n: tensors[n].data for n in groups}, pin=kind_of(execution).async_copies)
 
 
-def store_source(tensors: Mapping[str, torch.Tensor], groups: Mapping[str, str], offload_dir: str | Path | None,
-                 execution: str) -> WeightSource:
+def store_source(
+    tensors: Mapping[str, torch.Tensor],
+    groups: Mapping[str, str],
+    offload_dir: str | Path | None,
+    execution: str,
+) -> WeightSource:
     """Disk: an offload store of automap's own under ``offload_dir``, written now.
 
     Raises:

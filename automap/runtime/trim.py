@@ -6,6 +6,7 @@ MiB above the weights it holds, for good, and the run's peak would start from th
 from what :mod:`automap.planning.memory` predicts. ``malloc_trim(0)`` returns those free pages;
 other C libraries (musl, macOS, Windows) have no such call and are left as they are.
 """
+
 from __future__ import annotations
 
 import ctypes

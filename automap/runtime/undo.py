@@ -1,6 +1,7 @@
 """Undoing a dispatch: hooks and overrides removed, every weight back in memory of its own on the
 device it had, the sources given up; for a whole model, a part of it kept alone after the model
 was dropped, or a failed dispatch (rollback)."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,9 @@ from automap.runtime.swap import allocation_failed, install, moved_back
 log = logging.getLogger(__name__)
 
 
-def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
-            done: Callable[[], None] | None = None) -> None:
+def restore(
+    model: nn.Module, state: DispatchState, *, rollback: bool = False, done: Callable[[], None] | None = None
+) -> None:
     """Undo :func:`apply`, keeping the model as it is now: every tensor that still views the
     weight source (the offloaded ones, and any other the model got from them since) is read
     into memory of its own — first, so that a tensor whose bytes cannot be read raises, naming
@@ -41,14 +43,17 @@ def restore(model: nn.Module, state: DispatchState, *, rollback: bool = False,
         raise DispatchError(
             f"undispatch could not allocate the memory the weights it brings back need ({type(exc).__name__}: "
             f"{str(exc)[:200]}); nothing was changed: the model is still dispatched and works as before. Free "
-            "memory (or raise the process's memory or address-space limit) and call automap.undispatch again") from exc
+            "memory (or raise the process's memory or address-space limit) and call automap.undispatch again"
+        ) from exc
     with deferred():
         _undo(model, state, back, rollback)
         if done is not None:
             done()
 
 
-def _undo(model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool) -> None:
+def _undo(
+    model: nn.Module, state: DispatchState, back: list[tuple[torch.Tensor, torch.Tensor]], rollback: bool
+) -> None:
     if state.guard is not None:
         state.guard.remove()
     for hook in state.hooks:
@@ -77,17 +82,27 @@ def read_views(model: nn.Module, state: DispatchState) -> list[tuple[torch.Tenso
     tensors = [t for _, t in all_named_tensors(model, remove_duplicate=False)]
     for module in state.live():  # the other parts of the model still alive (the model was dropped)
         tensors += [*module._parameters.values(), *module._buffers.values()]
-    views = {i.view.untyped_storage().data_ptr(): i for i in state.streamed.values()
-             if i.view is not None and i.view.numel() and on_host(i.view.device)}
+    views = {
+        i.view.untyped_storage().data_ptr(): i
+        for i in state.streamed.values()
+        if i.view is not None and i.view.numel() and on_host(i.view.device)
+    }
     devices = {id(tensor): device for tensor, device in state.original.values()}
     holders: dict[int, tuple[torch.Tensor, str]] = {}
     for tensor in tensors:
-        if tensor is not None and tensor.numel() and on_host(tensor.device) and tensor.untyped_storage().data_ptr() in views:
+        if (
+            tensor is not None
+            and tensor.numel()
+            and on_host(tensor.device)
+            and tensor.untyped_storage().data_ptr() in views
+        ):
             holders.setdefault(id(tensor), (tensor, views[tensor.untyped_storage().data_ptr()].name))
     if state.source is not None and holders:  # one fstat per file, not one per tensor
         state.source.check_unchanged(sorted({name for _, name in holders.values()}))
-    return [(t, torch.empty_like(t.data, device=devices.get(id(t), t.device)).copy_(t.data))
-            for t, _ in holders.values()]
+    return [
+        (t, torch.empty_like(t.data, device=devices.get(id(t), t.device)).copy_(t.data))
+        for t, _ in holders.values()
+    ]
 
 
 def release_orphans(model: nn.Module) -> None:
@@ -135,7 +150,8 @@ def undispatch(model: nn.Module) -> nn.Module:
         raise DispatchError(
             f"{type(model).__name__} is a part of a dispatched {type(root).__name__}, which is dispatched and undone "
             f"as one: call automap.undispatch on that {type(root).__name__} (a part kept alone, once the whole "
-            "model is gone, is undone by itself)")
+            "model is gone, is undone by itself)"
+        )
     with state.undoing:
         if state_of(model) is not state:
             raise DispatchError(f"{type(model).__name__} was undispatched by another thread meanwhile")

@@ -1,5 +1,6 @@
 """Moving the values that flow between units (tensors nested in containers) to a device, and
 finding the tensors in them."""
+
 from __future__ import annotations
 
 import dataclasses

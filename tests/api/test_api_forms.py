@@ -1,6 +1,7 @@
 """transformers' argument forms in ``automap.load`` and ``automap.plan``: dtype names and
 ``"auto"``, ``torch_dtype=`` and ``offload_folder=``, one device as the whole ``device_map``;
 bad values are AutomapErrors that say what to give instead."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,15 +26,23 @@ def folder(tmp_path_factory):
     return real, path
 
 
-@pytest.mark.parametrize("form", [{"dtype": "float16"}, {"dtype": "torch.float16"}, {"torch_dtype": torch.float16},
-                                  {"torch_dtype": "float16"}])
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"dtype": "float16"},
+        {"dtype": "torch.float16"},
+        {"torch_dtype": torch.float16},
+        {"torch_dtype": "float16"},
+    ],
+)
 def test_dtype_by_name_or_by_its_old_keyword(folder, form):
     real, path = folder
     model = automap.load(path, max_memory={"cpu": "1GB"}, quiet=True, **form)
     assert {p.dtype for p in model.parameters()} == {torch.float16}
     # the same weights (bf16 values are exact in fp16 here); buffers computed at fp16 may round apart
-    torch.testing.assert_close(logits_of(model, _ids()), logits_of(real.to(torch.float16), _ids()),
-                               atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(
+        logits_of(model, _ids()), logits_of(real.to(torch.float16), _ids()), atol=2e-3, rtol=2e-3
+    )
 
 
 def test_auto_dtype_is_the_checkpoints_in_both_forms(folder, tmp_path):
@@ -44,15 +53,18 @@ def test_auto_dtype_is_the_checkpoints_in_both_forms(folder, tmp_path):
         skeleton = type(real)(real.config).to(torch.float32)
     loaded = automap.load(skeleton, path, {"": "cpu"}, dtype="auto", quiet=True)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
-    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32  # computed, not a weight: as accelerate keeps it
+    assert (
+        loaded.model.rotary_emb.inv_freq.dtype == torch.float32
+    )  # computed, not a weight: as accelerate keeps it
     assert torch.equal(logits_of(loaded, _ids()), logits_of(model, _ids()))
 
 
 def test_offload_folder_is_offload_dir(folder, tmp_path):
     real, path = folder
     budget = beside_the_run(real, weight_bytes(real), torch.float32)  # at fp32: about half on disk
-    model = automap.load(path, dtype=torch.float32, max_memory={"cpu": budget}, quiet=True,
-                         offload_folder=tmp_path / "off")
+    model = automap.load(
+        path, dtype=torch.float32, max_memory={"cpu": budget}, quiet=True, offload_folder=tmp_path / "off"
+    )
     assert "disk" in automap.placement(model).placement
     assert any((tmp_path / "off").iterdir()), "converted weights were written where offload_folder points"
     with pytest.raises(PlanError, match="same argument"):
@@ -75,15 +87,24 @@ def test_one_device_map_loads_on_the_cpu_and_refuses_a_missing_gpu(folder):
     assert set(automap.placement(model).placement) == {"cpu"}
     from transformers import AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()  # a folder loads as it does
+    plain = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16
+    ).eval()  # a folder loads as it does
     assert torch.equal(logits_of(model, _ids()), logits_of(plain, _ids()))
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError):
             automap.load(path, device_map=0, quiet=True)
 
 
-@pytest.mark.parametrize("bad, match", [("bfloat17", "not a floating-point dtype"), (torch.int8, "floating-point"),
-                                        ("auto", "checkpoint's dtype, in automap.load"), (3, "floating-point")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("bfloat17", "not a floating-point dtype"),
+        (torch.int8, "floating-point"),
+        ("auto", "checkpoint's dtype, in automap.load"),
+        (3, "floating-point"),
+    ],
+)
 def test_bad_dtypes_are_plan_errors_with_the_forms_to_use(bad, match):
     with pytest.raises(PlanError, match=match):
         automap.plan(tiny_gpt2(), max_memory={"cpu": "1GB"}, dtype=bad)

@@ -1,6 +1,7 @@
 """Arguments of the wrong kind get an AutomapError that names the argument, before anything
 reads them (a bare TypeError or AttributeError from deep inside before): every public entry
 point, with each argument given a value of each wrong kind."""
+
 from __future__ import annotations
 
 import inspect
@@ -23,9 +24,23 @@ def _takes(function, argument: str) -> bool:
 
 
 @pytest.mark.parametrize("value", WRONG, ids=repr)
-@pytest.mark.parametrize("argument", ["no_split", "batch", "max_length", "example_inputs", "bandwidths",
-                                      "speeds", "links", "offload_dir", "dtype"])
-def test_plan_and_dispatch_refuse_an_argument_of_the_wrong_kind_by_name(argument, value, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "argument",
+    [
+        "no_split",
+        "batch",
+        "max_length",
+        "example_inputs",
+        "bandwidths",
+        "speeds",
+        "links",
+        "offload_dir",
+        "dtype",
+    ],
+)
+def test_plan_and_dispatch_refuse_an_argument_of_the_wrong_kind_by_name(
+    argument, value, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # offload_dir="x" is a relative folder: it goes here, not into the checkout
     calls = [lambda: automap.plan(_model(), **{argument: value})]
     if _takes(automap.dispatch, argument):
@@ -60,7 +75,9 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix(device_map, tmp_path)
     import torch
 
     model = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2))
-    with pytest.raises(automap.errors.PlanError, match="'0.weight' is a lazy module's uninitialized tensor.*run one forward"):
+    with pytest.raises(
+        automap.errors.PlanError, match="'0.weight' is a lazy module's uninitialized tensor.*run one forward"
+    ):
         automap.dispatch(model, device_map=device_map, max_memory={"cpu": 0}, offload_dir=tmp_path / "off")
     assert not (tmp_path / "off").exists()
     x = torch.randn(3, 5)
@@ -75,7 +92,9 @@ def test_a_torchscript_submodule_is_refused_naming_it(how, device_map, tmp_path)
     import torch
 
     model = _model()
-    model[1] = torch.jit.script(model[1]) if how == "script" else torch.jit.trace(model[1], torch.zeros(1, 16))
+    model[1] = (
+        torch.jit.script(model[1]) if how == "script" else torch.jit.trace(model[1], torch.zeros(1, 16))
+    )
     x = torch.randn(2, 8)
     expected = model(x)
     with pytest.raises(automap.PlanError, match="'1' is a TorchScript module .* dispatch the eager model"):
@@ -86,8 +105,12 @@ def test_a_torchscript_submodule_is_refused_naming_it(how, device_map, tmp_path)
 @pytest.mark.parametrize("folder", ["", "off\0load"], ids=["empty", "nul"])
 def test_an_offload_dir_that_is_no_path_is_refused(folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for call in (lambda: automap.plan(_model(), offload_dir=folder),
-                 lambda: automap.dispatch(_model(), device_map={"0": "disk", "1": "cpu", "2": "cpu"}, offload_dir=folder)):
+    for call in (
+        lambda: automap.plan(_model(), offload_dir=folder),
+        lambda: automap.dispatch(
+            _model(), device_map={"0": "disk", "1": "cpu", "2": "cpu"}, offload_dir=folder
+        ),
+    ):
         with pytest.raises(automap.PlanError, match="offload_dir=.* is no path"):
             call()
     assert list(tmp_path.iterdir()) == []
@@ -110,12 +133,19 @@ def test_the_accelerate_drop_ins_refuse_arguments_of_the_wrong_kind(call, tmp_pa
     from automap import accelerate_compat as compat
 
     calls = {
-        "no_split": lambda: compat.infer_auto_device_map(_model(), max_memory={"cpu": "1GB"}, no_split_module_classes=5),
+        "no_split": lambda: compat.infer_auto_device_map(
+            _model(), max_memory={"cpu": "1GB"}, no_split_module_classes=5
+        ),
         "max_memory": lambda: compat.infer_auto_device_map(_model(), max_memory="1GB"),
-        "main_device": lambda: compat.dispatch_model(_model(), device_map={"0": "cpu", "1": "disk", "2": "cpu"},
-                                                     main_device="gpu", offload_dir=tmp_path),
-        "main_device, nothing offloaded": lambda: compat.dispatch_model(_model(), device_map={"": "cpu"},
-                                                                        main_device="gpu"),
+        "main_device": lambda: compat.dispatch_model(
+            _model(),
+            device_map={"0": "cpu", "1": "disk", "2": "cpu"},
+            main_device="gpu",
+            offload_dir=tmp_path,
+        ),
+        "main_device, nothing offloaded": lambda: compat.dispatch_model(
+            _model(), device_map={"": "cpu"}, main_device="gpu"
+        ),
     }
     with pytest.raises(AutomapError, match="no_split_module_classes|no_split|max_memory|gpu"):
         calls[call]()

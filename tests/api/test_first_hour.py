@@ -1,6 +1,7 @@
 """What a newcomer meets first on the command line and in ``import automap``: the version, a
 public namespace that is the API only, offline presets, the refusal of a hub id (with the
 command that downloads), errors that say a path does not exist, and ``--quiet`` that is quiet."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_version_is_the_installed_one_on_the_command_line_and_in_python():
     expected = metadata.version("automap")
     assert automap.__version__ == expected
-    done = subprocess.run([sys.executable, "-m", "automap", "--version"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "automap", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout == f"automap {expected}\n" and done.stderr == ""
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert f'version = "{SOURCE_VERSION}"' in pyproject  # the fallback of a never-installed checkout
@@ -52,8 +54,14 @@ def test_dir_shows_the_api_only_and_every_name_resolves():
 
 
 # Parameter counts of the public models whose shapes the presets carry (their model cards).
-PUBLISHED = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.55e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.70e9,
-             "qwen3-30b-a3b": 30.53e9, "gpt2": 124.4e6}
+PUBLISHED = {
+    "llama-3-8b": 8.03e9,
+    "llama-3-70b": 70.55e9,
+    "mistral-7b": 7.24e9,
+    "mixtral-8x7b": 46.70e9,
+    "qwen3-30b-a3b": 30.53e9,
+    "gpt2": 124.4e6,
+}
 
 
 def test_list_presets_names_every_preset(capsys):
@@ -73,8 +81,15 @@ def test_presets_build_on_meta_with_the_published_size(name):
 
 
 def test_a_preset_plans_offline_for_the_headline_case(capsys, tmp_path):
-    code, out, err = _run(capsys, "plan", "llama-3-70b", "--max-memory", "0=24GiB,cpu=64GiB,disk=200GiB",
-                          "--json", str(tmp_path / "p.json"))
+    code, out, err = _run(
+        capsys,
+        "plan",
+        "llama-3-70b",
+        "--max-memory",
+        "0=24GiB,cpu=64GiB,disk=200GiB",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
     assert code == 0, err
     assert "preset llama-3-70b" in out and "cuda:0" in out
     data = json.loads((tmp_path / "p.json").read_text())
@@ -86,8 +101,9 @@ def test_a_preset_takes_set_overrides():
     assert build_model("llama-3-8b", {"num_hidden_layers": 2}).model.config.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("spec", ["meta-llama/Llama-3-8B", "Qwen/Qwen3-30B-A3B",
-                                  "hf:meta-llama/Meta-Llama-3-8B"])
+@pytest.mark.parametrize(
+    "spec", ["meta-llama/Llama-3-8B", "Qwen/Qwen3-30B-A3B", "hf:meta-llama/Meta-Llama-3-8B"]
+)
 def test_a_hub_id_says_automap_never_downloads_and_gives_the_command(capsys, spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = _run(capsys, "plan", spec)
@@ -136,10 +152,27 @@ def test_a_file_given_as_a_folder_says_it_is_a_file(capsys, tmp_path, monkeypatc
 
 
 def test_quiet_prints_nothing_and_still_writes(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "automap", "plan", "torchvision:resnet18",
-                           "--max-memory", "cpu=1GB", "--quiet", "--json", "p.json", "--figure", "p.svg"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "automap",
+            "plan",
+            "torchvision:resnet18",
+            "--max-memory",
+            "cpu=1GB",
+            "--quiet",
+            "--json",
+            "p.json",
+            "--figure",
+            "p.svg",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
     assert json.loads((tmp_path / "p.json").read_text())["device_map"] and (tmp_path / "p.svg").stat().st_size
@@ -154,8 +187,9 @@ def test_demo_save_writes_loadable_folders_offline_and_keeps_existing_ones(capsy
     assert sorted(p.name for p in (tmp_path / "gptj").iterdir()) == ["mine.txt"]
     assert main(["plan", str(tmp_path / "llama"), "--max-memory", "cpu=1GB", "--quiet"]) == 0
     built = plan_spec(str(tmp_path / "llama"), max_memory={"cpu": "1GB"}).built.model
-    model = automap.load(str(tmp_path / "llama"), max_memory=part_on_disk(built),
-                         offload_dir=tmp_path / "offload", quiet=True)
+    model = automap.load(
+        str(tmp_path / "llama"), max_memory=part_on_disk(built), offload_dir=tmp_path / "offload", quiet=True
+    )
     assert type(model).__name__ == "LlamaForCausalLM" and "disk" in automap.placement(model).placement
     automap.undispatch(model)
     assert not (tmp_path / "offload").exists()  # its safetensors are read in place: no store written

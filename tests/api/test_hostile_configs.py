@@ -209,8 +209,10 @@ def fuzz_in_this_process() -> None:
     _fuzz_numbers(folder.root)
     grown = _peak_rss() - base
     assert grown < GIB, f"peak RSS grew by {grown / GIB:.2f} GiB while fuzzing configs"
-    print(f"fuzzed {EXAMPLES} configs, {EXAMPLES} generation configs and the number arguments; "
-          f"peak RSS grew {grown / 2**20:.0f} MiB")
+    print(
+        f"fuzzed {EXAMPLES} configs, {EXAMPLES} generation configs and the number arguments; "
+        f"peak RSS grew {grown / 2**20:.0f} MiB"
+    )
 
 
 def _fuzz_numbers(root: Path) -> None:
@@ -220,7 +222,9 @@ def _fuzz_numbers(root: Path) -> None:
     numbers.test_plan_takes_a_number_or_raises_an_automap_error()
 
     @FUZZ
-    @given(argument=st.sampled_from(["max_memory", "batch", "max_length", "offload_dir"]), value=numbers.HOSTILE)
+    @given(
+        argument=st.sampled_from(["max_memory", "batch", "max_length", "offload_dir"]), value=numbers.HOSTILE
+    )
     def dispatch_numbers(argument, value):
         with contextlib.chdir(root):
             numbers.dispatch_and_load(argument, value, root)

@@ -6,6 +6,7 @@ reads in place, files written byte by byte to lie. Each case ends in the right o
 ``AutomapError`` naming the problem and the fix, with the model and the user's files as they
 were. What could crash or poison the interpreter (SIGBUS from a mapped file, a global patch
 left behind) runs in a fresh one."""
+
 from __future__ import annotations
 
 import hashlib
@@ -52,8 +53,13 @@ def _hashes(folder: Path) -> dict[str, str]:
 
 def _run(code: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _raced(calls: list) -> list[BaseException | None]:
@@ -86,7 +92,9 @@ def test_two_threads_dispatching_one_model_one_wins_and_undispatch_leaves_nothin
         expected = model(x)
         outcomes = _raced([lambda: automap.dispatch(model, DISK_ODD, offload_dir=tmp_path)] * 2)
         lost = [o for o in outcomes if o is not None]
-        assert len(lost) == 1 and isinstance(lost[0], DispatchError), outcomes  # "by another thread" or "already"
+        assert len(lost) == 1 and isinstance(lost[0], DispatchError), (
+            outcomes
+        )  # "by another thread" or "already"
         assert torch.equal(model(x), expected)
         automap.undispatch(model)
         assert _hooks(model) == 0 and state_of(model) is None, "the losing dispatch left hooks behind"
@@ -100,8 +108,14 @@ def test_two_threads_loading_one_skeleton_one_wins(tmp_path):
     save_file({k: v.contiguous() for k, v in real.state_dict().items()}, tmp_path / "m.safetensors")
     for _ in range(4):
         skeleton = _skeleton()
-        outcomes = _raced([lambda: automap.load(skeleton, tmp_path / "m.safetensors", DISK_ODD,
-                                                offload_dir=tmp_path / "off", quiet=True)] * 2)
+        outcomes = _raced(
+            [
+                lambda: automap.load(
+                    skeleton, tmp_path / "m.safetensors", DISK_ODD, offload_dir=tmp_path / "off", quiet=True
+                )
+            ]
+            * 2
+        )
         lost = [o for o in outcomes if o is not None]
         assert len(lost) == 1 and isinstance(lost[0], DispatchError), outcomes
         assert torch.equal(skeleton(x), real(x))
@@ -198,7 +212,8 @@ for _ in range(1500):
 def test_a_checkpoint_truncated_and_restored_while_forwards_read_it_never_crashes(tmp_path):
     # Another process cuts the checkpoint to a third and writes it back, over and over, while
     # the model reads three layers from it in place: a page touched past the end would be SIGBUS.
-    result = _run("""
+    result = _run(
+        """
         import os, subprocess, sys, torch
         from torch import nn
         from safetensors.torch import save_file
@@ -227,7 +242,11 @@ def test_a_checkpoint_truncated_and_restored_while_forwards_read_it_never_crashe
         assert flapper.returncode == 0
         assert torch.equal(model(x), expected), "the restored file reads right again"
         print("OK", right, refused)
-    """, str(tmp_path), FLAP, timeout=120)
+    """,
+        str(tmp_path),
+        FLAP,
+        timeout=120,
+    )
     assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
 
 
@@ -240,9 +259,13 @@ def test_an_offload_dir_through_a_loop_of_links_says_so(tmp_path, monkeypatch, f
     os.symlink("b", "a")
     os.symlink("a", "b")
     model = _model()
-    for call in (lambda: automap.plan(model, offload_dir=folder),
-                 lambda: automap.dispatch(model, DISK_ODD, offload_dir=folder)):
-        with pytest.raises(automap.OffloadError, match=f"offload_dir {folder} leads through a loop of symbolic links"):
+    for call in (
+        lambda: automap.plan(model, offload_dir=folder),
+        lambda: automap.dispatch(model, DISK_ODD, offload_dir=folder),
+    ):
+        with pytest.raises(
+            automap.OffloadError, match=f"offload_dir {folder} leads through a loop of symbolic links"
+        ):
             call()
     assert sorted(os.listdir(tmp_path)) == ["a", "b"] and state_of(model) is None
 
@@ -256,8 +279,10 @@ def _raw_safetensors(path: Path, header: bytes, data: bytes) -> None:
 
 def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
     entry = '{"dtype": "F32", "shape": [2, 2], "data_offsets": [%d, %d]}'
-    header = ('{"0.weight": %s, "0.weight": %s, "0.bias": %s}' % (entry % (0, 16), entry % (16, 32),
-                                                                   entry % (32, 40))).encode()
+    header = (
+        '{"0.weight": %s, "0.weight": %s, "0.bias": %s}'
+        % (entry % (0, 16), entry % (16, 32), entry % (32, 40))
+    ).encode()
     _raw_safetensors(tmp_path / "m.safetensors", header, bytes(40))
     with automap.empty_model():
         model = nn.Sequential(nn.Linear(2, 2))
@@ -281,9 +306,12 @@ def test_a_shard_index_naming_a_tensor_twice_is_refused(tmp_path):
 @pytest.mark.parametrize("kind", ["folder", "pipe"])
 def test_a_shard_index_naming_a_folder_or_pipe_says_so(tmp_path, kind):
     real = _model()
-    (tmp_path / "shard.safetensors").mkdir() if kind == "folder" else os.mkfifo(tmp_path / "shard.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: "shard.safetensors" for k in real.state_dict()}}))
+    (tmp_path / "shard.safetensors").mkdir() if kind == "folder" else os.mkfifo(
+        tmp_path / "shard.safetensors"
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "shard.safetensors" for k in real.state_dict()}})
+    )
     with pytest.raises(CheckpointError, match="'shard.safetensors', which is in .* no regular file"):
         automap.load(_skeleton(), tmp_path, DISK_ODD, offload_dir=tmp_path / "off", quiet=True)
 
@@ -294,7 +322,9 @@ def test_complex_numbers_for_a_real_parameter_are_refused_before_any_read(tmp_pa
     tensors["2.weight"] = torch.complex(tensors["2.weight"], torch.ones_like(tensors["2.weight"]))
     save_file(tensors, tmp_path / "m.safetensors")
     skeleton = _skeleton()
-    with pytest.raises(CheckpointError, match=r"'2\.weight': complex64 in the checkpoint, float32 .*imaginary"):
+    with pytest.raises(
+        CheckpointError, match=r"'2\.weight': complex64 in the checkpoint, float32 .*imaginary"
+    ):
         automap.load(skeleton, tmp_path / "m.safetensors", DISK_ODD, offload_dir=tmp_path / "off", quiet=True)
     assert all(p.is_meta for p in skeleton.parameters()) and not (tmp_path / "off").exists()
 
@@ -305,9 +335,12 @@ def test_an_empty_checkpoint_path_never_reads_the_working_directory(tmp_path, mo
     save_file({k: v.contiguous() for k, v in real.state_dict().items()}, tmp_path / "model.safetensors")
     monkeypatch.chdir(tmp_path)  # a checkpoint here: "" would have loaded it
     from automap.accelerate_compat import load_checkpoint_and_dispatch
-    calls = {"model and checkpoint": lambda: automap.load(_skeleton(), "", quiet=True),
-             "folder": lambda: automap.load(""),
-             "accelerate": lambda: load_checkpoint_and_dispatch(_skeleton(), "")}
+
+    calls = {
+        "model and checkpoint": lambda: automap.load(_skeleton(), "", quiet=True),
+        "folder": lambda: automap.load(""),
+        "accelerate": lambda: load_checkpoint_and_dispatch(_skeleton(), ""),
+    }
     with pytest.raises(CheckpointError, match="the path is empty.*'.' for the working directory"):
         calls[form]()
 
@@ -319,29 +352,49 @@ def _plan_json(tmp_path) -> dict:
     return json.loads(automap.plan(_model(), DISK_ODD, offload_dir=tmp_path).to_json())
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "is not JSON"), ("{", "is not JSON"), ("[" * 100_000, "is not JSON"), ("null", "holds a NoneType"),
-    ("[]", "holds a list"), ("1e999", "1e999 is out of range"), ('{"version": 1}', "lacks the field 'devices'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "is not JSON"),
+        ("{", "is not JSON"),
+        ("[" * 100_000, "is not JSON"),
+        ("null", "holds a NoneType"),
+        ("[]", "holds a list"),
+        ("1e999", "1e999 is out of range"),
+        ('{"version": 1}', "lacks the field 'devices'"),
+    ],
+)
 def test_plan_json_that_is_no_plan_is_a_plan_error(text, message):
     with pytest.raises(PlanError, match=f"{message}.*plan.to_json"):
         automap.Plan.from_json(text)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d["units"][0].update(device="disk:0"), "places a unit on 'disk:0', which is not one of its devices"),
-    (lambda d: d["units"][0].update(device=None), "places a unit on None"),
-    (lambda d: d["units"][0].update(device="cuda:0"), "places a unit on 'cuda:0'"),
-    (lambda d: d["units"][0].update(param_bytes="x"), "param_bytes='x', which is not a count"),
-    (lambda d: d["units"][0].update(experts=-1), "experts=-1, which is not a count"),
-    (lambda d: d["units"][0].update(tensors=[5]), r"tensors=\(5,\), which is not a tuple\[str, ...\]"),
-    (lambda d: d["units"][0].update(loose=5), "loose=5"),
-    (lambda d: d["units"].__setitem__(0, 5), "unit 0 is a int, not an object"),
-    (lambda d: d.update(units=5), "not a plan automap wrote"),
-    (lambda d: d["devices"][0].update(capacity_bytes="x"), r"devices\[0\].capacity_bytes='x' is a str, not a number"),
-    (lambda d: d.update(execution_device="disk"), "execution_device 'disk' is not a device that computes"),
-    (lambda d: d.update(devices=d["devices"] + d["devices"][:1]), "lists one device twice"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda d: d["units"][0].update(device="disk:0"),
+            "places a unit on 'disk:0', which is not one of its devices",
+        ),
+        (lambda d: d["units"][0].update(device=None), "places a unit on None"),
+        (lambda d: d["units"][0].update(device="cuda:0"), "places a unit on 'cuda:0'"),
+        (lambda d: d["units"][0].update(param_bytes="x"), "param_bytes='x', which is not a count"),
+        (lambda d: d["units"][0].update(experts=-1), "experts=-1, which is not a count"),
+        (lambda d: d["units"][0].update(tensors=[5]), r"tensors=\(5,\), which is not a tuple\[str, ...\]"),
+        (lambda d: d["units"][0].update(loose=5), "loose=5"),
+        (lambda d: d["units"].__setitem__(0, 5), "unit 0 is a int, not an object"),
+        (lambda d: d.update(units=5), "not a plan automap wrote"),
+        (
+            lambda d: d["devices"][0].update(capacity_bytes="x"),
+            r"devices\[0\].capacity_bytes='x' is a str, not a number",
+        ),
+        (
+            lambda d: d.update(execution_device="disk"),
+            "execution_device 'disk' is not a device that computes",
+        ),
+        (lambda d: d.update(devices=d["devices"] + d["devices"][:1]), "lists one device twice"),
+    ],
+)
 def test_a_tampered_plan_is_refused_when_read(tmp_path, change, message):
     data = _plan_json(tmp_path)
     change(data)
@@ -380,4 +433,3 @@ def test_cli_counts_too_large_for_a_tensor_are_one_line_errors(flag, capsys):
     assert main(["plan", "torchvision:resnet18", flag, str(10**20), "--max-memory", "cpu=1GB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "between 1 and 2,147,483,648" in err[0], err
-

@@ -158,11 +158,13 @@ def test_output_paths_are_refused_before_any_work(tmp_path, kind):
 
 # ------------------------------------------------------------------ nesting, counted before parsing
 
-_SCALARS = st.one_of(st.integers(-10**6, 10**6), st.text(alphabet='[]{}"\\ab', max_size=6), st.booleans())
+_SCALARS = st.one_of(st.integers(-(10**6), 10**6), st.text(alphabet='[]{}"\\ab', max_size=6), st.booleans())
 
 
 @settings(max_examples=200, deadline=None)
-@given(depth=st.integers(1, 160), leaf=_SCALARS, as_object=st.lists(st.booleans(), min_size=160, max_size=160))
+@given(
+    depth=st.integers(1, 160), leaf=_SCALARS, as_object=st.lists(st.booleans(), min_size=160, max_size=160)
+)
 def test_nesting_is_counted_past_brackets_inside_strings(depth, leaf, as_object):
     value = leaf
     for wrap in as_object[:depth]:
@@ -171,7 +173,10 @@ def test_nesting_is_counted_past_brackets_inside_strings(depth, leaf, as_object)
     if depth <= MAX_DEPTH:
         assert load_json(text, "x.json is not valid", "fix it") == value
     else:
-        with pytest.raises(FormatError, match=rf"x.json is not valid \(its JSON nests deeper than {MAX_DEPTH} levels\); fix it"):
+        with pytest.raises(
+            FormatError,
+            match=rf"x.json is not valid \(its JSON nests deeper than {MAX_DEPTH} levels\); fix it",
+        ):
             load_json(text, "x.json is not valid", "fix it")
 
 

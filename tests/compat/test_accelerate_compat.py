@@ -2,6 +2,7 @@
 ``accelerate``'s functions and with ``automap``'s gives the same outputs; the argument
 combinations of accelerate's big-model-inference docs work; what automap cannot honour fails
 with an AutomapError, and a model accelerate dispatched is refused until its hooks are gone."""
+
 from __future__ import annotations
 
 import importlib
@@ -42,12 +43,19 @@ def _script(lib, folder: Path, real: torch.nn.Module, offload: Path, budget: int
     """One script, written against accelerate's API; ``lib`` is accelerate or automap."""
     model = _skeleton(lib, folder)
     device_map = lib.infer_auto_device_map(model, max_memory={"cpu": budget}, no_split_module_classes=[block])
-    model = lib.load_checkpoint_and_dispatch(model, folder, device_map=device_map, offload_folder=offload / "load")
+    model = lib.load_checkpoint_and_dispatch(
+        model, folder, device_map=device_map, offload_folder=offload / "load"
+    )
     loaded = logits_of(model, _ids())
     by_hand = {name: "disk" if i % 2 else "cpu" for i, (name, _) in enumerate(real.named_children())}
     dispatched = lib.dispatch_model(real, device_map=by_hand, offload_dir=offload / "dispatch")
-    return {"map": device_map, "hf_device_map": model.hf_device_map, "loaded": loaded,
-            "dispatched": logits_of(dispatched, _ids()), "by_hand_map": dispatched.hf_device_map}
+    return {
+        "map": device_map,
+        "hf_device_map": model.hf_device_map,
+        "loaded": loaded,
+        "dispatched": logits_of(dispatched, _ids()),
+        "by_hand_map": dispatched.hf_device_map,
+    }
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -60,12 +68,15 @@ def test_same_script_with_accelerate_and_with_automap_gives_the_same_outputs(nam
         # half the weights in RAM: accelerate's budget counts weights only, automap's the run beside them
         budget = weight_bytes(real) // 2
         budget = budget if lib_name == "accelerate" else beside_the_run(real, budget)
-        results[lib_name] = _script(importlib.import_module(lib_name), folder, real, tmp_path / lib_name / "off",
-                                    budget, block)
+        results[lib_name] = _script(
+            importlib.import_module(lib_name), folder, real, tmp_path / lib_name / "off", budget, block
+        )
         assert torch.equal(results[lib_name]["loaded"], expected), lib_name
         assert torch.equal(results[lib_name]["dispatched"], expected), lib_name
     ours, theirs = results["automap"], results["accelerate"]
-    assert torch.equal(ours["loaded"], theirs["loaded"]) and torch.equal(ours["dispatched"], theirs["dispatched"])
+    assert torch.equal(ours["loaded"], theirs["loaded"]) and torch.equal(
+        ours["dispatched"], theirs["dispatched"]
+    )
     for result in (ours, theirs):  # same return types and the same kind of map
         assert type(result["map"]) is OrderedDict and set(result["map"].values()) == {"cpu", "disk"}
         assert result["hf_device_map"] == dict(result["map"])
@@ -77,8 +88,14 @@ def test_same_script_with_accelerate_and_with_automap_gives_the_same_outputs(nam
 def test_infer_auto_device_map_as_in_the_docs_plans_hypothetical_gpus():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=4096)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+    )
     with automap.init_empty_weights():
         model = LlamaForCausalLM(config)
     size = weight_bytes(model)  # 25 MB at fp32
@@ -86,12 +103,20 @@ def test_infer_auto_device_map_as_in_the_docs_plans_hypothetical_gpus():
     device_map = automap.infer_auto_device_map(model, max_memory={0: "10GiB", 1: "10GiB", "cpu": "30GiB"})
     assert isinstance(device_map, OrderedDict) and set(device_map.values()) <= {0, 1}
     # GPUs that hold 60 % each: split over both, nothing on CPU
-    split = automap.infer_auto_device_map(model, max_memory={0: int(size * 0.6), 1: int(size * 0.6), "cpu": "1GB"},
-                                          no_split_module_classes=["LlamaDecoderLayer"], dtype="float32")
+    split = automap.infer_auto_device_map(
+        model,
+        max_memory={0: int(size * 0.6), 1: int(size * 0.6), "cpu": "1GB"},
+        no_split_module_classes=["LlamaDecoderLayer"],
+        dtype="float32",
+    )
     assert set(split.values()) == {0, 1}
     # at fp16 the same model takes half the bytes: 35 % each is enough; one key per unit
-    half = automap.infer_auto_device_map(model, max_memory={0: int(size * 0.35), 1: int(size * 0.35), "cpu": "1GB"},
-                                         dtype=torch.float16, clean_result=False)
+    half = automap.infer_auto_device_map(
+        model,
+        max_memory={0: int(size * 0.35), 1: int(size * 0.35), "cpu": "1GB"},
+        dtype=torch.float16,
+        clean_result=False,
+    )
     assert set(half.values()) == {0, 1} and "model.layers.0" in half
     assert automap.infer_auto_device_map(model, max_memory={"cpu": "1GB"}) == {"": "cpu"}
 
@@ -107,21 +132,44 @@ def test_load_checkpoint_and_dispatch_as_in_the_docs(tmp_path):
 
     third = beside_the_run(real, weight_bytes(real) // 3)
     calls = {
-        "file, auto": lambda: automap.load_checkpoint_and_dispatch(skeleton(), checkpoint=single / "model.safetensors",
-                                                                   device_map="auto"),
+        "file, auto": lambda: automap.load_checkpoint_and_dispatch(
+            skeleton(), checkpoint=single / "model.safetensors", device_map="auto"
+        ),
         "folder, auto, no split": lambda: automap.load_checkpoint_and_dispatch(
-            skeleton(), checkpoint=folder, device_map="auto", no_split_module_classes=["GPT2Block"]),
+            skeleton(), checkpoint=folder, device_map="auto", no_split_module_classes=["GPT2Block"]
+        ),
         "positional sharded": lambda: automap.load_checkpoint_and_dispatch(
-            skeleton(), str(folder), device_map="auto", no_split_module_classes="GPT2Block"),
+            skeleton(), str(folder), device_map="auto", no_split_module_classes="GPT2Block"
+        ),
         "own map": lambda: automap.load_checkpoint_and_dispatch(
-            skeleton(), checkpoint=folder, offload_folder=tmp_path / "off",
-            device_map={"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                        "transformer.h.0": "disk", "transformer.h.1": "cpu", "transformer.h.2": "disk",
-                        "transformer.h.3": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu"}),
+            skeleton(),
+            checkpoint=folder,
+            offload_folder=tmp_path / "off",
+            device_map={
+                "transformer.wte": "cpu",
+                "transformer.wpe": "cpu",
+                "transformer.drop": "cpu",
+                "transformer.h.0": "disk",
+                "transformer.h.1": "cpu",
+                "transformer.h.2": "disk",
+                "transformer.h.3": "cpu",
+                "transformer.ln_f": "cpu",
+                "lm_head": "cpu",
+            },
+        ),
         "budget": lambda: automap.load_checkpoint_and_dispatch(
-            skeleton(), folder, device_map="sequential", max_memory={"cpu": third},
-            offload_folder=tmp_path / "off2", offload_buffers=True, offload_state_dict=True, strict=True,
-            skip_keys="past_key_values", preload_module_classes=["GPT2Block"], force_hooks=True),
+            skeleton(),
+            folder,
+            device_map="sequential",
+            max_memory={"cpu": third},
+            offload_folder=tmp_path / "off2",
+            offload_buffers=True,
+            offload_state_dict=True,
+            strict=True,
+            skip_keys="past_key_values",
+            preload_module_classes=["GPT2Block"],
+            force_hooks=True,
+        ),
     }
     for what, call in calls.items():
         model = call()
@@ -131,15 +179,23 @@ def test_load_checkpoint_and_dispatch_as_in_the_docs(tmp_path):
     plain = automap.load_checkpoint_and_dispatch(skeleton(), folder, device_map=None)
     assert automap.runtime.state_of(plain) is None and not hasattr(plain, "hf_device_map")
     assert torch.equal(logits_of(plain, _ids()), expected)
-    half = automap.load_checkpoint_and_dispatch(skeleton(), folder, dtype="float16", max_memory={"cpu": "1GB"})
+    half = automap.load_checkpoint_and_dispatch(
+        skeleton(), folder, dtype="float16", max_memory={"cpu": "1GB"}
+    )
     assert half.lm_head.weight.dtype == torch.float16
 
 
 def test_dispatch_model_as_in_the_docs(tmp_path):
     real = tiny_llama(layers=2)
     expected = logits_of(real, _ids())
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
-                  "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "disk"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "disk",
+        "model.layers.1": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "disk",
+    }
     model = automap.dispatch_model(real, device_map=device_map, offload_dir=tmp_path / "off")
     assert model is real and model.hf_device_map == device_map
     assert torch.equal(logits_of(model, _ids()), expected)
@@ -159,8 +215,12 @@ def test_what_automap_cannot_honour_is_refused_with_the_fix(tmp_path):
     with pytest.raises(DispatchError, match="offload_index"):
         automap.dispatch_model(real, {"": "cpu"}, offload_index={})
     with pytest.raises(DispatchError, match="main_device"):
-        automap.dispatch_model(real, {"transformer": "disk", "lm_head": "cpu"}, main_device="cuda:0",
-                               offload_dir=tmp_path / "off")
+        automap.dispatch_model(
+            real,
+            {"transformer": "disk", "lm_head": "cpu"},
+            main_device="cuda:0",
+            offload_dir=tmp_path / "off",
+        )
     assert automap.runtime.state_of(real) is None, "a refused dispatch leaves the model as it was"
     with pytest.raises(CheckpointError, match="one process"):
         automap.load_checkpoint_and_dispatch(_skeleton(automap, folder), folder, full_state_dict=False)
@@ -172,7 +232,9 @@ def test_model_dispatched_by_accelerate_is_refused_until_its_hooks_are_removed(t
 
     real = tiny_gpt2()
     expected = logits_of(real, _ids())
-    accelerate.dispatch_model(real, {"transformer": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path / "acc"))
+    accelerate.dispatch_model(
+        real, {"transformer": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path / "acc")
+    )
     with pytest.raises(DispatchError, match=r"remove_hook_from_module\(model, recurse=True\)"):
         automap.dispatch(real, max_memory={"cpu": "10GB"})
     with pytest.raises(DispatchError, match="dispatched by accelerate"):
@@ -185,8 +247,14 @@ def test_model_dispatched_by_accelerate_is_refused_until_its_hooks_are_removed(t
 
 def test_grouped_merges_modules_on_one_resident_device_only_and_keeps_the_order():
     device_map = {"a.0": "cpu", "a.1": "cpu", "b.0": "disk", "b.1": "disk", "c": 0, "d.x": 0, "d.y": 1}
-    assert automap.accelerate_compat.grouped(device_map) == {"a": "cpu", "b.0": "disk", "b.1": "disk", "c": 0,
-                                                             "d.x": 0, "d.y": 1}
+    assert automap.accelerate_compat.grouped(device_map) == {
+        "a": "cpu",
+        "b.0": "disk",
+        "b.1": "disk",
+        "c": 0,
+        "d.x": 0,
+        "d.y": 1,
+    }
     assert automap.accelerate_compat.grouped({"a": "cpu", "b.c": "cpu"}) == {"": "cpu"}
     merged = automap.accelerate_compat.grouped({"x": 1, "a.0": 0, "a.1": 0, "b.y": 1, "b.z": 1})
     assert list(merged.items()) == [("x", 1), ("a", 0), ("b", 1)]
@@ -219,10 +287,16 @@ def test_no_split_classes_the_model_lacks_are_ignored_as_accelerate_ignores_them
     model = tiny_gpt2()
     size = weight_bytes(model)
     families = ["LlamaDecoderLayer", "GPT2Block", "T5Block", "MixtralDecoderLayer"]
-    device_map = automap.infer_auto_device_map(model, max_memory={0: size // 2, 1: size, "cpu": "1GB"},
-                                               no_split_module_classes=families, clean_result=False)
+    device_map = automap.infer_auto_device_map(
+        model,
+        max_memory={0: size // 2, 1: size, "cpu": "1GB"},
+        no_split_module_classes=families,
+        clean_result=False,
+    )
     assert "transformer.h.0" in device_map and not any(k.startswith("transformer.h.0.") for k in device_map)
-    with pytest.raises(automap.ProfileError, match="LlamaDecoderLayer"):  # automap's own no_split still refuses
+    with pytest.raises(
+        automap.ProfileError, match="LlamaDecoderLayer"
+    ):  # automap's own no_split still refuses
         automap.plan(model, max_memory={"cpu": "1GB"}, no_split=["LlamaDecoderLayer"])
 
 
@@ -259,8 +333,13 @@ def test_dispatch_model_on_a_dispatched_model_dispatches_it_again(tmp_path):
     real = tiny_llama(layers=2)
     expected = logits_of(real, _ids())
     first = {"model": "cpu", "lm_head": "disk"}
-    second = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
-              "lm_head": "cpu"}
+    second = {
+        "model.embed_tokens": "disk",
+        "model.rotary_emb": "cpu",
+        "model.layers": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
     automap.dispatch_model(real, first, offload_dir=tmp_path / "one")
     model = automap.dispatch_model(real, second, offload_dir=tmp_path / "two")
     assert model.hf_device_map == second
@@ -274,7 +353,10 @@ def test_init_empty_weights_with_buffers_puts_them_on_meta_and_the_checkpoint_fi
     torch.save(real.state_dict(), tmp_path / "model.bin")
     with automap.init_empty_weights(include_buffers=True):
         skeleton = _Norm().eval()
-    assert skeleton.batchnorm.running_mean.device.type == "meta" and skeleton.linear1.weight.device.type == "meta"
+    assert (
+        skeleton.batchnorm.running_mean.device.type == "meta"
+        and skeleton.linear1.weight.device.type == "meta"
+    )
     assert torch.zeros(1).device.type == "cpu", "nothing stays patched"
     model = automap.load_checkpoint_and_dispatch(skeleton, tmp_path / "model.bin", device_map="auto")
     x = torch.randn(2, 3)
@@ -309,12 +391,18 @@ def _accelerate_reading(device_map) -> str:
     return f"cuda:{list(gpus)[0]}" if gpus else "cpu"
 
 
-@pytest.mark.parametrize("budgets", [
-    {0: "1.5MiB", 1: "3MiB", "cpu": "1GB"},  # GPU 0 can only stream; GPU 1 can hold layers
-    {0: "1.5MiB", "cpu": "1GB"},  # GPU 0 can only stream: accelerate would read {"": "cpu"} as CPU compute
-    {0: "2.5MiB", 1: "2.5MiB", "cpu": "1GB"},
-    {0: "600KiB", "cpu": "1GB"},
-])
+@pytest.mark.parametrize(
+    "budgets",
+    [
+        {0: "1.5MiB", 1: "3MiB", "cpu": "1GB"},  # GPU 0 can only stream; GPU 1 can hold layers
+        {
+            0: "1.5MiB",
+            "cpu": "1GB",
+        },  # GPU 0 can only stream: accelerate would read {"": "cpu"} as CPU compute
+        {0: "2.5MiB", 1: "2.5MiB", "cpu": "1GB"},
+        {0: "600KiB", "cpu": "1GB"},
+    ],
+)
 def test_infer_auto_device_map_returns_maps_that_mean_one_placement_to_every_reader(budgets):
     from automap.planning.usermap import expressible
 
@@ -326,20 +414,22 @@ def test_infer_auto_device_map_returns_maps_that_mean_one_placement_to_every_rea
     assert [unit.name for unit in ours.units] == list(device_map) or "" in device_map
     if budgets == {0: "1.5MiB", 1: "3MiB", "cpu": "1GB"}:  # the case the planner alone gets wrong
         alone = automap.plan(model, "auto", budgets)
-        assert not expressible(alone) and any("would read this plan's device_map" in w for w in alone.warnings)
+        assert not expressible(alone) and any(
+            "would read this plan's device_map" in w for w in alone.warnings
+        )
         assert ours.execution_device == "cuda:1" and 1 in device_map.values()
-
-
 
 
 def test_the_suite_runner_swaps_only_the_four_imports_and_keeps_line_numbers():
     from benchmarks.accelerate_suite import calling_tests, rewrite
 
-    source = ("from accelerate import Accelerator, init_empty_weights\n"
-              "from accelerate.utils.modeling import (\n    compute_module_sizes,\n    infer_auto_device_map,\n)\n"
-              "from accelerate.utils import FP8RecipeKwargs\n\n"
-              "def test_a():\n    from accelerate import dispatch_model\n    dispatch_model(m, {})\n\n"
-              "def test_b():\n    compute_module_sizes(m)\n")
+    source = (
+        "from accelerate import Accelerator, init_empty_weights\n"
+        "from accelerate.utils.modeling import (\n    compute_module_sizes,\n    infer_auto_device_map,\n)\n"
+        "from accelerate.utils import FP8RecipeKwargs\n\n"
+        "def test_a():\n    from accelerate import dispatch_model\n    dispatch_model(m, {})\n\n"
+        "def test_b():\n    compute_module_sizes(m)\n"
+    )
     out = rewrite(source, frozenset({"FP8RecipeKwargs"}))
     assert len(out.splitlines()) == len(source.splitlines())
     assert "from automap.accelerate_compat import init_empty_weights" in out
@@ -420,7 +510,9 @@ def test_load_checkpoint_and_dispatch_at_a_half_dtype_converts_what_accelerate_c
     got = {}
     for name in ("accelerate", "automap"):
         lib = importlib.import_module(name)
-        model = lib.load_checkpoint_and_dispatch(_skeleton(lib, folder), folder, device_map={"": "cpu"}, dtype=dtype)
+        model = lib.load_checkpoint_and_dispatch(
+            _skeleton(lib, folder), folder, device_map={"": "cpu"}, dtype=dtype
+        )
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32, name
         assert model.lm_head.weight.dtype == dtype, name
         got[name] = logits_of(model, _ids())

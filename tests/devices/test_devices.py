@@ -1,4 +1,5 @@
 """Devices: max_memory parsing, hypothetical devices, speed/link overrides, calibration, reserves."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +8,15 @@ import sys
 import pytest
 import torch
 
-from automap.devices import (DEFAULT_FLOPS, calibrate, canonical_name, detect_devices, make_device,
-                             parse_max_memory, parse_reserve)
+from automap.devices import (
+    DEFAULT_FLOPS,
+    calibrate,
+    canonical_name,
+    detect_devices,
+    make_device,
+    parse_max_memory,
+    parse_reserve,
+)
 from automap.errors import DeviceError
 
 
@@ -20,8 +28,9 @@ def test_hypothetical_devices_come_sorted_with_disk():
 
 
 def test_speed_and_link_overrides_by_name_or_kind():
-    devices = detect_devices({0: "1GB", 1: "1GB", "cpu": "1GB"}, speeds={"cuda": 3e14, "cuda:1": 1e14},
-                             links={"cuda": 3e11})
+    devices = detect_devices(
+        {0: "1GB", 1: "1GB", "cpu": "1GB"}, speeds={"cuda": 3e14, "cuda:1": 1e14}, links={"cuda": 3e11}
+    )
     by_name = {d.name: d for d in devices}
     assert by_name["cuda:0"].flops_per_second == 3e14
     assert by_name["cuda:1"].flops_per_second == 1e14
@@ -58,7 +67,11 @@ def test_detection_does_not_initialise_cuda():
 
 
 def test_device_names_are_canonical():
-    assert canonical_name(3) == "cuda:3" and canonical_name("CUDA") == "cuda:0" and canonical_name("mps:0") == "mps"
+    assert (
+        canonical_name(3) == "cuda:3"
+        and canonical_name("CUDA") == "cuda:0"
+        and canonical_name("mps:0") == "mps"
+    )
     with pytest.raises(DeviceError, match="unknown device 'tpu'"):
         canonical_name("tpu")
     assert parse_max_memory({"0": "1KB"}) == {"cuda:0": 1000}
@@ -70,6 +83,8 @@ def test_empty_max_memory_detects_this_machine_like_none():
 
 
 def test_devices_parse_without_importing_torch():
-    code = ("import sys; from automap.devices import parse_max_memory_text; "
-            "parse_max_memory_text('0=1GB,cpu=2GB'); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from automap.devices import parse_max_memory_text; "
+        "parse_max_memory_text('0=1GB,cpu=2GB'); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -5,6 +5,7 @@ The fake kinds here are registered from this file alone: an accelerator whose me
 memory (its weights arrive through its own :class:`DeviceOps`, which copy into fresh tensors),
 and a storage tier whose weight source keeps each tensor as a private byte copy. Planned and
 dispatched with them, a real model gives the plain model's outputs."""
+
 from __future__ import annotations
 
 from typing import Collection, Iterable, Mapping, Sequence
@@ -16,8 +17,16 @@ import automap
 from automap.devices import canonical_name, check_present, make_device
 from automap.errors import DeviceError
 from automap.kinds import DeviceKind, kind_of, register_kind, unregister_kind
-from automap.offload import (CudaOps, DeviceCopyOps, HostCopyOps, PageTransfer, RamSource, SourceStats, StagedTransfer,
-                             make_transfer)
+from automap.offload import (
+    CudaOps,
+    DeviceCopyOps,
+    HostCopyOps,
+    PageTransfer,
+    RamSource,
+    SourceStats,
+    StagedTransfer,
+    make_transfer,
+)
 from automap.runtime import state_of
 from conftest import ids_and_logits, logits_of, tiny_llama, weight_bytes
 
@@ -43,8 +52,10 @@ class BytesSource:
     rebuilt (once) as a CPU tensor with its true dtype and shape."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self._bytes = {n: (bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy()), t.dtype, t.shape)
-                       for n, t in tensors.items()}
+        self._bytes = {
+            n: (bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy()), t.dtype, t.shape)
+            for n, t in tensors.items()
+        }
         self._built: dict[str, torch.Tensor] = {}
 
     def names(self) -> Collection[str]:
@@ -74,12 +85,32 @@ def bytes_source(tensors, groups, offload_dir, execution) -> BytesSource:
 
 
 FAKE_ACCELERATOR = DeviceKind(
-    "fakeacc", rank=1, computes=True, is_storage=False, host_addressable=False, async_copies=False,
-    flops_per_second=50e12, link_bytes_per_second=25e9, memory_bytes_per_second=1e12, indexed=True,
-    count=lambda: 2, torch_device=lambda name: torch.device("cpu"), ops=CopyCountingOps)
+    "fakeacc",
+    rank=1,
+    computes=True,
+    is_storage=False,
+    host_addressable=False,
+    async_copies=False,
+    flops_per_second=50e12,
+    link_bytes_per_second=25e9,
+    memory_bytes_per_second=1e12,
+    indexed=True,
+    count=lambda: 2,
+    torch_device=lambda name: torch.device("cpu"),
+    ops=CopyCountingOps,
+)
 FAKE_TIER = DeviceKind(
-    "fakestore", rank=5, computes=False, is_storage=True, host_addressable=True, async_copies=False,
-    flops_per_second=0.0, link_bytes_per_second=5e9, memory_bytes_per_second=5e9, source=bytes_source)
+    "fakestore",
+    rank=5,
+    computes=False,
+    is_storage=True,
+    host_addressable=True,
+    async_copies=False,
+    flops_per_second=0.0,
+    link_bytes_per_second=5e9,
+    memory_bytes_per_second=5e9,
+    source=bytes_source,
+)
 
 
 @pytest.fixture
@@ -128,8 +159,9 @@ def test_an_unregistered_kind_is_unknown():
         kind_of("fakestore")
 
 
-@pytest.mark.parametrize("device", [torch.device("xpu", 0), torch.device("xpu", 1), torch.device("mps"), "xpu:0",
-                                    "mps"])
+@pytest.mark.parametrize(
+    "device", [torch.device("xpu", 0), torch.device("xpu", 1), torch.device("mps"), "xpu:0", "mps"]
+)
 def test_xpu_and_mps_get_a_transfer_that_lands_weights_on_their_device(device):
     """Before the registry, xpu and mps got the CPU's page transfer: the weights stayed on the
     CPU while the inputs went to the accelerator."""

@@ -1,6 +1,7 @@
 """This machine's figures: measured once and recorded under its fingerprint, where
 AUTOMAP_CALIBRATION or XDG_CACHE_HOME say; read as measured for the devices it has, defaults for
 those it lacks; free space recorded so that plans do not change with it; ``automap calibrate``."""
+
 from __future__ import annotations
 
 import json
@@ -34,16 +35,23 @@ def test_measuring_off_leaves_every_speed_at_its_default(monkeypatch):
 
 
 def test_recorded_figures_are_read_as_measured_and_absent_devices_keep_defaults(tmp_path, monkeypatch):
-    pin_machine(tmp_path / "machine.json", monkeypatch, tmp_path, cpu_flops=33e9, cpu_memory=7e9, disk_read=9e8)
-    devices = {d.name: d for d in detect_devices({0: "1GiB", "cpu": "2GiB"}, offload_dir=str(tmp_path),
-                                                 dtype="bfloat16")}
+    pin_machine(
+        tmp_path / "machine.json", monkeypatch, tmp_path, cpu_flops=33e9, cpu_memory=7e9, disk_read=9e8
+    )
+    devices = {
+        d.name: d
+        for d in detect_devices({0: "1GiB", "cpu": "2GiB"}, offload_dir=str(tmp_path), dtype="bfloat16")
+    }
     cpu, disk, gpu = devices["cpu"], devices["disk"], devices["cuda:0"]
     assert (cpu.flops_per_second, cpu.memory_bytes_per_second) == (33e9 / 2, 7e9)
     assert cpu.measured == ("flops_per_second", "memory_bytes_per_second")  # its budget was given
     assert disk.link_bytes_per_second == disk.memory_bytes_per_second == 9e8
     assert "capacity_bytes" in disk.measured
     if gpu.measured == ():  # this machine lacks it (hypothetical): its kind's defaults
-        assert (gpu.flops_per_second, gpu.link_bytes_per_second) == (DEFAULT_FLOPS["cuda"], DEFAULT_LINK["cuda"])
+        assert (gpu.flops_per_second, gpu.link_bytes_per_second) == (
+            DEFAULT_FLOPS["cuda"],
+            DEFAULT_LINK["cuda"],
+        )
 
 
 def test_given_speeds_win_over_measured_ones(tmp_path, monkeypatch):
@@ -56,8 +64,11 @@ def test_a_record_for_another_fingerprint_is_not_read(tmp_path, monkeypatch):
     record = pin_machine(tmp_path / "machine.json", monkeypatch)
     assert machine.read_record() == record
     other = {**record, "fingerprint": {**record["fingerprint"], "cpu": "another CPU"}}
-    (tmp_path / "machine.json").write_text(json.dumps({"format": machine.FORMAT, "machines": {
-        machine.fingerprint_key(other["fingerprint"]): other}}))
+    (tmp_path / "machine.json").write_text(
+        json.dumps(
+            {"format": machine.FORMAT, "machines": {machine.fingerprint_key(other["fingerprint"]): other}}
+        )
+    )
     assert machine.read_record() == {}
     (tmp_path / "machine.json").write_text("{not json")
     assert machine.read_record() == {}
@@ -91,9 +102,18 @@ def test_a_recorded_capacity_holds_while_free_space_stays_above_it(tmp_path, mon
 def test_first_use_measures_and_calibrate_refreshes(tmp_path):
     """``automap calibrate`` in a fresh process: the record under AUTOMAP_CALIBRATION (never
     the user's cache), the CPU's and the disk's figures measured; a plan after it reads them."""
-    env = {**os.environ, "AUTOMAP_CALIBRATION": str(tmp_path / "m.json"), "XDG_CACHE_HOME": str(tmp_path / "x")}
-    done = subprocess.run([sys.executable, "-m", "automap", "calibrate", "--offload-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "AUTOMAP_CALIBRATION": str(tmp_path / "m.json"),
+        "XDG_CACHE_HOME": str(tmp_path / "x"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "automap", "calibrate", "--offload-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "cpu:" in done.stdout and "GFLOP/s float32" in done.stdout and "read" in done.stdout
     data = json.loads((tmp_path / "m.json").read_text())
@@ -101,8 +121,13 @@ def test_first_use_measures_and_calibrate_refreshes(tmp_path):
     assert record["devices"]["cpu"]["flops_per_second"]["float32"] > 0
     assert record["devices"]["cpu"]["memory_bytes_per_second"] > 0
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob("automap-calibration-*"))
-    off = subprocess.run([sys.executable, "-m", "automap", "calibrate"], capture_output=True, text=True,
-                         timeout=300, env={**env, "AUTOMAP_CALIBRATION": "off"})
+    off = subprocess.run(
+        [sys.executable, "-m", "automap", "calibrate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "AUTOMAP_CALIBRATION": "off"},
+    )
     assert off.returncode == 2 and "measuring is off" in off.stderr and "Traceback" not in off.stderr
 
 
@@ -130,11 +155,23 @@ def test_an_accelerator_is_measured_through_its_kind(monkeypatch):
     from automap.machine_probes import measure_accelerator
 
     calls = []
-    register_kind(DeviceKind("fakegpu", rank=1, computes=True, is_storage=False, host_addressable=False,
-                             async_copies=False, flops_per_second=1e12, link_bytes_per_second=1e9,
-                             memory_bytes_per_second=1e11, indexed=True, count=lambda: 1,
-                             synchronize=lambda device: calls.append(device),
-                             torch_device=lambda name: torch.device("cpu")))
+    register_kind(
+        DeviceKind(
+            "fakegpu",
+            rank=1,
+            computes=True,
+            is_storage=False,
+            host_addressable=False,
+            async_copies=False,
+            flops_per_second=1e12,
+            link_bytes_per_second=1e9,
+            memory_bytes_per_second=1e11,
+            indexed=True,
+            count=lambda: 1,
+            synchronize=lambda device: calls.append(device),
+            torch_device=lambda name: torch.device("cpu"),
+        )
+    )
     try:
         figures = measure_accelerator("fakegpu:0", size=256, copy_bytes=2**20)
     finally:

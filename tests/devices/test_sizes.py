@@ -5,10 +5,20 @@ from automap.devices import parse_max_memory, parse_max_memory_text
 from automap.errors import AutomapError, DeviceError
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("10GiB", 10 * 2**30), ("500MB", 500 * 10**6), ("1.5GB", 1_500_000_000), ("2048", 2048),
-    (4096, 4096), ("3 KiB", 3072), ("1tb", 10**12), ("0", 0), ("2G", 2 * 2**30),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10GiB", 10 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5GB", 1_500_000_000),
+        ("2048", 2048),
+        (4096, 4096),
+        ("3 KiB", 3072),
+        ("1tb", 10**12),
+        ("0", 0),
+        ("2G", 2 * 2**30),
+    ],
+)
 def test_sizes_parse(text, expected):
     assert parse_size(text) == expected
 
@@ -37,11 +47,14 @@ def test_bad_max_memory_keys(bad):
         parse_max_memory(bad)
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ({0: "1GB", "cuda:0": "2GB"}, "'cuda:0' two budgets"),
-    ({"cpu": 0.5}, "not a whole number of bytes"),
-    ({"cpu": "0.5"}, "not a whole number of bytes"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({0: "1GB", "cuda:0": "2GB"}, "'cuda:0' two budgets"),
+        ({"cpu": 0.5}, "not a whole number of bytes"),
+        ({"cpu": "0.5"}, "not a whole number of bytes"),
+    ],
+)
 def test_fractional_or_duplicate_budgets_are_size_errors(bad, needle):
     with pytest.raises(SizeError, match=needle):
         parse_max_memory(bad)

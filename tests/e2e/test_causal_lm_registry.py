@@ -14,6 +14,7 @@ some kernels, ~1e-7; ``from_pretrained`` shows the same.)
 A family whose own plain model cannot build or run from the small config (sizes that must
 agree with others the shrinking does not know, required inputs beyond ``input_ids``) is skipped
 with what it said: only automap's part can fail here."""
+
 from __future__ import annotations
 
 import warnings
@@ -47,7 +48,9 @@ def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tens
             warnings.simplefilter("ignore")
             return model, ids, generate, model(input_ids=ids).logits, model.generate(ids, **generate)
     except Exception as exc:  # noqa: BLE001 - the plain model itself does not run so
-        pytest.skip(f"{family}'s plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}")
+        pytest.skip(
+            f"{family}'s plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}"
+        )
 
 
 def _saved(family: str, tmp_path):
@@ -64,8 +67,10 @@ def _saved(family: str, tmp_path):
             reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
             expected, tokens = reference(input_ids=ids).logits, reference.generate(ids, **generate)
     except Exception as exc:  # noqa: BLE001 - transformers itself cannot save or reload this small config
-        pytest.skip(f"transformers does not save and reload {family} from a small config: {type(exc).__name__}: "
-                    f"{str(exc)[:200]}")
+        pytest.skip(
+            f"transformers does not save and reload {family} from a small config: {type(exc).__name__}: "
+            f"{str(exc)[:200]}"
+        )
     return model, ids, generate, folder, expected, tokens
 
 
@@ -99,9 +104,18 @@ def test_each_family_loads_in_bfloat16_as_from_pretrained_builds_it(family, tmp_
     model, ids, _, folder, _, _ = _saved(family, tmp_path)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()(input_ids=ids).logits
-    loaded = automap.load(folder, dtype=torch.bfloat16, max_memory=part_on_disk(model, torch.bfloat16),
-                          offload_dir=tmp_path / "off", quiet=True)
+        expected = (
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            .eval()(input_ids=ids)
+            .logits
+        )
+    loaded = automap.load(
+        folder,
+        dtype=torch.bfloat16,
+        max_memory=part_on_disk(model, torch.bfloat16),
+        offload_dir=tmp_path / "off",
+        quiet=True,
+    )
     assert torch.equal(run_dispatched(loaded, lambda m: m(input_ids=ids).logits), expected)
 
 
@@ -110,17 +124,30 @@ def test_each_family_loads_through_accelerates_script_on_the_drop_ins(family, tm
     import transformers
     from accelerate.utils import check_device_map
 
-    from automap.accelerate_compat import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+    from automap.accelerate_compat import (
+        infer_auto_device_map,
+        init_empty_weights,
+        load_checkpoint_and_dispatch,
+    )
 
     model, ids, generate, folder, expected, tokens = _saved(family, tmp_path)
     with init_empty_weights():
         empty = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
     empty.tie_weights()
     no_split = getattr(empty, "_no_split_modules", None)
-    device_map = infer_auto_device_map(empty, max_memory=part_on_disk(model), no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(
+        empty, max_memory=part_on_disk(model), no_split_module_classes=no_split
+    )
     check_device_map(empty, device_map)  # accelerate's own reading: every name has a device
-    loaded = load_checkpoint_and_dispatch(empty, str(folder), device_map=device_map,
-                                          offload_folder=str(tmp_path / "off"), no_split_module_classes=no_split)
-    got, again = run_dispatched(loaded.eval(), lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate)))
+    loaded = load_checkpoint_and_dispatch(
+        empty,
+        str(folder),
+        device_map=device_map,
+        offload_folder=str(tmp_path / "off"),
+        no_split_module_classes=no_split,
+    )
+    got, again = run_dispatched(
+        loaded.eval(), lambda m: (m(input_ids=ids).logits, m.generate(ids, **generate))
+    )
     assert torch.equal(got, expected)
     assert torch.equal(again, tokens)

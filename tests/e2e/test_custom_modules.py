@@ -1,6 +1,7 @@
 """Ordinary PyTorch modules and scripts, as a user writes them without automap in mind, give the
 outputs (and side effects) they give plainly: hooks the user registered, reparametrized weights,
 modules used the way torch's own API allows."""
+
 from __future__ import annotations
 
 import re
@@ -64,7 +65,9 @@ def _reparametrized() -> nn.Sequential:
 
 def test_torchs_own_hooks_still_run_in_the_trace_and_the_forward(tmp_path):
     prof = automap.profile(_reparametrized(), example_inputs=(torch.randn(2, 16),))
-    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [(u.name, u.untraced) for u in prof.units]
+    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [
+        (u.name, u.untraced) for u in prof.units
+    ]
     plain, placed = _reparametrized(), _reparametrized()
     automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
     x = torch.randn(3, 16)
@@ -84,23 +87,36 @@ def _widened() -> nn.Sequential:
 def test_a_user_hook_the_forward_needs_is_traced_with_it(tmp_path):
     x = torch.randn(3, 16)
     prof = automap.profile(_widened(), example_inputs=(x,))
-    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [(u.name, u.untraced) for u in prof.units]
+    assert all(not unit.untraced and unit.flops > 0 for unit in prof.units), [
+        (u.name, u.untraced) for u in prof.units
+    ]
     plain, placed = _widened(), _widened()
-    automap.dispatch(placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path, example_inputs=(x,))
+    automap.dispatch(
+        placed, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path, example_inputs=(x,)
+    )
     with torch.no_grad():
         assert torch.equal(placed(x), plain(x))
 
 
 def _no_guard_left(model: nn.Module) -> bool:
-    return all(not (module.__dict__.keys() & {"_apply", "__getstate__", "__deepcopy__"})
-               and not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
+    return all(
+        not (module.__dict__.keys() & {"_apply", "__getstate__", "__deepcopy__"})
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        for module in model.modules()
+    )
 
 
-@pytest.mark.parametrize("first, second, says", [
-    (lambda m: m[2], lambda m: m, "submodule '2' (Linear) is dispatched already"),
-    (lambda m: m, lambda m: m[2], "Linear is a part of a Sequential that automap dispatched"),
-])
-def test_a_part_of_a_dispatched_model_and_a_model_with_a_dispatched_part_are_refused(first, second, says, tmp_path):
+@pytest.mark.parametrize(
+    "first, second, says",
+    [
+        (lambda m: m[2], lambda m: m, "submodule '2' (Linear) is dispatched already"),
+        (lambda m: m, lambda m: m[2], "Linear is a part of a Sequential that automap dispatched"),
+    ],
+)
+def test_a_part_of_a_dispatched_model_and_a_model_with_a_dispatched_part_are_refused(
+    first, second, says, tmp_path
+):
     model = _mlp()
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -120,7 +136,9 @@ def test_a_module_two_models_share_is_dispatched_with_one_of_them_only(tmp_path)
     shared = nn.Linear(16, 16)
     one, two = nn.Sequential(nn.Linear(16, 16), shared), nn.Sequential(shared, nn.Linear(16, 4))
     automap.dispatch(one, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
-    with pytest.raises(DispatchError, match=r"shares its module '0' with a Sequential that automap dispatched \(its '1'\)"):
+    with pytest.raises(
+        DispatchError, match=r"shares its module '0' with a Sequential that automap dispatched \(its '1'\)"
+    ):
         automap.dispatch(two, device_map="auto", max_memory={"cpu": 0}, offload_dir=tmp_path)
     automap.undispatch(one)
     assert _no_guard_left(one) and _no_guard_left(two)
@@ -154,7 +172,9 @@ class TensorScaled(Scaled):
         self.scale = float(state[0])
 
 
-@pytest.mark.parametrize("kind, suffix", [(Scaled, ".pt"), (TensorScaled, ".pt"), (TensorScaled, ".safetensors")])
+@pytest.mark.parametrize(
+    "kind, suffix", [(Scaled, ".pt"), (TensorScaled, ".pt"), (TensorScaled, ".safetensors")]
+)
 @pytest.mark.parametrize("budget", [0, "1GiB"])
 def test_a_modules_extra_state_is_loaded_as_load_state_dict_loads_it(kind, suffix, budget, tmp_path):
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """Dispatch transparency on real architectures with 30-70% of their weights on disk, generate(),
 training through the map, the meta-skeleton path the loader uses, and bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,7 @@ import automap
 from automap.runtime import dispatch_plan, state_of
 from automap.errors import DispatchError, OffloadError
 from automap.offload import CheckpointSource
-from conftest import (ToyModel, file_backing, ids_and_logits, logits_of, tiny_gpt2,
-                      tiny_llama, tiny_t5)
+from conftest import ToyModel, file_backing, ids_and_logits, logits_of, tiny_gpt2, tiny_llama, tiny_t5
 
 
 def _disk_plan(model: nn.Module, disk_share: float = 0.5) -> automap.Plan:
@@ -40,8 +40,12 @@ def _released(model: nn.Module) -> bool:
     """Every offloaded tensor holds its home again — the real weights, a view of the store —
     and nothing of it stays elsewhere (no copy held after its unit ran)."""
     state = state_of(model)
-    return all(item.tensor.data_ptr() == item.home.data_ptr() and item.tensor.shape == item.home.shape
-               and file_backing(item.tensor) is not None for item in state.streamed.values())
+    return all(
+        item.tensor.data_ptr() == item.home.data_ptr()
+        and item.tensor.shape == item.home.shape
+        and file_backing(item.tensor) is not None
+        for item in state.streamed.values()
+    )
 
 
 def _vision(name: str) -> tuple[nn.Module, tuple]:
@@ -83,8 +87,13 @@ def test_outputs_identical_with_part_on_disk(name, tmp_path):
 def test_generate_gives_the_same_tokens(build, tmp_path):
     model = build(layers=4)
     ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(2))
-    options = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
-                   attention_mask=torch.ones_like(ids))
+    options = dict(
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     expected = model.generate(ids, **options)
     automap.dispatch(model, _disk_plan(model, 0.4), offload_dir=tmp_path)
     assert torch.equal(model.generate(ids, **options), expected)
@@ -94,8 +103,14 @@ def test_generate_gives_the_same_tokens(build, tmp_path):
 def test_tied_weights_stay_one_parameter(tmp_path):
     model = tiny_gpt2(layers=2)
     ids, expected = ids_and_logits(model)
-    device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                  "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
+    device_map = {
+        "transformer.wte": "disk",
+        "transformer.wpe": "cpu",
+        "transformer.drop": "cpu",
+        "transformer.h": "cpu",
+        "transformer.ln_f": "cpu",
+        "lm_head": "disk",
+    }
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(logits_of(model, ids), expected)
@@ -107,8 +122,14 @@ def test_tied_weights_stay_one_parameter(tmp_path):
 def test_tie_split_between_disk_and_ram_stays_one_parameter(tmp_path):
     model = tiny_gpt2(layers=2)
     ids, expected = ids_and_logits(model)
-    device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                  "transformer.h": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "transformer.wte": "disk",
+        "transformer.wpe": "cpu",
+        "transformer.drop": "cpu",
+        "transformer.h": "disk",
+        "transformer.ln_f": "cpu",
+        "lm_head": "cpu",
+    }
     # A ModuleList placed whole (as accelerate's infer_auto_device_map maps one) is never called:
     # its blocks are the units, each streamed in when it runs.
     automap.dispatch(model, device_map, offload_dir=tmp_path)
@@ -149,8 +170,14 @@ def test_next_offloaded_unit_is_prefetched(tmp_path):
 def test_interrupted_forward_releases_weights_at_once(tmp_path):
     model = tiny_llama(layers=2)
     ids, expected = ids_and_logits(model)
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
-                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "disk",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     with torch.no_grad(), pytest.raises(RuntimeError):
         model(inputs_embeds=torch.randn(1, 8, 63))  # fails inside model.layers.0
@@ -222,7 +249,9 @@ def test_training_offloaded_trainable_units_is_refused_at_backward_and_model_sta
     model.train()
     loss = model(ids, labels=ids).loss  # a forward in train mode runs
     offloaded = tuple(u + "." for u in plan.offloaded_units)
-    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter '([^']+)'.*requires_grad_") as info:
+    with pytest.raises(
+        DispatchError, match=r"gradient reached offloaded parameter '([^']+)'.*requires_grad_"
+    ) as info:
         loss.backward()
     assert info.match(r"'(" + "|".join(u.replace(".", r"\.") for u in offloaded) + ")")
     model.eval()
@@ -234,16 +263,25 @@ def test_training_offloaded_trainable_units_is_refused_at_backward_and_model_sta
 
 
 def _named(model: nn.Module) -> dict[str, torch.Tensor]:
-    return dict(list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
+    return dict(
+        list(model.named_parameters(remove_duplicate=False))
+        + list(model.named_buffers(remove_duplicate=False))
+    )
 
 
-def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tuple[nn.Module, CheckpointSource]:
+def _skeleton_with_store(
+    tmp_path, model: nn.Module, plan: automap.Plan
+) -> tuple[nn.Module, CheckpointSource]:
     """What automap.load hands dispatch_plan: resident tensors real, offloaded ones on meta and
     referenced in place in a safetensors checkpoint."""
-    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    streamed = {
+        n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose
+    }
     state = {n: t for n, t in model.state_dict().items() if n in streamed}
-    save_file({n: t.contiguous() for n, t in state.items() if n != "lm_head.weight" or n in streamed},
-              str(tmp_path / "ckpt.safetensors"))
+    save_file(
+        {n: t.contiguous() for n, t in state.items() if n != "lm_head.weight" or n in streamed},
+        str(tmp_path / "ckpt.safetensors"),
+    )
     store = CheckpointSource({n: (tmp_path / "ckpt.safetensors", n) for n in state})
     with torch.device("meta"):
         skeleton = type(model)(model.config).eval()
@@ -253,10 +291,16 @@ def _skeleton_with_store(tmp_path, model: nn.Module, plan: automap.Plan) -> tupl
     for name, tensor in meta.items():
         if id(tensor) not in streamed_ids:
             owner, _, key = name.rpartition(".")
-            table = skeleton.get_submodule(owner)._parameters if isinstance(tensor, nn.Parameter) \
+            table = (
+                skeleton.get_submodule(owner)._parameters
+                if isinstance(tensor, nn.Parameter)
                 else skeleton.get_submodule(owner)._buffers
-            table[key] = nn.Parameter(real[name].detach().clone()) if isinstance(tensor, nn.Parameter) \
+            )
+            table[key] = (
+                nn.Parameter(real[name].detach().clone())
+                if isinstance(tensor, nn.Parameter)
                 else real[name].clone()
+            )
     return skeleton, store
 
 
@@ -267,9 +311,12 @@ def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
     dispatch_plan(skeleton, plan, source=store)
     assert not any(t.is_meta for t in skeleton.parameters())
-    offloaded = [p for n, p in skeleton.named_parameters() if any(n.startswith(u + ".") for u in plan.offloaded_units)]
-    assert offloaded and all(file_backing(p) == (tmp_path / "ckpt.safetensors").resolve() for p in offloaded), \
-        "offloaded tensors must stay unallocated: views of the checkpoint"
+    offloaded = [
+        p for n, p in skeleton.named_parameters() if any(n.startswith(u + ".") for u in plan.offloaded_units)
+    ]
+    assert offloaded and all(
+        file_backing(p) == (tmp_path / "ckpt.safetensors").resolve() for p in offloaded
+    ), "offloaded tensors must stay unallocated: views of the checkpoint"
     assert not (tmp_path / "off").exists(), "the checkpoint is referenced, not copied"
     assert torch.equal(logits_of(skeleton, ids), expected)
     automap.undispatch(skeleton)
@@ -281,8 +328,13 @@ def test_meta_skeleton_with_store_matches_without_allocating(tmp_path):
 def test_meta_skeleton_keeps_ties(tmp_path):
     model = tiny_llama(layers=2, tie=True)
     ids, expected = ids_and_logits(model, (1, 7))
-    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
-                  "model.norm": "cpu", "lm_head": "disk"}
+    device_map = {
+        "model.embed_tokens": "disk",
+        "model.rotary_emb": "cpu",
+        "model.layers": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "disk",
+    }
     plan = automap.plan(model, device_map)
     skeleton, store = _skeleton_with_store(tmp_path, model, plan)
     dispatch_plan(skeleton, plan, source=store)
@@ -357,8 +409,13 @@ def test_send_moves_every_nested_tensor_and_keeps_what_does_not_move():
 
     Pair = namedtuple("Pair", "a b")
     cache = DynamicCache()
-    value = (Pair(torch.ones(2), [torch.zeros(1)]), {"batch": Batch(torch.ones(3), {"m": torch.ones(1)})},
-             BaseModelOutput(last_hidden_state=torch.ones(2, 2)), cache, 7)
+    value = (
+        Pair(torch.ones(2), [torch.zeros(1)]),
+        {"batch": Batch(torch.ones(3), {"m": torch.ones(1)})},
+        BaseModelOutput(last_hidden_state=torch.ones(2, 2)),
+        cache,
+        7,
+    )
     moved = send(value, torch.device("meta"))
     assert moved[0].a.is_meta and moved[0].b[0].is_meta and isinstance(moved[0], Pair)
     assert moved[1]["batch"].x.is_meta and moved[1]["batch"].extra["m"].is_meta
@@ -407,7 +464,9 @@ def test_a_new_weight_source_plugs_in_without_runtime_changes(tmp_path):
 
     model = tiny_llama(layers=4)
     plan = _disk_plan(model)
-    streamed = {n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose}
+    streamed = {
+        n for u, d in zip(plan.units, plan.placement) if d == "disk" for n in u.tensors if n not in u.loose
+    }
     source = _HalfSource({n: t for n, t in model.state_dict().items() if n in streamed})
     assert isinstance(source, WeightSource)
     with torch.no_grad():
@@ -459,8 +518,11 @@ def test_backward_through_a_trainable_offloaded_unit_names_the_parameter(tmp_pat
     model = _NormNet()
     automap.dispatch(model, _ALL_ON_DISK, offload_dir=tmp_path)
     loss = model(torch.randn(6, 3)).sum()
-    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter 'linear2\.(weight|bias)'.*"
-                                            r"requires_grad_\(False\).*keep its unit resident"):
+    with pytest.raises(
+        DispatchError,
+        match=r"gradient reached offloaded parameter 'linear2\.(weight|bias)'.*"
+        r"requires_grad_\(False\).*keep its unit resident",
+    ):
         loss.backward()
 
 

@@ -1,5 +1,6 @@
 """Foundation end to end: real models dispatched with part of their weights on disk give the
 plain model's outputs; undispatch restores it; bad input fails cleanly."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,14 @@ import torch
 
 import automap
 from automap.errors import DeviceError, DeviceMapError, OffloadError, PlanError
-from conftest import assert_offloaded_in_files, ids_and_logits, logits_of, store_dirs, tiny_llama, weight_bytes
+from conftest import (
+    assert_offloaded_in_files,
+    ids_and_logits,
+    logits_of,
+    store_dirs,
+    tiny_llama,
+    weight_bytes,
+)
 from tiny_configs import part_on_disk
 
 
@@ -78,7 +86,9 @@ def test_plan_json_round_trip(resnet50):
 
 
 def test_unknown_strategy_is_refused(resnet50):
-    with pytest.raises(PlanError, match="device_map='fastest' is neither a strategy .*sequential.* nor a device"):
+    with pytest.raises(
+        PlanError, match="device_map='fastest' is neither a strategy .*sequential.* nor a device"
+    ):
         automap.plan(resnet50, "fastest")
 
 
@@ -101,11 +111,20 @@ def test_device_map_leaving_tensors_without_a_device_is_refused(resnet50):
 def test_user_device_map_is_honoured(tmp_path):
     model = tiny_llama(layers=2)
     ids, expected = ids_and_logits(model)
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
-                  "model.layers.1": "cpu", "model.norm": "disk", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "disk",
+        "model.layers.1": "cpu",
+        "model.norm": "disk",
+        "lm_head": "cpu",
+    }
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     offloaded = assert_offloaded_in_files(model, under=tmp_path)
-    assert "model.layers.0.mlp.up_proj.weight" in offloaded and "model.layers.1.mlp.up_proj.weight" not in offloaded
+    assert (
+        "model.layers.0.mlp.up_proj.weight" in offloaded
+        and "model.layers.1.mlp.up_proj.weight" not in offloaded
+    )
     assert torch.equal(logits_of(model, ids), expected)
     automap.undispatch(model)
 

@@ -3,6 +3,7 @@ with real mechanisms — a real ``kill -9`` of a writing process, ``RLIMIT_FSIZE
 two real processes on one ``offload_dir``, real threads — and every case that could crash the
 interpreter (writes into mapped weights) run in a subprocess, so a crash fails its test instead
 of killing the suite."""
+
 from __future__ import annotations
 
 import hashlib
@@ -29,20 +30,40 @@ from conftest import file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
-_LAYERS_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
-                   "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu",
-                   "lm_head": "cpu"}
+_LAYERS_ON_DISK = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
 
 
-def run_python(code: str, *args: str, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, cwd: Path | None = None, timeout: int = 180
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that imports automap and the test builders."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
-    detail = f"exit {result.returncode} (a negative code is the signal that killed it)\n{result.stderr[-3000:]}"
+    detail = (
+        f"exit {result.returncode} (a negative code is the signal that killed it)\n{result.stderr[-3000:]}"
+    )
     assert result.returncode == 0, detail
     assert "OK" in result.stdout, detail
     return result.stdout
@@ -50,8 +71,11 @@ def ok(result: subprocess.CompletedProcess) -> str:
 
 def digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under ``folder`` (relative path -> hash)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _empty(real):
@@ -78,16 +102,25 @@ def test_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
     before = digest(ck)
     ids = torch.randint(0, 256, (1, 8))
     reference = tiny_llama(layers=2)
-    for tensor in reference.state_dict(keep_vars=True).values():  # the weights; the rotary inv_freq stays float32
+    for tensor in reference.state_dict(
+        keep_vars=True
+    ).values():  # the weights; the rotary inv_freq stays float32
         tensor.data = tensor.data.half()
     expected = logits_of(reference, ids)
-    model = automap.load(_empty(real), ck / "model.safetensors", {"model": "disk", "lm_head": "cpu"},
-                         offload_dir=ck, dtype=torch.float16, quiet=True)
+    model = automap.load(
+        _empty(real),
+        ck / "model.safetensors",
+        {"model": "disk", "lm_head": "cpu"},
+        offload_dir=ck,
+        dtype=torch.float16,
+        quiet=True,
+    )
     assert {k: v for k, v in digest(ck).items() if not k.startswith("automap-store-")} == before
     assert torch.equal(logits_of(model, ids), expected)
     (store,) = store_dirs(ck)
-    assert all(str(p).startswith(str(store)) for p in
-               {file_backing(t) for t in model.model.parameters()}), "the converted weights live in automap's own folder"
+    assert all(str(p).startswith(str(store)) for p in {file_backing(t) for t in model.model.parameters()}), (
+        "the converted weights live in automap's own folder"
+    )
     automap.undispatch(model)
     assert {k: v for k, v in digest(ck).items() if not k.startswith("automap-store-")} == before
 
@@ -95,7 +128,9 @@ def test_a_store_written_into_the_checkpoint_folder_replaces_nothing(tmp_path):
 def test_a_failed_write_deletes_nothing_of_the_users(tmp_path):
     ck = _checkpoint_folder(tmp_path, tiny_llama(layers=2))
     before = digest(ck)
-    out = ok(run_python("""
+    out = ok(
+        run_python(
+            """
         import resource, signal, sys, torch, automap
         from conftest import tiny_llama
         real = tiny_llama(layers=2)
@@ -108,7 +143,10 @@ def test_a_failed_write_deletes_nothing_of_the_users(tmp_path):
                          offload_dir=sys.argv[1], dtype=torch.float16, quiet=True)
         except automap.OffloadError as exc:
             print("OK", exc)
-    """, str(ck)))
+    """,
+            str(ck),
+        )
+    )
     assert "failed (File too large" in out and "ulimit -f" in out
     assert digest(ck) == before, "the user's files are untouched and nothing of automap's is left"
 
@@ -134,7 +172,11 @@ def test_two_models_in_one_offload_dir_each_get_a_store(tmp_path):
 
 
 def test_two_processes_on_one_offload_dir(tmp_path):
-    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys, time, torch, automap
         from pathlib import Path
         from conftest import logits_of, tiny_llama
@@ -156,15 +198,27 @@ def test_two_processes_on_one_offload_dir(tmp_path):
         automap.undispatch(model)
         assert all(torch.equal(t, tuned[n]) for n, t in model.state_dict().items())
         print("OK")
-    """), str(tmp_path / "off"), str(tmp_path / "ready"), str(tmp_path / "done")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)])})
+    """),
+            str(tmp_path / "off"),
+            str(tmp_path / "ready"),
+            str(tmp_path / "done"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)]),
+        },
+    )
     try:
         deadline = time.time() + 120
         while not (tmp_path / "ready").exists() and first.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert (tmp_path / "ready").exists(), first.communicate()[1][-2000:]
-        ok(run_python("""
+        ok(
+            run_python(
+                """
             import sys, torch, automap
             from conftest import logits_of, tiny_llama
             from test_faults import _LAYERS_ON_DISK
@@ -174,7 +228,10 @@ def test_two_processes_on_one_offload_dir(tmp_path):
             automap.dispatch(model, _LAYERS_ON_DISK, offload_dir=sys.argv[1])
             assert torch.equal(logits_of(model, ids), expected)
             print("OK")  # exits while still dispatched: its lock goes with it
-        """, str(tmp_path / "off")))
+        """,
+                str(tmp_path / "off"),
+            )
+        )
     finally:
         (tmp_path / "done").write_text("")
         stdout, stderr = first.communicate(timeout=180)
@@ -186,7 +243,8 @@ def test_two_processes_on_one_offload_dir(tmp_path):
 
 
 def test_writes_into_offloaded_weights_take_effect_and_never_crash():
-    ok(run_python("""
+    ok(
+        run_python("""
         import copy, tempfile, torch, automap
         from torch import nn
         torch.manual_seed(0)
@@ -233,7 +291,8 @@ def test_writes_into_offloaded_weights_take_effect_and_never_crash():
         automap.undispatch(placed)
         assert all(torch.equal(a, b) for a, b in zip(placed.state_dict().values(), plain.state_dict().values()))
         print("OK")
-    """))
+    """)
+    )
 
 
 # ------------------------------------------------------------------ 4. every reachable weight is real
@@ -271,8 +330,9 @@ def test_save_pretrained_over_the_models_own_folder(tmp_path):
     model = automap.load(_empty(real), tmp_path / "hf", _LAYERS_ON_DISK, quiet=True)
     model.save_pretrained(tmp_path / "hf")  # rewrites the very file its offloaded weights are read from
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), real.state_dict().values())), \
-        "every tensor was saved with its true values"
+    assert all(
+        torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), real.state_dict().values())
+    ), "every tensor was saved with its true values"
     assert torch.equal(logits_of(model, ids), expected), "and the model still works"
 
 
@@ -286,15 +346,19 @@ def test_an_old_store_in_the_checkpoint_folder_is_never_read(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     save_model(real, str(ck / "model.safetensors"))
-    old = automap.load(_empty(real), ck, {"model": "disk", "lm_head": "cpu"}, offload_dir=ck, dtype=torch.float16,
-                       quiet=True)
+    old = automap.load(
+        _empty(real), ck, {"model": "disk", "lm_head": "cpu"}, offload_dir=ck, dtype=torch.float16, quiet=True
+    )
     automap.undispatch(old)
     assert store_dirs(ck), "an fp16 store now sits in the checkpoint folder"
     # ... and one of the layout automap wrote before its stores had folders of their own:
     layer = {k: v.half() for k, v in real.state_dict().items() if k.startswith("model.layers.0.")}
     save_file(layer, ck / "model.layers.0.safetensors")
-    (ck / "automap-index.json").write_text(json.dumps({"version": 1, "tensors": {
-        k: {"file": "model.layers.0.safetensors", "key": k} for k in layer}}))
+    (ck / "automap-index.json").write_text(
+        json.dumps(
+            {"version": 1, "tensors": {k: {"file": "model.layers.0.safetensors", "key": k} for k in layer}}
+        )
+    )
     model = automap.load(_empty(real), ck, max_memory={"cpu": "1GB"}, quiet=True)
     assert all(t.dtype == torch.float32 for t in model.parameters())
     assert torch.equal(logits_of(model, ids), expected)
@@ -302,10 +366,15 @@ def test_an_old_store_in_the_checkpoint_folder_is_never_read(tmp_path):
 
 def test_two_files_holding_one_key_without_an_index_are_refused(tmp_path):
     real = tiny_llama(layers=2)
-    save_model(real, str(tmp_path / "weights.safetensors"))  # no file from_pretrained would pick over the others
+    save_model(
+        real, str(tmp_path / "weights.safetensors")
+    )  # no file from_pretrained would pick over the others
     save_file({"lm_head.weight": real.lm_head.weight.detach().half()}, tmp_path / "old-copy.safetensors")
-    with pytest.raises(CheckpointError, match="'lm_head.weight' is in both old-copy.safetensors and weights"
-                                               ".safetensors.*no index.*remove the stale copy"):
+    with pytest.raises(
+        CheckpointError,
+        match="'lm_head.weight' is in both old-copy.safetensors and weights"
+        ".safetensors.*no index.*remove the stale copy",
+    ):
         automap.load(_empty(real), tmp_path, quiet=True)
 
 
@@ -329,6 +398,7 @@ def test_forwards_from_four_threads_on_one_dispatched_model(tmp_path, grad):
                     wrong.append(i)
         except Exception as exc:  # noqa: BLE001 - collected and reported
             errors.append(repr(exc))
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -344,7 +414,9 @@ def test_forwards_from_four_threads_on_one_dispatched_model(tmp_path, grad):
 def test_a_full_disk_while_writing_the_store(tmp_path):
     (tmp_path / "off").mkdir()
     (tmp_path / "off" / "keep.txt").write_text("the user's")
-    out = ok(run_python("""
+    out = ok(
+        run_python(
+            """
         import resource, signal, sys, torch, automap
         from conftest import logits_of, tiny_llama
         from test_faults import _LAYERS_ON_DISK
@@ -361,7 +433,10 @@ def test_a_full_disk_while_writing_the_store(tmp_path):
         assert automap.runtime.state_of(model) is None
         assert all(t is before[n] for n, t in model.state_dict(keep_vars=True).items())
         assert torch.equal(logits_of(model, ids), expected), "the model is unchanged"
-    """, str(tmp_path / "off")))
+    """,
+            str(tmp_path / "off"),
+        )
+    )
     assert "writing the offload store in" in out and "nothing it wrote was kept" in out
     assert sorted(os.listdir(tmp_path / "off")) == ["keep.txt"]
 
@@ -379,7 +454,9 @@ def test_a_permission_error_on_the_offload_dir(tmp_path):
         expected = logits_of(model, ids)
         with pytest.raises(OffloadError, match=rf"{folder}.*not writable.*pass a writable directory"):
             automap.dispatch(model, _LAYERS_ON_DISK, offload_dir=folder)
-        assert state_of(model) is None and torch.equal(logits_of(model, ids), expected), "the model is unchanged"
+        assert state_of(model) is None and torch.equal(logits_of(model, ids), expected), (
+            "the model is unchanged"
+        )
     finally:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
     assert sorted(os.listdir(folder)) == ["keep.txt"]
@@ -400,7 +477,12 @@ def test_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_pat
     # The writer pauses (with its third file written, just before renaming it into place) only so
     # that the kill lands mid-write every time: a profile hook in the writer itself, on its calls
     # to os.replace, nothing of automap's replaced. The kill itself is a real SIGKILL.
-    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_big_model_code()) + textwrap.dedent("""
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_big_model_code())
+            + textwrap.dedent("""
         import os, sys, time, automap
         from pathlib import Path
         folder, seen = Path(sys.argv[1]), set()
@@ -412,14 +494,24 @@ def test_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_pat
                     time.sleep(600)
         sys.setprofile(pause_at_third_file)
         automap.dispatch(big(), DISK, offload_dir=sys.argv[1], example_inputs=(torch.randn(1, 1024),))
-    """), str(tmp_path / "off"), str(tmp_path / "paused")],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)])},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """),
+            str(tmp_path / "off"),
+            str(tmp_path / "paused"),
+        ],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)]),
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.time() + 120
         while not (tmp_path / "paused").exists() and writer.poll() is None and time.time() < deadline:
             time.sleep(0.01)
-        assert (tmp_path / "paused").exists(), writer.stderr.read().decode()[-2000:] if writer.poll() else "timeout"
+        assert (tmp_path / "paused").exists(), (
+            writer.stderr.read().decode()[-2000:] if writer.poll() else "timeout"
+        )
         os.kill(writer.pid, signal.SIGKILL)
     finally:
         writer.wait(timeout=30)
@@ -436,7 +528,9 @@ def test_kill_9_in_the_middle_of_writing_then_the_next_dispatch_rebuilds(tmp_pat
     automap.dispatch(model, namespace["DISK"], offload_dir=tmp_path, example_inputs=(torch.randn(1, 1024),))
     assert store_dirs(tmp_path) == [store], "the interrupted store (its lock died with its writer) is rebuilt"
     assert json.loads((store / MANIFEST).read_text())["complete"] is True
-    assert not [p for p in store.iterdir() if p.name.endswith(".tmp")], "the killed writer's temporary file is gone"
+    assert not [p for p in store.iterdir() if p.name.endswith(".tmp")], (
+        "the killed writer's temporary file is gone"
+    )
     with torch.no_grad():
         assert torch.equal(model(x), expected)
 
@@ -454,9 +548,13 @@ def test_a_damaged_store_is_rebuilt_never_a_raw_exception(tmp_path, damage):
         text = b"[1, 2, 3]"
         victim.write_bytes(struct.pack("<Q", len(text)) + text)
     else:
-        text = {"manifest {}": "{}", "manifest list": "[]",
-                "manifest version": json.dumps({"format": "automap-offload-store", "version": 99, "complete": True,
-                                                "tensors": {}})}[damage]
+        text = {
+            "manifest {}": "{}",
+            "manifest list": "[]",
+            "manifest version": json.dumps(
+                {"format": "automap-offload-store", "version": 99, "complete": True, "tensors": {}}
+            ),
+        }[damage]
         (store / MANIFEST).write_text(text)
     automap.dispatch(model, _LAYERS_ON_DISK, offload_dir=tmp_path)
     assert torch.equal(logits_of(model, ids), expected)
@@ -480,18 +578,35 @@ def _raw_safetensors(path: Path, header: object, data: bytes = b"\x00" * 64) -> 
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-@pytest.mark.parametrize("header, message", [
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-      "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlap"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0.0, 16.0]}}, "data_offsets .* is not two integers"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}}, "data_offsets .* is not two integers"),
-    ([{"dtype": "F32"}], "a JSON list, not an object"),
-    ({"w": {"dtype": "F32", "shape": [4.5], "data_offsets": [0, 16]}}, "shape .* is not a list of non-negative"),
-    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1000]}}, "spans bytes 0..1000"),
-    ({"w": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}, "is truncated"),
-    ({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}, "dtype 'Q4'.*cannot read"),
-    ({"w": [1, 2]}, "its entry is a list"),
-])
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (
+            {
+                "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            "overlap",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0.0, 16.0]}},
+            "data_offsets .* is not two integers",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}},
+            "data_offsets .* is not two integers",
+        ),
+        ([{"dtype": "F32"}], "a JSON list, not an object"),
+        (
+            {"w": {"dtype": "F32", "shape": [4.5], "data_offsets": [0, 16]}},
+            "shape .* is not a list of non-negative",
+        ),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1000]}}, "spans bytes 0..1000"),
+        ({"w": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}, "is truncated"),
+        ({"w": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}, "dtype 'Q4'.*cannot read"),
+        ({"w": [1, 2]}, "its entry is a list"),
+    ],
+)
 def test_bad_headers_are_refused_by_the_one_parser(tmp_path, header, message):
     path = tmp_path / "bad.safetensors"
     _raw_safetensors(path, header)
@@ -508,8 +623,9 @@ def test_a_shard_index_naming_files_outside_its_folder_is_refused(tmp_path, entr
     save_model(real, str(tmp_path / "elsewhere" / "x.safetensors"))
     ck = tmp_path / "ck"
     ck.mkdir()
-    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        k: entry for k in real.state_dict()}}))
+    (ck / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: entry for k in real.state_dict()}})
+    )
     with pytest.raises(CheckpointError, match="not a file name inside .*plain file names"):
         automap.load(_empty(real), ck, quiet=True)
 
@@ -518,14 +634,22 @@ def test_a_shard_index_naming_files_outside_its_folder_is_refused(tmp_path, entr
 
 
 def test_module_factory_spec_never_lets_the_working_directory_shadow_packages(tmp_path):
-    (tmp_path / "matplotlib.py").write_text("import pathlib; pathlib.Path('SHADOWED').write_text('x')\n"
-                                            "raise SystemExit('the stray matplotlib.py was imported')\n")
-    (tmp_path / "mymodels.py").write_text("import torch\n\ndef build():\n    return torch.nn.Sequential("
-                                          "torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n")
+    (tmp_path / "matplotlib.py").write_text(
+        "import pathlib; pathlib.Path('SHADOWED').write_text('x')\n"
+        "raise SystemExit('the stray matplotlib.py was imported')\n"
+    )
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential("
+        "torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+    )
     cli = Path(sys.executable).parent / "automap"
-    result = subprocess.run([str(cli), "plan", "mymodels:build", "--max-memory", "cpu=1GB",
-                             "--figure", str(tmp_path / "p.png")], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=180)
+    result = subprocess.run(
+        [str(cli), "plan", "mymodels:build", "--max-memory", "cpu=1GB", "--figure", str(tmp_path / "p.png")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert not (tmp_path / "SHADOWED").exists()
     assert (tmp_path / "p.png").exists() and "automap plan" in result.stdout

@@ -1,6 +1,7 @@
 """``make gpu-check DRY=1`` in ``make test``: the GPU check's script runs every step's CPU
 equivalent, so it does not rot between the rare runs on a GPU machine. What a step returns is
 checked here, so a step that silently stops measuring fails too."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def dry_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp / "out"),
-                           "--scratch", str(tmp / "scratch")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--dry-run",
+            "--out",
+            str(tmp / "out"),
+            "--scratch",
+            str(tmp / "scratch"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return done, tmp / "out"
 
 
@@ -31,8 +46,18 @@ def test_the_dry_run_passes_every_step(dry_run):
     report = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
     assert [s["status"] for s in steps.values()] == ["ok"] * len(steps), report
-    assert set(steps) >= {"environment", "tests", "transparency", "h2d", "llama-stream25", "llama-stream50",
-                          "llama-stream75", "llama-disk", "load", "tutorial"}
+    assert set(steps) >= {
+        "environment",
+        "tests",
+        "transparency",
+        "h2d",
+        "llama-stream25",
+        "llama-stream50",
+        "llama-stream75",
+        "llama-disk",
+        "load",
+        "tutorial",
+    }
     for name in steps:
         assert f" {name}: ok (" in done.stdout, f"no progress line for {name}"
     assert "all steps passed" in (out / "gpu-check.txt").read_text()
@@ -43,7 +68,9 @@ def test_each_step_reports_its_figures(dry_run):
     _, out = dry_run
     steps = {s["name"]: s["result"] for s in json.loads((out / "gpu-check.json").read_text())["steps"]}
     tests = steps["tests"]
-    assert tests["skipped"] and not tests["failed"] and not tests["passed"], "no GPU here: every GPU test skips"
+    assert tests["skipped"] and not tests["failed"] and not tests["passed"], (
+        "no GPU here: every GPU test skips"
+    )
     archs = steps["transparency"]["architectures"]
     assert set(archs) == {"cnn", "vit", "gpt2", "llama", "t5"}
     assert all(a["ok"] and a["streamed_units"] > 0 and a["outputs_match"] for a in archs.values())
@@ -69,9 +96,14 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypat
 
     def fine(ctx):
         return {"headline": "fine"}
-    steps = [gpu_check.Step("environment", lambda ctx: {"gpu_count": 0}, 1), gpu_check.Step("broken", broken, 1),
-             gpu_check.Step("crashing", lambda ctx: os._exit(3), 1), gpu_check.Step("fine", fine, 1),
-             gpu_check.Step("slow", fine, 10_000)]
+
+    steps = [
+        gpu_check.Step("environment", lambda ctx: {"gpu_count": 0}, 1),
+        gpu_check.Step("broken", broken, 1),
+        gpu_check.Step("crashing", lambda ctx: os._exit(3), 1),
+        gpu_check.Step("fine", fine, 1),
+        gpu_check.Step("slow", fine, 10_000),
+    ]
     records = gpu_check.run_all(steps, Context(dry=True, out=tmp_path, scratch=tmp_path), budget=60)
     got = {r["name"]: (r["status"], r.get("error", "")) for r in records}
     assert got["broken"] == ("failed", "this step found something wrong")
@@ -86,9 +118,11 @@ def test_a_step_still_running_when_the_budget_ends_is_killed_and_said_so(tmp_pat
     from benchmarks import gpu_check
     from benchmarks.gpu_steps import Context
 
-    steps = [gpu_check.Step("environment", lambda ctx: {"gpu_count": 0}, 0.1),
-             gpu_check.Step("endless", lambda ctx: time.sleep(600), 0.1),
-             gpu_check.Step("after", lambda ctx: {"headline": "never started"}, 0.1)]
+    steps = [
+        gpu_check.Step("environment", lambda ctx: {"gpu_count": 0}, 0.1),
+        gpu_check.Step("endless", lambda ctx: time.sleep(600), 0.1),
+        gpu_check.Step("after", lambda ctx: {"headline": "never started"}, 0.1),
+    ]
     start = time.monotonic()
     records = gpu_check.run_all(steps, Context(dry=True, out=tmp_path, scratch=tmp_path), budget=3)
     assert time.monotonic() - start < 30

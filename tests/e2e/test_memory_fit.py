@@ -2,6 +2,7 @@
 (real checkpoints saved under tmp_path, loaded with a CPU budget, run once): the budget holds and
 the prediction is near. benchmarks/fit.py measures the same over 29 cases with a 10 % margin;
 this keeps a generous one, as other processes share the machine."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 
 MiB = 2**20
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import gc, json, sys, threading, time
     from pathlib import Path
     import torch
@@ -68,7 +69,7 @@ WORKER = textwrap.dedent('''
     print(json.dumps({"budget": budget, "fits": cpu.fits, "predicted": cpu.peak_bytes, "in_ram": cpu.weights,
                       "weights": weights, "measured": forward.peak - base, "load_predicted": plan.load_peak_bytes,
                       "load_measured": load.peak - base}))
-''')
+""")
 
 
 def save(kind: str, folder: Path) -> None:
@@ -80,14 +81,23 @@ def save(kind: str, folder: Path) -> None:
         from safetensors.torch import save_file
 
         folder.mkdir()
-        save_file({k: v.contiguous() for k, v in torchvision.models.resnet18().state_dict().items()},
-                  str(folder / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in torchvision.models.resnet18().state_dict().items()},
+            str(folder / "model.safetensors"),
+        )
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=8000, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8000,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -95,8 +105,13 @@ def save(kind: str, folder: Path) -> None:
 def test_the_run_stays_within_the_budget_and_near_the_prediction(tmp_path, kind, share):
     folder = tmp_path / kind
     save(kind, folder)
-    done = subprocess.run([sys.executable, "-c", WORKER, kind, str(folder), str(share)], capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, kind, str(folder), str(share)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["fits"]

@@ -4,6 +4,7 @@ experts, top 2), its decoder layers on disk, the page cache dropped first. Each 
 model's logits exactly and the same greedy tokens, and its experts are read as routed (a
 :class:`ReadExperts` hook on them): stacked and listed experts, with and without shared
 experts, linear-attention and Mamba hybrids, multi-latent attention."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,35 @@ from automap.runtime.experts import ReadExperts
 from automap.runtime.state import state_of
 from tiny_configs import tiny
 
-FAMILIES = ["afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "exaone_moe", "glm4_moe",
-            "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "jamba", "jetmoe",
-            "llama4_text", "longcat_flash", "minicpm5_moe", "minimax", "mixtral", "olmoe", "param2moe", "phimoe",
-            "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "sarvam_moe"]
+FAMILIES = [
+    "afmoe",
+    "cohere2_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "gpt_oss",
+    "granitemoe",
+    "granitemoeshared",
+    "hunyuan_v1_moe",
+    "jamba",
+    "jetmoe",
+    "llama4_text",
+    "longcat_flash",
+    "minicpm5_moe",
+    "minimax",
+    "mixtral",
+    "olmoe",
+    "param2moe",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "sarvam_moe",
+]
 
 # Pages: the CPU computes on views of the store (reads only decide residency). Staged: each call
 # copies the routed rows into a tensor of the experts' shape, as on a GPU (HostCopyOps stands in

@@ -4,6 +4,7 @@ sequence-to-sequence LMs (greedy ``generate``: encoder, decoder and cache), imag
 (tests/tiny_configs.py), dispatched by ``device_map="auto"`` with a CPU budget that sends part
 of each to disk. Each gives the plain model's outputs exactly. A family whose plain model cannot
 build or run from the small config is skipped with what it said."""
+
 from __future__ import annotations
 
 import warnings
@@ -37,7 +38,9 @@ def _same_on_disk(model: torch.nn.Module, call: Callable[[torch.nn.Module], torc
             warnings.simplefilter("ignore")
             expected = call(model)
     except Exception as exc:  # noqa: BLE001 - the plain model itself does not run so
-        pytest.skip(f"the plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}")
+        pytest.skip(
+            f"the plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}"
+        )
     automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model), offload_dir=tmp_path)
     assert torch.equal(run_dispatched(model, call), expected)
 
@@ -58,8 +61,9 @@ def test_each_image_classification_family_gives_the_plain_logits_with_part_on_di
     model = _build(family, "AutoModelForImageClassification")
     size = getattr(model.config, "image_size", 224)
     size = size if isinstance(size, int) else size[0]
-    image = torch.randn(1, getattr(model.config, "num_channels", 3), size, size,
-                        generator=torch.Generator().manual_seed(0))
+    image = torch.randn(
+        1, getattr(model.config, "num_channels", 3), size, size, generator=torch.Generator().manual_seed(0)
+    )
     _same_on_disk(model, lambda m: m(pixel_values=image).logits, tmp_path)
 
 

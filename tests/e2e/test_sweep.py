@@ -8,6 +8,7 @@ budget (weights and the predicted peak), and give the plain model's outputs (max
 
 Models use small inputs (64x64 images, or the smallest an architecture accepts; 12 tokens) and
 small configs; one test per model, so chunks run on their own (``-k resnet``)."""
+
 from __future__ import annotations
 
 import shutil
@@ -37,9 +38,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _runs_within(model: nn.Module, inputs: tuple | dict, expected: torch.Tensor, folder: Path,
-                 generate: Callable[[nn.Module], torch.Tensor] | None = None,
-                 tokens: torch.Tensor | None = None) -> None:
+def _runs_within(
+    model: nn.Module,
+    inputs: tuple | dict,
+    expected: torch.Tensor,
+    folder: Path,
+    generate: Callable[[nn.Module], torch.Tensor] | None = None,
+    tokens: torch.Tensor | None = None,
+) -> None:
     """At each share of the weights' bytes beside the run as CPU budget: a plan that keeps the
     budget, and a dispatched model with the plain model's outputs (and tokens)."""
     call = (lambda m: m(*inputs)) if isinstance(inputs, tuple) else (lambda m: m(**inputs))
@@ -95,8 +101,13 @@ SIDE = {"inception_v3": 75, "maxvit_t": 224}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skip(reason=TOO_SLOW[n])) if n in TOO_SLOW else n
-                                  for n in _torchvision_models()])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.skip(reason=TOO_SLOW[n])) if n in TOO_SLOW else n
+        for n in _torchvision_models()
+    ],
+)
 def test_torchvision_model_runs_under_any_ram_budget(name, tmp_path):
     import torchvision
 
@@ -111,60 +122,171 @@ def test_torchvision_model_runs_under_any_ram_budget(name, tmp_path):
 
 # ----------------------------------------------------------------------------- transformers
 
-_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
-              max_position_embeddings=128)
-_SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256, max_position_embeddings=128)
+_SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
+_SEQ2SEQ = dict(
+    d_model=64,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 # The MoE layers' default (grouped_mm) cannot be traced on meta in float32; batched_mm computes
 # the same experts without data-dependent shapes.
 _MOE = dict(experts_implementation="batched_mm", num_experts_per_tok=2)
 
 # family: (config class, model class, config, kind)
 FAMILIES = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
-                                                   bos_token_id=0, eos_token_id=0), "decoder"),  # tied
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0, eos_token_id=0),
+        "decoder",
+    ),  # tied
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, num_key_value_heads=2), "decoder"),  # untied
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, num_key_value_heads=2, tie_word_embeddings=True),
-                   "decoder"),
+    "llama_tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_SMALL, num_key_value_heads=2, tie_word_embeddings=True),
+        "decoder",
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SMALL, num_key_value_heads=2), "decoder"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SMALL, num_key_value_heads=2), "decoder"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_SMALL, num_key_value_heads=2, head_dim=16), "decoder"),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(_SMALL), "decoder"),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                ffn_dim=128, vocab_size=256, max_position_embeddings=128,
-                                                word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0,
-                                                pad_token_id=1), "decoder"),
-    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=256,
-                                                          max_position_embeddings=128, window_size=16,
-                                                          attention_types=[[["global", "local"], 1]],
-                                                          bos_token_id=0, eos_token_id=0), "decoder"),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=128,
+            vocab_size=256,
+            max_position_embeddings=128,
+            word_embed_proj_dim=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+        ),
+        "decoder",
+    ),
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        dict(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            vocab_size=256,
+            max_position_embeddings=128,
+            window_size=16,
+            attention_types=[[["global", "local"], 1]],
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "decoder",
+    ),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_SMALL), "decoder"),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256,
-                                                      bos_token_id=0, eos_token_id=0), "decoder"),
-    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                         vocab_size=256, bos_token_id=0, eos_token_id=0), "decoder"),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
-                                                   rotary_dim=8, bos_token_id=0, eos_token_id=0), "decoder"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SMALL, **_MOE, num_key_value_heads=2, num_local_experts=4),
-                "decoder"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_SMALL, **_MOE, num_key_value_heads=2, num_experts=4,
-                                                               moe_intermediate_size=32,
-                                                               shared_expert_intermediate_size=64), "decoder"),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=256, bos_token_id=0, eos_token_id=0),
+        "decoder",
+    ),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "decoder",
+    ),
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=256,
+            n_positions=128,
+            rotary_dim=8,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "decoder",
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_SMALL, **_MOE, num_key_value_heads=2, num_local_experts=4),
+        "decoder",
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _SMALL,
+            **_MOE,
+            num_key_value_heads=2,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
+        "decoder",
+    ),
     "bert": ("BertConfig", "BertForMaskedLM", dict(_SMALL), "encoder"),
-    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(_SMALL, max_position_embeddings=130, pad_token_id=1),
-                "encoder"),
-    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128,
-                                                                     vocab_size=256, max_position_embeddings=128),
-                   "encoder"),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        dict(_SMALL, max_position_embeddings=130, pad_token_id=1),
+        "encoder",
+    ),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=256, max_position_embeddings=128),
+        "encoder",
+    ),
     "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(_SMALL, embedding_size=32), "encoder"),
     "electra": ("ElectraConfig", "ElectraForMaskedLM", dict(_SMALL, embedding_size=32), "encoder"),
     "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", dict(_SMALL), "encoder"),
-    "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
-                                                          vocab_size=256, decoder_start_token_id=0), "seq2seq"),
-    "bart": ("BartConfig", "BartForConditionalGeneration", dict(_SEQ2SEQ, pad_token_id=1, bos_token_id=0,
-                                                                eos_token_id=2, decoder_start_token_id=2), "seq2seq"),
-    "marian": ("MarianConfig", "MarianMTModel", dict(_SEQ2SEQ, pad_token_id=1, eos_token_id=2,
-                                                     decoder_start_token_id=1), "seq2seq"),
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(
+            d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4, vocab_size=256, decoder_start_token_id=0
+        ),
+        "seq2seq",
+    ),
+    "bart": (
+        "BartConfig",
+        "BartForConditionalGeneration",
+        dict(_SEQ2SEQ, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2),
+        "seq2seq",
+    ),
+    "marian": (
+        "MarianConfig",
+        "MarianMTModel",
+        dict(_SEQ2SEQ, pad_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+        "seq2seq",
+    ),
 }
 
 
@@ -188,11 +310,17 @@ def test_transformers_family_runs_under_any_ram_budget(name, tmp_path):
         expected = model(**inputs).logits
     generate = None
     if kind != "encoder":
-        options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
-                       attention_mask=torch.ones_like(ids))
+        options = dict(
+            max_new_tokens=5,
+            min_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
 
         def generate(m: nn.Module) -> torch.Tensor:
             return m.generate(ids, **options)
+
     tokens = generate(model) if generate is not None else None
     _runs_within(model, inputs, expected, tmp_path, generate, tokens)
 

@@ -4,6 +4,7 @@ to a model after dispatch (state dicts, saving, loading weights in, in-place edi
 conversions, copies, wrapping layers, pipelines). Where automap refuses (gradients of offloaded
 weights, dtype conversions of offloaded ones), the refusal is an AutomapError that leaves the
 model as it was."""
+
 from __future__ import annotations
 
 import copy
@@ -21,10 +22,24 @@ from tiny_configs import beside_the_run, part_on_disk
 
 IDS = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(1))
 # GPT-2's tied embedding (wte = lm_head) and Llama's embedding, last norm and head on disk.
-GPT2_EMBED_ON_DISK = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                      "transformer.h": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
-LLAMA_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",
-             "model.layers.3": "disk", "model.norm": "disk", "model.rotary_emb": "disk", "lm_head": "disk"}
+GPT2_EMBED_ON_DISK = {
+    "transformer.wte": "disk",
+    "transformer.wpe": "cpu",
+    "transformer.drop": "cpu",
+    "transformer.h": "cpu",
+    "transformer.ln_f": "cpu",
+    "lm_head": "disk",
+}
+LLAMA_MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "disk",
+    "model.rotary_emb": "disk",
+    "lm_head": "disk",
+}
 
 
 def dispatched(build, tmp_path, device_map=None, **options):
@@ -43,8 +58,12 @@ def staged(build, tmp_path, device_map):
     """Dispatched on the accelerator path (a copy swapped in per unit, the next read ahead),
     run on the CPU with real copies."""
     model = build()
-    dispatch_plan(model, automap.plan(model, device_map), offload_dir=tmp_path,
-                  transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
+    dispatch_plan(
+        model,
+        automap.plan(model, device_map),
+        offload_dir=tmp_path,
+        transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()),
+    )
     assert state_of(model).transfer.swaps
     return model
 
@@ -72,9 +91,14 @@ def test_generate_in_its_forms_gives_the_plain_tokens_and_scores(build, tmp_path
     padded[0, :3] = 0
     mask = torch.ones_like(padded)
     mask[0, :3] = 0
-    forms = [dict(do_sample=False), dict(num_beams=3, do_sample=False), dict(do_sample=True, top_k=50),
-             dict(use_cache=False), dict(input_ids=padded, attention_mask=mask),
-             dict(output_scores=True, return_dict_in_generate=True)]
+    forms = [
+        dict(do_sample=False),
+        dict(num_beams=3, do_sample=False),
+        dict(do_sample=True, top_k=50),
+        dict(use_cache=False),
+        dict(input_ids=padded, attention_mask=mask),
+        dict(output_scores=True, return_dict_in_generate=True),
+    ]
     for form in forms:
         form = {"input_ids": IDS, "max_new_tokens": 4, "pad_token_id": 0, **form}
         torch.manual_seed(5)
@@ -106,8 +130,11 @@ def test_a_decode_loop_passing_past_key_values_gives_the_plain_logits(tmp_path):
 def test_t5_with_its_shared_embedding_offloaded_generates_and_scores_like_the_plain_one(tmp_path):
     plain = tiny_t5()
     placed = tiny_t5()
-    automap.dispatch(placed, max_memory={"cpu": beside_the_run(placed, int(weight_bytes(placed) * 0.3))},
-                     offload_dir=tmp_path)
+    automap.dispatch(
+        placed,
+        max_memory={"cpu": beside_the_run(placed, int(weight_bytes(placed) * 0.3))},
+        offload_dir=tmp_path,
+    )
     for options in (dict(max_new_tokens=5), dict(max_new_tokens=5, num_beams=3)):
         assert torch.equal(placed.generate(IDS, **options), plain.generate(IDS, **options))
     with torch.no_grad():
@@ -143,8 +170,11 @@ def test_forward_options_and_grad_modes_give_the_plain_outputs(tmp_path):
 def test_backward_reaching_offloaded_weights_is_refused_before_any_gradient(build, tmp_path):
     plain, placed = build(), dispatched(build, tmp_path)
     loss = placed(IDS, labels=IDS).loss
-    with pytest.raises(DispatchError, match=r"backward stopped before a gradient reached offloaded parameter "
-                                            r"'[^']+'.*accumulated none.*requires_grad_\(False\)"):
+    with pytest.raises(
+        DispatchError,
+        match=r"backward stopped before a gradient reached offloaded parameter "
+        r"'[^']+'.*accumulated none.*requires_grad_\(False\)",
+    ):
         loss.backward()
     # Nothing accumulated (the head and final norm after the offloaded units included), so
     # freezing the offloaded weights and running backward again matches the plain model.
@@ -225,7 +255,9 @@ def test_state_dict_parameters_print_and_torch_save_show_the_real_weights(tmp_pa
     expected, got = plain.state_dict(), placed.state_dict()
     assert list(got) == list(expected)
     assert all(torch.equal(got[k], v) for k, v in expected.items())
-    assert [(n, p.shape) for n, p in placed.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
+    assert [(n, p.shape) for n, p in placed.named_parameters()] == [
+        (n, p.shape) for n, p in plain.named_parameters()
+    ]
     assert str(placed) == str(plain) and "tensor(" in str(placed.transformer.wte.weight)
     torch.save(placed.state_dict(), tmp_path / "sd.pt")
     saved = torch.load(tmp_path / "sd.pt", weights_only=True)
@@ -270,7 +302,9 @@ def _load_other(model):
 
 def _init_linear(model):
     torch.manual_seed(3)
-    model.apply(lambda m: nn.init.normal_(m.weight, std=0.05) if isinstance(m, (nn.Linear, nn.Embedding)) else None)
+    model.apply(
+        lambda m: nn.init.normal_(m.weight, std=0.05) if isinstance(m, (nn.Linear, nn.Embedding)) else None
+    )
 
 
 def _scale_embedding(model):
@@ -355,14 +389,19 @@ def test_text_generation_pipeline_with_a_local_tokenizer(tmp_path):
 
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    words.train_from_iterator(["hello world the cat sat on the mat", "a dog ran far away"],
-                              tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
-                                        eos_token="[UNK]")
+    words.train_from_iterator(
+        ["hello world the cat sat on the mat", "a dog ran far away"],
+        tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"]),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[UNK]"
+    )
     plain, placed = tiny_gpt2(), dispatched(tiny_gpt2, tmp_path)
     prompts = ["hello world the cat", "a dog ran"]
-    runs = [pipeline("text-generation", model=m, tokenizer=tokenizer)(prompts, max_new_tokens=5, do_sample=False)
-            for m in (plain, placed)]
+    runs = [
+        pipeline("text-generation", model=m, tokenizer=tokenizer)(prompts, max_new_tokens=5, do_sample=False)
+        for m in (plain, placed)
+    ]
     assert runs[1] == runs[0]
 
 
@@ -373,7 +412,11 @@ def test_torch_func_grad_of_a_functional_call_gives_the_plain_gradients(path, tm
     from torch.func import functional_call, grad
 
     plain = tiny_llama()
-    placed = dispatched(tiny_llama, tmp_path, LLAMA_MAP) if path == "cpu" else staged(tiny_llama, tmp_path, LLAMA_MAP)
+    placed = (
+        dispatched(tiny_llama, tmp_path, LLAMA_MAP)
+        if path == "cpu"
+        else staged(tiny_llama, tmp_path, LLAMA_MAP)
+    )
     grads = []
     for model in (plain, placed):
         params = {n: p.detach() * 1.5 for n, p in model.named_parameters()}

@@ -5,6 +5,7 @@ A row's module cell lists files in backticks; the first names its folder (``plan
 and the bare names after it (``packing.py``) sit in the same folder; a name without a folder is at
 the package's top (``api.py``). Package ``__init__.py`` files are the packages' public surface and
 need no row."""
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,9 @@ def modules(root: Path = ROOT / "automap") -> set[str]:
 def test_the_table_names_every_module_and_only_those():
     named, present = documented(DOC.read_text()), modules()
     assert not present - named, f"give these modules a row in docs/architecture.md: {sorted(present - named)}"
-    assert not named - present, f"docs/architecture.md names modules that do not exist: {sorted(named - present)}"
+    assert not named - present, (
+        f"docs/architecture.md names modules that do not exist: {sorted(named - present)}"
+    )
 
 
 def test_the_reading_of_a_row_is_what_it_says():

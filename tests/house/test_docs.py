@@ -15,6 +15,7 @@ document, with ``automap`` on PATH. A block may be preceded by one marker commen
 
 A block runs when it exits 0 without a traceback; what it prints is the docs' business.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,19 @@ MARKER = re.compile(r"<!--\s*doc-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 # Small shapes of the families the docs name (random weights, saved with save_pretrained).
 FAMILIES = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
-    "gptj": dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=256, n_positions=256),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    ),
+    "gptj": dict(
+        model_type="gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=256, n_positions=256
+    ),
 }
 
 
@@ -102,9 +113,14 @@ def extract(doc: Path) -> list[Block]:
             i += 1
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        body, lang = lines[i + 1:end], fence.group(1)
-        code = ("\n".join(body) if lang == "python" else
-                "\n".join(_commands(body, prompted=lang != "bash")) if lang in ("bash", "console", "") else "")
+        body, lang = lines[i + 1 : end], fence.group(1)
+        code = (
+            "\n".join(body)
+            if lang == "python"
+            else "\n".join(_commands(body, prompted=lang != "bash"))
+            if lang in ("bash", "console", "")
+            else ""
+        )
         if code.strip():
             block = Block(doc, i + 1, "python" if lang == "python" else "shell", code)
             _options(marker, block)
@@ -131,15 +147,17 @@ def scratch(tmp_path_factory):
     base = tmp_path_factory.mktemp("docs")
     shim = base / "bin" / "automap"
     shim.parent.mkdir()
-    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m automap \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m automap "$@"\n')
     shim.chmod(0o755)
     return base
 
 
 def _write_setup(kind: str, family: str, path: Path) -> None:
-    code = (f"import transformers; config = transformers.AutoConfig.for_model(**{FAMILIES[family]!r}); "
-            + (f"config.save_pretrained({str(path)!r})" if kind == "config" else
-               f"transformers.AutoModelForCausalLM.from_config(config).save_pretrained({str(path)!r})"))
+    code = f"import transformers; config = transformers.AutoConfig.for_model(**{FAMILIES[family]!r}); " + (
+        f"config.save_pretrained({str(path)!r})"
+        if kind == "config"
+        else f"transformers.AutoModelForCausalLM.from_config(config).save_pretrained({str(path)!r})"
+    )
     if kind == "config" and path.suffix == ".json":
         code = code.replace(f"save_pretrained({str(path)!r})", f"save_pretrained({str(path.parent)!r})")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
@@ -152,12 +170,17 @@ def test_doc_block_runs(block: Block, scratch: Path):
     for kind, family, path in block.setup:
         if not (cwd / path).exists():
             _write_setup(kind, family, cwd / path)
-    env = {**os.environ, "PATH": f"{scratch / 'bin'}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    env = {
+        **os.environ,
+        "PATH": f"{scratch / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+    }
     argv = [sys.executable, "-c", block.code] if block.kind == "python" else ["bash", "-ec", block.code]
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     out = done.stdout + done.stderr
-    assert done.returncode == 0 and "Traceback" not in out, f"{block.id} failed:\n{block.code}\n---\n{out[-3000:]}"
+    assert done.returncode == 0 and "Traceback" not in out, (
+        f"{block.id} failed:\n{block.code}\n---\n{out[-3000:]}"
+    )
 
 
 def test_every_block_is_marked_or_runs_and_skips_say_why():

@@ -3,6 +3,7 @@ per step with its time, pip's output in ``.venv/install.log``, at most 15 lines 
 failed step prints FAILED, the log's tail and its name. Run against the real Makefile with a
 stand-in ``python`` that writes pip-like noise (a real install takes minutes and gigabytes:
 docs/install.md has that run's output)."""
+
 from __future__ import annotations
 
 import shutil
@@ -19,13 +20,19 @@ def _make(tmp_path: Path, exit_code: int) -> subprocess.CompletedProcess:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
-    python.write_text("#!/bin/sh\n"
-                      'case "$*" in *--version*) echo "automap 0.1.0"; exit 0;; esac\n'
-                      f"for i in $(seq 40); do echo \"{NOISE}\" >&2; echo 'Collecting something'; done\n"
-                      f'case "$*" in *-e*) exit {exit_code};; esac\nexit 0\n')
+    python.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) echo "automap 0.1.0"; exit 0;; esac\n'
+        f"for i in $(seq 40); do echo \"{NOISE}\" >&2; echo 'Collecting something'; done\n"
+        f'case "$*" in *-e*) exit {exit_code};; esac\nexit 0\n'
+    )
     python.chmod(0o755)
-    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "install", f"VENV={venv}",
-                           f"PY={python}"], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "install", f"VENV={venv}", f"PY={python}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -41,8 +48,20 @@ def test_a_successful_install_prints_one_line_per_step_and_keeps_pips_output_in_
     log = (tmp_path / "venv" / "install.log").read_text()
     assert log.count(NOISE) == 3 * 40  # pip, torch, automap: all in the log
     venv = tmp_path / "venv"
-    again = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "install", f"VENV={venv}",
-                            f"PY={venv / 'bin' / 'python'}"], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "-C",
+            str(ROOT),
+            "install",
+            f"VENV={venv}",
+            f"PY={venv / 'bin' / 'python'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 0 and "installing" not in again.stdout  # the stamp: nothing installed twice
 
 

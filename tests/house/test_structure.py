@@ -4,6 +4,7 @@ Every reference to a module counts: ``import`` and ``from ... import`` (inside f
 ``TYPE_CHECKING`` too), ``importlib.import_module`` and ``__import__`` by name, and strings that name
 a module of the package (``"automap.offload.transfer"`` or ``"automap.offload.transfer:CudaOps"``),
 since each is an import made later."""
+
 from __future__ import annotations
 
 import ast
@@ -18,16 +19,34 @@ ROOT = Path(__file__).resolve().parents[2] / "automap"
 # DESIGN.md: sizes/errors <- devices (and kinds, its registry) <- profiling <- planning <- offload <- runtime <-
 # loading <- report, pipelining, distributed, compose <- api <- cli. A module may import its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "sizes": 0, "version": 0, "progress": 0, "interrupts": 0, "userfiles": 0,
-    "devices": 1, "kinds": 1, "machine": 1, "machine_probes": 1,
+    "errors": 0,
+    "sizes": 0,
+    "version": 0,
+    "progress": 0,
+    "interrupts": 0,
+    "userfiles": 0,
+    "devices": 1,
+    "kinds": 1,
+    "machine": 1,
+    "machine_probes": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
     "runtime": 5,
     "loading": 6,
-    "report": 7, "pipelining": 7, "distributed": 7, "compose": 7,
+    "report": 7,
+    "pipelining": 7,
+    "distributed": 7,
+    "compose": 7,
     "api": 8,
-    "cli": 9, "commands": 9, "specs": 9, "presets": 9, "spec_plan": 9, "bench": 9, "demo": 9, "__main__": 9,
+    "cli": 9,
+    "commands": 9,
+    "specs": 9,
+    "presets": 9,
+    "spec_plan": 9,
+    "bench": 9,
+    "demo": 9,
+    "__main__": 9,
     "accelerate_compat": 8,
 }
 
@@ -41,8 +60,6 @@ def module_name(path: Path) -> str:
 
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
-
-
 
 
 # A string that names a module of the package, with or without ``:attribute``.
@@ -87,7 +104,7 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str,
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             if base.split(".")[0] != "automap":
                 continue
@@ -143,20 +160,27 @@ def test_no_module_imports_another_modules_private_names():
     for name, path in known.items():
         for target, imported, line in imports_of(name, path, known):
             if imported.startswith("_") or private_module(target, name):
-                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {imported or target} from {target}")
-    assert not wrong, "private names used across modules (make them public or move the code):\n" + "\n".join(wrong)
+                wrong.append(
+                    f"{path.relative_to(ROOT.parent)}:{line} imports {imported or target} from {target}"
+                )
+    assert not wrong, "private names used across modules (make them public or move the code):\n" + "\n".join(
+        wrong
+    )
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from automap.planning.model import _secret\n", "private"),
-    ("from automap.report import render_text\n", "layer"),
-    ("from .partition import Chain\n", "relative"),
-    ("importlib.import_module('automap.report')\n", "layer"),
-    ("__import__('automap.runtime.tiers')\n", "layer"),
-    ("OPS = 'automap.offload.transfer:CudaOps'\n", "layer"),
-    ("log = 'automap.planning.nothing_here'\n", "none"),
-    ("def f():\n    \"\"\"automap.report draws it.\"\"\"\n", "none"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from automap.planning.model import _secret\n", "private"),
+        ("from automap.report import render_text\n", "layer"),
+        ("from .partition import Chain\n", "relative"),
+        ("importlib.import_module('automap.report')\n", "layer"),
+        ("__import__('automap.runtime.tiers')\n", "layer"),
+        ("OPS = 'automap.offload.transfer:CudaOps'\n", "layer"),
+        ("log = 'automap.planning.nothing_here'\n", "none"),
+        ('def f():\n    """automap.report draws it."""\n', "none"),
+    ],
+)
 def test_the_checks_catch_what_they_look_for(tmp_path, source, expected):
     """The checks above are only worth something if they can fail: feed them a fake module
     of automap.planning (written under tmp_path, read as if it sat in the package)."""
@@ -194,7 +218,11 @@ def function_statements(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """The statements of a function's body, its docstring not counted (a long docstring is welcome)."""
     body = node.body
     first = body[0]
-    doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    doc = (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    )
     return statements(body[1:] if doc else body)
 
 
@@ -217,8 +245,10 @@ def oversized(paths: dict[str, Path], root: Path = ROOT.parent) -> dict[str, int
 def test_modules_and_functions_stay_small():
     found = oversized(modules())
     new = {k: v for k, v in found.items() if k not in STILL_OVER}
-    assert not new, (f"over {MAX_MODULE_STATEMENTS} statements a module or {MAX_FUNCTION_STATEMENTS} a function "
-                     f"(docstring not counted): {new}; split it by concern")
+    assert not new, (
+        f"over {MAX_MODULE_STATEMENTS} statements a module or {MAX_FUNCTION_STATEMENTS} a function "
+        f"(docstring not counted): {new}; split it by concern"
+    )
     under = sorted(set(STILL_OVER) - set(found))
     assert not under, f"{under} came under the limits: take them out of STILL_OVER"
 
@@ -226,11 +256,14 @@ def test_modules_and_functions_stay_small():
 def test_the_size_check_sees_a_long_function_and_module_whatever_their_layout(tmp_path):
     probe = tmp_path / "automap" / "probe.py"
     probe.parent.mkdir()
-    documented = "def short():\n    \"\"\"doc\n\n\n\n    more doc\"\"\"\n" + "    x = 1\n" * 35
+    documented = 'def short():\n    """doc\n\n\n\n    more doc"""\n' + "    x = 1\n" * 35
     spread = "def spread():\n" + "    f(\n        1,\n        2,\n    )\n" * 35
     long = "def long():\n" + "    x = 1\n" * 36
     probe.write_text("\n\n".join([documented, spread, long]) + "\ny = 2\n" * 191)
-    assert oversized({"probe": probe}, root=tmp_path) == {"automap/probe.py": 301, "automap/probe.py:long": 36}
+    assert oversized({"probe": probe}, root=tmp_path) == {
+        "automap/probe.py": 301,
+        "automap/probe.py:long": 36,
+    }
 
 
 # ------------------------------------------------------------------ device kinds
@@ -263,20 +296,29 @@ def kind_comparisons(path: Path) -> list[str]:
 
 
 def test_no_device_kind_string_checks_outside_the_registry():
-    wrong = [f"{path.relative_to(ROOT.parent)}:{hit}" for name, path in modules().items()
-             if name not in REGISTRY_MODULES for hit in kind_comparisons(path)]
-    assert not wrong, ("compare kinds through automap.kinds (kind_of(device).computes, .is_storage, "
-                       ".host_addressable, .async_copies, ...), not with a string:\n" + "\n".join(wrong))
+    wrong = [
+        f"{path.relative_to(ROOT.parent)}:{hit}"
+        for name, path in modules().items()
+        if name not in REGISTRY_MODULES
+        for hit in kind_comparisons(path)
+    ]
+    assert not wrong, (
+        "compare kinds through automap.kinds (kind_of(device).computes, .is_storage, "
+        ".host_addressable, .async_copies, ...), not with a string:\n" + "\n".join(wrong)
+    )
 
 
-@pytest.mark.parametrize("source, hits", [
-    ("if device.type == 'cuda': pass\n", 1),
-    ("x = where != 'disk:0'\n", 1),
-    ("y = kind in ('cpu', 'disk')\n", 1),
-    ("z = 'mps' not in values\n", 1),
-    ("w = {'xpu'} == found\n", 1),
-    ("ok = device.type == 'meta' or name == 'cudagraph'\n", 0),
-])
+@pytest.mark.parametrize(
+    "source, hits",
+    [
+        ("if device.type == 'cuda': pass\n", 1),
+        ("x = where != 'disk:0'\n", 1),
+        ("y = kind in ('cpu', 'disk')\n", 1),
+        ("z = 'mps' not in values\n", 1),
+        ("w = {'xpu'} == found\n", 1),
+        ("ok = device.type == 'meta' or name == 'cudagraph'\n", 0),
+    ],
+)
 def test_the_kind_check_catches_what_it_looks_for(tmp_path, source, hits):
     probe = tmp_path / "probe.py"
     probe.write_text(source)
@@ -284,6 +326,7 @@ def test_the_kind_check_catches_what_it_looks_for(tmp_path, source, hits):
 
 
 # ------------------------------------------------------------------ a device map parsed once
+
 
 def callers(function: str) -> set[str]:
     """``module:function`` of every function in the package that calls ``function`` by name."""
@@ -294,7 +337,11 @@ def callers(function: str) -> set[str]:
                 continue
             for call in ast.walk(node):
                 if isinstance(call, ast.Call):
-                    callee = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+                    callee = (
+                        call.func.attr
+                        if isinstance(call.func, ast.Attribute)
+                        else getattr(call.func, "id", "")
+                    )
                     if callee == function:
                         found.add(f"{name}:{node.name}")
     return found
@@ -347,8 +394,12 @@ def test_a_plan_is_a_record():
 
     assert len(dataclasses.fields(Plan)) <= 8
     own = {name for name in vars(Plan) if not name.startswith("__")}
-    costs = {n for n in own if n.endswith("_seconds") or n in {"summary", "cuts", "bytes_on", "is_offloaded",
-                                                                 "compute_device", "compute_seconds"}}
+    costs = {
+        n
+        for n in own
+        if n.endswith("_seconds")
+        or n in {"summary", "cuts", "bytes_on", "is_offloaded", "compute_device", "compute_seconds"}
+    }
     assert not costs, f"{costs}: move them to automap.planning.predict as functions of a plan"
     drawn = {n for n in own if n.startswith(("render", "draw", "figure"))}
     assert not drawn and {"report", "to_json", "from_json"} <= own
@@ -385,7 +436,11 @@ def module_docstring_lines(path: Path) -> int:
     """Lines of the module's docstring; 0 when it has none."""
     tree = ast.parse(path.read_text(), str(path))
     first = tree.body[0] if tree.body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         return first.end_lineno - first.lineno + 1
     return 0
 
@@ -393,10 +448,15 @@ def module_docstring_lines(path: Path) -> int:
 def test_every_module_says_what_it_is_for_in_a_few_lines():
     """A module docstring says what the module is for and its one or two invariants; the long
     reasoning lives in docs/design-notes.md."""
-    lines = {str(p.relative_to(ROOT.parent)): module_docstring_lines(p) for p in modules().values()
-             if p.name != "__main__.py"}
+    lines = {
+        str(p.relative_to(ROOT.parent)): module_docstring_lines(p)
+        for p in modules().values()
+        if p.name != "__main__.py"
+    }
     missing = sorted(name for name, n in lines.items() if n == 0)
     long = {name: n for name, n in lines.items() if n > MAX_MODULE_DOCSTRING_LINES}
     assert not missing, f"give these modules a docstring: {missing}"
-    assert not long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the reasoning to "
-                      f"docs/design-notes.md): {long}")
+    assert not long, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the reasoning to "
+        f"docs/design-notes.md): {long}"
+    )

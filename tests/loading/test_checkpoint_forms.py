@@ -3,6 +3,7 @@ the file transformers reads when a folder holds several (older ``.bin`` shards, 
 adapter beside ``model.safetensors``), training checkpoints that wrap the state dict, tensors a
 model declares it computes (Marian's sinusoidal positions), tied weights the checkpoint holds
 apart, and what is said when a tensor has no value anywhere."""
+
 from __future__ import annotations
 
 import logging
@@ -41,10 +42,17 @@ def test_a_folder_is_read_through_the_file_from_pretrained_reads(tmp_path):
     stale = {k: torch.zeros_like(v) for k, v in real.state_dict().items()}
     torch.save(stale, tmp_path / "pytorch_model-00001-of-00001.bin")
     (tmp_path / "pytorch_model.bin.index.json").write_text(
-        '{"metadata": {}, "weight_map": {%s}}' % ", ".join(f'"{k}": "pytorch_model-00001-of-00001.bin"' for k in stale))
-    save_file({k: v.half() for k, v in load_file(tmp_path / "model.safetensors").items()}, tmp_path / "model.fp16.safetensors")
+        '{"metadata": {}, "weight_map": {%s}}'
+        % ", ".join(f'"{k}": "pytorch_model-00001-of-00001.bin"' for k in stale)
+    )
+    save_file(
+        {k: v.half() for k, v in load_file(tmp_path / "model.safetensors").items()},
+        tmp_path / "model.fp16.safetensors",
+    )
     save_file(load_file(tmp_path / "model.safetensors"), tmp_path / "consolidated.safetensors")
-    save_file({"base_model.model.lm_head.lora_A.weight": torch.ones(2, 2)}, tmp_path / "adapter_model.safetensors")
+    save_file(
+        {"base_model.model.lm_head.lora_A.weight": torch.ones(2, 2)}, tmp_path / "adapter_model.safetensors"
+    )
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing skipped, nothing in two files
@@ -58,7 +66,7 @@ def test_a_folder_of_differently_named_shards_is_still_read_whole_and_adapters_a
     state = _state(real)
     names = sorted(state)
     save_file({k: state[k] for k in names[: len(names) // 2]}, tmp_path / "part-a.safetensors")
-    save_file({k: state[k] for k in names[len(names) // 2:]}, tmp_path / "part-b.safetensors")
+    save_file({k: state[k] for k in names[len(names) // 2 :]}, tmp_path / "part-b.safetensors")
     save_file({"lora.weight": torch.ones(2)}, tmp_path / "adapter_model.safetensors")
     with open_checkpoint(tmp_path) as checkpoint:
         assert set(checkpoint.tensors) == set(state)
@@ -73,7 +81,9 @@ def test_a_training_checkpoint_is_read_through_the_state_dict_it_wraps(tmp_path)
     for wrapper in ("model", "model_state_dict", "module", "state_dict"):
         path = tmp_path / f"{wrapper}.pt"
         optimizer = torch.optim.AdamW(real.parameters())
-        torch.save({wrapper: real.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3, "loss": 0.5}, path)
+        torch.save(
+            {wrapper: real.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3, "loss": 0.5}, path
+        )
         with automap.empty_model():
             skeleton = type(real)(real.config).eval()
         model = automap.load(skeleton, path, device_map="cpu", quiet=True)
@@ -97,10 +107,19 @@ def test_a_pickle_wrapping_two_state_dicts_names_them_and_the_fix(tmp_path):
 
 
 def _marian() -> transformers.PreTrainedModel:
-    config = transformers.MarianConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                       decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48,
-                                       vocab_size=96, max_position_embeddings=32, pad_token_id=1,
-                                       decoder_start_token_id=1)
+    config = transformers.MarianConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        vocab_size=96,
+        max_position_embeddings=32,
+        pad_token_id=1,
+        decoder_start_token_id=1,
+    )
     torch.manual_seed(0)
     return transformers.MarianMTModel(config).eval()
 
@@ -119,8 +138,13 @@ def test_tensors_a_model_declares_it_computes_are_computed_as_from_pretrained_co
 
     for dtype in (None, torch.bfloat16):
         plain = transformers.MarianMTModel.from_pretrained(tmp_path, dtype=dtype).eval()
-        model = automap.load(tmp_path, device_map={"model.encoder": "disk", "": "cpu"}, dtype=dtype,
-                             offload_dir=tmp_path / "off", quiet=True)
+        model = automap.load(
+            tmp_path,
+            device_map={"model.encoder": "disk", "": "cpu"},
+            dtype=dtype,
+            offload_dir=tmp_path / "off",
+            quiet=True,
+        )
         assert torch.equal(run(model), run(plain)), dtype
         automap.undispatch(model)
         state = model.state_dict()
@@ -140,16 +164,27 @@ def test_a_model_built_on_plain_meta_gets_the_buffers_no_checkpoint_holds_comput
     if family == "llama":
         real, ids = tiny_llama(layers=2), _ids()
     else:
-        config = transformers.BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         intermediate_size=64, max_position_embeddings=64)
+        config = transformers.BertConfig(
+            vocab_size=200,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
         torch.manual_seed(0)
         real, ids = transformers.BertModel(config).eval(), _ids()
     real.save_pretrained(tmp_path)
     with torch.device("meta"):
         skeleton = type(real)(real.config).eval()
     assert any(b.is_meta for b in skeleton.buffers())
-    model = automap.load(skeleton, tmp_path, max_memory={**part_on_disk(real), "disk": "1GB"},
-                         offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(
+        skeleton,
+        tmp_path,
+        max_memory={**part_on_disk(real), "disk": "1GB"},
+        offload_dir=tmp_path / "off",
+        quiet=True,
+    )
     with torch.no_grad():
         got, want = model(ids), real(ids)
     key = "logits" if family == "llama" else "last_hidden_state"
@@ -177,8 +212,11 @@ def test_a_parameter_without_a_value_is_refused_before_anything_loads_and_named(
         skeleton = transformers.LlamaForCausalLM(real.config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(CheckpointError, match=r"parameter 'lm_head.weight' is not in the checkpoint and the model "
-                                                  r"holds no value for it"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"parameter 'lm_head.weight' is not in the checkpoint and the model "
+            r"holds no value for it",
+        ):
             automap.load(skeleton, tmp_path, device_map="cpu", strict=False, quiet=True)
     assert not [w for w in caught if "loading anyway" in str(w.message)]
     assert skeleton.lm_head.weight.is_meta and skeleton.model.embed_tokens.weight.is_meta
@@ -191,7 +229,9 @@ def test_tied_weights_the_checkpoint_holds_apart_are_loaded_apart_as_from_pretra
     real = tiny_llama(layers=1, tie=True)
     real.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    state["lm_head.weight"] = torch.randn(state["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(1))
+    state["lm_head.weight"] = torch.randn(
+        state["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(1)
+    )
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     assert plain.lm_head.weight is not plain.model.embed_tokens.weight
@@ -227,23 +267,67 @@ def test_vision_speech_and_two_tower_models_are_traced_at_inputs_of_their_kind(k
     T = transformers
     small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
     model, expected = {
-        "resnet": lambda: (T.ResNetForImageClassification(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
-                                                                          depths=[1, 1])), "pixel_values 1x3x224x224"),
-        "convnext": lambda: (T.ConvNextModel(T.ConvNextConfig(hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1])),
-                             "pixel_values 1x3x224x224"),
-        "wav2vec2": lambda: (T.Wav2Vec2ForCTC(T.Wav2Vec2Config(**small, conv_dim=(8, 8), conv_stride=(5, 2),
-                                                               conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                                                               num_conv_pos_embedding_groups=2, vocab_size=32)),
-                             "input_values 1x16000"),
-        "whisper": lambda: (T.WhisperForConditionalGeneration(T.WhisperConfig(
-            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-            encoder_ffn_dim=48, decoder_ffn_dim=48, vocab_size=96, num_mel_bins=8, max_source_positions=16,
-            max_target_positions=16, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)),
-            "input_features 1x8x32"),
-        "clip": lambda: (T.CLIPModel(T.CLIPConfig(text_config={**small, "vocab_size": 99, "bos_token_id": 0,
-                                                               "eos_token_id": 2, "pad_token_id": 1},
-                                                  vision_config={**small, "image_size": 32, "patch_size": 8})),
-                         "pixel_values 1x3x32x32"),
+        "resnet": lambda: (
+            T.ResNetForImageClassification(
+                T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])
+            ),
+            "pixel_values 1x3x224x224",
+        ),
+        "convnext": lambda: (
+            T.ConvNextModel(T.ConvNextConfig(hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1])),
+            "pixel_values 1x3x224x224",
+        ),
+        "wav2vec2": lambda: (
+            T.Wav2Vec2ForCTC(
+                T.Wav2Vec2Config(
+                    **small,
+                    conv_dim=(8, 8),
+                    conv_stride=(5, 2),
+                    conv_kernel=(10, 3),
+                    num_conv_pos_embeddings=16,
+                    num_conv_pos_embedding_groups=2,
+                    vocab_size=32,
+                )
+            ),
+            "input_values 1x16000",
+        ),
+        "whisper": lambda: (
+            T.WhisperForConditionalGeneration(
+                T.WhisperConfig(
+                    d_model=32,
+                    encoder_layers=1,
+                    decoder_layers=1,
+                    encoder_attention_heads=2,
+                    decoder_attention_heads=2,
+                    encoder_ffn_dim=48,
+                    decoder_ffn_dim=48,
+                    vocab_size=96,
+                    num_mel_bins=8,
+                    max_source_positions=16,
+                    max_target_positions=16,
+                    pad_token_id=1,
+                    bos_token_id=0,
+                    eos_token_id=2,
+                    decoder_start_token_id=0,
+                )
+            ),
+            "input_features 1x8x32",
+        ),
+        "clip": lambda: (
+            T.CLIPModel(
+                T.CLIPConfig(
+                    text_config={
+                        **small,
+                        "vocab_size": 99,
+                        "bos_token_id": 0,
+                        "eos_token_id": 2,
+                        "pad_token_id": 1,
+                    },
+                    vision_config={**small, "image_size": 32, "patch_size": 8},
+                )
+            ),
+            "pixel_values 1x3x32x32",
+        ),
     }[kind]()
     model.eval()
     assert expected in default_example_inputs(model)[1]

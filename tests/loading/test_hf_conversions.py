@@ -6,6 +6,7 @@ format, and for every mixture-of-experts family of transformers' conversion regi
 on a CPU from a tiny config; a Llava saved under its old key layout and a BERT with
 ``LayerNorm.gamma`` keys load like ``from_pretrained`` too; planning such a folder reads no weights; a checkpoint the
 conversion cannot build fails with a CheckpointError before anything is loaded."""
+
 from __future__ import annotations
 
 import json
@@ -30,19 +31,56 @@ conversion_mapping = pytest.importorskip("transformers.conversion_mapping")
 core_model_loading = pytest.importorskip("transformers.core_model_loading")
 
 # A tiny config for any family: each family takes the fields it has (2 layers, 4 experts, 2 per token).
-TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4,
-            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, vocab_size=128,
-            max_position_embeddings=64, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
-            q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, decoder_sparse_step=1,
-            mlp_only_layers=[], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # Mixture-of-experts families of the registry that do not build as a tiny causal LM on a CPU, and why
 # (found by building each; a family that starts to build fails test_every_moe_family_is_tested).
-_NO_CAUSAL_LM = "transformers has no AutoModelForCausalLM class for this config (a multimodal model or a sub-config)"
+_NO_CAUSAL_LM = (
+    "transformers has no AutoModelForCausalLM class for this config (a multimodal model or a sub-config)"
+)
 NOT_BUILT = {
-    **dict.fromkeys(["deepseek_ocr2", "glm4v_moe", "glm5_next", "kimi_k25", "minimax_m3_vl", "mistral_large4_text",
-                     "qwen3_omni_moe", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker"], _NO_CAUSAL_LM),
+    **dict.fromkeys(
+        [
+            "deepseek_ocr2",
+            "glm4v_moe",
+            "glm5_next",
+            "kimi_k25",
+            "minimax_m3_vl",
+            "mistral_large4_text",
+            "qwen3_omni_moe",
+            "qwen3_omni_moe_text",
+            "qwen3_omni_moe_thinker",
+        ],
+        _NO_CAUSAL_LM,
+    ),
     "dots1": "its config fails to build from the tiny fields (TypeError in its constructor)",
     "lfm2_moe": "its config fails to build from the tiny fields (TypeError in its constructor)",
     "dots3_note_vision_encoder": "its config keeps experts per layer (AmbiguousGlobalPerLayerAttributeError)",
@@ -88,8 +126,9 @@ def greedy(model: torch.nn.Module, new: int = 4) -> list[list[int]]:
     with torch.no_grad():
         if model.config.model_type in ONE_STEP:
             return model(ids, use_cache=False).logits.argmax(-1).tolist()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
     return out.tolist()
 
 
@@ -119,8 +158,9 @@ def load_both_ways(real: torch.nn.Module, folder: Path, tmp_path: Path) -> tuple
     automap.undispatch(model)
     with init_empty_weights():
         skeleton = type(real)(real.config)
-    dropped = load_checkpoint_and_dispatch(skeleton.eval(), folder, device_map="auto", max_memory=budget,
-                                           offload_folder=tmp_path / "off2")
+    dropped = load_checkpoint_and_dispatch(
+        skeleton.eval(), folder, device_map="auto", max_memory=budget, offload_folder=tmp_path / "off2"
+    )
     assert "disk" in dropped.hf_device_map.values()
     by_dropin = greedy(dropped)
     automap.undispatch(dropped)
@@ -138,8 +178,7 @@ def test_moe_folder_loads_like_from_pretrained(model_type, fmt, tmp_path, caplog
     assert converted_keys(folder, real), "transformers saves experts one by one: the case this test is for"
     expected = reference(folder)
     with caplog.at_level(logging.INFO, logger="automap"):
-        model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
-                             quiet=True)
+        model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     assert greedy(model) == expected
     line = f"(transformers' conversion for {model_type})"
     assert any(line in c for c in automap.placement(model).choices), automap.placement(model).choices
@@ -208,20 +247,39 @@ def test_plan_folder_reports_the_conversion_and_counts_the_built_tensors(capsys,
 def test_plan_moe_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=4096)
+    config = MixtralConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=4096,
+    )
     folder = tmp_path / "mixtral"
     MixtralForCausalLM(config).save_pretrained(folder, max_shard_size="40MB")
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert size > 100e6
     tiny = tmp_path / "tiny"
-    MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                     vocab_size=128)).save_pretrained(tiny)
+    MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=128,
+        )
+    ).save_pretrained(tiny)
     measured = measure_plan_rss(folder, "transformers.models.mixtral.modeling_mixtral", warm=tiny)
     assert "converted at load" in measured["report"]
     assert measured["read"] > 0.9 * size, f"the control must see the weights read: {measured}"
-    assert measured["plan"] < size / 5, f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"
+    assert measured["plan"] < size / 5, (
+        f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"
+    )
 
 
 # ------------------------------------------------------------------ what cannot be built
@@ -265,13 +323,21 @@ def test_legacy_gamma_beta_keys_load_like_from_pretrained(tmp_path):
     renames, which apply to every model, map them; automap reads them renamed, in place."""
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        vocab_size=128, max_position_embeddings=32)
+    config = BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     real = BertForMaskedLM(config).eval()
     folder = save(real, tmp_path / "model", "single")
-    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-           for k, v in load_file(folder / "model.safetensors").items()}
+    old = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+        for k, v in load_file(folder / "model.safetensors").items()
+    }
     assert sum("gamma" in k for k in old) >= 5
     _rewrite(folder, lambda t: (t.clear(), t.update(old)))
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -281,7 +347,9 @@ def test_legacy_gamma_beta_keys_load_like_from_pretrained(tmp_path):
     model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected.detach())
-    assert any("keys renamed (transformers' conversion for bert)" in c for c in automap.placement(model).choices)
+    assert any(
+        "keys renamed (transformers' conversion for bert)" in c for c in automap.placement(model).choices
+    )
     automap.undispatch(model)
 
 
@@ -290,10 +358,22 @@ def test_llava_saved_in_its_old_layout_loads_like_from_pretrained(tmp_path):
     (``language_model.model.*``) and renames at load; so does automap."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=16, patch_size=8)
-    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=128)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+    )
+    text = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+    )
     config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_id=127)
     torch.manual_seed(0)
     real = LlavaForConditionalGeneration(config).eval()
@@ -306,5 +386,7 @@ def test_llava_saved_in_its_old_layout_loads_like_from_pretrained(tmp_path):
     model = automap.load(folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, expected)
-    assert any("keys renamed (transformers' conversion for llava)" in c for c in automap.placement(model).choices)
+    assert any(
+        "keys renamed (transformers' conversion for llava)" in c for c in automap.placement(model).choices
+    )
     automap.undispatch(model)

@@ -5,6 +5,7 @@ folder, loads through ``automap.load(folder)`` with about half its weights on di
 the tensors ``from_pretrained(folder)`` builds, and gives the same outputs where a forward from
 ``input_ids`` alone runs. The list is transformers' own, read at test time: a family added to
 the registry is tested (or must be listed in NOT_BUILT with the reason it cannot be)."""
+
 from __future__ import annotations
 
 import warnings
@@ -26,14 +27,46 @@ core_model_loading = pytest.importorskip("transformers.core_model_loading")
 # Small sizes, given to the config and to every sub-config that has the field; lists with one entry
 # per layer (layer_types, ...) are cut to the new number of layers.
 TINY: dict[str, Any] = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-    head_dim=8, vocab_size=128, image_size=32, patch_size=8, max_position_embeddings=64, d_model=32,
-    encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-    decoder_ffn_dim=64, num_layers=2, embed_dim=32, depth=2, projection_dim=32, text_hidden_size=32, pad_token_id=0,
-    decoder_hidden_size=32, decoder_intermediate_size=64, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
-    hidden_dim=32, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, n_group=1, topk_group=1, linear_num_key_heads=2, linear_num_value_heads=2,
-    linear_key_head_dim=8, linear_value_head_dim=8)
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    vocab_size=128,
+    image_size=32,
+    patch_size=8,
+    max_position_embeddings=64,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    num_layers=2,
+    embed_dim=32,
+    depth=2,
+    projection_dim=32,
+    text_hidden_size=32,
+    pad_token_id=0,
+    decoder_hidden_size=32,
+    decoder_intermediate_size=64,
+    decoder_num_hidden_layers=2,
+    decoder_num_attention_heads=4,
+    hidden_dim=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
 # Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
 DERIVED = ("out_features", "out_indices")
 # Families whose tiny config needs more than TINY (given wherever the field is, lists too):
@@ -47,12 +80,18 @@ CHANGES: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
     "qwen3_5_text": {"num_hidden_layers": 4},
     "olmo_hybrid": {"num_hidden_layers": 4},
-    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
-                         "mamba_n_groups": 1},
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 1,
+    },
     # a timm backbone: timm's own tiny test architecture instead of a ResNet-50
     **dict.fromkeys(["ConditionalDetrModel", "DetrModel", "deformable_detr", "timm_wrapper"], _TIMM_TINY),
-    **dict.fromkeys(["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision"],
-                    _ONEVISION15),
+    **dict.fromkeys(
+        ["LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model", "llava_onevision1_5_vision"],
+        _ONEVISION15,
+    ),
 }
 # A tiny model above this many bytes means the sizes did not reach some part of it; such families are
 # left out (see NOT_BUILT) to keep the file fast.
@@ -65,25 +104,85 @@ _TOO_BIG = "the tiny sizes do not reach a part of it (over MAX_TINY_BYTES: its o
 _VALIDATOR = "its config validator rejects the generic tiny sizes (needs a per-family CHANGES entry)"
 _CONSTRUCTOR = "its constructor fails on the generic tiny config"
 NOT_BUILT: dict[str, str] = {
-    **dict.fromkeys(["MaskFormerDetrDecoder", "MtpModel", "PPChart2TableModel", "UnlimitedOcrSamVisionEncoder",
-                     "UnlimitedOcrVisionEncoder", "xCLIPTextModel", "xCLIPVisionModel", "mlcd_vision", "colqwen2",
-                     "dots3_note_audio_encoder", "jev", "pp_doclayout_v2", "step3p5_vision", "tipsv2_dpt"], _NO_CLASS),
-    **dict.fromkeys(["MimiEncoderModel", "NemotronH_Omni_Reasoning_V3", "Qwen3OmniMoeThinkerForConditionalGeneration",
-                     "Qwen3OmniMoeThinkerModel", "Tipsv2DptForDepthEstimation", "Tipsv2DptForNormalEstimation",
-                     "Tipsv2DptForSemanticSegmentation", "VibeVoiceAsrModel", "dinov3_convnext", "hy_v4", "hy_v4_vl",
-                     "hy_v4_vl_text", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "maskformer",
-                     "pp_doclayout_v3", "pp_doclayout_v4", "rt_detr", "rt_detr_v2", "sam3_tracker_video",
-                     "unlimited_ocr", "vibevoice_asr"], _TOO_BIG),
-    **dict.fromkeys(["cosmos3_edge", "dory", "gradium_phonon_tts", "lw_detr", "molmo2", "nemo_speechlm"], _VALIDATOR),
-    **dict.fromkeys(["BeitForSemanticSegmentation", "Emu3Model", "MimiDecoderModel", "MimiModel",
-                     "Sapiens2ForImageMatting", "Sapiens2ForNormalEstimation", "Sapiens2ForPointmapEstimation",
-                     "Sapiens2ForPoseEstimation", "Sapiens2ForSemanticSegmentation", "d_fine", "ernie4_5_vl_moe", "esm",
-                     "hunyuan_vl", "t5gemma2_encoder"], _CONSTRUCTOR),
-    **dict.fromkeys(["Dots3NoteForConditionalGeneration", "Dots3NoteModel", "gemma4_unified"],
-                    "its config keeps settings per layer index of the full-size model (per_layer_config)"),
-    **dict.fromkeys(["ConditionalDetrForSegmentation", "DetrForSegmentation"],
-                    "its mask head's pyramid takes the backbone's feature levels (out_indices), which the generic "
-                    "tiny config drops as derived from the full-size backbone"),
+    **dict.fromkeys(
+        [
+            "MaskFormerDetrDecoder",
+            "MtpModel",
+            "PPChart2TableModel",
+            "UnlimitedOcrSamVisionEncoder",
+            "UnlimitedOcrVisionEncoder",
+            "xCLIPTextModel",
+            "xCLIPVisionModel",
+            "mlcd_vision",
+            "colqwen2",
+            "dots3_note_audio_encoder",
+            "jev",
+            "pp_doclayout_v2",
+            "step3p5_vision",
+            "tipsv2_dpt",
+        ],
+        _NO_CLASS,
+    ),
+    **dict.fromkeys(
+        [
+            "MimiEncoderModel",
+            "NemotronH_Omni_Reasoning_V3",
+            "Qwen3OmniMoeThinkerForConditionalGeneration",
+            "Qwen3OmniMoeThinkerModel",
+            "Tipsv2DptForDepthEstimation",
+            "Tipsv2DptForNormalEstimation",
+            "Tipsv2DptForSemanticSegmentation",
+            "VibeVoiceAsrModel",
+            "dinov3_convnext",
+            "hy_v4",
+            "hy_v4_vl",
+            "hy_v4_vl_text",
+            "inkling2",
+            "inkling2_loop",
+            "inkling2_loop_text",
+            "inkling2_text",
+            "maskformer",
+            "pp_doclayout_v3",
+            "pp_doclayout_v4",
+            "rt_detr",
+            "rt_detr_v2",
+            "sam3_tracker_video",
+            "unlimited_ocr",
+            "vibevoice_asr",
+        ],
+        _TOO_BIG,
+    ),
+    **dict.fromkeys(
+        ["cosmos3_edge", "dory", "gradium_phonon_tts", "lw_detr", "molmo2", "nemo_speechlm"], _VALIDATOR
+    ),
+    **dict.fromkeys(
+        [
+            "BeitForSemanticSegmentation",
+            "Emu3Model",
+            "MimiDecoderModel",
+            "MimiModel",
+            "Sapiens2ForImageMatting",
+            "Sapiens2ForNormalEstimation",
+            "Sapiens2ForPointmapEstimation",
+            "Sapiens2ForPoseEstimation",
+            "Sapiens2ForSemanticSegmentation",
+            "d_fine",
+            "ernie4_5_vl_moe",
+            "esm",
+            "hunyuan_vl",
+            "t5gemma2_encoder",
+        ],
+        _CONSTRUCTOR,
+    ),
+    **dict.fromkeys(
+        ["Dots3NoteForConditionalGeneration", "Dots3NoteModel", "gemma4_unified"],
+        "its config keeps settings per layer index of the full-size model (per_layer_config)",
+    ),
+    **dict.fromkeys(
+        ["ConditionalDetrForSegmentation", "DetrForSegmentation"],
+        "its mask head's pyramid takes the backbone's feature levels (out_indices), which the generic "
+        "tiny config drops as derived from the full-size backbone",
+    ),
     "gemma3n_text": "its layer types cut to 2 layers leave a cache-sharing layer without its source",
     "inkling_mm_model": "building it from the tiny config takes over a minute",
 }
@@ -92,11 +191,31 @@ NOT_BUILT: dict[str, str] = {
 # renames only older layouts (or, for qwen3_vl_moe, transposes the experts under the same names), so
 # the keys alone do not show it; the load is compared all the same.
 SAVED_AS_NAMED = {
-    "AltCLIPVisionModel", "CLIPSegTextModel", "CLIPSegVisionModel", "CLIPTextModel", "CLIPVisionModel",
-    "ChineseCLIPVisionModel", "MetaClip2TextModel", "MetaClip2VisionModel", "Qwen2VLModel", "Qwen2_5OmniThinkerModel",
-    "Qwen2_5_VLModel", "Siglip2TextModel", "Siglip2VisionModel", "SiglipTextModel", "SiglipVisionModel",
-    "UltrabertModel", "apertus1p5_text", "emu3", "exaone", "mlcd", "mllama", "qwen3_5_text", "qwen3_vl_moe",
-    "timm_wrapper"}
+    "AltCLIPVisionModel",
+    "CLIPSegTextModel",
+    "CLIPSegVisionModel",
+    "CLIPTextModel",
+    "CLIPVisionModel",
+    "ChineseCLIPVisionModel",
+    "MetaClip2TextModel",
+    "MetaClip2VisionModel",
+    "Qwen2VLModel",
+    "Qwen2_5OmniThinkerModel",
+    "Qwen2_5_VLModel",
+    "Siglip2TextModel",
+    "Siglip2VisionModel",
+    "SiglipTextModel",
+    "SiglipVisionModel",
+    "UltrabertModel",
+    "apertus1p5_text",
+    "emu3",
+    "exaone",
+    "mlcd",
+    "mllama",
+    "qwen3_5_text",
+    "qwen3_vl_moe",
+    "timm_wrapper",
+}
 
 # Families whose experts run torch._grouped_mm: on a CPU its float32 result depends on where the
 # tensors sit in memory (from_pretrained's mmap-backed weights and the model that was saved differ
@@ -106,7 +225,9 @@ ALIGNMENT_SENSITIVE = {"granitemoe", "granitemoeshared"}
 
 def registry() -> dict[str, list[Any]]:
     """transformers' conversion registry: model type or class name -> its transforms."""
-    return {k: v for k, v in conversion_mapping._build_checkpoint_conversion_mapping().items() if k != "legacy"}
+    return {
+        k: v for k, v in conversion_mapping._build_checkpoint_conversion_mapping().items() if k != "legacy"
+    }
 
 
 def is_moe_merge(transforms: list[Any]) -> bool:
@@ -127,8 +248,11 @@ def model_class(family: str) -> type:
 
     if family not in CONFIG_MAPPING_NAMES:
         return getattr(transformers, family)
-    for names in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-                  auto.MODEL_MAPPING_NAMES):
+    for names in (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        auto.MODEL_MAPPING_NAMES,
+    ):
         if family in names:
             return getattr(transformers, names[family])
     raise LookupError(f"transformers has no model class for {family!r}")
@@ -169,7 +293,10 @@ def is_text_model(model: torch.nn.Module) -> bool:
     """Whether the model is a causal LM or a text encoder, whose forward needs only input_ids."""
     from transformers.models.auto import modeling_auto as auto
 
-    texts = {*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
+    texts = {
+        *auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
+        *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values(),
+    }
     return type(model).__name__ in texts or type(model).__name__.endswith("TextModel")
 
 

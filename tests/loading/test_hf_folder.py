@@ -3,6 +3,7 @@ names and loads it (Llama, GPT-2 and T5 saved by ``save_pretrained`` as one safe
 as shards with an index, and as a pickle), giving the plain model's logits; ``automap plan
 folder`` plans from the config and the checkpoint's headers without reading a weight (peak RSS
 measured in a subprocess); bad folders and calls fail with an AutomapError."""
+
 from __future__ import annotations
 
 import json
@@ -165,8 +166,14 @@ def measure_plan_rss(folder: Path, modeling: str, warm: Path | None = None) -> d
     code path loads once per process are not counted as the big checkpoint's."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [str(folder), modeling, *([str(warm)] if warm else [])]
-    result = subprocess.run([sys.executable, "-c", _MEASURE, *args], capture_output=True, text=True,
-                            timeout=600, cwd=ROOT, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["code"] == 0 and "disk" in measured["report"] and "no weights read" in measured["report"]
@@ -177,15 +184,24 @@ def measure_plan_rss(folder: Path, modeling: str, warm: Path | None = None) -> d
 def test_plan_folder_reads_no_weights_peak_rss_in_a_subprocess(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
     folder = tmp_path / "llama"
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100MB")
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert size > 200e6
     measured = measure_plan_rss(folder, "transformers.models.llama.modeling_llama")
     assert measured["read"] > 0.9 * size, f"the control must see the weights read: {measured}"
-    assert measured["plan"] < size / 5, f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"
+    assert measured["plan"] < size / 5, (
+        f"planning grew RSS by {measured['plan']:,} bytes for a {size:,}-byte checkpoint"
+    )
 
 
 def test_a_folder_with_keys_older_versions_saved_loads_as_from_pretrained_loads_it(tmp_path):
@@ -226,8 +242,9 @@ def test_a_folder_at_a_half_dtype_is_what_from_pretrained_builds(name, dtype, tm
     folder = save(real, tmp_path / name, "single")
     cls = T5ForConditionalGeneration if name == "t5" else AutoModelForCausalLM
     plain = cls.from_pretrained(folder, dtype=dtype).eval()
-    model = automap.load(folder, dtype=dtype, max_memory=part_on_disk(real, dtype),
-                         offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(
+        folder, dtype=dtype, max_memory=part_on_disk(real, dtype), offload_dir=tmp_path / "off", quiet=True
+    )
     assert "disk" in automap.placement(model).placement
     state = {n: t.dtype for n, t in model.state_dict().items()}
     assert {n: t.dtype for n, t in plain.state_dict().items()} == state

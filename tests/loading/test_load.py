@@ -2,6 +2,7 @@
 index) and as pickles, loaded into empty skeletons with part of them offloaded, give the
 original model's outputs exactly; bad checkpoints fail with a CheckpointError and leave
 nothing half-written behind."""
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +18,16 @@ from safetensors.torch import save_file, save_model
 import automap
 from automap.errors import CheckpointError, DeviceError, DispatchError, PlanError
 from automap.loading.checkpoint import Checkpoint
-from conftest import (assert_offloaded_in_files, file_backing, logits_of, store_dirs, tiny_gpt2, tiny_llama, tiny_t5,
-                      weight_bytes)
+from conftest import (
+    assert_offloaded_in_files,
+    file_backing,
+    logits_of,
+    store_dirs,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_t5,
+    weight_bytes,
+)
 from tiny_configs import beside_the_run, part_on_disk
 
 
@@ -34,8 +43,11 @@ def _empty(model: torch.nn.Module) -> torch.nn.Module:
 
 def _meta_names(model: torch.nn.Module) -> list[str]:
     """Tensors without data of their own in RAM: on meta, or (offloaded) views of a file."""
-    return [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
-            if p.device.type == "meta" or file_backing(p) is not None]
+    return [
+        n
+        for n, p in list(model.named_parameters()) + list(model.named_buffers())
+        if p.device.type == "meta" or file_backing(p) is not None
+    ]
 
 
 def _files(folder) -> list[str]:
@@ -138,8 +150,13 @@ def test_resnet50_single_safetensors_with_part_on_disk_matches(resnet50, tmp_pat
     with torch.no_grad():
         expected = resnet50(x)
     save_file(resnet50.state_dict(), tmp_path / "resnet.safetensors")
-    model = automap.load(_empty(resnet50), tmp_path / "resnet.safetensors",
-                         max_memory={"cpu": weight_bytes(resnet50) // 2}, example_inputs=(x,), quiet=True)
+    model = automap.load(
+        _empty(resnet50),
+        tmp_path / "resnet.safetensors",
+        max_memory={"cpu": weight_bytes(resnet50) // 2},
+        example_inputs=(x,),
+        quiet=True,
+    )
     assert _meta_names(model), "part of the model must stay offloaded"
     assert torch.equal(model.bn1.num_batches_tracked, resnet50.bn1.num_batches_tracked)
     with torch.no_grad():
@@ -153,11 +170,20 @@ def test_llama_sharded_with_index_streams_offloaded_part_in_place(tmp_path):
     real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     offload = tmp_path / "offload"
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-                  "model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "cpu",
-                  "model.norm": "disk", "lm_head": "disk"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "disk",
+        "model.layers.3": "cpu",
+        "model.norm": "disk",
+        "lm_head": "disk",
+    }
     model = automap.load(_empty(real), tmp_path / "ckpt", device_map, offload_dir=offload, quiet=True)
-    assert file_backing(model.model.layers[1].mlp.up_proj.weight) is not None, "offloaded weights stay out of RAM"
+    assert file_backing(model.model.layers[1].mlp.up_proj.weight) is not None, (
+        "offloaded weights stay out of RAM"
+    )
     assert _meta_names(model)
     assert _files(offload) == [], "safetensors in the target dtype are referenced, never copied"
     assert torch.equal(logits_of(model, ids), expected)
@@ -183,10 +209,13 @@ def test_gpt2_tied_embedding_streamed_from_disk_matches(tmp_path):
     ids = _llama_ids()
     expected = logits_of(real, ids)
     save_model(real, str(tmp_path / "gpt2.safetensors"))
-    model = automap.load(_empty(real), tmp_path / "gpt2.safetensors", _alternate_map(real, ties="disk"), quiet=True)
+    model = automap.load(
+        _empty(real), tmp_path / "gpt2.safetensors", _alternate_map(real, ties="disk"), quiet=True
+    )
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert file_backing(model.transformer.wte.weight) == (tmp_path / "gpt2.safetensors").resolve(), \
+    assert file_backing(model.transformer.wte.weight) == (tmp_path / "gpt2.safetensors").resolve(), (
         "the tied embedding is streamed from disk"
+    )
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -197,12 +226,13 @@ def test_gpt2_bin_with_model_prefix_and_offload_writes_store(tmp_path):
     wrapped = {f"model.{k}": v for k, v in real.state_dict().items()}  # as a training wrapper saves it
     torch.save(wrapped, tmp_path / "pytorch_model.bin")
     offload = tmp_path / "offload"
-    model = automap.load(_empty(real), tmp_path / "pytorch_model.bin", _alternate_map(real),
-                         offload_dir=offload, quiet=True)
+    model = automap.load(
+        _empty(real), tmp_path / "pytorch_model.bin", _alternate_map(real), offload_dir=offload, quiet=True
+    )
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert [p.name for p in store_dirs(offload)] and all(p.is_relative_to(offload) for p in
-                                                         set(assert_offloaded_in_files(model).values())), \
-        "pickled tensors must be copied to the store"
+    assert [p.name for p in store_dirs(offload)] and all(
+        p.is_relative_to(offload) for p in set(assert_offloaded_in_files(model).values())
+    ), "pickled tensors must be copied to the store"
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -211,15 +241,24 @@ def test_dtype_converts_on_the_way_and_writes_offloaded_part(tmp_path):
     ids = _llama_ids()
     save_model(real, str(tmp_path / "llama.safetensors"))
     reference = tiny_llama(layers=4)
-    for tensor in reference.state_dict(keep_vars=True).values():  # the weights; the computed rotary inv_freq stays float32
+    for tensor in reference.state_dict(
+        keep_vars=True
+    ).values():  # the weights; the computed rotary inv_freq stays float32
         tensor.data = tensor.data.to(torch.bfloat16)
     expected = logits_of(reference, ids)
     offload = tmp_path / "offload"
-    model = automap.load(_empty(real), tmp_path / "llama.safetensors", _alternate_map(real),
-                         offload_dir=offload, dtype=torch.bfloat16, quiet=True)
+    model = automap.load(
+        _empty(real),
+        tmp_path / "llama.safetensors",
+        _alternate_map(real),
+        offload_dir=offload,
+        dtype=torch.bfloat16,
+        quiet=True,
+    )
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert store_dirs(offload) and all(p.is_relative_to(offload) for p in assert_offloaded_in_files(model).values()), \
-        "converted tensors cannot be referenced in place"
+    assert store_dirs(offload) and all(
+        p.is_relative_to(offload) for p in assert_offloaded_in_files(model).values()
+    ), "converted tensors cannot be referenced in place"
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -236,7 +275,9 @@ def _mismatch(tmp_path, state: dict[str, torch.Tensor]) -> str:
 def test_missing_keys_are_counted_and_named(tmp_path):
     state = {k: v for k, v in tiny_llama(layers=2).state_dict().items() if ".mlp." not in k}
     message = _mismatch(tmp_path, state)
-    assert "6 tensor(s) of the model are missing" in message and "model.layers.0.mlp.gate_proj.weight" in message
+    assert (
+        "6 tensor(s) of the model are missing" in message and "model.layers.0.mlp.gate_proj.weight" in message
+    )
 
 
 def test_unexpected_keys_are_counted_and_named(tmp_path):
@@ -250,7 +291,9 @@ def test_shape_mismatch_is_counted_and_named(tmp_path):
     state = dict(tiny_llama(layers=2).state_dict())
     state["model.norm.weight"] = torch.ones(65)
     message = _mismatch(tmp_path, state)
-    assert "1 tensor(s) have another shape" in message and "[65] in the checkpoint, [64] in the model" in message
+    assert (
+        "1 tensor(s) have another shape" in message and "[65] in the checkpoint, [64] in the model" in message
+    )
 
 
 # ------------------------------------------------------------------ bad input
@@ -258,8 +301,14 @@ def test_shape_mismatch_is_counted_and_named(tmp_path):
 
 def _load_into_offload(tmp_path, path) -> None:
     model = tiny_llama(layers=2)
-    automap.load(_empty(model), path, _alternate_map(model), offload_dir=tmp_path / "off",
-                 dtype=torch.bfloat16, quiet=True)
+    automap.load(
+        _empty(model),
+        path,
+        _alternate_map(model),
+        offload_dir=tmp_path / "off",
+        dtype=torch.bfloat16,
+        quiet=True,
+    )
 
 
 def test_missing_path_is_a_checkpoint_error(tmp_path):
@@ -315,7 +364,9 @@ def test_pickle_that_runs_code_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with open(tmp_path / "evil.bin", "wb") as f:
         torch.save({"weight": torch.zeros(2), "payload": _Exploit()}, f)
-    with pytest.raises(CheckpointError, match="refused .*weights_only=True.*GLOBAL \\w+\\.system.*arbitrary code"):
+    with pytest.raises(
+        CheckpointError, match="refused .*weights_only=True.*GLOBAL \\w+\\.system.*arbitrary code"
+    ):
         _load_into_offload(tmp_path, tmp_path / "evil.bin")
     assert not (tmp_path / "pwned").exists()
 
@@ -336,8 +387,14 @@ def test_failure_while_writing_leaves_nothing_in_offload_dir(tmp_path, monkeypat
 
     monkeypatch.setattr(Checkpoint, "read", failing_read)
     with pytest.raises(CheckpointError, match="simulated failure"):
-        automap.load(_empty(real), tmp_path / "llama.safetensors", _alternate_map(real),
-                     offload_dir=tmp_path / "off", dtype=torch.bfloat16, quiet=True)
+        automap.load(
+            _empty(real),
+            tmp_path / "llama.safetensors",
+            _alternate_map(real),
+            offload_dir=tmp_path / "off",
+            dtype=torch.bfloat16,
+            quiet=True,
+        )
     assert _files(tmp_path / "off") == ["keep.txt"]
 
 
@@ -352,8 +409,13 @@ def test_failed_dispatch_leaves_the_skeleton_as_it_was(tmp_path, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("automap.loading.commit"), "dispatch_plan", refuse)
     with pytest.raises(DispatchError, match="simulated"):
-        automap.load(skeleton, tmp_path / "llama.safetensors", _alternate_map(real), offload_dir=tmp_path / "off",
-                     quiet=True)
+        automap.load(
+            skeleton,
+            tmp_path / "llama.safetensors",
+            _alternate_map(real),
+            offload_dir=tmp_path / "off",
+            quiet=True,
+        )
     assert _files(tmp_path / "off") == []
     after = dict(skeleton.named_parameters(remove_duplicate=False)) | dict(skeleton.named_buffers())
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
@@ -364,8 +426,12 @@ def test_devices_missing_here_fail_before_reading(tmp_path, monkeypatch):
     save_model(real, str(tmp_path / "llama.safetensors"))
     monkeypatch.setattr(Checkpoint, "read", lambda *a, **k: pytest.fail("nothing may be read"))
     with pytest.raises(DeviceError, match="cuda:7"):
-        automap.load(_empty(real), tmp_path / "llama.safetensors", max_memory={"cuda:7": "1GB", "cpu": "1GB"},
-                     quiet=True)
+        automap.load(
+            _empty(real),
+            tmp_path / "llama.safetensors",
+            max_memory={"cuda:7": "1GB", "cpu": "1GB"},
+            quiet=True,
+        )
 
 
 # ------------------------------------------------------------------ progress and interop
@@ -373,7 +439,9 @@ def test_devices_missing_here_fail_before_reading(tmp_path, monkeypatch):
 
 def test_progress_bar_on_stderr_unless_quiet(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(importlib.import_module("automap.progress"), "DELAY_SECONDS", 0)
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are for terminals (tests/report/test_progress.py)
+    monkeypatch.setattr(
+        sys.stderr, "isatty", lambda: True
+    )  # bars are for terminals (tests/report/test_progress.py)
     real = tiny_llama(layers=2)
     save_model(real, str(tmp_path / "m.safetensors"))
     automap.load(_empty(real), tmp_path / "m.safetensors", quiet=True)
@@ -404,8 +472,9 @@ def test_plan_device_map_drives_transformers_from_pretrained(tmp_path):
     real = tiny_llama(layers=4)
     real.save_pretrained(tmp_path / "ckpt")
     plan = _mixed_plan(_empty(real), weight_bytes(real))
-    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=plan.device_map,
-                                              offload_folder=str(tmp_path / "hf-offload"))
+    loaded = LlamaForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map=plan.device_map, offload_folder=str(tmp_path / "hf-offload")
+    )
     assert loaded.hf_device_map == plan.device_map
     tensors = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
     for unit, where in zip(plan.units, plan.placement):
@@ -419,8 +488,16 @@ def test_llama_on_gpu_with_host_and_disk_offload_matches(tmp_path):
     ids = _llama_ids().to("cuda:0")
     save_model(real, str(tmp_path / "llama.safetensors"))
     expected = logits_of(real.to("cuda:0"), ids)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": 0, "model.norm": 0, "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": "cpu",
+        "model.layers.2": "disk",
+        "model.layers.3": 0,
+        "model.norm": 0,
+        "lm_head": "cpu",
+    }
     model = automap.load(_empty(real), tmp_path / "llama.safetensors", device_map, quiet=True)
     assert model.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
     assert model.model.rotary_emb.inv_freq.device.type == "cuda"
@@ -436,8 +513,9 @@ def test_an_index_file_given_as_the_checkpoint_reads_the_shards_it_names(tmp_pat
     expected = logits_of(real, ids)
     real.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     index = tmp_path / "ckpt" / "model.safetensors.index.json"
-    model = automap.load(_empty(real), index, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
-                         quiet=True)
+    model = automap.load(
+        _empty(real), index, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True
+    )
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -453,8 +531,9 @@ def test_what_training_saves_beside_the_weights_is_not_read_as_weights(tmp_path)
     for name in ("training_args.bin", "optimizer.bin", "scheduler.pt", "rng_state.pth"):
         with open(folder / name, "wb") as f:
             pickle.dump(_Arguments(), f)  # code a safe load will not run: read, it would refuse the folder
-    model = automap.load(_empty(real), folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off",
-                         quiet=True)
+    model = automap.load(
+        _empty(real), folder, max_memory=part_on_disk(real), offload_dir=tmp_path / "off", quiet=True
+    )
     assert torch.equal(logits_of(model, ids), expected)
 
 
@@ -475,9 +554,18 @@ def test_a_batchnorm_checkpoint_without_num_batches_tracked_loads_as_torch_loads
     plain.load_state_dict(torch.load(tmp_path / "old.pth"), strict=True)
     with automap.empty_model():
         skeleton = torchvision.models.resnet18(num_classes=10).eval()
-    model = automap.load(skeleton, tmp_path / "old.pth", max_memory=part_on_disk(real),
-                         offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(
+        skeleton,
+        tmp_path / "old.pth",
+        max_memory=part_on_disk(real),
+        offload_dir=tmp_path / "off",
+        quiet=True,
+    )
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))
-    assert all(torch.equal(b, plain.get_buffer(n)) for n, b in model.named_buffers() if n.endswith("num_batches_tracked"))
+    assert all(
+        torch.equal(b, plain.get_buffer(n))
+        for n, b in model.named_buffers()
+        if n.endswith("num_batches_tracked")
+    )

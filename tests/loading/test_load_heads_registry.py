@@ -8,6 +8,7 @@ what ``from_pretrained`` of the same folder computes, in float32 and in bfloat16
 Then the folders automap must refuse or read with care: a ``quantization_config`` (quantized
 weights cast to float would be silently wrong), TensorFlow or Flax weights alone, and a config
 that names no architecture (the head whose tensors the checkpoint holds is built)."""
+
 from __future__ import annotations
 
 import json
@@ -27,21 +28,36 @@ modeling_auto = pytest.importorskip("transformers.models.auto.modeling_auto")
 
 # (auto mapping, family): a few of each kind, the families people run most.
 FAMILIES = [
-    *[("SEQUENCE_CLASSIFICATION", f) for f in ("bert", "roberta", "deberta-v2", "electra", "xlm-roberta", "mpnet",
-                                               "llama")],
+    *[
+        ("SEQUENCE_CLASSIFICATION", f)
+        for f in ("bert", "roberta", "deberta-v2", "electra", "xlm-roberta", "mpnet", "llama")
+    ],
     *[("TOKEN_CLASSIFICATION", f) for f in ("bert", "deberta-v2", "xlm-roberta")],
     *[("QUESTION_ANSWERING", f) for f in ("bert", "roberta", "bart")],
     *[("MASKED_LM", f) for f in ("bert", "deberta-v2", "electra", "xlm-roberta", "mpnet")],
     *[("SEQ_TO_SEQ_CAUSAL_LM", f) for f in ("t5", "bart", "marian")],
     *[("IMAGE_CLASSIFICATION", f) for f in ("vit", "convnext", "resnet", "beit")],
-    ("CTC", "wav2vec2"), ("SPEECH_SEQ_2_SEQ", "whisper"), ("AUDIO_CLASSIFICATION", "wav2vec2"),
+    ("CTC", "wav2vec2"),
+    ("SPEECH_SEQ_2_SEQ", "whisper"),
+    ("AUDIO_CLASSIFICATION", "wav2vec2"),
     *[("ZERO_SHOT_IMAGE_CLASSIFICATION", f) for f in ("clip", "chinese_clip")],
 ]
 # Sizes kept in lists (one per stage) and audio feature sizes, which the generic shrinking leaves.
-STAGES = {"hidden_sizes": lambda n: [16 * (i + 1) for i in range(n)], "depths": lambda n: [1] * n,
-          "conv_dim": lambda n: [32] * n, "num_heads": lambda n: [2] * n}
-SCALARS = {"num_conv_pos_embeddings": 16, "output_hidden_size": 32, "classifier_proj_size": 32, "num_labels": 2,
-           "pad_token_id": 0, "projection_dim": 32, "pooler_hidden_size": 32}
+STAGES = {
+    "hidden_sizes": lambda n: [16 * (i + 1) for i in range(n)],
+    "depths": lambda n: [1] * n,
+    "conv_dim": lambda n: [32] * n,
+    "num_heads": lambda n: [2] * n,
+}
+SCALARS = {
+    "num_conv_pos_embeddings": 16,
+    "output_hidden_size": 32,
+    "classifier_proj_size": 32,
+    "num_labels": 2,
+    "pad_token_id": 0,
+    "projection_dim": 32,
+    "pooler_hidden_size": 32,
+}
 
 
 def _small(fields: dict) -> dict:
@@ -81,12 +97,18 @@ def _inputs(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[
         return {"input_values": torch.randn(2, 4000, generator=g, dtype=dtype)}
     if main == "input_features":
         frames = 2 * config.max_source_positions
-        return {"input_features": torch.randn(2, config.num_mel_bins, frames, generator=g).to(dtype),
-                "decoder_input_ids": ids[:, :5]}
+        return {
+            "input_features": torch.randn(2, config.num_mel_bins, frames, generator=g).to(dtype),
+            "decoder_input_ids": ids[:, :5],
+        }
     inputs = {"input_ids": ids}
     if main == "pixel_values" or hasattr(config, "vision_config"):
-        size = getattr(vision, "image_size", 64)  # a convolutional network takes any size: 64 keeps 2x2 at its end
-        size = max(64, size if isinstance(size, int) else size[0]) if "convnext" in config.model_type else size
+        size = getattr(
+            vision, "image_size", 64
+        )  # a convolutional network takes any size: 64 keeps 2x2 at its end
+        size = (
+            max(64, size if isinstance(size, int) else size[0]) if "convnext" in config.model_type else size
+        )
         pixels = torch.randn(2, vision.num_channels, size, size, generator=g).to(dtype)
         inputs = {"pixel_values": pixels, **(inputs if main != "pixel_values" else {})}
     if config.is_encoder_decoder:
@@ -121,16 +143,27 @@ def test_each_head_loads_from_its_folder_as_from_pretrained_does(kind, family, t
     model = _saved(kind, family, tmp_path / "m")
     reference = type(model).from_pretrained(tmp_path / "m").eval()
     inputs = _inputs(model)
-    loaded = automap.load(tmp_path / "m", max_memory={**part_on_disk(model), "disk": "1GB"},
-                          offload_dir=tmp_path / "off", quiet=True)
+    loaded = automap.load(
+        tmp_path / "m",
+        max_memory={**part_on_disk(model), "disk": "1GB"},
+        offload_dir=tmp_path / "off",
+        quiet=True,
+    )
     assert type(loaded) is type(model)
     _assert_same(run_dispatched(loaded, lambda m: _outputs(m, inputs)), _outputs(reference, inputs))
 
 
 # One family of each kind for the other forms of the same folder.
-FORMS = [("SEQUENCE_CLASSIFICATION", "deberta-v2"), ("TOKEN_CLASSIFICATION", "bert"), ("MASKED_LM", "xlm-roberta"),
-         ("SEQ_TO_SEQ_CAUSAL_LM", "t5"), ("IMAGE_CLASSIFICATION", "vit"), ("CTC", "wav2vec2"),
-         ("SPEECH_SEQ_2_SEQ", "whisper"), ("ZERO_SHOT_IMAGE_CLASSIFICATION", "clip")]
+FORMS = [
+    ("SEQUENCE_CLASSIFICATION", "deberta-v2"),
+    ("TOKEN_CLASSIFICATION", "bert"),
+    ("MASKED_LM", "xlm-roberta"),
+    ("SEQ_TO_SEQ_CAUSAL_LM", "t5"),
+    ("IMAGE_CLASSIFICATION", "vit"),
+    ("CTC", "wav2vec2"),
+    ("SPEECH_SEQ_2_SEQ", "whisper"),
+    ("ZERO_SHOT_IMAGE_CLASSIFICATION", "clip"),
+]
 
 
 @pytest.mark.parametrize("form", ["bfloat16", "bin", "sharded", "accelerate"])
@@ -149,10 +182,13 @@ def test_each_kind_loads_in_bfloat16_from_bin_shards_and_accelerates_script(kind
     if form == "accelerate":
         with init_empty_weights():
             empty = type(model)(transformers.AutoConfig.from_pretrained(folder))
-        loaded = load_checkpoint_and_dispatch(empty, str(folder), device_map="auto", max_memory=budget,
-                                              offload_folder=str(tmp_path / "off")).eval()
+        loaded = load_checkpoint_and_dispatch(
+            empty, str(folder), device_map="auto", max_memory=budget, offload_folder=str(tmp_path / "off")
+        ).eval()
     else:
-        loaded = automap.load(folder, dtype=dtype, max_memory=budget, offload_dir=tmp_path / "off", quiet=True)
+        loaded = automap.load(
+            folder, dtype=dtype, max_memory=budget, offload_dir=tmp_path / "off", quiet=True
+        )
     _assert_same(run_dispatched(loaded, lambda m: _outputs(m, inputs)), expected)
 
 
@@ -197,7 +233,9 @@ def _quantized_like(folder, dtype: torch.dtype, scale_suffix: str, quantization:
     """Rewrite ``folder``'s linear weights as a quantizer saves them: ``dtype``, with a scale
     beside each (bitsandbytes' int8 ``SCB``, FP8's ``weight_scale_inv``)."""
     tensors = load_file(folder / "model.safetensors")
-    for key in [k for k in tensors if k.endswith(".weight") and tensors[k].dim() == 2 and "embeddings" not in k]:
+    for key in [
+        k for k in tensors if k.endswith(".weight") and tensors[k].dim() == 2 and "embeddings" not in k
+    ]:
         tensors[key] = tensors[key].clamp(-1, 1).mul(127).to(dtype)
         tensors[key.removesuffix("weight") + scale_suffix] = torch.ones(tensors[key].shape[0])
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -205,11 +243,15 @@ def _quantized_like(folder, dtype: torch.dtype, scale_suffix: str, quantization:
         _edit_config(folder, quantization_config=quantization)
 
 
-@pytest.mark.parametrize("stored,scale,quantization", [
-    (torch.int8, "SCB", {"quant_method": "bitsandbytes", "load_in_8bit": True}),
-    (torch.int8, "SCB", None),
-    (torch.float8_e4m3fn, "weight_scale_inv", QUANTIZATIONS["fp8"]),
-], ids=["bnb-int8", "int8-without-config", "fp8"])
+@pytest.mark.parametrize(
+    "stored,scale,quantization",
+    [
+        (torch.int8, "SCB", {"quant_method": "bitsandbytes", "load_in_8bit": True}),
+        (torch.int8, "SCB", None),
+        (torch.float8_e4m3fn, "weight_scale_inv", QUANTIZATIONS["fp8"]),
+    ],
+    ids=["bnb-int8", "int8-without-config", "fp8"],
+)
 def test_quantized_weights_are_not_cast_into_a_plain_model(stored, scale, quantization, tmp_path):
     """accelerate's script (strict=False) skipped the scales and cast the integers or float8
     values to float32: wrong weights, loaded without an error."""
@@ -220,7 +262,9 @@ def test_quantized_weights_are_not_cast_into_a_plain_model(stored, scale, quanti
     _quantized_like(folder, stored, scale, quantization)
     with init_empty_weights():
         empty = transformers.BertForSequenceClassification(transformers.AutoConfig.from_pretrained(folder))
-    with pytest.raises(automap.CheckpointError, match=rf"as {str(stored).removeprefix('torch.')}.*wrong weights"):
+    with pytest.raises(
+        automap.CheckpointError, match=rf"as {str(stored).removeprefix('torch.')}.*wrong weights"
+    ):
         load_checkpoint_and_dispatch(empty, str(folder), device_map="auto", max_memory={"cpu": "1GB"})
     assert all(p.is_meta for p in empty.parameters()), "nothing was loaded"
 
@@ -229,9 +273,15 @@ def test_a_quantized_checkpoints_key_mismatch_names_its_quantization(tmp_path):
     folder = tmp_path / "m"
     _bert(folder)
     tensors = load_file(folder / "model.safetensors")
-    packed = {k.removesuffix("weight") + "qweight": torch.zeros(4, 4, dtype=torch.int32) for k in tensors
-              if k.endswith("dense.weight")}
-    save_file({k: v for k, v in tensors.items() if not k.endswith("dense.weight")} | packed, folder / "model.safetensors")
+    packed = {
+        k.removesuffix("weight") + "qweight": torch.zeros(4, 4, dtype=torch.int32)
+        for k in tensors
+        if k.endswith("dense.weight")
+    }
+    save_file(
+        {k: v for k, v in tensors.items() if not k.endswith("dense.weight")} | packed,
+        folder / "model.safetensors",
+    )
     _edit_config(folder, quantization_config=QUANTIZATIONS["gptq"])
     with automap.empty_model():
         empty = transformers.BertForSequenceClassification(transformers.AutoConfig.from_pretrained(folder))
@@ -258,7 +308,8 @@ def test_a_config_without_architectures_builds_the_head_its_checkpoint_holds(arc
     _edit_config(folder, architectures=architectures)
     reference = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
     inputs = _inputs(model)
-    loaded = automap.load(folder, max_memory={**part_on_disk(model), "disk": "1GB"},
-                          offload_dir=tmp_path / "off", quiet=True)
+    loaded = automap.load(
+        folder, max_memory={**part_on_disk(model), "disk": "1GB"}, offload_dir=tmp_path / "off", quiet=True
+    )
     assert type(loaded) is transformers.BertForSequenceClassification
     _assert_same(run_dispatched(loaded, lambda m: _outputs(m, inputs)), _outputs(reference, inputs))

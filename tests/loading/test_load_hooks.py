@@ -2,6 +2,7 @@
 the modules' load-state-dict pre-hooks) or ``from_pretrained`` accepts, automap accepts. The
 case in the wild: weight-norm keys ``weight_g``/``weight_v`` as ``torch.nn.utils.weight_norm``
 saved them (many audio checkpoints), loaded into a model built with the parametrization."""
+
 from __future__ import annotations
 
 import warnings
@@ -18,7 +19,9 @@ from automap.errors import CheckpointError
 def convnet(legacy: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated: that is the point
+        warnings.simplefilter(
+            "ignore", FutureWarning
+        )  # torch.nn.utils.weight_norm is deprecated: that is the point
         norm = torch.nn.utils.weight_norm if legacy else torch.nn.utils.parametrizations.weight_norm
         return nn.Sequential(norm(nn.Conv1d(4, 8, 3)), nn.ReLU(), norm(nn.Conv1d(8, 4, 3), dim=1)).eval()
 
@@ -37,8 +40,13 @@ def test_legacy_weight_norm_keys_load_as_torchs_load_state_dict_takes_them(tmp_p
     plain.load_state_dict(legacy.state_dict())  # torch's own path: the parametrization's hook renames
     with automap.empty_model():
         skeleton = convnet()
-    model = automap.load(skeleton, saved(legacy.state_dict(), tmp_path / "w.safetensors", prefix), where,
-                         offload_dir=tmp_path / "off", quiet=True)
+    model = automap.load(
+        skeleton,
+        saved(legacy.state_dict(), tmp_path / "w.safetensors", prefix),
+        where,
+        offload_dir=tmp_path / "off",
+        quiet=True,
+    )
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))
@@ -60,15 +68,27 @@ def test_a_checkpoint_torch_refuses_is_still_refused_naming_the_keys(tmp_path):
 def test_a_transformers_folder_with_legacy_weight_norm_keys_loads_as_from_pretrained_loads_it(tmp_path):
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
-    config = Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                            num_conv_pos_embedding_groups=2)
+    config = Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+    )
     torch.manual_seed(0)
     Wav2Vec2Model(config).eval().save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     state = load_file(str(path))
-    legacy = {k.replace("parametrizations.weight.original0", "weight_g")
-               .replace("parametrizations.weight.original1", "weight_v"): v for k, v in state.items()}
+    legacy = {
+        k.replace("parametrizations.weight.original0", "weight_g").replace(
+            "parametrizations.weight.original1", "weight_v"
+        ): v
+        for k, v in state.items()
+    }
     assert legacy.keys() != state.keys()
     save_file(legacy, str(path), metadata={"format": "pt"})
     plain = Wav2Vec2Model.from_pretrained(tmp_path).eval()

@@ -2,6 +2,7 @@
 transformers takes is honoured with the same meaning or refused with an ArgumentError naming it;
 ``trust_remote_code`` is off by default and never asked for on the terminal (run without a
 terminal and under a pseudo-terminal)."""
+
 from __future__ import annotations
 
 import inspect
@@ -30,8 +31,11 @@ def from_pretrained_arguments() -> set[str]:
     from transformers import PreTrainedModel
 
     function = PreTrainedModel.from_pretrained
-    named = {p.name for p in inspect.signature(function).parameters.values()
-             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    named = {
+        p.name
+        for p in inspect.signature(function).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
     source = inspect.getsource(function)
     popped = set(re.findall(r'kwargs\.pop\("(\w+)"', source))
     ignored = re.search(r"for name in \[([^\]]*)\]:\s*\n\s*_ = kwargs\.pop\(name", source)
@@ -46,7 +50,9 @@ OWN = {"device_map", "max_memory", "offload_folder", "dtype", "torch_dtype"}
 
 def test_every_argument_of_the_pinned_from_pretrained_is_honoured_or_refused():
     missing = from_pretrained_arguments() - OWN - set(ARGUMENTS)
-    assert not missing, f"from_pretrained takes {sorted(missing)}: list each in automap.loading.pretrained_args"
+    assert not missing, (
+        f"from_pretrained takes {sorted(missing)}: list each in automap.loading.pretrained_args"
+    )
     own = set(inspect.signature(automap.load).parameters)
     assert OWN <= own
     assert {a.how for a in ARGUMENTS.values()} == {HONOURED, NO_OP, REFUSED}
@@ -63,11 +69,24 @@ def folder(tmp_path_factory) -> Path:
 IDS = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("given", [
-    dict(low_cpu_mem_usage=True), dict(low_cpu_mem_usage=False), dict(attn_implementation="eager"),
-    dict(attn_implementation="sdpa"), dict(trust_remote_code=False), dict(local_files_only=True),
-    dict(output_attentions=True), dict(use_safetensors=True), dict(weights_only=True), dict(revision="main"),
-    dict(_fast_init=False), dict(offload_state_dict=True)], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "given",
+    [
+        dict(low_cpu_mem_usage=True),
+        dict(low_cpu_mem_usage=False),
+        dict(attn_implementation="eager"),
+        dict(attn_implementation="sdpa"),
+        dict(trust_remote_code=False),
+        dict(local_files_only=True),
+        dict(output_attentions=True),
+        dict(use_safetensors=True),
+        dict(weights_only=True),
+        dict(revision="main"),
+        dict(_fast_init=False),
+        dict(offload_state_dict=True),
+    ],
+    ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
+)
 def test_an_honoured_argument_builds_the_model_from_pretrained_builds(folder, given):
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +105,9 @@ def test_a_given_config_and_generation_config_are_used(folder):
 
     config = AutoConfig.from_pretrained(folder)
     config.output_hidden_states = True
-    model = automap.load(folder, quiet=True, config=config, generation_config=GenerationConfig(max_new_tokens=3))
+    model = automap.load(
+        folder, quiet=True, config=config, generation_config=GenerationConfig(max_new_tokens=3)
+    )
     assert model.config.output_hidden_states and model.generation_config.max_new_tokens == 3
     with torch.no_grad():
         assert model(IDS).hidden_states is not None
@@ -109,12 +130,16 @@ def test_a_refused_argument_names_itself_and_says_why_before_any_work(folder, na
     assert isinstance(caught.value, TypeError)  # what Python raises for an unexpected keyword
 
 
-@pytest.mark.parametrize("given, match", [
-    (dict(not_an_argument=1), "neither an argument of from_pretrained"),
-    (dict(weights_only=False), "weights_only=True only"),
-    (dict(use_safetensors=False), "use_safetensors=False"),
-    (dict(trust_remote_code="yes"), "True or False"),
-    (dict(attn_implementation="no-such-kernel"), "no-such-kernel")])
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        (dict(not_an_argument=1), "neither an argument of from_pretrained"),
+        (dict(weights_only=False), "weights_only=True only"),
+        (dict(use_safetensors=False), "use_safetensors=False"),
+        (dict(trust_remote_code="yes"), "True or False"),
+        (dict(attn_implementation="no-such-kernel"), "no-such-kernel"),
+    ],
+)
 def test_a_bad_value_is_an_argument_error(folder, given, match):
     with pytest.raises(ArgumentError, match=match):
         automap.load(folder, quiet=True, **given)
@@ -131,7 +156,7 @@ def test_the_built_model_form_takes_only_arguments_that_change_nothing(folder):
 
 # ------------------------------------------------------------------ remote code
 
-CONFIG_CODE = '''
+CONFIG_CODE = """
 from transformers import PretrainedConfig
 
 
@@ -141,9 +166,9 @@ class ToyConfig(PretrainedConfig):
     def __init__(self, width=16, **kwargs):
         self.width = width
         super().__init__(**kwargs)
-'''
+"""
 
-MODEL_CODE = '''
+MODEL_CODE = """
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -162,7 +187,7 @@ class ToyModel(PreTrainedModel):
 
     def forward(self, x):
         return self.second(torch.relu(self.first(x)))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +196,19 @@ def remote_folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("remote")
     (path / "configuration_toy.py").write_text(CONFIG_CODE)
     (path / "modeling_toy.py").write_text(MODEL_CODE)
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "toy-remote", "width": 16, "architectures": ["ToyModel"],
-        "auto_map": {"AutoConfig": "configuration_toy.ToyConfig", "AutoModel": "modeling_toy.ToyModel"}}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "toy-remote",
+                "width": 16,
+                "architectures": ["ToyModel"],
+                "auto_map": {
+                    "AutoConfig": "configuration_toy.ToyConfig",
+                    "AutoModel": "modeling_toy.ToyModel",
+                },
+            }
+        )
+    )
     torch.manual_seed(0)
     weights = torch.nn.ModuleDict({"first": torch.nn.Linear(16, 16), "second": torch.nn.Linear(16, 3)})
     save_model(weights, str(path / "model.safetensors"))
@@ -208,8 +243,14 @@ except automap.AutomapError as exc:
 
 def test_no_prompt_without_a_terminal(remote_folder):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
-    result = subprocess.run([sys.executable, "-c", LOAD.format(folder=str(remote_folder))],
-                            capture_output=True, text=True, timeout=120, env=env, input="y\n")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD.format(folder=str(remote_folder))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        input="y\n",
+    )
     assert "REFUSED:" in result.stdout and "trust_remote_code=True" in result.stdout, result.stderr[-2000:]
     assert "[y/N]" not in result.stdout + result.stderr
 
@@ -220,8 +261,14 @@ def test_no_prompt_on_a_pseudo_terminal(remote_folder):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
     main, child = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-c", LOAD.format(folder=str(remote_folder))], stdin=child,
-                               stdout=child, stderr=child, env=env, close_fds=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", LOAD.format(folder=str(remote_folder))],
+        stdin=child,
+        stdout=child,
+        stderr=child,
+        env=env,
+        close_fds=True,
+    )
     os.close(child)
     seen = b""
     try:
@@ -246,7 +293,14 @@ def test_no_prompt_on_a_pseudo_terminal(remote_folder):
 
 
 def test_a_from_pretrained_call_moves_by_changing_one_name(folder):
-    model = automap.load(folder, device_map="auto", dtype=torch.float32, low_cpu_mem_usage=True,
-                         attn_implementation="eager", trust_remote_code=False, quiet=True)
+    model = automap.load(
+        folder,
+        device_map="auto",
+        dtype=torch.float32,
+        low_cpu_mem_usage=True,
+        attn_implementation="eager",
+        trust_remote_code=False,
+        quiet=True,
+    )
     assert model.config._attn_implementation == "eager"
     automap.undispatch(model)

@@ -1,6 +1,7 @@
 """Checkpoint tensors that are not dense values in memory (sparse, meta, quantized without a
 config, nested, subclasses) are refused when the checkpoint is opened, before anything is
 installed or written, with the key named; the model stays on meta and ``offload_dir`` empty."""
+
 from __future__ import annotations
 
 import os

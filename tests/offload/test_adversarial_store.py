@@ -3,6 +3,7 @@
 automap's files, or to their own, never loses a byte of theirs, never hangs or crashes the
 process, and ends in the right weights or an ``AutomapError`` naming the fix. Every case that
 could hang or crash runs in a fresh interpreter with a timeout."""
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,14 @@ def run_python(code: str, *args: str, timeout: int = 60) -> subprocess.Completed
     """Run ``NET`` then ``code`` in a fresh interpreter; a hang fails the test at ``timeout``,
     and the interpreter and every process it forked are killed then."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    proc = subprocess.Popen([sys.executable, "-c", NET + textwrap.dedent(code), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", NET + textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -63,7 +70,9 @@ def run_python(code: str, *args: str, timeout: int = 60) -> subprocess.Completed
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
-    detail = f"exit {result.returncode} (a negative code is the signal that killed it)\n{result.stderr[-3000:]}"
+    detail = (
+        f"exit {result.returncode} (a negative code is the signal that killed it)\n{result.stderr[-3000:]}"
+    )
     assert result.returncode == 0 and "OK" in result.stdout, detail
     return result.stdout
 
@@ -74,7 +83,9 @@ def ok(result: subprocess.CompletedProcess) -> str:
 def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_parents_store(tmp_path):
     # The parent's prefetch pool believes its idle threads still run in the child: a forward
     # there queued its prefetch, which no thread ever ran, and waited for it for ever.
-    ok(run_python("""
+    ok(
+        run_python(
+            """
         off = sys.argv[1]
         automap.dispatch(model, DISK, offload_dir=off)
         with torch.no_grad():
@@ -104,13 +115,19 @@ def test_a_dispatched_model_runs_in_forked_dataloader_workers_and_leaves_the_par
         automap.undispatch(model)
         assert torch.equal(model(x), plain(x))
         print("OK")
-    """, str(tmp_path / "off"), timeout=30))
+    """,
+            str(tmp_path / "off"),
+            timeout=30,
+        )
+    )
 
 
 def test_a_fork_while_a_prefetch_holds_the_transfers_lock_leaves_the_child_working(tmp_path):
     # A thread of the parent inside Transfer.prefetch holds its lock at the fork; the child
     # inherits the lock held by a thread it does not have. Held here by the parent itself.
-    ok(run_python("""
+    ok(
+        run_python(
+            """
         from automap.runtime import state_of
         automap.dispatch(model, DISK, offload_dir=sys.argv[1])
         with torch.no_grad():
@@ -129,7 +146,11 @@ def test_a_fork_while_a_prefetch_holds_the_transfers_lock_leaves_the_child_worki
         with torch.no_grad():
             assert torch.equal(model(x), want)
         print("OK")
-    """, str(tmp_path / "off"), timeout=30))
+    """,
+            str(tmp_path / "off"),
+            timeout=30,
+        )
+    )
 
 
 # ------------------------------------------------------------------ what is put into a store
@@ -199,7 +220,9 @@ def _rewrite_in_place(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 @pytest.mark.parametrize("mapped_layout", ["same", "other"])
-def test_a_checkpoint_rewritten_in_place_after_its_folder_moved_is_judged_by_its_own_header(tmp_path, mapped_layout):
+def test_a_checkpoint_rewritten_in_place_after_its_folder_moved_is_judged_by_its_own_header(
+    tmp_path, mapped_layout
+):
     # The layout check read the header of whatever the old name held: a same-layout file put
     # there made a mapped file rewritten with another layout pass, and the model silently ran
     # on shifted bytes; a file of another layout there refused a mapped file that was fine.
@@ -253,7 +276,9 @@ def test_share_memory_of_offloaded_weights_is_refused_and_changes_nothing(tmp_pa
 
 def test_a_file_size_limit_while_loading_names_the_limit_and_leaves_nothing(tmp_path):
     # RLIMIT_FSIZE (EFBIG) was told to "free space there", which does not help.
-    out = ok(run_python("""
+    out = ok(
+        run_python(
+            """
         import resource, signal
         from safetensors.torch import save_model
         save_model(plain, sys.argv[1])
@@ -268,7 +293,11 @@ def test_a_file_size_limit_while_loading_names_the_limit_and_leaves_nothing(tmp_
             print("OK", exc)
         assert automap.runtime.state_of(skeleton) is None
         assert {n: (t.device, t.dtype) for n, t in skeleton.state_dict().items()} == before
-    """, str(tmp_path / "m.safetensors"), str(tmp_path / "off")))
+    """,
+            str(tmp_path / "m.safetensors"),
+            str(tmp_path / "off"),
+        )
+    )
     assert "File too large" in out and "ulimit -f" in out, out
     assert not (tmp_path / "off").exists()
 
@@ -276,7 +305,9 @@ def test_a_file_size_limit_while_loading_names_the_limit_and_leaves_nothing(tmp_
 def test_no_file_descriptors_left_fails_dispatch_naming_the_limit_and_leaves_nothing(tmp_path):
     # RLIMIT_NOFILE a few descriptors above what is open: some step of writing or mapping the
     # store cannot open its file, wherever that falls.
-    out = ok(run_python("""
+    out = ok(
+        run_python(
+            """
         import resource
         off = sys.argv[1]
         os.makedirs(off)
@@ -300,5 +331,8 @@ def test_no_file_descriptors_left_fails_dispatch_naming_the_limit_and_leaves_not
             assert torch.equal(model(x), want)
         assert open(os.path.join(off, "mine.txt")).read() == "keep"
         print("OK")
-    """, str(tmp_path / "off")))
+    """,
+            str(tmp_path / "off"),
+        )
+    )
     assert "refused" in out

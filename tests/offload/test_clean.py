@@ -2,6 +2,7 @@
 not a user's file beside a store or inside one, not a link carrying a store's name (nor what it
 points to), not a hard link to a user's file, not a store-named folder without automap's
 manifest, not a store a live process holds (a real second process, then ``kill -9``)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,10 @@ from automap.offload import LOCK, MANIFEST, OffloadStore, TensorSpec, clean, sto
 
 
 def _store(root: Path, rows: int = 64) -> Path:
-    specs = {"fc.weight": TensorSpec("fc", torch.float32, (rows, 16)),
-             "fc.bias": TensorSpec("fc", torch.float32, (16,))}
+    specs = {
+        "fc.weight": TensorSpec("fc", torch.float32, (rows, 16)),
+        "fc.bias": TensorSpec("fc", torch.float32, (16,)),
+    }
     store = OffloadStore.write(root, specs, lambda name: torch.ones(specs[name].shape))
     store.close()
     return store.directory
@@ -34,8 +37,13 @@ def _tree(root: Path) -> dict[str, bytes | str]:
         for name in dirnames + filenames:
             path = Path(dirpath) / name
             rel = str(path.relative_to(root))
-            found[rel] = ("-> " + os.readlink(path) if path.is_symlink() else
-                          "dir" if path.is_dir() else path.read_bytes())
+            found[rel] = (
+                "-> " + os.readlink(path)
+                if path.is_symlink()
+                else "dir"
+                if path.is_dir()
+                else path.read_bytes()
+            )
     return found
 
 
@@ -108,8 +116,9 @@ HOLDER = textwrap.dedent("""
 
 def test_a_store_a_live_process_holds_is_left_until_it_dies(tmp_path):
     offload = tmp_path / "offload"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(offload)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(offload)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         held = Path(holder.stdout.readline().strip())
         assert held.is_dir()

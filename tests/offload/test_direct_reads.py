@@ -3,6 +3,7 @@ same outputs as the plain model, ring buffers reused and never what the user rea
 shrink refused by name, file systems without ``O_DIRECT`` read through the page cache, and the rule
 that picks the path.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,7 +66,9 @@ def test_state_dict_during_and_after_forwards_holds_the_mapped_tensors(tmp_path,
     with torch.no_grad():
         model(ids)
     handle.remove()
-    ring = {b.untyped_storage().data_ptr() for b in state_of(model).transfer.reads.ring._buffers if b is not None}
+    ring = {
+        b.untyped_storage().data_ptr() for b in state_of(model).transfer.reads.ring._buffers if b is not None
+    }
     for state in [seen[0], model.state_dict()]:
         for layer in (2, 3, 4):
             weight = state[f"model.layers.{layer}.mlp.up_proj.weight"]
@@ -100,9 +103,11 @@ def test_a_view_that_outlives_its_unit_is_never_overwritten(tmp_path):
 
 def test_tensors_at_offsets_their_dtype_cannot_view_are_read_exactly(tmp_path):
     path = tmp_path / "odd.safetensors"
-    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-              "b": {"dtype": "F32", "shape": [5, 7], "data_offsets": [3, 143]},
-              "c": {"dtype": "F64", "shape": [9], "data_offsets": [143, 215]}}
+    header = {
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "b": {"dtype": "F32", "shape": [5, 7], "data_offsets": [3, 143]},
+        "c": {"dtype": "F64", "shape": [9], "data_offsets": [143, 215]},
+    }
     import json
 
     text = json.dumps(header).encode()
@@ -133,8 +138,9 @@ def test_unit_reads_are_aligned_and_cover_every_tensor(tmp_path):
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.mark.parametrize("when", ["before the take", "under the read"])
@@ -170,8 +176,10 @@ def ramfs(tmp_path):
     """A ramfs (no ``O_DIRECT``: opening with it is EINVAL) mounted under tmp_path; root only."""
     folder = tmp_path / "ramfs"
     folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(folder)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(folder)], capture_output=True).returncode != 0
+    ):
         pytest.skip("mounting a ramfs needs root")
     yield folder
     subprocess.run(["umount", "-l", str(folder)], check=False)
@@ -194,7 +202,9 @@ def test_a_file_system_without_o_direct_is_read_through_the_page_cache(ramfs, mo
 def test_the_rule_reads_past_the_page_cache_only_when_the_files_do_not_fit(monkeypatch):
     monkeypatch.delenv("AUTOMAP_COLD_READS", raising=False)
     assert reads_direct(10 << 30, 8 << 30) and not reads_direct(2 << 30, 8 << 30)
-    assert not reads_direct(8 << 30, 8 << 30) and not reads_direct(10 << 30, None)  # room unknown: the page cache
+    assert not reads_direct(8 << 30, 8 << 30) and not reads_direct(
+        10 << 30, None
+    )  # room unknown: the page cache
     assert reads_direct(1, 8 << 30, "direct") and not reads_direct(10 << 30, 1, "mapped")
     monkeypatch.setenv("AUTOMAP_COLD_READS", " Direct ")
     assert reads_direct(1, 8 << 30)
@@ -224,8 +234,9 @@ def test_the_ring_is_used_only_where_the_budget_has_room_for_it(tmp_path, monkey
     ids = torch.randint(0, 256, (2, 8))
     for room, ring in [(2 * layer, False), (8 * layer, True)]:
         budget = {"cpu": beside_the_run(model, resident + room, example_inputs=(ids,)), "disk": "1GB"}
-        plan = automap.plan(model, device_map(6, range(1, 6)), max_memory=budget, offload_dir=tmp_path,
-                            example_inputs=(ids,))
+        plan = automap.plan(
+            model, device_map(6, range(1, 6)), max_memory=budget, offload_dir=tmp_path, example_inputs=(ids,)
+        )
         buffers = streaming_buffers(plan)
         assert (buffers > SLOTS) == ring, (buffers, room // layer)
         automap.dispatch(model, plan, offload_dir=tmp_path)

@@ -3,6 +3,7 @@ headers, store file headers, store manifests and shard indexes (safetensors and 
 outcome must be a model whose weights equal what the (mutated) files hold — the source weights
 wherever automap rebuilt its own store — or an :class:`~automap.errors.AutomapError`; never a
 raw exception, never wrong weights. Deterministic: seed ``i`` always makes the same mutation."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,38 @@ RAW = {
     '"__NAN__"': "NaN",
     '"__NEGINF__"': "-Infinity",
 }
-POOL: list[Any] = [*(k.strip('"') for k in RAW), -1, 0, 1, 7, 2**64, 2**63 - 1, 1.5, -0.0, "F32", "I64", "BF16",
-                   ["F32"], {"dtype": "F32"}, [], {}, None, True, "", "../x.safetensors", "/etc/passwd", "x" * 5000,
-                   [0, 0], [0, 2**62], [-8, 8], [1, 2, 3], [[4]], ["4"], "model.safetensors", "1.safetensors"]
+POOL: list[Any] = [
+    *(k.strip('"') for k in RAW),
+    -1,
+    0,
+    1,
+    7,
+    2**64,
+    2**63 - 1,
+    1.5,
+    -0.0,
+    "F32",
+    "I64",
+    "BF16",
+    ["F32"],
+    {"dtype": "F32"},
+    [],
+    {},
+    None,
+    True,
+    "",
+    "../x.safetensors",
+    "/etc/passwd",
+    "x" * 5000,
+    [0, 0],
+    [0, 2**62],
+    [-8, 8],
+    [1, 2, 3],
+    [[4]],
+    ["4"],
+    "model.safetensors",
+    "1.safetensors",
+]
 
 
 def dumps(data: Any) -> bytes:
@@ -86,7 +116,7 @@ def mutate_json(rng: random.Random, data: Any) -> Any:
 
 
 def _startswith(path: tuple, prefix: tuple) -> bool:
-    return path[:len(prefix)] == prefix
+    return path[: len(prefix)] == prefix
 
 
 def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
@@ -97,13 +127,13 @@ def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
     if op == "flip" and raw:
         raw[at] ^= 1 << rng.randrange(8)
     elif op == "delete":
-        del raw[at:at + rng.randint(1, 8)]
+        del raw[at : at + rng.randint(1, 8)]
     elif op == "insert":
         raw[at:at] = rng.choice([b"{", b"[", b"]", b"}", b'"', b",", b"9" * 40, b"\xff", b"\\u0000", b" "])
     elif op == "cut":
         del raw[at:]
     else:
-        raw[at:at] = raw[at:at + rng.randint(1, 64)]
+        raw[at:at] = raw[at : at + rng.randint(1, 64)]
     return bytes(raw)
 
 
@@ -115,7 +145,7 @@ def mutate_document(rng: random.Random, raw: bytes) -> bytes:
 
 def split_safetensors(raw: bytes) -> tuple[bytes, bytes]:
     (length,) = struct.unpack("<Q", raw[:8])
-    return raw[8:8 + length], raw[8 + length:]
+    return raw[8 : 8 + length], raw[8 + length :]
 
 
 def mutate_safetensors(rng: random.Random, raw: bytes) -> bytes:
@@ -153,7 +183,11 @@ def held_by(path: Path) -> dict[str, torch.Tensor] | None:
         for key, entry in json.loads(header).items():
             if key in SOURCE:
                 (begin, end), dtype = entry["data_offsets"], DTYPES[entry["dtype"]]
-                flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype) if end > begin else torch.empty(0)
+                flat = (
+                    torch.frombuffer(bytearray(data[begin:end]), dtype=dtype)
+                    if end > begin
+                    else torch.empty(0)
+                )
                 found[key] = flat.reshape(entry["shape"])
         return found
     except Exception:  # noqa: BLE001 - the plain reader may fail: then automap must refuse the file
@@ -184,8 +218,9 @@ class Outcomes:
         want = expected()
         state = model.state_dict()
         for name, tensor in state.items():
-            assert name in want and torch.equal(tensor, want[name].to(tensor.dtype)), \
+            assert name in want and torch.equal(tensor, want[name].to(tensor.dtype)), (
                 f"{label}: {name} holds other values than the file"
+            )
         automap.undispatch(model)
         self.loaded += 1
 
@@ -205,8 +240,11 @@ def fuzz_checkpoints(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None:
     path = tmp_path / "model.safetensors"
     for seed in seeds:
         put(path, mutate_safetensors(random.Random(seed), raw))
-        outcomes.run(f"checkpoint seed {seed}", lambda: automap.load(_skeleton(), path, MAP, quiet=True),
-                     lambda: held_by(path) or {})
+        outcomes.run(
+            f"checkpoint seed {seed}",
+            lambda: automap.load(_skeleton(), path, MAP, quiet=True),
+            lambda: held_by(path) or {},
+        )
 
 
 def fuzz_store_headers(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None:
@@ -222,8 +260,11 @@ def fuzz_store_headers(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None
             put(p, raw)
         victim = rng.choice(sorted(pristine))
         put(victim, mutate_safetensors(rng, pristine[victim]))
-        outcomes.run(f"store header seed {seed}", lambda: automap.dispatch(Net(), MAP, offload_dir=folder),
-                     lambda: SOURCE)
+        outcomes.run(
+            f"store header seed {seed}",
+            lambda: automap.dispatch(Net(), MAP, offload_dir=folder),
+            lambda: SOURCE,
+        )
     assert store_dirs(folder) == [store], "every damaged store was rebuilt in place"
 
 
@@ -236,8 +277,9 @@ def fuzz_manifests(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None:
     pristine = (store / MANIFEST).read_bytes()
     for seed in seeds:
         put(store / MANIFEST, mutate_document(random.Random(seed), pristine))
-        outcomes.run(f"manifest seed {seed}", lambda: automap.dispatch(Net(), MAP, offload_dir=folder),
-                     lambda: SOURCE)
+        outcomes.run(
+            f"manifest seed {seed}", lambda: automap.dispatch(Net(), MAP, offload_dir=folder), lambda: SOURCE
+        )
 
 
 def fuzz_indexes(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None:
@@ -248,16 +290,26 @@ def fuzz_indexes(tmp_path: Path, seeds: range, outcomes: Outcomes) -> None:
         shards = {name: f"shard-{i % 2}{suffix}" for i, name in enumerate(names)}
         for shard in set(shards.values()):
             save({n: SOURCE[n].clone() for n in names if shards[n] == shard}, folder / shard)
-        index = folder / ("model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json")
+        index = folder / (
+            "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+        )
         pristine = json.dumps({"metadata": {"total_size": 4096}, "weight_map": shards}).encode()
         for seed in seeds:
             put(index, mutate_document(random.Random(seed), pristine))
-            outcomes.run(f"{kind} index seed {seed}", lambda: automap.load(_skeleton(), folder, MAP, quiet=True),
-                         lambda: SOURCE)
+            outcomes.run(
+                f"{kind} index seed {seed}",
+                lambda: automap.load(_skeleton(), folder, MAP, quiet=True),
+                lambda: SOURCE,
+            )
 
 
 def test_fuzzed_files_give_the_right_weights_or_an_automap_error(tmp_path):
-    kinds = {"checkpoint": Outcomes(), "store header": Outcomes(), "manifest": Outcomes(), "index": Outcomes()}
+    kinds = {
+        "checkpoint": Outcomes(),
+        "store header": Outcomes(),
+        "manifest": Outcomes(),
+        "index": Outcomes(),
+    }
     fuzz_checkpoints(tmp_path, range(0, 180), kinds["checkpoint"])
     fuzz_store_headers(tmp_path, range(1000, 1160), kinds["store header"])
     fuzz_manifests(tmp_path, range(2000, 2100), kinds["manifest"])

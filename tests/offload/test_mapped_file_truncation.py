@@ -4,6 +4,7 @@ into memory, so nothing ever crashes (SIGBUS); every read gives the right values
 ``OffloadError`` naming the file. A file that cannot be leased is checked before reads, as
 before. Real processes truncate real files; the model runs in a fresh interpreter each time, so a
 crash shows as a failed test."""
+
 from __future__ import annotations
 
 import os
@@ -23,14 +24,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def _truncate_elsewhere(path: Path, size: int = 0) -> None:
     """Another process cuts ``path`` to ``size`` bytes (it waits while this one holds a lease)."""
-    subprocess.run([sys.executable, "-c", "import os, sys; os.truncate(sys.argv[1], int(sys.argv[2]))",
-                    str(path), str(size)], check=True, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; os.truncate(sys.argv[1], int(sys.argv[2]))",
+            str(path),
+            str(size),
+        ],
+        check=True,
+        timeout=60,
+    )
 
 
 # The model: four layers, three of them on "disk" (a store automap writes, or the checkpoint read
@@ -132,7 +147,9 @@ def test_a_file_written_in_memory_is_not_mapped_again_after_a_writer(tmp_path):
     source = CheckpointSource({k: (path, k) for k in tensors})
     source.get("b")[:] = 7.0  # the user's write, in memory (copy-on-write)
     _truncate_elsewhere(path)
-    assert torch.equal(source.get("b"), torch.full((1000,), 7.0)) and torch.equal(source.get("a"), tensors["a"])
+    assert torch.equal(source.get("b"), torch.full((1000,), 7.0)) and torch.equal(
+        source.get("a"), tensors["a"]
+    )
     with open(path, "r+b") as out:  # restored in place, but the writes in memory cannot be merged with it
         out.write(_saved(path.parent / "copy.safetensors", tensors))
     with pytest.raises(Exception, match=r"m\.safetensors changed.*written in memory"):

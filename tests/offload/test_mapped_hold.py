@@ -1,6 +1,7 @@
 """Rows of a mapped file kept in memory (:meth:`MappedFile.hold`): private copies of the file's
 bytes that a cold start (:meth:`MappedFile.evict`) leaves, not counted as the user's writes,
 given back by :meth:`MappedFile.release`; rows the user wrote are never taken."""
+
 from __future__ import annotations
 
 import ctypes

@@ -3,6 +3,7 @@ parameter goes to the store as the bytes it is in memory, with the permutation t
 strides back (``automap.permutations`` in the file's metadata). The dispatched model computes
 with the same layout as the plain one (the same kernels: bit for bit where the kernel's path
 depends on it), and undispatch gives each weight back with the strides it had."""
+
 from __future__ import annotations
 
 import copy
@@ -71,7 +72,9 @@ def test_memory_order_lays_out_what_a_permutation_can_and_copies_the_rest():
     assert order is None and stored.is_contiguous() and torch.equal(stored, gappy)
 
 
-@pytest.mark.parametrize("entry", ['{"w": [0, 0]}', '{"w": [2, 0]}', '{"nope": [1, 0]}', '[1, 0]', '{"w": [1.0, 0]}'])
+@pytest.mark.parametrize(
+    "entry", ['{"w": [0, 0]}', '{"w": [2, 0]}', '{"nope": [1, 0]}', "[1, 0]", '{"w": [1.0, 0]}']
+)
 def test_a_file_whose_permutations_do_not_fit_its_tensors_is_refused(entry, tmp_path):
     path = tmp_path / "bad.safetensors"
     write_file(path, {"w": torch.zeros(2, 3)}, {PERMUTATIONS: entry})
@@ -100,8 +103,12 @@ def test_the_staged_path_copies_each_weight_into_its_own_strides(tmp_path):
     with torch.no_grad():
         expected = plain(x)
     model = copy.deepcopy(plain)
-    dispatch_plan(model, automap.plan(model, {"": "disk"}), offload_dir=tmp_path,
-                  transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
+    dispatch_plan(
+        model,
+        automap.plan(model, {"": "disk"}),
+        offload_dir=tmp_path,
+        transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()),
+    )
     seen = {}
     model.layer1[0].conv1.register_forward_pre_hook(lambda m, a: seen.update(stride=m.weight.stride()))
     with torch.no_grad():

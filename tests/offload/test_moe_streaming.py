@@ -2,6 +2,7 @@
 ahead and, of its experts, only those the router picked — stacked experts (transformers' fused
 ``experts``) by rows, listed experts (an ``nn.ModuleList``) when called — and the model gives
 the plain model's outputs, on CPU execution and through the staged (accelerator) path."""
+
 from __future__ import annotations
 
 import ctypes
@@ -41,8 +42,10 @@ class ListedMoE(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                                                   nn.Linear(4 * hidden, hidden)) for _ in range(experts))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+            for _ in range(experts)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -102,6 +105,7 @@ def _routed(model: nn.Module, ids: torch.Tensor) -> tuple[dict[str, set[int]], d
         def record(m, args, kwargs, name=experts.module, count=experts.count):
             found.setdefault(name, set()).update(routed_rows(args, kwargs, count))
             inputs[name] = (args[0], args[1].shape[-1])
+
         handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     _logits(model, ids)
     for handle in handles:
@@ -150,8 +154,10 @@ def _kept_once_mapped(model: nn.Module) -> Iterator[None]:
     try:
         for start, length in spans:
             if LIBC.mlock2(start, length, MLOCK_ONFAULT) != 0:
-                pytest.skip(f"cannot lock pages of the store ({os.strerror(ctypes.get_errno())}): "
-                            "the count of pages read would depend on memory pressure")
+                pytest.skip(
+                    f"cannot lock pages of the store ({os.strerror(ctypes.get_errno())}): "
+                    "the count of pages read would depend on memory pressure"
+                )
             locked.append((start, length))
         yield
     finally:
@@ -171,7 +177,9 @@ def _cold(model: nn.Module) -> None:
         if not left:
             return
         time.sleep(0.2)
-    raise AssertionError(f"{left} pages of the experts stay in memory after eviction: the test cannot start cold")
+    raise AssertionError(
+        f"{left} pages of the experts stay in memory after eviction: the test cannot start cold"
+    )
 
 
 # ------------------------------------------------------------------ finding experts
@@ -182,8 +190,10 @@ def test_stacked_and_listed_experts_are_found_and_routers_are_not():
     qwen = tiny_moe("qwen2_moe", layers=1, hidden=32, experts=4, shared=48)
     assert [(e.module, e.count) for e in find_experts(mixtral)] == [("model.layers.0.mlp.experts", 4)]
     assert [(e.module, e.count) for e in find_experts(qwen)] == [("model.layers.0.mlp.experts", 4)]
-    assert set(find_experts(qwen)[0].tensors) == {"model.layers.0.mlp.experts.gate_up_proj",
-                                                  "model.layers.0.mlp.experts.down_proj"}
+    assert set(find_experts(qwen)[0].tensors) == {
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
     listed = find_experts(ListedNet(hidden=16, experts=3, layers=1), "net")
     assert [(e.module, e.count) for e in listed] == [(f"net.blocks.0.experts.{i}", 0) for i in range(3)]
     assert "net.blocks.0.experts.1.2.weight" in listed[1].tensors
@@ -205,8 +215,11 @@ BUILDERS = {
     "qwen2_moe": lambda: tiny_moe("qwen2_moe", layers=2, hidden=64, experts=8, shared=96),
     "listed": lambda: ListedNet(),
 }
-STAGED = {"pages": None, "staged": lambda source, *_: StagedTransfer(source, HostCopyOps()),
-          "direct": lambda source, *_: DirectTransfer(source, direct_reads(source))}
+STAGED = {
+    "pages": None,
+    "staged": lambda source, *_: StagedTransfer(source, HostCopyOps()),
+    "direct": lambda source, *_: DirectTransfer(source, direct_reads(source)),
+}
 
 
 @pytest.mark.parametrize("path", sorted(STAGED))
@@ -296,16 +309,22 @@ def _only_routed_rows_read(batch: int, tmp_path, reader: ReadAhead | None = None
     return model
 
 
-def _check_only_routed_rows_in_memory(model: nn.Module, routed: dict[str, set[int]], guessed: dict[str, set[int]]) -> None:
+def _check_only_routed_rows_in_memory(
+    model: nn.Module, routed: dict[str, set[int]], guessed: dict[str, set[int]]
+) -> None:
     for module, experts in routed.items():
         assert 0 < len(experts | guessed[module]) < 8
         for tensor in ("gate_up_proj", "down_proj"):
             rows = _row_pages(model, f"{module}.{tensor}")
             for index, (resident, pages) in enumerate(rows):
                 if index in experts or index in guessed[module]:  # guessed: read while the layer before ran
-                    assert resident == pages, f"{module}.{tensor} routed row {index}: {resident}/{pages} pages"
+                    assert resident == pages, (
+                        f"{module}.{tensor} routed row {index}: {resident}/{pages} pages"
+                    )
                 else:  # at most the pages its neighbours share with it
-                    assert resident <= 2, f"{module}.{tensor} row {index} of no routed expert: {resident}/{pages} pages read"
+                    assert resident <= 2, (
+                        f"{module}.{tensor} row {index} of no routed expert: {resident}/{pages} pages read"
+                    )
 
 
 def test_when_most_experts_are_routed_to_they_are_read_ahead_whole_and_back_by_rows_after(tmp_path):
@@ -332,8 +351,11 @@ def test_listed_experts_that_no_token_went_to_are_never_read(tmp_path):
     model = ListedNet().eval()
     ids = _ids(1)
     called: set[str] = set()
-    handles = [m.register_forward_pre_hook(lambda m, a, name=n: called.add(name))
-               for n, m in model.named_modules() if n.count(".") == 3 and ".experts." in n]
+    handles = [
+        m.register_forward_pre_hook(lambda m, a, name=n: called.add(name))
+        for n, m in model.named_modules()
+        if n.count(".") == 3 and ".experts." in n
+    ]
     expected = _logits(model, ids)
     for handle in handles:
         handle.remove()
@@ -376,8 +398,11 @@ def _by_call(model: nn.Module, stream_from: int) -> tuple[list[ExpertsByCall], D
     """An :class:`ExpertsByCall` on each experts module of ``model``; the accelerator is the CPU
     itself here (the hook copies the weights there for a streamed call all the same)."""
     state = DispatchState(plan=None)
-    hooks = [ExpertsByCall(torch.device("cpu"), torch.device("cpu"), stream_from, state).attach(m)
-             for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    hooks = [
+        ExpertsByCall(torch.device("cpu"), torch.device("cpu"), stream_from, state).attach(m)
+        for n, m in model.named_modules()
+        if n.endswith("mlp.experts")
+    ]
     return hooks, state
 
 
@@ -390,7 +415,10 @@ def test_experts_stream_from_the_planned_token_count_and_compute_in_place_below_
     for name, module in model.named_modules():
         if name.endswith("mlp.experts"):
             module.register_forward_hook(
-                lambda m, a, o, name=name: seen.append(m.gate_up_proj.data_ptr() != homes[f"{name}.gate_up_proj"]))
+                lambda m, a, o, name=name: seen.append(
+                    m.gate_up_proj.data_ptr() != homes[f"{name}.gate_up_proj"]
+                )
+            )
     hooks, state = _by_call(model, stream_from=16)
     assert torch.equal(_logits(model, short), expected["short"])
     assert seen == [False, False] and sum(h.streamed_calls for h in hooks) == 0
@@ -421,6 +449,7 @@ def test_a_streamed_call_that_raises_puts_the_weights_back_and_frees_the_lock():
 
     def fail(module, args):
         raise RuntimeError("in the experts' call")
+
     handle = experts.register_forward_pre_hook(fail)
     with pytest.raises(RuntimeError, match="in the experts' call"):
         _logits(model, _ids(2, length=8, vocab=128))
@@ -441,7 +470,13 @@ def test_listed_experts_mapped_as_a_unit_of_their_own_each_take_their_inputs_and
     model = ListedNet().eval()
     ids = _ids(2, length=3)
     expected = _logits(model, ids)
-    device_map = {"embed": "cpu", "head": "cpu", "blocks.0": "cpu", "blocks.0.experts": "cpu", "blocks.1": "disk"}
+    device_map = {
+        "embed": "cpu",
+        "head": "cpu",
+        "blocks.0": "cpu",
+        "blocks.0.experts": "cpu",
+        "blocks.1": "disk",
+    }
     automap.dispatch(model, device_map=device_map, offload_dir=tmp_path)
     for expert in model.blocks[0].experts:
         hooks = [getattr(h, "__self__", None) for h in expert._forward_pre_hooks.values()]

@@ -1,6 +1,7 @@
 """The offload store, checkpoint sources and transfers: what is written (only inside a store
 directory automap owns), what is reused, what is refused, that reads are zero-copy
 copy-on-write views, and that the transfer hands them out one unit ahead."""
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,28 @@ from safetensors.torch import save_file
 
 import automap
 from automap.errors import OffloadError
-from automap.offload import (LOCK, MANIFEST, CheckpointSource, HostCopyOps, MappedFile, OffloadStore, PageTransfer,
-                             StagedTransfer, TensorSpec)
+from automap.offload import (
+    LOCK,
+    MANIFEST,
+    CheckpointSource,
+    HostCopyOps,
+    MappedFile,
+    OffloadStore,
+    PageTransfer,
+    StagedTransfer,
+    TensorSpec,
+)
 from conftest import file_backing, store_dirs
 
 
 def _tensors() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    return {"a.weight": torch.randn(64, 32), "a.bias": torch.randn(64), "b.weight": torch.randn(16, 64).half(),
-            "b.count": torch.arange(5)}
+    return {
+        "a.weight": torch.randn(64, 32),
+        "a.bias": torch.randn(64),
+        "b.weight": torch.randn(16, 64).half(),
+        "b.count": torch.arange(5),
+    }
 
 
 def _write(root, tensors=None) -> OffloadStore:
@@ -110,8 +124,16 @@ def test_truncated_file_is_refused_when_mapped(tmp_path):
         MappedFile(path)
 
 
-@pytest.mark.parametrize("damage", ["not json", "{}", '{"format": "other"}', '[1, 2]',
-                                    '{"format": "automap-offload-store", "version": 1, "complete": true}'])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "not json",
+        "{}",
+        '{"format": "other"}',
+        "[1, 2]",
+        '{"format": "automap-offload-store", "version": 1, "complete": true}',
+    ],
+)
 def test_a_damaged_or_foreign_manifest_means_rebuild(tmp_path, damage):
     store = _write(tmp_path)
     store.close()
@@ -128,7 +150,9 @@ def test_changed_bytes_fail_checksum(tmp_path):
     data = bytearray(path.read_bytes())
     data[-4:] = b"\x00\x00\x80\x7f"
     path.write_bytes(bytes(data))
-    with pytest.raises(OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"):
+    with pytest.raises(
+        OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"
+    ):
         store.check_unchanged(["a.weight"])
 
 
@@ -265,7 +289,9 @@ def test_transfer_refuses_a_changed_file(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"):
+    with pytest.raises(
+        OffloadError, match=r"'a\.(weight|bias)' in .*a.safetensors does not match its checksum"
+    ):
         transfer.take("a", ["a.weight", "a.bias"])
     transfer.close()
 
@@ -343,7 +369,9 @@ class _WithExtra(torch.nn.Module):
         return self.b(self.a(x)) + (extra.real if extra.is_complex() else extra.to(torch.float32))
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize(
+    "dtype", [torch.complex64, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fnuz]
+)
 def test_every_dtype_safetensors_holds_is_offloaded_to_disk(dtype, tmp_path):
     torch.manual_seed(0)
     model = _WithExtra(dtype).eval()
@@ -351,7 +379,9 @@ def test_every_dtype_safetensors_holds_is_offloaded_to_disk(dtype, tmp_path):
     expected, extra = model(x), model.b.extra.clone()
     automap.dispatch(model, device_map={"a": "cpu", "b": "disk"}, offload_dir=tmp_path)
     assert torch.equal(model(x), expected)
-    assert model.b.extra.dtype == dtype and torch.equal(model.b.extra.view(torch.uint8), extra.view(torch.uint8))
+    assert model.b.extra.dtype == dtype and torch.equal(
+        model.b.extra.view(torch.uint8), extra.view(torch.uint8)
+    )
     automap.undispatch(model)
 
 

@@ -1,6 +1,7 @@
 """Two callers creating one new ``offload_dir`` at once (two threads, two processes): the folder
 is made by exactly one of them, neither removes what the other made, and each gets a working
 store of its own (or a clear error); nothing is left half-made."""
+
 from __future__ import annotations
 
 import os
@@ -133,8 +134,16 @@ def test_two_processes_dispatch_into_one_new_offload_dir(tmp_path):
         print("OK")
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(folder), str(go), str(seed)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(folder), str(go), str(seed)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
     for proc in procs:  # both imported torch and built their model: they wait at the start line
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-2000:]
     go.touch()

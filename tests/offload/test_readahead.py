@@ -1,6 +1,7 @@
 """Reading ahead with several requests in flight: a unit's tensors merged into contiguous ranges,
 cut into large chunks, the chunks read on several threads at once, every page of the unit in
 memory afterwards and the values unchanged."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,12 @@ class Gated(ReadAhead):
 
 def _checkpoint(tmp_path) -> tuple[os.PathLike, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    weights = {"layer.q": torch.randn(1024, 1024), "layer.k": torch.randn(1024, 1024), "layer.norm": torch.randn(1024),
-               "other.w": torch.randn(512, 1024)}
+    weights = {
+        "layer.q": torch.randn(1024, 1024),
+        "layer.k": torch.randn(1024, 1024),
+        "layer.norm": torch.randn(1024),
+        "other.w": torch.randn(512, 1024),
+    }
     path = tmp_path / "model.safetensors"
     save_file(weights, str(path))
     fd = os.open(path, os.O_RDONLY)
@@ -134,6 +139,10 @@ def test_a_forked_child_reads_with_threads_of_its_own(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "w.safetensors")], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK, str(tmp_path / "w.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -4,6 +4,7 @@ store is passed over; a full disk or inode table leaves nothing behind; no write
 the lock is taken in one step; what a killed writer left is cleaned. Real mechanisms throughout:
 tmpfs mounts, ``chattr +i``, another uid (``chown``, ``setuid``), real ``kill -9``, real forks and
 two real processes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -55,17 +56,28 @@ def dispatched_once(folder: Path) -> Path:
 
 def digest(folder: Path) -> dict[str, tuple[str, int]]:
     """sha256 and mtime of every file under ``folder``, links not followed."""
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(ROOT)]),
+    }
 
 
 def run_python(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env())
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(),
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
@@ -84,11 +96,15 @@ def header_file(path: Path, header: bytes, data: bytes = b"\0" * 64) -> None:
 HOSTILE = {
     "deep nesting": b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "a list for a dtype": b'{"w": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}',
-    "a 5,000-digit number": b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1' + b"0" * 5000 + b"]}}",
+    "a 5,000-digit number": b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1'
+    + b"0" * 5000
+    + b"]}}",
     "1e400": b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1e400]}}',
     "NaN": b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 16]}}',
     "a dict for a dtype": b'{"w": {"dtype": {"a": 1}, "shape": [4], "data_offsets": [0, 16]}}',
-    "100 dimensions": b'{"w": {"dtype": "F32", "shape": [' + b", ".join([b"1"] * 100) + b'], "data_offsets": [0, 4]}}',
+    "100 dimensions": b'{"w": {"dtype": "F32", "shape": ['
+    + b", ".join([b"1"] * 100)
+    + b'], "data_offsets": [0, 4]}}',
     "not UTF-8": b'{"w\xff\xfe": 1}',
 }
 
@@ -118,17 +134,23 @@ def test_a_store_file_with_a_hostile_header_is_rebuilt(tmp_path, case):
     assert torch.equal(out(model, x), expected)
 
 
-@pytest.mark.parametrize("damage", [
-    '{"format": "automap-offload-store", "version": 2, "complete": true, "files": [], "tensors": '
-    '{"1.weight": {"file": "1.safetensors", "key": "1.weight", "dtype": "F32", "shape": [64, 64], '
-    '"nbytes": 1e400, "crc32": 0}}}',
-    "[" * 100_000 + "]" * 100_000,
-    '{"format": "automap-offload-store", "version": 2, "complete": true, "files": ' + "[" * 100_000 + "]" * 100_000
-    + "}",
-    '{"format": "automap-offload-store", "version": 2, "complete": true, "files": [], "tensors": '
-    '{"1.weight": {"file": "1.safetensors", "key": "1.weight", "dtype": "F32", "shape": [64, 64], '
-    '"nbytes": 1' + "0" * 5000 + ', "crc32": 0}}}',
-], ids=["1e400", "deep", "deep files", "5000 digits"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        '{"format": "automap-offload-store", "version": 2, "complete": true, "files": [], "tensors": '
+        '{"1.weight": {"file": "1.safetensors", "key": "1.weight", "dtype": "F32", "shape": [64, 64], '
+        '"nbytes": 1e400, "crc32": 0}}}',
+        "[" * 100_000 + "]" * 100_000,
+        '{"format": "automap-offload-store", "version": 2, "complete": true, "files": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}",
+        '{"format": "automap-offload-store", "version": 2, "complete": true, "files": [], "tensors": '
+        '{"1.weight": {"file": "1.safetensors", "key": "1.weight", "dtype": "F32", "shape": [64, 64], '
+        '"nbytes": 1' + "0" * 5000 + ', "crc32": 0}}}',
+    ],
+    ids=["1e400", "deep", "deep files", "5000 digits"],
+)
 def test_a_hostile_manifest_means_rebuild(tmp_path, damage):
     store = dispatched_once(tmp_path)
     (store / MANIFEST).write_text(damage)
@@ -139,12 +161,16 @@ def test_a_hostile_manifest_means_rebuild(tmp_path, damage):
     assert json.loads((store / MANIFEST).read_text())["complete"] is True
 
 
-@pytest.mark.parametrize("index", [
-    "[" * 100_000 + "]" * 100_000,
-    '{"metadata": {"total_size": 1e400}, "weight_map": {"0.weight": "model.safetensors"}}',
-    '{"weight_map": {"0.weight": ["model.safetensors"]}}',
-    '{"weight_map": {"0.weight": 1' + "0" * 5000 + "}}",
-], ids=["deep", "1e400", "list", "5000 digits"])
+@pytest.mark.parametrize(
+    "index",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"metadata": {"total_size": 1e400}, "weight_map": {"0.weight": "model.safetensors"}}',
+        '{"weight_map": {"0.weight": ["model.safetensors"]}}',
+        '{"weight_map": {"0.weight": 1' + "0" * 5000 + "}}",
+    ],
+    ids=["deep", "1e400", "list", "5000 digits"],
+)
 @pytest.mark.parametrize("name", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
 def test_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
     torch.save(small().state_dict(), tmp_path / "pytorch_model.bin")
@@ -152,7 +178,9 @@ def test_a_hostile_shard_index_is_a_checkpoint_error(tmp_path, index, name):
     (tmp_path / name).write_text(index)
     with pytest.raises(CheckpointError, match=rf"index .*{name}.*(fix or remove the index)"):
         automap.load(small(), tmp_path / name, {str(i): "cpu" for i in range(6)}, quiet=True)
-    (tmp_path / "model.safetensors").unlink()  # the folder: read through its index once no model.safetensors wins
+    (
+        tmp_path / "model.safetensors"
+    ).unlink()  # the folder: read through its index once no model.safetensors wins
     (tmp_path / "pytorch_model.bin").rename(tmp_path / "pytorch_model-00001-of-00001.bin")
     with pytest.raises(CheckpointError, match=rf"index .*{name}.*(fix or remove the index)"):
         automap.load(small(), tmp_path, {str(i): "cpu" for i in range(6)}, quiet=True)
@@ -195,7 +223,9 @@ def test_a_process_of_another_user_makes_a_store_of_its_own(tmp_path):
     before = digest(store)
     changed = _reachable_by_others(shared)
     try:
-        out_text = ok(run_python(f"""
+        out_text = ok(
+            run_python(
+                f"""
             import os, sys, tempfile, torch, automap
             from test_store_faults import DISK, out, small
             model, x = small(), torch.randn(3, 64)
@@ -208,7 +238,10 @@ def test_a_process_of_another_user_makes_a_store_of_its_own(tmp_path):
             assert torch.equal(out(model, x), expected)
             automap.undispatch(model)
             print("OK")
-        """, str(shared)))
+        """,
+                str(shared),
+            )
+        )
     finally:
         for folder, mode in changed:
             folder.chmod(mode)
@@ -262,16 +295,22 @@ def small_mount(tmp_path, request):
     """A tmpfs mounted with ``request.param`` as its options, unmounted after."""
     point = tmp_path / "mnt"
     point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(point)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root in a namespace that allows it")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root in a namespace that allows it"
+        )
     yield point
     subprocess.run(["umount", "-l", str(point)], check=True)
 
 
-@pytest.mark.parametrize("small_mount", ["nr_inodes=2", "nr_inodes=3", "nr_inodes=4", "nr_inodes=6", "size=4k",
-                                         "size=20k"], indirect=True)
+@pytest.mark.parametrize(
+    "small_mount",
+    ["nr_inodes=2", "nr_inodes=3", "nr_inodes=4", "nr_inodes=6", "size=4k", "size=20k"],
+    indirect=True,
+)
 def test_a_full_disk_or_inode_table_is_an_offload_error_leaving_nothing(small_mount):
     model, x = small(), torch.randn(3, 64)
     expected = out(model, x)
@@ -279,7 +318,9 @@ def test_a_full_disk_or_inode_table_is_an_offload_error_leaving_nothing(small_mo
     with pytest.raises(OffloadError, match=r"(?i)offload.*(free space there|free inodes).*offload_dir"):
         automap.dispatch(model, DISK, offload_dir=small_mount / "off")
     assert os.listdir(small_mount) == [], "no store, no lock, not even the offload_dir it created"
-    assert state_of(model) is None and all(t is before[n] for n, t in model.state_dict(keep_vars=True).items())
+    assert state_of(model) is None and all(
+        t is before[n] for n, t in model.state_dict(keep_vars=True).items()
+    )
     assert torch.equal(out(model, x), expected)
 
 
@@ -292,8 +333,9 @@ def test_no_inodes_for_a_second_store_leaves_the_first_intact(small_mount):
     second = small()
     with pytest.raises(OffloadError):
         automap.dispatch(second, DISK, offload_dir=small_mount)  # the first holds its store: needs a second
-    assert store_dirs(small_mount) == [store] and {k: v for k, v in digest(store).items() if k != LOCK} == \
-        {k: v for k, v in before.items() if k != LOCK}
+    assert store_dirs(small_mount) == [store] and {k: v for k, v in digest(store).items() if k != LOCK} == {
+        k: v for k, v in before.items() if k != LOCK
+    }
     x = torch.randn(3, 64)
     assert torch.equal(out(first, x), out(small(), x))
     automap.undispatch(first)
@@ -418,15 +460,37 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> None:
 
 def test_a_store_being_created_is_never_taken_by_a_second_process(tmp_path):
     folder = tmp_path / "off"
-    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_PAUSE_BEFORE_FLOCK), str(folder),
-                              str(tmp_path / "paused"), str(tmp_path / "go")], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env())
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_PAUSE_BEFORE_FLOCK),
+            str(folder),
+            str(tmp_path / "paused"),
+            str(tmp_path / "go"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
     second = None
     try:
         _wait_for(tmp_path / "paused", first)  # the first made its store folder and stopped before locking it
-        second = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLD), str(folder), str(tmp_path / "ready"),
-                                   str(tmp_path / "done")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env())
+        second = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(_HOLD),
+                str(folder),
+                str(tmp_path / "ready"),
+                str(tmp_path / "done"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+        )
         _wait_for(tmp_path / "ready", second)  # the second dispatched and holds its store
         (tmp_path / "go").write_text("")
         first_out, first_err = first.communicate(timeout=300)
@@ -446,7 +510,11 @@ def test_a_store_being_created_is_never_taken_by_a_second_process(tmp_path):
 
 def test_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
     folder = tmp_path / "off"
-    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import os, sys, time, torch, automap
         from pathlib import Path
         from test_store_faults import DISK, small
@@ -459,8 +527,15 @@ def test_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
                 time.sleep(600)
         sys.setprofile(hook)
         automap.dispatch(small(), DISK, offload_dir=folder)
-    """), str(folder), str(tmp_path / "paused")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=env())
+    """),
+            str(folder),
+            str(tmp_path / "paused"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
     try:
         _wait_for(tmp_path / "paused", writer)
         os.kill(writer.pid, signal.SIGKILL)
@@ -478,7 +553,9 @@ def test_kill_9_while_renaming_the_manifest_leaves_nothing_for_long(tmp_path):
 
 
 def test_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
-    ok(run_python("""
+    ok(
+        run_python(
+            """
         import os, sys, time, torch, automap
         from pathlib import Path
         from conftest import store_dirs
@@ -504,7 +581,10 @@ def test_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
             os.kill(child, 9)
             os.waitpid(child, 0)
         print("OK")
-    """, str(tmp_path / "off")))
+    """,
+            str(tmp_path / "off"),
+        )
+    )
 
 
 # ------------------------------------------------------------------ 7. clear messages
@@ -513,7 +593,9 @@ def test_a_forked_child_alive_at_undispatch_does_not_hold_the_store(tmp_path):
 def test_a_dangling_link_as_offload_dir_says_so(tmp_path):
     (tmp_path / "off").symlink_to(tmp_path / "gone")
     model = small()
-    with pytest.raises(OffloadError, match=r"off is a symbolic link to .*gone, which does not exist; create that"):
+    with pytest.raises(
+        OffloadError, match=r"off is a symbolic link to .*gone, which does not exist; create that"
+    ):
         automap.dispatch(model, DISK, offload_dir=tmp_path / "off")
     assert state_of(model) is None and not (tmp_path / "gone").exists()
 
@@ -521,8 +603,11 @@ def test_a_dangling_link_as_offload_dir_says_so(tmp_path):
 @pytest.mark.parametrize("how", ["map", "max_memory"])
 def test_an_offload_dir_under_proc_says_so(how):
     model = small()
-    with pytest.raises(OffloadError, match=r"/proc/nope is on proc, a kernel interface that stores no files; pass a "
-                                           r"directory on a disk"):
+    with pytest.raises(
+        OffloadError,
+        match=r"/proc/nope is on proc, a kernel interface that stores no files; pass a "
+        r"directory on a disk",
+    ):
         if how == "map":
             automap.dispatch(model, DISK, offload_dir="/proc/nope")
         else:
@@ -553,10 +638,11 @@ def test_a_unit_name_of_300_characters_is_stored(tmp_path):
     assert store_dirs(tmp_path) == [store] and torch.equal(out(model, x), expected)
 
 
-
 def test_too_few_file_descriptors_is_an_offload_error_naming_the_limit(tmp_path):
     # A real limit (RLIMIT_NOFILE), in a subprocess: the store cannot open its files.
-    out_text = ok(run_python("""
+    out_text = ok(
+        run_python(
+            """
         import os, resource, sys, tempfile, torch, automap
         from test_store_faults import DISK, out, small
         model, x = small(), torch.randn(3, 64)
@@ -576,6 +662,9 @@ def test_too_few_file_descriptors_is_an_offload_error_naming_the_limit(tmp_path)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert torch.equal(out(model, x), expected)  # the model is as it was
         print("OK")
-    """, str(tmp_path / "off")))
+    """,
+            str(tmp_path / "off"),
+        )
+    )
     assert "OK" in out_text
     assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())

@@ -3,6 +3,7 @@ where the swap needs no more than a shared ``offload_dir``) swaps the store fold
 folder of same-named files (same headers, zero weights), renames or replaces a store file, while
 a model is dispatched or while its store is being written. The forward, ``undispatch`` and the
 next dispatch give the original outputs (or a clear error), never the zero weights."""
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,20 @@ def as_other_user(script: str, *paths: Path) -> None:
                 changed.append((folder, mode))
                 folder.chmod(mode | 0o001)
     try:
-        subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", "sh", "-ec",
-                        script], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "setpriv",
+                f"--reuid={OTHER_UID}",
+                f"--regid={OTHER_UID}",
+                "--clear-groups",
+                "sh",
+                "-ec",
+                script,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     finally:
         for folder, mode in reversed(changed):
             folder.chmod(mode)
@@ -128,8 +141,10 @@ def test_a_store_file_renamed_and_replaced_under_a_live_model(tmp_path):
     (store,) = store_dirs(folder)
     files = sorted(p.name for p in store.glob("*.safetensors"))
     first, second = files[0], files[1]
-    same_user(f"mv '{store}/{first}' '{store}/{first}.old'; cp '{decoy}/{first}' '{store}/{first}'; "
-              f"cp '{decoy}/{second}' '{store}/.new'; mv '{store}/.new' '{store}/{second}'")
+    same_user(
+        f"mv '{store}/{first}' '{store}/{first}.old'; cp '{decoy}/{first}' '{store}/{first}'; "
+        f"cp '{decoy}/{second}' '{store}/.new'; mv '{store}/.new' '{store}/{second}'"
+    )
     check_original(model, x, expected, folder)
 
 
@@ -138,7 +153,9 @@ def test_a_folder_swapped_while_the_store_is_written(shared):
     are mapped through the folder automap holds open, not through the link now in its place."""
     folder, decoy = shared
     model = small()
-    tensors = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in {"1", "3", "5"}}
+    tensors = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in {"1", "3", "5"}
+    }
     specs = {n: TensorSpec(n.split(".")[0], t.dtype, tuple(t.shape)) for n, t in tensors.items()}
     last = list(tensors)[-1]
 
@@ -162,7 +179,9 @@ def test_a_store_file_replaced_between_writing_and_mapping_is_refused(tmp_path):
     folder = tmp_path / "off"
     decoy = zero_store(tmp_path / "attacker")
     model = small()
-    tensors = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in {"1", "3", "5"}}
+    tensors = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in {"1", "3", "5"}
+    }
     specs = {n: TensorSpec(n.split(".")[0], t.dtype, tuple(t.shape)) for n, t in tensors.items()}
     last = list(tensors)[-1]
 

@@ -10,6 +10,7 @@ would break it:
 
 Each scenario runs clean with the real call sequence, and fails with the call forgotten
 (``FakeOps(forget=...)``, the same as deleting that one line of ``StagedTransfer``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -95,8 +96,10 @@ def unit_freed_while_compute_still_reads_it(ops: FakeOps) -> None:
 
 SCENARIOS = {
     "wait": (compute_reads_a_copied_unit, "wait_event is missing"),
-    "synchronize": (next_unit_staged_while_compute_is_behind,
-                    r"staging bytes 0\.\.\d+\) changed before the copy ran: the staging buffer was reused"),
+    "synchronize": (
+        next_unit_staged_while_compute_is_behind,
+        r"staging bytes 0\.\.\d+\) changed before the copy ran: the staging buffer was reused",
+    ),
     "keep_alive": (unit_freed_while_compute_still_reads_it, r"without keep_alive \(record_stream\)"),
 }
 
@@ -132,7 +135,9 @@ def test_a_copy_lands_only_when_ordered():
     ops = FakeOps(forget={"synchronize"})
     transfer, tensors = _transfer(ops)
     got = transfer.take("a", UNITS["a"])
-    assert torch.isnan(got["a.weight"]).all(), "without a synchronize or a wait-then-read, the copy has not run"
+    assert torch.isnan(got["a.weight"]).all(), (
+        "without a synchronize or a wait-then-read, the copy has not run"
+    )
     ops.read(got["a.weight"])  # waited, so reading it runs the copy first
     assert torch.equal(got["a.weight"], tensors["a.weight"])
     transfer.close()
@@ -165,9 +170,16 @@ def test_pinned_sources_are_copied_without_staging():
 
 # ------------------------------------------------------------------ the runtime, end to end
 
-_LLAMA_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
-              "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "disk",
-              "lm_head": "cpu"}
+_LLAMA_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.layers.3": "disk",
+    "model.norm": "disk",
+    "lm_head": "cpu",
+}
 
 
 def test_a_real_model_through_the_fake_matches_and_breaks_no_rule(tmp_path):
@@ -177,8 +189,12 @@ def test_a_real_model_through_the_fake_matches_and_breaks_no_rule(tmp_path):
     ids, expected = ids_and_logits(model.eval(), (2, 9))
     loss_expected = model.train()(ids, labels=ids).loss.detach()
     ops = FakeOps()
-    dispatch_plan(model, automap.plan(model, _LLAMA_MAP), offload_dir=tmp_path,
-                  transfer=lambda source, *_: StagedTransfer(source, ops))
+    dispatch_plan(
+        model,
+        automap.plan(model, _LLAMA_MAP),
+        offload_dir=tmp_path,
+        transfer=lambda source, *_: StagedTransfer(source, ops),
+    )
     with ComputeReads(ops):
         got = logits_of(model.eval(), ids)
         loss = model.train()(ids, labels=ids).loss

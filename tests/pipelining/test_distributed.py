@@ -1,5 +1,6 @@
 """automap.distributed: a plan's stages handed to torch.distributed.pipelining, run for real in
 two processes (gloo on CPU, loopback only) and compared with the same model in one process."""
+
 from __future__ import annotations
 
 import copy
@@ -35,7 +36,9 @@ def _free_port() -> int:
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, 256, (BATCH, SEQ), generator=gen), torch.randint(0, 256, (BATCH, SEQ), generator=gen)
+    return torch.randint(0, 256, (BATCH, SEQ), generator=gen), torch.randint(
+        0, 256, (BATCH, SEQ), generator=gen
+    )
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         plan = plan_for_ranks(model, world)
         ref_logits, ref_loss, ref_grads = _reference(model, ids, labels)
         model.config.use_cache = False  # a KV cache has no place in a traced training graph
-        mine = build_stage(model, plan, (ids,), rank=rank, world_size=world, device="cpu", chunks=CHUNKS,
-                           schedule="gpipe")
+        mine = build_stage(
+            model, plan, (ids,), rank=rank, world_size=world, device="cpu", chunks=CHUNKS, schedule="gpipe"
+        )
         result: dict = {"rank": rank, "units": list(rank_stages(plan)[rank].units)}
         with torch.no_grad():
             out = mine.schedule.step(ids) if mine.is_first else mine.schedule.step()
@@ -75,8 +79,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         train.step(ids) if mine.is_first else train.step(target=labels, losses=losses)
         if mine.is_last:
             result["loss"], result["ref_loss"] = torch.stack(losses).mean().item(), ref_loss
-        result["grads"] = {n: [(p.grad - ref_grads[n]).abs().max().item(), ref_grads[n].abs().max().item()]
-                           for n, p in mine.module.named_parameters()}
+        result["grads"] = {
+            n: [(p.grad - ref_grads[n]).abs().max().item(), ref_grads[n].abs().max().item()]
+            for n, p in mine.module.named_parameters()
+        }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -111,7 +117,10 @@ def test_split_spec_marks_each_later_stage_first_unit():
     model = tiny_llama(layers=6)
     plan = plan_for_ranks(model, 3)
     stages = rank_stages(plan, 3)
-    assert split_spec(plan) == {stages[1].units[0]: SplitPoint.BEGINNING, stages[2].units[0]: SplitPoint.BEGINNING}
+    assert split_spec(plan) == {
+        stages[1].units[0]: SplitPoint.BEGINNING,
+        stages[2].units[0]: SplitPoint.BEGINNING,
+    }
     assert [s.device for s in stages] == ["cuda:0", "cuda:1", "cuda:2"]
     assert sum(len(s.units) for s in stages) == len(plan.units)
 
@@ -120,7 +129,9 @@ def test_stage_count_must_match_ranks():
     model = tiny_llama(layers=4)
     plan = plan_for_ranks(model, 2)
     ids, _ = _inputs()
-    with pytest.raises(PipelineError, match=r"2 stage\(s\).*3 rank\(s\).*plan_for_ranks\(model, world_size=3\)"):
+    with pytest.raises(
+        PipelineError, match=r"2 stage\(s\).*3 rank\(s\).*plan_for_ranks\(model, world_size=3\)"
+    ):
         build_stage(model, plan, (ids,), rank=0, world_size=3, device="cpu", chunks=2)
     with pytest.raises(PipelineError, match="unknown schedule 'zigzag'"):
         build_stage(model, plan, (ids,), rank=0, world_size=2, device="cpu", chunks=2, schedule="zigzag")
@@ -143,9 +154,24 @@ def test_offloaded_plan_is_refused():
 @pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           str(ROOT / "examples" / "pipeline_torchrun.py"), "--steps", "2", "--check"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(ROOT / "examples" / "pipeline_torchrun.py"),
+        "--steps",
+        "2",
+        "--check",
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "matches one process" in done.stderr

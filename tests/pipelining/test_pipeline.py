@@ -3,6 +3,7 @@ model's outputs and gradients), really overlaps stages, and refuses bad settings
 
 Plans name hypothetical GPUs; ``devices=`` runs their stages on the CPU, as torchgpipe's tests
 run "several devices" as ``['cpu', 'cpu']``."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,15 @@ from torch import nn
 
 import automap
 from automap.errors import PipelineError
-from automap.pipelining import (StageCost, best_chunks, chunk_sizes, chunks_for_split_size, pipeline_seconds,
-                              plan_stages, split_batch)
+from automap.pipelining import (
+    StageCost,
+    best_chunks,
+    chunk_sizes,
+    chunks_for_split_size,
+    pipeline_seconds,
+    plan_stages,
+    split_batch,
+)
 from automap.pipelining.cost import HANDOFF_SECONDS
 from conftest import tiny_llama, weight_bytes
 from tiny_configs import beside_the_run
@@ -39,23 +47,32 @@ class ToyModel(nn.Module):
 def mlp_stack(blocks: int = 6, width: int = 32) -> nn.Sequential:
     """A BatchNorm-free stack: LayerNorm + Linear + GELU blocks, then a head."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                               for _ in range(blocks)]
+    layers: list[nn.Module] = [
+        nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(blocks)
+    ]
     return nn.Sequential(*layers, nn.Linear(width, 3))
 
 
 def _three_gpu_plan(model: nn.Module) -> automap.Plan:
     """A plan over three hypothetical GPUs, none of which holds half the model."""
     share = int(weight_bytes(model) * 0.45)
-    return automap.plan(model, max_memory={0: share, 1: share, 2: share}, example_inputs=(torch.zeros(1, 32),))
+    return automap.plan(
+        model, max_memory={0: share, 1: share, 2: share}, example_inputs=(torch.zeros(1, 32),)
+    )
 
 
 def _toy_plan(model: nn.Module) -> automap.Plan:
     return automap.plan(model, {"net1": 0, "net2": 1})
 
 
-def _assert_transparent(model: nn.Module, plan: automap.Plan, x: torch.Tensor, chunks: int,
-                        devices: dict | None = None, **tolerance: float) -> None:
+def _assert_transparent(
+    model: nn.Module,
+    plan: automap.Plan,
+    x: torch.Tensor,
+    chunks: int,
+    devices: dict | None = None,
+    **tolerance: float,
+) -> None:
     """Outputs, parameter gradients and input gradients of pipe(x) equal model(x)'s (the plain
     model runs on CPU; ``devices`` maps the plan's devices to real ones, default all CPU)."""
     plain = copy.deepcopy(model)
@@ -99,13 +116,25 @@ def test_vision_transformer_is_transparent():
     from torchvision.models import VisionTransformer
 
     torch.manual_seed(0)
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=2, hidden_dim=32, mlp_dim=64,
-                              num_classes=10)
+    model = VisionTransformer(
+        image_size=32, patch_size=8, num_layers=4, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+    )
     x = torch.randn(5, 3, 32, 32)
-    plan = automap.plan(model, {"conv_proj": 0, "encoder.pos_embedding": 0, "class_token": 0,
-                                "encoder.layers.encoder_layer_0": 0, "encoder.layers.encoder_layer_1": 0,
-                                "encoder.layers.encoder_layer_2": 1, "encoder.layers.encoder_layer_3": 1,
-                                "encoder.ln": 1, "heads": 1}, example_inputs=(x,))
+    plan = automap.plan(
+        model,
+        {
+            "conv_proj": 0,
+            "encoder.pos_embedding": 0,
+            "class_token": 0,
+            "encoder.layers.encoder_layer_0": 0,
+            "encoder.layers.encoder_layer_1": 0,
+            "encoder.layers.encoder_layer_2": 1,
+            "encoder.layers.encoder_layer_3": 1,
+            "encoder.ln": 1,
+            "heads": 1,
+        },
+        example_inputs=(x,),
+    )
     assert len(plan_stages(plan)) == 2
     _assert_transparent(model, plan, x, chunks=3)
 
@@ -114,8 +143,13 @@ def test_llama_keyword_inputs_and_model_output():
     model = tiny_llama(layers=4)
     ids = torch.randint(0, 256, (5, 9))
     first = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1"]
-    plan = automap.plan(model, {**dict.fromkeys(first, 0), **dict.fromkeys(
-        ["model.layers.2", "model.layers.3", "model.norm", "lm_head"], 1)})
+    plan = automap.plan(
+        model,
+        {
+            **dict.fromkeys(first, 0),
+            **dict.fromkeys(["model.layers.2", "model.layers.3", "model.norm", "lm_head"], 1),
+        },
+    )
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
         pipe = automap.pipeline(model, plan, chunks=3, devices=ON_CPU)
@@ -131,8 +165,11 @@ def test_batchnorm_matches_in_eval_and_normalises_per_microbatch_in_training(cap
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(6, 3, 32, 32)
-    plan = automap.plan(model, {"conv1": 0, "bn1": 0, "layer1": 0, "layer2": 0, "layer3": 1, "layer4": 1,
-                                "fc": 1}, example_inputs=(x[:2],))
+    plan = automap.plan(
+        model,
+        {"conv1": 0, "bn1": 0, "layer1": 0, "layer2": 0, "layer3": 1, "layer4": 1, "fc": 1},
+        example_inputs=(x[:2],),
+    )
     plain = copy.deepcopy(model)
     with caplog.at_level("WARNING", logger="automap.pipelining.runner"):
         pipe = automap.pipeline(model, plan, chunks=3, devices=ON_CPU)
@@ -193,8 +230,14 @@ GPU_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 def test_one_gpu_and_cpu_stages_are_transparent(chunks):
     model = mlp_stack()
     plan = _three_gpu_plan(model)
-    _assert_transparent(model, plan, torch.randn(13, 32), chunks,
-                        {"cuda:0": "cuda:0", "cuda:1": "cpu", "cuda:2": "cuda:0"}, **GPU_TOLERANCE)
+    _assert_transparent(
+        model,
+        plan,
+        torch.randn(13, 32),
+        chunks,
+        {"cuda:0": "cuda:0", "cuda:1": "cpu", "cuda:2": "cuda:0"},
+        **GPU_TOLERANCE,
+    )
 
 
 @pytest.mark.multi_gpu

@@ -1,5 +1,6 @@
 """The decode prediction (planning/decode.py) on hand-made plans whose numbers are known: which
 term limits a step, the step time it gives, and the hint that moves the limit."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,19 +15,31 @@ GB = 10**9
 
 
 def _unit(name: str, weights: int, kv_read: int = 0, flops: int = 0, kv: int = 0) -> Unit:
-    return Unit(name, (f"{name}.w",), param_bytes=weights, kv_bytes=kv, kv_read_bytes=kv_read, decode_flops=flops,
-                calls=1)
+    return Unit(
+        name,
+        (f"{name}.w",),
+        param_bytes=weights,
+        kv_bytes=kv,
+        kv_read_bytes=kv_read,
+        decode_flops=flops,
+        calls=1,
+    )
 
 
 def _plan(units, placement, devices, batch: int = 1) -> Plan:
-    return Plan(units=tuple(units), devices=tuple(devices), placement=tuple(placement),
-                provenance=Provenance("auto"),
-                inputs=PlanInputs(generation=Generation(batch, 1024, 128, cache="DynamicCache")))
+    return Plan(
+        units=tuple(units),
+        devices=tuple(devices),
+        placement=tuple(placement),
+        provenance=Provenance("auto"),
+        inputs=PlanInputs(generation=Generation(batch, 1024, 128, cache="DynamicCache")),
+    )
 
 
 def _gpu(name: str, capacity: int = 80 * GB):
-    return make_device(name, capacity, flops_per_second=100e12, link_bytes_per_second=25e9,
-                       memory_bytes_per_second=2e12)
+    return make_device(
+        name, capacity, flops_per_second=100e12, link_bytes_per_second=25e9, memory_bytes_per_second=2e12
+    )
 
 
 def test_resident_weights_bound_a_step_by_memory_bandwidth():
@@ -44,7 +57,10 @@ def test_a_stream_to_a_gpu_overlaps_its_work_and_is_named_with_a_fix():
     decode = predict_decode(_plan(units, ["cuda:0", "disk"], devices))
     assert decode.step_seconds == pytest.approx(17 * GB / 2e9)  # the copy engine streams while it computes
     assert (decode.limit.kind, decode.limit.device) == ("stream", "disk")
-    assert "decode limited by 15.83 GiB streamed from disk per step: ~0.118 tokens/s at batch 1" in decode.describe()
+    assert (
+        "decode limited by 15.83 GiB streamed from disk per step: ~0.118 tokens/s at batch 1"
+        in decode.describe()
+    )
     assert "more memory on cuda:0 (max_memory) would keep every weight resident" in decode.hint
 
 
@@ -75,13 +91,19 @@ def test_devices_take_turns_and_the_limit_sums_them():
 
 
 def test_a_larger_batch_amortises_the_weights_until_the_cache_or_compute_limits():
-    plan = _plan([_unit("a", 10 * GB, kv_read=GB // 2, flops=2 * 10**10, kv=GB)], ["cuda:0"], [_gpu("cuda:0")])
+    plan = _plan(
+        [_unit("a", 10 * GB, kv_read=GB // 2, flops=2 * 10**10, kv=GB)], ["cuda:0"], [_gpu("cuda:0")]
+    )
     hint = predict_decode(plan).hint
     # Weights (10 GB) stay; the cache read grows with the batch and passes them at batch 32.
     assert "at batch 32 the limit moves to 14.90 GiB of KV cache read from cuda:0" in hint
 
 
 def test_no_generation_no_prediction():
-    plan = Plan(units=(_unit("a", GB),), devices=(_gpu("cuda:0"),), placement=("cuda:0",),
-                provenance=Provenance("auto"))
+    plan = Plan(
+        units=(_unit("a", GB),),
+        devices=(_gpu("cuda:0"),),
+        placement=("cuda:0",),
+        provenance=Provenance("auto"),
+    )
     assert predict_decode(plan) is None

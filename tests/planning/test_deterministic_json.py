@@ -1,6 +1,7 @@
 """A plan is a pure function of its inputs: the same model, budgets and machine figures give a
 byte-identical plan JSON in every process, whatever PYTHONHASHSEED, with a disk budget and
 without one (the disk's free space then comes from the machine's record, not from the moment)."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Built in each process from configs (random weights, seeded): a decoder planned for a
 # generation, an encoder-decoder, and a SPEC planned by the command line; CPU RAM too small for
 # the weights beside the run, so part of each goes to disk.
-SCRIPT = r'''
+SCRIPT = r"""
 import sys
 from pathlib import Path
 import torch, transformers, automap
@@ -38,7 +39,7 @@ for disk, budget in (("no-disk-budget", "cpu=2MB"), ("disk-budget", "cpu=2MB,dis
             "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--max-memory", budget,
             "--seq-len", "16", "--max-length", "32", "--quiet", "--json", str(out / f"cli-{disk}.json")]
     assert main(spec) == 0
-'''
+"""
 
 
 def test_plan_json_is_byte_identical_across_processes_and_hash_seeds(tmp_path, monkeypatch):
@@ -48,9 +49,20 @@ def test_plan_json_is_byte_identical_across_processes_and_hash_seeds(tmp_path, m
     for seed in ("0", "1", "4242"):
         out = tmp_path / f"seed-{seed}"
         out.mkdir()
-        env = {**os.environ, "PYTHONHASHSEED": seed, "AUTOMAP_CALIBRATION": str(record), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-        done = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(tmp_path / "store")],
-                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": seed,
+            "AUTOMAP_CALIBRATION": str(record),
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(out), str(tmp_path / "store")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append({p.name: p.read_bytes() for p in sorted(out.glob("*.json"))})
     assert len(runs[0]) == 6
@@ -69,6 +81,8 @@ def test_offload_dir_is_recorded_the_same_however_it_is_named(tmp_path, monkeypa
     pin_machine(tmp_path / "machine.json", monkeypatch, tmp_path)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     monkeypatch.chdir(tmp_path)
-    plans = [automap.plan(model, max_memory={"cpu": "20KB"}, offload_dir=d).to_json()
-             for d in ("store", tmp_path / "store", Path("store"))]
+    plans = [
+        automap.plan(model, max_memory={"cpu": "20KB"}, offload_dir=d).to_json()
+        for d in ("store", tmp_path / "store", Path("store"))
+    ]
     assert plans[0] == plans[1] == plans[2]

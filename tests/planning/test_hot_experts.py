@@ -1,6 +1,7 @@
 """The hot-expert policy (:class:`automap.planning.experts.HotExperts`) and Belady's optimal
 cache it is measured against: hits counted per routed expert, the byte budget never exceeded,
 Belady's hits equal to the best any cache of that size could get on small traces."""
+
 from __future__ import annotations
 
 import itertools
@@ -59,8 +60,12 @@ traces = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=Tru
 
 
 @settings(max_examples=200, deadline=None)
-@given(traces, st.integers(0, 60), st.sampled_from([1.0, 0.99, 0.5]), st.lists(st.integers(1, 25), min_size=6,
-                                                                                  max_size=6))
+@given(
+    traces,
+    st.integers(0, 60),
+    st.sampled_from([1.0, 0.99, 0.5]),
+    st.lists(st.integers(1, 25), min_size=6, max_size=6),
+)
 def test_what_is_held_never_exceeds_the_budget_and_follows_the_changes(trace, budget, decay, sizes):
     cache = HotExperts(budget, decay)
     held: set[tuple[str, int]] = set()
@@ -92,8 +97,10 @@ def _best_hits(trace: list[list[tuple[str, int]]], slots: int) -> int:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=2, unique=True), min_size=1, max_size=9),
-       st.integers(0, 3))
+@given(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=2, unique=True), min_size=1, max_size=9),
+    st.integers(0, 3),
+)
 def test_belady_gets_the_most_hits_any_cache_of_its_size_gets(trace, slots):
     calls = [_keys(*c) for c in trace]
     assert belady_hits(calls, slots * 7, 7) == _best_hits(calls, slots)

@@ -1,5 +1,6 @@
 """The memory model of a run (automap/planning/memory.py): what it counts, that the planner places
 against it, that it refuses with the numbers, and that the report shows it."""
+
 from __future__ import annotations
 
 import pytest
@@ -116,8 +117,14 @@ def test_the_report_shows_the_parts_of_the_peak(gpt2_profile):
     plan = automap.plan(gpt2_profile, max_memory={"cpu": "1GiB"})
     row = cpu_row(plan)
     text = " ".join(plan.report().split())  # lines wrapped at 80 columns, joined again
-    parts = " + ".join(f"{automap.format_bytes(n)} {what}" for n, what in [
-        (row.weights, "weights"), (row.activations, "activations"), (row.overhead, "runtime overhead")])
+    parts = " + ".join(
+        f"{automap.format_bytes(n)} {what}"
+        for n, what in [
+            (row.weights, "weights"),
+            (row.activations, "activations"),
+            (row.overhead, "runtime overhead"),
+        ]
+    )
     assert f"peak {automap.format_bytes(row.peak_bytes)} = {parts}" in text
 
 

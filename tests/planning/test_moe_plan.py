@@ -4,6 +4,7 @@ Qwen3-30B-A3B-shaped model (bfloat16, on meta) keep every layer's attention, nor
 the GPU and their routed experts beside them or in CPU RAM (disk when RAM is short); the CPU
 computes the experts at a decode step of batch 1 and they stream at the prompt's prefill, as
 the cost model predicts, and the plan's predicted decode rate beats every whole-layer plan's."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,16 @@ def mixtral(layers: int = 32):
     """Mixtral-8x7B's shape: hidden 4096, 14336 per expert, 8 experts, 2 per token."""
     import transformers
 
-    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                                        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-                                        num_attention_heads=32, num_key_value_heads=8)
+    config = transformers.MixtralConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         return transformers.MixtralForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -39,18 +47,29 @@ def qwen3_moe(layers: int = 48):
     """Qwen3-30B-A3B's shape: hidden 2048, 128 experts of 768, 8 per token."""
     import transformers
 
-    config = transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                                         num_hidden_layers=layers, num_experts=128, num_experts_per_tok=8,
-                                         vocab_size=151936, num_attention_heads=32, num_key_value_heads=4,
-                                         head_dim=128, mlp_only_layers=[], decoder_sparse_step=1)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=layers,
+        num_experts=128,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    )
     with torch.device("meta"):
         return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
 
 
 def planned(model, budget=BUDGET, bandwidths=DDR5, batch=1):
     prompt = (torch.zeros(batch, 128, dtype=torch.long, device="meta"),)
-    return automap.plan(model, max_memory=budget, example_inputs=prompt, batch=batch, max_length=4096,
-                        bandwidths=bandwidths)
+    return automap.plan(
+        model, max_memory=budget, example_inputs=prompt, batch=batch, max_length=4096, bandwidths=bandwidths
+    )
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -101,6 +120,7 @@ def test_its_predicted_decode_rate_beats_the_best_whole_layer_plan(moe_plan):
     record = plan.experts
     assert record.tokens_per_second > record.whole_layer_tokens_per_second > 0
     from automap.planning.decode import predict_decode
+
     assert predict_decode(plan).tokens_per_second == pytest.approx(record.tokens_per_second)
     assert any(c.startswith("chosen instead: routed experts apart") for c in plan.choices)
 
@@ -157,8 +177,9 @@ def test_layers_stay_whole_without_a_generation_or_when_the_gpu_holds_everything
     prompt = (torch.zeros(1, 16, dtype=torch.long, device="meta"),)
     whole = automap.plan(model, max_memory={0: "3GiB", "cpu": "64GiB"}, example_inputs=prompt)
     assert whole.experts is None and any("plan for a generation" in c for c in whole.choices)
-    roomy = automap.plan(model, max_memory={0: "80GiB", "cpu": "64GiB"}, example_inputs=prompt, batch=1,
-                         max_length=64)
+    roomy = automap.plan(
+        model, max_memory={0: "80GiB", "cpu": "64GiB"}, example_inputs=prompt, batch=1, max_length=64
+    )
     assert roomy.experts is None and not [u for u in roomy.units if u.experts]
 
 
@@ -184,15 +205,29 @@ def _same_logits_dispatched(model, ids, device_map) -> None:
 def test_a_plan_with_the_experts_as_units_dispatches_on_the_cpu_with_the_plain_outputs(kind):
     model = tiny_moe(kind, layers=2, hidden=64, experts=8, shared=48)
     ids = (torch.randint(0, 128, (2, 16)),)
-    _same_logits_dispatched(model, ids, {"": "cpu", **{f"model.layers.{i}.mlp.experts": "cpu" for i in range(2)}})
+    _same_logits_dispatched(
+        model, ids, {"": "cpu", **{f"model.layers.{i}.mlp.experts": "cpu" for i in range(2)}}
+    )
 
 
 def test_the_cli_shows_the_experts_plan_against_the_whole_layer_plan(tmp_path, capsys):
     from automap.cli import main
 
     out_json = tmp_path / "plan.json"
-    code = main(["plan", "hf:mixtral", "--max-memory", "0=24GiB,cpu=64GiB,disk=500GiB", "--dtype", "bfloat16",
-                 "--max-length", "4096", "--json", str(out_json)])
+    code = main(
+        [
+            "plan",
+            "hf:mixtral",
+            "--max-memory",
+            "0=24GiB,cpu=64GiB,disk=500GiB",
+            "--dtype",
+            "bfloat16",
+            "--max-length",
+            "4096",
+            "--json",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     text = " ".join(out.split())
@@ -231,7 +266,9 @@ def test_experts_the_cpu_computes_get_the_per_call_choice_at_the_planned_token_c
     try:
         assert hooked == set(in_ram) and hooked
         assert {h.stream_from for h in state.hooks} == set(in_ram.values())
-        assert all(isinstance(h, ExpertsByCall) and h.accelerator == torch.device("cuda:0") for h in state.hooks)
+        assert all(
+            isinstance(h, ExpertsByCall) and h.accelerator == torch.device("cuda:0") for h in state.hooks
+        )
     finally:
         for hook in state.hooks:
             hook.detach()

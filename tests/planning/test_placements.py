@@ -2,6 +2,7 @@
 load use it (or check the room of another folder first), and both raise one error when there is
 no folder; each unit's placement (home, compute device, route) is resolved once and shown in the
 JSON; JSON written before either existed still reads."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,9 @@ def assert_unchanged(model, before):
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
     now = model.state_dict(keep_vars=True)
     for name, (tensor, device, values) in before.items():
-        assert now[name] is tensor and now[name].device == device and torch.equal(now[name].detach(), values), name
+        assert (
+            now[name] is tensor and now[name].device == device and torch.equal(now[name].detach(), values)
+        ), name
 
 
 # ------------------------------------------------------------------ the folder a plan was sized for
@@ -85,7 +88,9 @@ def test_dispatch_and_load_raise_one_error_for_no_offload_dir(tmp_path):
     model = mlp()
     plan = automap.plan(model, max_memory={"cpu": 0, "disk": "1GB"})
     before = snapshot(model)
-    with pytest.raises(OffloadDirError, match=r"offloads \d+ units .* to disk but no offload_dir") as dispatched:
+    with pytest.raises(
+        OffloadDirError, match=r"offloads \d+ units .* to disk but no offload_dir"
+    ) as dispatched:
         automap.dispatch(model, plan)
     assert isinstance(dispatched.value, DispatchError) and isinstance(dispatched.value, CheckpointError)
     assert_unchanged(model, before)
@@ -93,7 +98,9 @@ def test_dispatch_and_load_raise_one_error_for_no_offload_dir(tmp_path):
     torch.save(model.state_dict(), checkpoint)  # a pickle: offloaded tensors must be written
     with automap.empty_model():
         skeleton = mlp()
-    with pytest.raises(OffloadDirError, match=r"offloads \d+ tensor\(s\) .* to disk that must be written there"):
+    with pytest.raises(
+        OffloadDirError, match=r"offloads \d+ tensor\(s\) .* to disk that must be written there"
+    ):
         automap.load(skeleton, checkpoint, plan, quiet=True)
 
 
@@ -104,7 +111,9 @@ def small_folder(tmp_path):
     point.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "none", str(point)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "none", str(point)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -117,8 +126,11 @@ def test_another_folder_too_small_is_refused_before_anything_is_written(tmp_path
     model = mlp()  # 8 x 66 KiB, nearly all on disk: more than the 256 KiB there
     plan = automap.plan(model, max_memory={"cpu": 0}, offload_dir=tmp_path / "big")
     before = snapshot(model)
-    with pytest.raises(OffloadDirError, match=f"sized for offload_dir '{tmp_path / 'big'}'.*'{small_folder}'.*"
-                                              "free.*plan again with offload_dir") as info:
+    with pytest.raises(
+        OffloadDirError,
+        match=f"sized for offload_dir '{tmp_path / 'big'}'.*'{small_folder}'.*"
+        "free.*plan again with offload_dir",
+    ) as info:
         automap.dispatch(model, plan, offload_dir=small_folder)
     assert isinstance(info.value, DispatchError)
     assert os.listdir(small_folder) == []
@@ -153,22 +165,31 @@ def test_placements_of_a_plan_with_gpu_cpu_and_disk_units():
     plan = automap.plan(model, max_memory={0: 40000, "cpu": 40000, "disk": "1GB"}, example_inputs=inputs(64))
     assert set(plan.placement) == {"cuda:0", "cpu", "disk"} and plan.execution_device == "cuda:0"
     assert len(plan.placements) == len(plan.units)
-    expected = {"cuda:0": Placement("cuda:0", "cuda", "cuda:0", Route.RESIDENT),
-                "cpu": Placement("cpu", "cpu", "cuda:0", Route.STREAMED),
-                "disk": Placement("disk", "disk", "cuda:0", Route.STAGED)}
+    expected = {
+        "cuda:0": Placement("cuda:0", "cuda", "cuda:0", Route.RESIDENT),
+        "cpu": Placement("cpu", "cpu", "cuda:0", Route.STREAMED),
+        "disk": Placement("disk", "disk", "cuda:0", Route.STAGED),
+    }
     table = plan.placements
     assert table.rows == tuple(expected[d] for d in plan.placement) and tuple(table) == table.rows
     assert table.units == tuple(u.name for u in plan.units)
     assert dict(table.by_home) == {d.name: expected[d.name] for d in plan.devices}
-    held = {d.name: sum(u.weight_bytes for u, h in zip(plan.units, plan.placement) if h == d.name)
-            for d in plan.devices}
+    held = {
+        d.name: sum(u.weight_bytes for u, h in zip(plan.units, plan.placement) if h == d.name)
+        for d in plan.devices
+    }
     assert table.bytes_on == held
     assert table.offloaded_bytes == table.bytes_on.get("cpu", 0) + table.bytes_on.get("disk", 0)
     assert plan.offloaded_units == tuple(u.name for u, p in zip(plan.units, plan.placements) if p.offloaded)
     assert plan.placements is table  # resolved once per plan
     units = json.loads(plan.to_json())["units"]
     assert [u["placement"] for u in units] == [p.as_dict() for p in plan.placements]
-    assert units[-1]["placement"] == {"home": "disk", "tier": "disk", "compute_device": "cuda:0", "route": "staged"}
+    assert units[-1]["placement"] == {
+        "home": "disk",
+        "tier": "disk",
+        "compute_device": "cuda:0",
+        "route": "staged",
+    }
 
 
 def test_placements_when_the_cpu_computes():
@@ -184,7 +205,10 @@ def test_placements_when_the_cpu_computes():
 def test_placements_of_json_from_before_they_were_written():
     plan = automap.Plan.from_json(OLD_JSON.read_text())
     assert {(p.home, p.route) for p in plan.placements} == {
-        ("cuda:0", Route.RESIDENT), ("cpu", Route.STREAMED), ("disk", Route.STAGED)}
+        ("cuda:0", Route.RESIDENT),
+        ("cpu", Route.STREAMED),
+        ("disk", Route.STAGED),
+    }
     again = automap.Plan.from_json(plan.to_json())
     assert again.placements == plan.placements
 
@@ -230,7 +254,9 @@ def test_dispatch_puts_each_unit_where_its_placement_says_on_a_gpu(tmp_path):
             if placement.route is Route.RESIDENT:
                 assert weight.device == torch.device("cuda:0"), unit.name
             else:  # between forwards an offloaded weight is its host copy: pinned RAM, or the store's file
-                assert weight.device.type == "cpu" and (backing_file(weight) is not None) == placement.in_store
+                assert (
+                    weight.device.type == "cpu" and (backing_file(weight) is not None) == placement.in_store
+                )
         with torch.no_grad():
             torch.testing.assert_close(model(*inputs()).cpu(), expected)
     finally:

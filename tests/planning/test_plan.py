@@ -1,6 +1,7 @@
 """The balancer on hypothetical devices: optimality against brute force, the fits-on-GPUs
 promise on real architectures (built on meta), capacities, tie groups, determinism, user maps
 and errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,19 @@ def chain_profile(flops, weights, activations=None, cuts=None, ties=()) -> Profi
     n = len(flops)
     activations = activations or [0] * n
     cuts = cuts or [0] * n
-    units = tuple(Unit(name=f"u{i}", tensors=(f"u{i}.weight",), param_bytes=weights[i], flops=flops[i],
-                       train_flops=3 * flops[i], output_bytes=cuts[i + 1] if i + 1 < n else 0,
-                       peak_activation_bytes=activations[i], calls=1) for i in range(n))
+    units = tuple(
+        Unit(
+            name=f"u{i}",
+            tensors=(f"u{i}.weight",),
+            param_bytes=weights[i],
+            flops=flops[i],
+            train_flops=3 * flops[i],
+            output_bytes=cuts[i + 1] if i + 1 < n else 0,
+            peak_activation_bytes=activations[i],
+            calls=1,
+        )
+        for i in range(n)
+    )
     graph = nx.DiGraph()
     graph.add_nodes_from(["<input>", *(u.name for u in units)])
     for i in range(n):
@@ -49,8 +60,10 @@ def chain_profile(flops, weights, activations=None, cuts=None, ties=()) -> Profi
 def gpus(capacities, speeds=None, links=None):
     speeds = speeds or [None] * len(capacities)
     links = links or [None] * len(capacities)
-    return tuple(make_device(f"cuda:{i}", c, flops_per_second=s, link_bytes_per_second=b)
-                 for i, (c, s, b) in enumerate(zip(capacities, speeds, links)))
+    return tuple(
+        make_device(f"cuda:{i}", c, flops_per_second=s, link_bytes_per_second=b)
+        for i, (c, s, b) in enumerate(zip(capacities, speeds, links))
+    )
 
 
 def fits(plan: Plan) -> bool:
@@ -77,8 +90,10 @@ def spilled(plan: Plan) -> int:
 
 def hypothetical(profile: Profile, count: int, total_ratio: float) -> tuple:
     share = int(profile.total_bytes * total_ratio / count)
-    return gpus([share] * count) + (make_device("cpu", 10 * profile.total_bytes),
-                                    make_device("disk", 100 * profile.total_bytes))
+    return gpus([share] * count) + (
+        make_device("cpu", 10 * profile.total_bytes),
+        make_device("disk", 100 * profile.total_bytes),
+    )
 
 
 # ------------------------------------------------------------------- optimality (property)
@@ -116,13 +131,19 @@ def test_balanced_bottleneck_equals_brute_force_optimum(instance):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 50), min_size=0, max_size=12), st.lists(st.integers(0, 30), min_size=12, max_size=12),
-       st.integers(0, 120))
+@given(
+    st.lists(st.integers(0, 50), min_size=0, max_size=12),
+    st.lists(st.integers(0, 30), min_size=12, max_size=12),
+    st.integers(0, 120),
+)
 def test_memory_reach_is_the_longest_fitting_range(weights, activations, room):
-    chain = Chain([1.0] * len(weights), weights, activations[:len(weights)], [0.0] * len(weights))
+    chain = Chain([1.0] * len(weights), weights, activations[: len(weights)], [0.0] * len(weights))
     reach = memory_reach(chain, room)
     for start in range(len(weights) + 1):
-        need = [sum(weights[start:e]) + max(activations[start:e], default=0) for e in range(start, len(weights) + 1)]
+        need = [
+            sum(weights[start:e]) + max(activations[start:e], default=0)
+            for e in range(start, len(weights) + 1)
+        ]
         assert reach[start] == start + max(i for i, x in enumerate(need) if x <= room or i == 0)
         assert fill(chain, [room], start)[1] == reach[start]
 
@@ -143,13 +164,20 @@ def test_a_chain_one_slot_runs_alone_goes_to_the_first_slot():
     assert min_bottleneck(chain, slots) == [(0, 3), None, None]
     # When the first slot cannot hold it, the next one that can takes it.
     small = [Slot(10, 1e14, 1e10), Slot(10**9, 1e14, 1e10), Slot(10**9, 1e14, 1e10)]
-    assert min_bottleneck(Chain([1e6] * 3, [100] * 3, [0] * 3, [0, 1e12, 1e12]), small) == [None, (0, 3), None]
+    assert min_bottleneck(Chain([1e6] * 3, [100] * 3, [0] * 3, [0, 1e12, 1e12]), small) == [
+        None,
+        (0, 3),
+        None,
+    ]
 
 
 def test_a_small_model_on_two_gpus_runs_on_gpu_0():
     model = tiny_llama(layers=4)
-    plan = automap.plan(model, max_memory={0: "1GiB", 1: "1GiB"},
-                        example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    plan = automap.plan(
+        model,
+        max_memory={0: "1GiB", 1: "1GiB"},
+        example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long)},
+    )
     assert set(plan.device_map.values()) == {0}
 
 
@@ -170,8 +198,14 @@ def llama_2g_profile():
     """2.2 GB Llama-style model (float32) with an untied 262 MB lm_head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-                         vocab_size=32000, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return automap.profile(model)
@@ -220,8 +254,9 @@ def test_too_small_gpus_keep_a_contiguous_run_then_cpu_then_disk(llama_2g_profil
     assert stored == {"cpu", "disk"}
     cpu = next(r for r in summary(plan) if r.device.name == "cpu")
     free = cpu.device.capacity_bytes - cpu.used_bytes
-    assert all(u.weight_bytes > free for u, d in zip(plan.units, plan.placement) if d == "disk"), \
+    assert all(u.weight_bytes > free for u, d in zip(plan.units, plan.placement) if d == "disk"), (
         "CPU RAM takes every offloaded unit that fits before disk"
+    )
     assert plan.placements.bytes_on.get("disk", 0) > 0 and plan.placements.bytes_on.get("cpu", 0) > 0
     assert sum(plan.placements.bytes_on[f"cuda:{i}"] for i in range(2)) > 0.45 * total
     largest = max(u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
@@ -255,8 +290,12 @@ def test_sequential_spill_fills_gpus_in_order_then_cpu(llama_2g_profile):
 def test_plan_front_door_takes_reserve_and_speeds(llama_2g_profile):
     share = int(llama_2g_profile.total_bytes * 0.7)
     plain = automap.plan(llama_2g_profile, max_memory={0: share, 1: share, "cpu": "10GB"})
-    kept = automap.plan(llama_2g_profile, max_memory={0: share, 1: share, "cpu": "10GB"}, reserve=share // 2,
-                        speeds={"cuda:1": 50e12})
+    kept = automap.plan(
+        llama_2g_profile,
+        max_memory={0: share, 1: share, "cpu": "10GB"},
+        reserve=share // 2,
+        speeds={"cuda:1": 50e12},
+    )
     assert spilled(plain) == 0 and spilled(kept) > 0
     assert [r.reserve_bytes >= share // 2 for r in summary(kept)[:2]] == [True, True]
     assert kept.device("cuda:1").flops_per_second == 50e12
@@ -276,7 +315,9 @@ def test_reserve_keeps_room_on_every_gpu(llama_2g_profile):
     devices = gpus([share, share])
     plain = make_plan(prof, devices)
     assert spilled(plain) == 0
-    kept = make_plan(prof, devices + (make_device("cpu", 10**10),), reserve={"cuda:0": share // 2, "cuda:1": share // 2})
+    kept = make_plan(
+        prof, devices + (make_device("cpu", 10**10),), reserve={"cuda:0": share // 2, "cuda:1": share // 2}
+    )
     assert spilled(kept) > 0 and fits(kept)
     assert all(r.reserve_bytes >= share // 2 for r in summary(kept)[:2])
 
@@ -287,7 +328,9 @@ def test_activations_for_the_planned_batch_are_reserved():
     small = automap.plan(model, max_memory=budget, batch=1)
     big = automap.plan(model, max_memory=budget, batch=64)
     assert spilled(small) == 0 and spilled(big) > 0
-    assert max(u.peak_activation_bytes for u in big.units) > 50 * max(u.peak_activation_bytes for u in small.units)
+    assert max(u.peak_activation_bytes for u in big.units) > 50 * max(
+        u.peak_activation_bytes for u in small.units
+    )
     assert fits(big) and fits(small)
 
 
@@ -310,8 +353,13 @@ def test_synthetic_tie_groups_are_colocated(instance, data):
     profile, devices = instance
     n = len(profile.units)
     a, b = sorted(data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2)))
-    tied = Profile(profile.model_name, profile.units, tie_groups=((f"u{a}.weight", f"u{b}.weight"),),
-                   graph=profile.graph, example="synthetic")
+    tied = Profile(
+        profile.model_name,
+        profile.units,
+        tie_groups=((f"u{a}.weight", f"u{b}.weight"),),
+        graph=profile.graph,
+        example="synthetic",
+    )
     try:
         plan = make_plan(tied, devices + (make_device("cpu", 10**10),))
     except PlanError:
@@ -321,11 +369,16 @@ def test_synthetic_tie_groups_are_colocated(instance, data):
 
 
 def test_identical_inputs_give_identical_plans(resnet50_profile, llama_2g_profile):
-    for prof, devices in ((resnet50_profile, hypothetical(resnet50_profile, 4, 1.3)),
-                          (llama_2g_profile, hypothetical(llama_2g_profile, 8, 0.5))):
+    for prof, devices in (
+        (resnet50_profile, hypothetical(resnet50_profile, 4, 1.3)),
+        (llama_2g_profile, hypothetical(llama_2g_profile, 8, 0.5)),
+    ):
         plans = [make_plan(prof, devices) for _ in range(3)]
-        rebuilt = dataclasses.replace(prof, units=tuple(Unit(**vars(u)) for u in prof.units),
-                                      graph=nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))))
+        rebuilt = dataclasses.replace(
+            prof,
+            units=tuple(Unit(**vars(u)) for u in prof.units),
+            graph=nx.DiGraph(list(reversed(list(prof.graph.edges(data=True))))),
+        )
         plans.append(make_plan(rebuilt, devices))
         assert all(p == plans[0] and p.to_json() == plans[0].to_json() for p in plans)
 
@@ -379,15 +432,21 @@ def test_cut_bytes_in_one_pass_match_the_profile():
 
 def test_model_that_fits_nowhere_says_how_much_is_missing(llama_2g_profile):
     devices = gpus([300 * MB, 300 * MB]) + (make_device("cpu", 500 * MB), make_device("disk", 800 * MB))
-    with pytest.raises(PlanError, match=r"does not fit even with offloading.*2.0\d GiB of weights.*"
-                                        r"cuda:0 286.10 MiB.*disk 762.94 MiB.*short.*raise max_memory"):
+    with pytest.raises(
+        PlanError,
+        match=r"does not fit even with offloading.*2.0\d GiB of weights.*"
+        r"cuda:0 286.10 MiB.*disk 762.94 MiB.*short.*raise max_memory",
+    ):
         make_plan(llama_2g_profile, devices)
 
 
 def test_unit_larger_than_every_device_is_named(llama_2g_profile):
     # No disk: the CPU would have to hold the embedding in RAM to compute it.
     devices = gpus([200 * MB, 200 * MB]) + (make_device("cpu", 250 * MB),)
-    with pytest.raises(PlanError, match=r"unit 'model.embed_tokens' needs 250.00 MiB but the largest device .* cpu, has 238.42 MiB"):
+    with pytest.raises(
+        PlanError,
+        match=r"unit 'model.embed_tokens' needs 250.00 MiB but the largest device .* cpu, has 238.42 MiB",
+    ):
         make_plan(llama_2g_profile, devices)
 
 
@@ -408,8 +467,15 @@ def test_unknown_strategy_and_no_devices(resnet50_profile):
 
 def test_user_map_becomes_a_plan_and_reports_split_ties():
     model = tiny_gpt2(layers=2)
-    device_map = {"transformer.wte": 0, "transformer.wpe": 0, "transformer.drop": 0, "transformer.h.0": 0,
-                  "transformer.h.1": 1, "transformer.ln_f": 1, "lm_head": 1}
+    device_map = {
+        "transformer.wte": 0,
+        "transformer.wpe": 0,
+        "transformer.drop": 0,
+        "transformer.h.0": 0,
+        "transformer.h.1": 1,
+        "transformer.ln_f": 1,
+        "lm_head": 1,
+    }
     plan = automap.plan(model, device_map, max_memory={0: "1GB", 1: "1GB"})
     assert plan.origin == "user"
     assert plan.device_of("transformer.h.1") == "cuda:1"
@@ -432,11 +498,14 @@ def test_plan_device_map_works_with_accelerate_and_transformers(tmp_path):
         expected = model(ids).logits
     plan = automap.plan(model, max_memory={**part_on_disk(model), "disk": "1GB"})
     assert "disk" in plan.device_map.values() and "cpu" in plan.device_map.values()
-    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=plan.device_map,
-                                              offload_folder=str(tmp_path / "hf-off"))
+    loaded = LlamaForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map=plan.device_map, offload_folder=str(tmp_path / "hf-off")
+    )
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
-    dispatched = dispatch_model(tiny_llama(layers=4), device_map=plan.device_map, offload_dir=str(tmp_path / "acc"))
+    dispatched = dispatch_model(
+        tiny_llama(layers=4), device_map=plan.device_map, offload_dir=str(tmp_path / "acc")
+    )
     with torch.no_grad():
         assert torch.allclose(dispatched(ids).logits, expected, atol=1e-5)
 
@@ -453,7 +522,10 @@ def test_a_new_strategy_is_one_registration(resnet50_profile):
         devices = (make_device("cuda:0", 10**10), make_device("cuda:1", 10**10))
         plan = make_plan(resnet50_profile, devices, "last_gpu_only")
         assert set(plan.placement) == {"cuda:1"} and plan.strategy == "last_gpu_only"
-        assert automap.plan(resnet50_profile, "last_gpu_only", {0: "10GB", 1: "10GB"}).placement == plan.placement
+        assert (
+            automap.plan(resnet50_profile, "last_gpu_only", {0: "10GB", 1: "10GB"}).placement
+            == plan.placement
+        )
     finally:
         del STRATEGIES["last_gpu_only"]
     with pytest.raises(PlanError, match="unknown strategy 'last_gpu_only'"):
@@ -480,8 +552,11 @@ def test_balanced_low_0_streams_to_another_gpu_than_gpu_0(llama_2g_profile):
 
 
 def _headroom(plan: Plan) -> dict[str, int]:
-    return {r.device.name: r.device.capacity_bytes - r.used_bytes for r in summary(plan)
-            if r.device.is_accelerator}
+    return {
+        r.device.name: r.device.capacity_bytes - r.used_bytes
+        for r in summary(plan)
+        if r.device.is_accelerator
+    }
 
 
 def test_idle_gpu_room_takes_streamed_units_before_the_cpu_streams_them(resnet50_profile):
@@ -503,8 +578,9 @@ def test_idle_gpu_room_takes_streamed_units_before_the_cpu_streams_them(resnet50
             continue
         could = [plan.execution_device] if unit.split_from else list(room)
         need = unit.weight_bytes + unit.peak_activation_bytes
-        assert all(room[d] < need for d in could), \
+        assert all(room[d] < need for d in could), (
             f"{unit.name} ({unit.weight_bytes} B) streams though {[d for d in could if room[d] >= need]} have room"
+        )
     resident = {d for d in plan.placement if plan.device(d).is_accelerator}
     assert len(resident) >= 5
 
@@ -515,8 +591,15 @@ def test_no_gpu_holds_a_lone_small_unit_that_only_adds_cuts():
     it costs more than it saves, so the CPU computes everything."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, num_local_experts=8, vocab_size=32000)
+    config = MixtralConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        vocab_size=32000,
+    )
     with torch.device("meta"):
         model = MixtralForCausalLM(config)
     plan = automap.plan(model, max_memory={0: 10 * MB, "cpu": 2 * weight_bytes(model)})
@@ -526,7 +609,12 @@ def test_no_gpu_holds_a_lone_small_unit_that_only_adds_cuts():
 
 
 def test_room_enough_in_total_but_not_where_a_unit_runs_is_said_so():
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    with pytest.raises(PlanError, match=r"is enough, but its largest piece \(259.00 KiB .* a device that computes to "
-                                        r"run, and the most one has is 195.31 KiB"):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    )
+    with pytest.raises(
+        PlanError,
+        match=r"is enough, but its largest piece \(259.00 KiB .* a device that computes to "
+        r"run, and the most one has is 195.31 KiB",
+    ):
         automap.plan(model, max_memory={"cpu": beside_the_run(model, 200_000), "disk": "700KB"})

@@ -2,6 +2,7 @@
 (``self.b = self.a``, ``nn.Sequential(layer, act, layer)``, ALBERT-style sharing): planning leaves
 the user's weights alone, dispatch gives the plain outputs, and a map may name it by either name.
 A module a map places tensor by tensor (``{"fc.weight": "disk", "fc.bias": "disk"}``) is a unit."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,8 +62,10 @@ def test_a_module_with_two_names_dispatched_gives_the_plain_outputs(kind, budget
     assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
 
 
-@pytest.mark.parametrize("device_map", [{"b": "disk", "mid": "cpu"}, {"a": "disk", "b": "disk", "mid": "cpu"},
-                                        {"b": "cpu", "mid": "disk"}])
+@pytest.mark.parametrize(
+    "device_map",
+    [{"b": "disk", "mid": "cpu"}, {"a": "disk", "b": "disk", "mid": "cpu"}, {"b": "cpu", "mid": "disk"}],
+)
 def test_a_map_may_name_a_module_by_its_second_name(device_map, tmp_path):
     placed = _dispatched_exactly(_built("attribute"), device_map, tmp_path)
     assert placed["a"] == device_map["b"] and placed["mid"] == device_map["mid"]
@@ -114,23 +117,40 @@ class OwnAndChild(nn.Module):
 def test_a_map_splitting_a_modules_own_tensor_from_its_child_names_both_and_the_module(no_split, tmp_path):
     model = nn.Sequential(OwnAndChild(), nn.Linear(16, 4))
     with pytest.raises(DeviceMapError) as raised:
-        automap.dispatch(model, device_map={"0.scale": "disk", "0.lin": "cpu", "1": "cpu"}, offload_dir=tmp_path,
-                         **({} if no_split is None else {"no_split": no_split}))
+        automap.dispatch(
+            model,
+            device_map={"0.scale": "disk", "0.lin": "cpu", "1": "cpu"},
+            offload_dir=tmp_path,
+            **({} if no_split is None else {"no_split": no_split}),
+        )
     message = str(raised.value)
     assert "'0.scale' on 'disk'" in message and "'0.lin.weight' on 'cpu'" in message
     assert "map '0', which holds them, to one device" in message and "no_split" not in message
     automap.dispatch(model, device_map={"0": "disk", "1": "cpu"}, offload_dir=tmp_path)  # the fix it names
 
 
-@pytest.mark.parametrize("device_map", [{"0.weight": "disk", "0.bias": "disk", "2": "cpu"},
-                                        {"0.weight": "cpu", "0.bias": "cpu", "2.weight": "disk", "2.bias": "disk"}])
+@pytest.mark.parametrize(
+    "device_map",
+    [
+        {"0.weight": "disk", "0.bias": "disk", "2": "cpu"},
+        {"0.weight": "cpu", "0.bias": "cpu", "2.weight": "disk", "2.bias": "disk"},
+    ],
+)
 def test_a_module_placed_tensor_by_tensor_is_a_unit(device_map, tmp_path):
     torch.manual_seed(0)
-    placed = _dispatched_exactly(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), device_map, tmp_path)
-    assert {k: placed[k] for k in ("0", "2")} == {m: device_map.get(m, device_map.get(f"{m}.weight")) for m in ("0", "2")}
+    placed = _dispatched_exactly(
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), device_map, tmp_path
+    )
+    assert {k: placed[k] for k in ("0", "2")} == {
+        m: device_map.get(m, device_map.get(f"{m}.weight")) for m in ("0", "2")
+    }
 
 
 def test_a_module_whose_tensors_a_map_puts_on_two_devices_is_refused_by_name(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    with pytest.raises(DeviceMapError, match="'0.bias' on 'cpu', '0.weight' on 'disk'.*map '0', which holds them"):
-        automap.dispatch(model, device_map={"0.weight": "disk", "0.bias": "cpu", "2": "cpu"}, offload_dir=tmp_path)
+    with pytest.raises(
+        DeviceMapError, match="'0.bias' on 'cpu', '0.weight' on 'disk'.*map '0', which holds them"
+    ):
+        automap.dispatch(
+            model, device_map={"0.weight": "disk", "0.bias": "cpu", "2": "cpu"}, offload_dir=tmp_path
+        )

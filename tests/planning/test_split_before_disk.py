@@ -2,6 +2,7 @@
 go to disk whole while RAM stays free) is split into its children before anything goes to disk,
 with the CPU computing alone as with GPUs. Real models: a transformers encoder with a head, and
 a sentence-transformers model built from a folder saved here."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,16 @@ def bert(layers: int = 4):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    return BertModel(BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                                intermediate_size=128, vocab_size=512, max_position_embeddings=128)).eval()
+    return BertModel(
+        BertConfig(
+            hidden_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=128,
+        )
+    ).eval()
 
 
 class Head(nn.Module):
@@ -42,7 +51,10 @@ def test_a_backbone_larger_than_ram_is_split_before_it_goes_to_disk(tmp_path):
     model = nn.Sequential(bert(), Head()).eval()
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(1))
     for inputs in ((ids,), None):
-        budget = {"cpu": beside_the_run(model, int(0.75 * weight_bytes(model)), example_inputs=inputs), "disk": "1GB"}
+        budget = {
+            "cpu": beside_the_run(model, int(0.75 * weight_bytes(model)), example_inputs=inputs),
+            "disk": "1GB",
+        }
         plan = automap.plan(model, max_memory=budget, offload_dir=tmp_path, example_inputs=inputs)
         assert plan.device_map.get("0") != "disk", plan.device_map
         assert ram_share(plan) >= 0.5, plan.device_map
@@ -57,7 +69,9 @@ def test_a_backbone_larger_than_ram_is_split_before_it_goes_to_disk(tmp_path):
 
 def test_units_that_fit_ram_whole_are_not_split():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
-    plan = automap.plan(model, max_memory={"cpu": beside_the_run(model, 10**7), "disk": "1GB"}, offload_dir="unused")
+    plan = automap.plan(
+        model, max_memory={"cpu": beside_the_run(model, 10**7), "disk": "1GB"}, offload_dir="unused"
+    )
     assert set(plan.device_map.values()) == {"cpu"} and not any("split" in c for c in plan.choices)
 
 
@@ -68,8 +82,9 @@ def sentence_model(tmp_path):
 
     folder = tmp_path / "encoder"
     bert().save_pretrained(folder)
-    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-                                                + [f"w{i}" for i in range(507)]))
+    (folder / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(507)])
+    )
     BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
     encoder = models.Transformer(str(folder), max_seq_length=32)
     pooling = models.Pooling(encoder.get_word_embedding_dimension())

@@ -1,6 +1,7 @@
 """Split until it fits: units split into their children when they do not fit where they must
 go (checked against a fresh trace), the plan kept by predicted time with its reasons, never
 all-CPU by accident, budgets that bound what they say, and split units that run."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,11 @@ def hypothetical(total: int, count: int, ratio: float) -> dict:
 
 def gpu_flops_share(plan: Plan) -> float:
     """Share of the forward FLOPs computed on accelerators, resident there or streamed to one."""
-    on = sum(u.flops for u, d in zip(plan.units, plan.placement)
-             if plan.device(plan.placements.by_home[d].compute).is_accelerator)
+    on = sum(
+        u.flops
+        for u, d in zip(plan.units, plan.placement)
+        if plan.device(plan.placements.by_home[d].compute).is_accelerator
+    )
     return on / sum(u.flops for u in plan.units)
 
 
@@ -60,16 +64,23 @@ def pieces_on_one_device(plan: Plan) -> bool:
 def test_a_block_splits_into_its_children_and_a_leaf_stays_whole(resnet50_meta):
     prof = automap.profile(resnet50_meta)
     split = Splitter(resnet50_meta)(prof, ["layer4.0", "fc"])
-    assert split.pieces == {"layer4.0": tuple(f"layer4.0.{c}" for c in
-                                              ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "downsample"))}
+    assert split.pieces == {
+        "layer4.0": tuple(
+            f"layer4.0.{c}" for c in ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "downsample")
+        )
+    }
     assert split.refused == {"fc": "leaf Linear"}
     units = {u.name: u for u in split.profile.units}
     assert "layer4.0" not in units and units["layer4.0.conv2"].split_from == "layer4.0"
-    assert sum(units[p].weight_bytes for p in split.pieces["layer4.0"]) == prof.units[prof.index("layer4.0")].weight_bytes
+    assert (
+        sum(units[p].weight_bytes for p in split.pieces["layer4.0"])
+        == prof.units[prof.index("layer4.0")].weight_bytes
+    )
     again = Splitter(resnet50_meta)(split.profile, ["layer4.0.downsample"])
     assert again.pieces == {"layer4.0.downsample": ("layer4.0.downsample.0", "layer4.0.downsample.1")}
-    assert {u.split_from for u in again.profile.units if u.name.startswith("layer4.0.")} == {"layer4.0"}, \
+    assert {u.split_from for u in again.profile.units if u.name.startswith("layer4.0.")} == {"layer4.0"}, (
         "a piece of a piece keeps the outermost unit: its forward code runs between them all"
+    )
 
 
 def test_no_split_classes_stay_whole(resnet50_meta):
@@ -89,7 +100,9 @@ def test_a_module_that_reads_its_childrens_weights_stays_whole():
     assert first.pieces[block] == tuple(f"{block}.{c}" for c in ("ln_1", "self_attention", "ln_2", "mlp"))
     second = splitter(first.profile, [f"{block}.self_attention", f"{block}.mlp"])
     # nn.MultiheadAttention computes with out_proj.weight in its own code: out_proj is no unit.
-    assert second.refused == {f"{block}.self_attention": f"its forward never calls '{block}.self_attention.out_proj'"}
+    assert second.refused == {
+        f"{block}.self_attention": f"its forward never calls '{block}.self_attention.out_proj'"
+    }
     assert second.pieces == {f"{block}.mlp": (f"{block}.mlp.0", f"{block}.mlp.3")}
     assert not second.profile.strays and not second.profile.uncalled
 
@@ -116,7 +129,9 @@ def test_resnet50_computes_most_flops_on_gpus_by_splitting(resnet50_meta, count,
     assert fits(plan) and pieces_on_one_device(plan)
     assert any(u.split_from == "layer4.0" for u in plan.units)
     streamed = max(u.weight_bytes for u, p in zip(plan.units, plan.placements) if p.offloaded)
-    assert dict(plan.reserves)[plan.execution_device] >= streamed, "the executor keeps room for the largest piece"
+    assert dict(plan.reserves)[plan.execution_device] >= streamed, (
+        "the executor keeps room for the largest piece"
+    )
     assert any(c.startswith("layer4.0 split into 7 pieces: larger than any GPU's room") for c in plan.choices)
     assert any(c.startswith("chosen: ") and "alternatives: " in c for c in plan.choices)
     assert "choices:" in plan.report() and "layer4.0 split into 7 pieces" in plan.report()
@@ -132,11 +147,23 @@ def test_splitting_is_deterministic(resnet50_meta):
 
 def test_no_split_that_forbids_the_only_way_to_fit_names_the_class_and_size(resnet50_meta):
     # GPUs and disk only: no CPU budget to compute layer4.0 (23 MiB), which no 16 MB GPU holds.
-    budget = {0: 16 * MB, 1: 16 * MB, 2: 16 * MB, 3: 16 * MB, 4: 16 * MB, 5: 16 * MB, 6: 16 * MB, "disk": "10GB"}
+    budget = {
+        0: 16 * MB,
+        1: 16 * MB,
+        2: 16 * MB,
+        3: 16 * MB,
+        4: 16 * MB,
+        5: 16 * MB,
+        6: 16 * MB,
+        "disk": "10GB",
+    }
     plan = automap.plan(resnet50_meta, max_memory=budget)
     assert gpu_flops_share(plan) == 1.0, "split, layer4 streams piece by piece"
-    with pytest.raises(PlanError, match=r"Units that could not be split: 'layer4.0' \(its class Bottleneck is in "
-                                        r"no_split, 23.08 MiB\)"):
+    with pytest.raises(
+        PlanError,
+        match=r"Units that could not be split: 'layer4.0' \(its class Bottleneck is in "
+        r"no_split, 23.08 MiB\)",
+    ):
         automap.plan(resnet50_meta, max_memory=budget, no_split=["Bottleneck"])
 
 
@@ -145,8 +172,14 @@ def test_a_unit_larger_than_every_gpu_is_computed_by_the_cpu_not_the_whole_model
     and the GPUs keep decoder layers (196 MB each); nothing sends the whole model to the CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-                         vocab_size=32000, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     plan = automap.plan(model, max_memory={0: 240 * MB, 1: 240 * MB, "cpu": 250 * MB, "disk": "10GB"})
@@ -224,8 +257,20 @@ def _vision(name: str, **options):
     return torchvision.models.get_model(name, **options).eval(), (torch.randn(1, 3, 64, 64),)
 
 
-@pytest.mark.parametrize("name", ["resnet50", "densenet121", "convnext_tiny", "swin_t", "efficientnet_b0",
-                                  "mobilenet_v3_small", "googlenet", "vit_b_16", "llama"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet50",
+        "densenet121",
+        "convnext_tiny",
+        "swin_t",
+        "efficientnet_b0",
+        "mobilenet_v3_small",
+        "googlenet",
+        "vit_b_16",
+        "llama",
+    ],
+)
 def test_split_units_run_as_units(name, tmp_path):
     """What the planner splits for a GPU, run on CPU and disk piece by piece: the split
     modules' own code (residual adds, concatenations) between pieces gives the same outputs."""
@@ -260,7 +305,9 @@ def test_pieces_of_one_unit_on_two_computing_devices_are_refused(resnet50_meta):
     devices = (make_device("cuda:0", 10**10), make_device("cuda:1", 10**10))
     placement = ["cuda:1" if u.name == "layer4.0.conv2" else "cuda:0" for u in prof.units]
     plan = build_plan(prof, devices, placement, "manual", {})
-    with pytest.raises(DispatchError, match=r"splits unit 'layer4.0' into pieces that compute on \['cuda:0', 'cuda:1'\]"):
+    with pytest.raises(
+        DispatchError, match=r"splits unit 'layer4.0' into pieces that compute on \['cuda:0', 'cuda:1'\]"
+    ):
         automap.dispatch(model, plan)
 
 

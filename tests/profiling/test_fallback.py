@@ -4,6 +4,7 @@ in eval mode and leaves every module's mode as it was; units whose forward meta 
 their weights and named in the report, and the plain model's outputs come back when they are
 dispatched with part of their weights on disk; a dict map that places every tensor is planned
 without a trace."""
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ class WatchedBatchNorm(nn.BatchNorm1d):
 def linear_batchnorm_linear(batchnorm: type[nn.BatchNorm1d] = nn.BatchNorm1d) -> nn.Sequential:
     """The model of issue 17, in its default train mode."""
     torch.manual_seed(0)
-    return nn.Sequential(OrderedDict(linear1=nn.Linear(3, 4), batchnorm=batchnorm(4), linear2=nn.Linear(4, 5)))
+    return nn.Sequential(
+        OrderedDict(linear1=nn.Linear(3, 4), batchnorm=batchnorm(4), linear2=nn.Linear(4, 5))
+    )
 
 
 class DynamicScale(nn.Module):
@@ -59,7 +62,9 @@ class DynamicScale(nn.Module):
 
 def item_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), DynamicScale(32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    return nn.Sequential(
+        nn.Linear(16, 32), DynamicScale(32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+    )
 
 
 class EarlyExit(nn.Module):
@@ -92,7 +97,9 @@ def half_only_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @half_only_mm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    torch._check(x.dtype in (torch.bfloat16, torch.float16), lambda: f"expected bfloat16 or float16, got {x.dtype}")
+    torch._check(
+        x.dtype in (torch.bfloat16, torch.float16), lambda: f"expected bfloat16 or float16, got {x.dtype}"
+    )
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -182,7 +189,12 @@ def test_a_unit_that_reads_a_number_stands_in_and_later_units_are_traced():
     assert prof.untraced == ("1",)
     assert "Tensor.item()" in by_name["1"].untraced and by_name["1"].flops_estimated
     # The traced units around it count exactly; the stand-in passed the right shape on.
-    assert [by_name[n].flops for n in ("0", "2", "3", "4")] == [2 * 16 * 32, 2 * 32 * 32, 2 * 32 * 32, 2 * 32 * 8]
+    assert [by_name[n].flops for n in ("0", "2", "3", "4")] == [
+        2 * 16 * 32,
+        2 * 32 * 32,
+        2 * 32 * 32,
+        2 * 32 * 8,
+    ]
     assert all(not by_name[n].untraced for n in ("0", "2", "3", "4"))
     assert prof.cut_bytes(prof.index("2")) == 32 * 4  # the 1x32 activation crossing the cut
     # Its estimate: the traced units' FLOPs per weight-matrix element, times its own matrix's
@@ -322,10 +334,17 @@ def test_a_failing_guess_keeps_what_ran_and_plans_the_rest_from_weight_shapes():
     assert body.name == "body" and body.flops == 2 * 32 * 64 and not body.untraced  # measured
     assert (mid.name, head.name) == ("mid", "head")  # the rest in definition order
     for unit in (mid, head):
-        assert unit.untraced.startswith("the forward failed on the guessed example inputs (vector 1x32 (first "
-                                        "linear) + None for mask) after unit 'body', in code between units: "
-                                        "TypeError: unsupported operand")
-        assert unit.untraced.endswith("pass example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)") and "\n" not in unit.untraced
+        assert unit.untraced.startswith(
+            "the forward failed on the guessed example inputs (vector 1x32 (first "
+            "linear) + None for mask) after unit 'body', in code between units: "
+            "TypeError: unsupported operand"
+        )
+        assert (
+            unit.untraced.endswith(
+                "pass example_inputs=(...) to trace it (automap plan: --input-shape or --example-inputs)"
+            )
+            and "\n" not in unit.untraced
+        )
         assert unit.flops_estimated
     # FLOPs from weight shapes, at the rate the traced body ran at (2 per element per row).
     assert (mid.flops, head.flops) == (2 * 64 * 64, 2 * 64 * 10)
@@ -361,8 +380,10 @@ def test_a_guess_failing_before_any_unit_plans_every_unit_by_bytes_in_definition
     plan = automap.plan(DictInput(), max_memory={0: 100, 1: 100, "cpu": 10**6})
     assert [u.name for u in plan.units] == ["b", "a"] and all(u.flops == 0 for u in plan.units)
     assert all(") before the first unit: " in u.untraced for u in plan.units)
-    assert plan.choices[0].startswith("all 2 units planned from their weights without a trace, by their bytes: "
-                                      "the forward failed on the guessed example inputs (vector 1x4 (first linear))")
+    assert plan.choices[0].startswith(
+        "all 2 units planned from their weights without a trace, by their bytes: "
+        "the forward failed on the guessed example inputs (vector 1x4 (first linear))"
+    )
     report = " ".join(plan.report().split())
     assert "balanced by bytes only (no unit traced)" in report
     assert "all 2 units planned without a trace, by their bytes (the forward failed on the guessed" in report
@@ -373,14 +394,17 @@ def test_a_container_without_forward_plans_its_children_as_units_by_bytes():
     model = nn.ModuleDict({"encoder": TwoLayers(8), "decoder": TwoLayers(8), "proj": nn.Linear(8, 2)})
     plan = automap.plan(model, max_memory={0: 1150, "cpu": 10**6})  # room for one child, not all three
     assert [u.name for u in plan.units] == ["encoder", "decoder", "proj"]  # its children, not their leaves
-    assert all(u.untraced == "ModuleDict has no forward of its own (a container of modules), so no forward can "
-               "be traced" for u in plan.units)
+    assert all(
+        u.untraced == "ModuleDict has no forward of its own (a container of modules), so no forward can "
+        "be traced"
+        for u in plan.units
+    )
     held = plan.placements.bytes_on
     assert set(plan.device_map) == {"encoder", "decoder", "proj"} and held.get("cuda:0", 0) <= 1150
     assert plan.placements.bytes_on.get("cpu", 0) >= 1120  # a whole child went to the CPU
     assert "all 3 units planned from their weights without a trace, by their bytes" in plan.choices[0]
     assert "all 3 units planned without a trace" in " ".join(plan.report().split())
-    with pytest.raises(ProfileError, match="missing the required \"forward\" function"):
+    with pytest.raises(ProfileError, match='missing the required "forward" function'):
         automap.profile(model, (torch.zeros(1, 8),))  # the user's inputs: the user's error
 
 
@@ -410,12 +434,26 @@ def test_a_full_dict_map_plans_without_a_trace(monkeypatch):
     assert plan.example == "" and plan.placement == ("disk", "disk", "disk")
     assert [(u.name, u.tensors) for u in plan.units] == [
         ("linear1", ("linear1.weight", "linear1.bias")),
-        ("batchnorm", ("batchnorm.weight", "batchnorm.bias", "batchnorm.running_mean", "batchnorm.running_var",
-                       "batchnorm.num_batches_tracked")),
+        (
+            "batchnorm",
+            (
+                "batchnorm.weight",
+                "batchnorm.bias",
+                "batchnorm.running_mean",
+                "batchnorm.running_var",
+                "batchnorm.num_batches_tracked",
+            ),
+        ),
         ("linear2", ("linear2.weight", "linear2.bias")),
     ]
-    assert [(u.param_bytes, u.buffer_bytes) for u in plan.units] == [(16 * 4, 0), (8 * 4, 8 * 4 + 8), (25 * 4, 0)]
-    assert all(u.untraced.startswith("the device map places every tensor") and u.flops == 0 for u in plan.units)
+    assert [(u.param_bytes, u.buffer_bytes) for u in plan.units] == [
+        (16 * 4, 0),
+        (8 * 4, 8 * 4 + 8),
+        (25 * 4, 0),
+    ]
+    assert all(
+        u.untraced.startswith("the device map places every tensor") and u.flops == 0 for u in plan.units
+    )
     report = " ".join(plan.report().split())
     assert "bytes only (no trace)" in report and "all 3 units planned without a trace" in report
     assert automap.Plan.from_json(plan.to_json()).units == plan.units
@@ -423,8 +461,9 @@ def test_a_full_dict_map_plans_without_a_trace(monkeypatch):
 
 def test_a_full_dict_map_is_traced_when_given_example_inputs():
     model = linear_batchnorm_linear()
-    plan = automap.plan(model, {"linear1": "cpu", "batchnorm": "cpu", "linear2": "disk"},
-                        example_inputs=(torch.zeros(1, 3),))
+    plan = automap.plan(
+        model, {"linear1": "cpu", "batchnorm": "cpu", "linear2": "disk"}, example_inputs=(torch.zeros(1, 3),)
+    )
     assert [u.flops for u in plan.units] == [24, 0, 40] and not any(u.untraced for u in plan.units)
     assert all(training_flags(model))
 
@@ -439,13 +478,16 @@ def test_a_full_dict_map_dispatches_without_a_trace(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     automap.undispatch(model)
-    assert torch.equal(model.batchnorm.running_mean, stats[0]) and torch.equal(model.batchnorm.running_var, stats[1])
+    assert torch.equal(model.batchnorm.running_mean, stats[0]) and torch.equal(
+        model.batchnorm.running_var, stats[1]
+    )
 
 
 def test_a_loose_tensor_goes_to_a_unit_on_its_mapped_device_without_a_trace():
     torch.manual_seed(0)
-    vit = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=2, num_heads=2,
-                                               hidden_dim=32, mlp_dim=64)
+    vit = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64
+    )
     # class_token is held by the model itself; the map puts it with the encoder, not conv_proj.
     device_map = {"conv_proj": "cpu", "class_token": "disk", "encoder": "disk", "heads": "disk"}
     plan = automap.plan(vit, device_map)

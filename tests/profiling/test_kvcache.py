@@ -2,6 +2,7 @@
 ``generate`` holds at ``max_length`` (per device of a two-GPU plan), for every cache layout;
 it is reserved where its units compute; bad requests fail clearly; a dispatched model keeps
 each layer's cache where it was made, step after step."""
+
 from __future__ import annotations
 
 import json
@@ -31,34 +32,63 @@ def _mistral() -> nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                            sliding_window=8)).eval()
+    return MistralForCausalLM(
+        MistralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            sliding_window=8,
+        )
+    ).eval()
 
 
 def _mamba() -> nn.Module:
     from transformers import MambaConfig, MambaForCausalLM
 
     torch.manual_seed(0)
-    return MambaForCausalLM(MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=256, state_size=8)).eval()
+    return MambaForCausalLM(
+        MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=256, state_size=8)
+    ).eval()
 
 
 def _falcon() -> nn.Module:
     from transformers import FalconConfig, FalconForCausalLM
 
     torch.manual_seed(0)
-    return FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                          multi_query=True, new_decoder_architecture=False, vocab_size=256)).eval()
+    return FalconForCausalLM(
+        FalconConfig(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+            vocab_size=256,
+        )
+    ).eval()
 
 
 def _bart() -> nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
-    config = BartConfig(d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
-                        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                        decoder_start_token_id=2)
+    config = BartConfig(
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        vocab_size=256,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
     return BartForConditionalGeneration(config).eval()
 
 
@@ -66,10 +96,23 @@ def _whisper() -> nn.Module:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(0)
-    config = WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-                           num_mel_bins=16, max_source_positions=50, max_target_positions=64)
+    config = WhisperConfig(
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        vocab_size=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        num_mel_bins=16,
+        max_source_positions=50,
+        max_target_positions=64,
+    )
     return WhisperForConditionalGeneration(config).eval()
 
 
@@ -99,17 +142,28 @@ def _prompt(family: Family, model: nn.Module) -> dict[str, torch.Tensor]:
     features (the encoder's input; its decoder starts from one token)."""
     generator = torch.Generator().manual_seed(1)
     if model.main_input_name == "input_features":
-        features = torch.randn(BATCH, model.config.num_mel_bins, 2 * model.config.max_source_positions,
-                               generator=generator)
+        features = torch.randn(
+            BATCH, model.config.num_mel_bins, 2 * model.config.max_source_positions, generator=generator
+        )
         return {"input_features": features, "decoder_input_ids": torch.ones(BATCH, 1, dtype=torch.long)}
     ids = torch.randint(3, 256, (BATCH, PROMPT), generator=generator)
-    return {"input_ids": ids, "decoder_input_ids": ids[:, :1]} if family.encoder_decoder else {"input_ids": ids}
+    return (
+        {"input_ids": ids, "decoder_input_ids": ids[:, :1]} if family.encoder_decoder else {"input_ids": ids}
+    )
 
 
 def _generate(model: nn.Module, ids: torch.Tensor, max_length: int, **kwargs):
     with torch.no_grad():
-        return model.generate(ids, max_length=max_length, min_length=max_length, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, return_dict_in_generate=True, **kwargs)
+        return model.generate(
+            ids,
+            max_length=max_length,
+            min_length=max_length,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
 
 
 def _layers(cache) -> list[list]:
@@ -134,11 +188,15 @@ def _storage_bytes(objects) -> int:
 
 def _two_gpu_plan(model: nn.Module, prompt: dict) -> automap.Plan:
     """A plan over two hypothetical GPUs that must split the layers (each holds ~60%)."""
-    roomy = automap.plan(model, max_memory={0: "1GiB", 1: "1GiB"}, example_inputs=prompt, max_length=MAX_LENGTH)
+    roomy = automap.plan(
+        model, max_memory={0: "1GiB", 1: "1GiB"}, example_inputs=prompt, max_length=MAX_LENGTH
+    )
     need = sum(u.weight_bytes + u.kv_bytes for u in roomy.units)
     peak = max(u.peak_activation_bytes for u in roomy.units)
     budget = int(0.6 * need) + 2 * peak
-    return automap.plan(model, max_memory={0: budget, 1: budget}, example_inputs=prompt, max_length=MAX_LENGTH)
+    return automap.plan(
+        model, max_memory={0: budget, 1: budget}, example_inputs=prompt, max_length=MAX_LENGTH
+    )
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -165,8 +223,10 @@ def test_sliding_window_and_recurrent_caches_do_not_grow_with_length():
     for build, grows in ((_mistral, False), (_mamba, False), (lambda: tiny_llama(layers=2), True)):
         model = build()
         prompt = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
-        short, long = (automap.plan(model, max_memory={"cpu": "1GiB"}, example_inputs=prompt, max_length=n).units
-                       for n in (40, 80))
+        short, long = (
+            automap.plan(model, max_memory={"cpu": "1GiB"}, example_inputs=prompt, max_length=n).units
+            for n in (40, 80)
+        )
         kv_short, kv_long = sum(u.kv_bytes for u in short), sum(u.kv_bytes for u in long)
         assert kv_short > 0
         assert (kv_long > 1.9 * kv_short) if grows else kv_long == kv_short
@@ -195,25 +255,43 @@ def test_kv_reserved_with_the_weights_changes_the_split():
 def test_llama_70b_shape_fits_two_80gib_gpus_with_its_cache_at_16_x_8192():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192)
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    plan = automap.plan(model, max_memory={0: "80GiB", 1: "80GiB", "cpu": "200GiB"}, dtype=torch.bfloat16,
-                        batch=16, max_length=8192)
+    plan = automap.plan(
+        model,
+        max_memory={0: "80GiB", 1: "80GiB", "cpu": "200GiB"},
+        dtype=torch.bfloat16,
+        batch=16,
+        max_length=8192,
+    )
     # An oracle independent of the measurement: K and V, 8 KV heads of 128, bf16, 8,191 cached tokens.
     assert sum(u.kv_bytes for u in plan.units) == 80 * 2 * 8 * 128 * 2 * 16 * 8191
     for row in summary(plan):
         if row.device.is_accelerator:
-            assert row.weight_bytes + row.activation_bytes + row.kv_bytes + row.reserve_bytes <= row.device.capacity_bytes
+            assert (
+                row.weight_bytes + row.activation_bytes + row.kv_bytes + row.reserve_bytes
+                <= row.device.capacity_bytes
+            )
             assert row.kv_bytes > 0
 
 
 def test_a_model_without_cache_plans_no_kv_and_says_so():
     from transformers import BertConfig, BertForMaskedLM
 
-    bert = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=128, vocab_size=256)).eval()
+    bert = BertForMaskedLM(
+        BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256
+        )
+    ).eval()
     plan = automap.plan(bert, max_memory={"cpu": "1GiB"}, batch=2, max_length=64)
     assert plan.generation is not None and sum(u.kv_bytes for u in plan.units) == 0
     assert any("no cache" in n for n in plan.generation.notes)
@@ -227,15 +305,26 @@ def test_a_model_without_token_input_plans_no_kv_and_says_so(resnet50):
     assert "no batch x tokens input" in " ".join(plan.report().split())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"batch": -1, "max_length": 64}, "batch=-1"),
-    ({"batch": 0, "max_length": 64}, "batch=0"),
-    ({"max_length": 1}, "at least 2 tokens"),
-    ({"max_length": 5, "example_inputs": {"input_ids": torch.zeros(1, 8, dtype=torch.long)}},
-     "not longer than the prompt (8 tokens)"),
-    ({"batch": 4, "max_length": 64, "example_inputs": {"input_ids": torch.zeros(2, 8, dtype=torch.long)}},
-     "batch=4 but the example inputs hold 2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch": -1, "max_length": 64}, "batch=-1"),
+        ({"batch": 0, "max_length": 64}, "batch=0"),
+        ({"max_length": 1}, "at least 2 tokens"),
+        (
+            {"max_length": 5, "example_inputs": {"input_ids": torch.zeros(1, 8, dtype=torch.long)}},
+            "not longer than the prompt (8 tokens)",
+        ),
+        (
+            {
+                "batch": 4,
+                "max_length": 64,
+                "example_inputs": {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+            },
+            "batch=4 but the example inputs hold 2",
+        ),
+    ],
+)
 def test_bad_generation_requests_raise_plan_error(kwargs, message):
     with pytest.raises(PlanError, match=re.escape(message)):
         automap.plan(tiny_llama(layers=2), max_memory={"cpu": "1GiB"}, **kwargs)
@@ -258,19 +347,29 @@ def test_report_shows_kv_column_and_decode_speed():
     text = plan.report()
     assert re.search(r"^device +kind +capacity +used +kv ", text, re.M)
     flat = " ".join(text.split())
-    assert re.search(r"decode limited by [\d.]+ (?:[KMG]i)?B streamed from disk per step: ~[\d,.]+ tokens/s at batch 1",
-                     flat)
+    assert re.search(
+        r"decode limited by [\d.]+ (?:[KMG]i)?B streamed from disk per step: ~[\d,.]+ tokens/s at batch 1",
+        flat,
+    )
     assert "more memory on cpu (max_memory) would keep every weight resident" in flat
     assert max(len(line) for line in text.splitlines()) <= 80
-    assert " kv " not in automap.plan(tiny_llama(layers=2), max_memory={"cpu": "1GiB"}).report().splitlines()[3]
+    assert (
+        " kv " not in automap.plan(tiny_llama(layers=2), max_memory={"cpu": "1GiB"}).report().splitlines()[3]
+    )
 
 
 def test_dispatched_generate_keeps_each_cache_where_it_was_made(tmp_path):
     model = tiny_llama(layers=4)
     ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(2))
     expected = _generate(model, ids, 30).sequences
-    automap.dispatch(model, max_memory={"cpu": "400KiB"}, offload_dir=tmp_path, batch=2, max_length=30,
-                     example_inputs={"input_ids": ids})
+    automap.dispatch(
+        model,
+        max_memory={"cpu": "400KiB"},
+        offload_dir=tmp_path,
+        batch=2,
+        max_length=30,
+        example_inputs={"input_ids": ids},
+    )
     assert automap.placement(model).offloaded_units  # some layers stream from disk
     pointers: list[list[tuple[int, torch.device]]] = []
 
@@ -310,20 +409,32 @@ def _static_cache_made_on_first_use() -> bool:
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(not _static_cache_made_on_first_use(), strict=False,
-                   reason="this transformers makes a static cache on model.device (CPU for a streamed embedding); "
-                          "tokens are still identical")
+@pytest.mark.xfail(
+    not _static_cache_made_on_first_use(),
+    strict=False,
+    reason="this transformers makes a static cache on model.device (CPU for a streamed embedding); "
+    "tokens are still identical",
+)
 def test_on_a_gpu_the_cache_stays_on_it_across_steps(tmp_path):
     model = tiny_llama(layers=4)
     ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(3))
     plain = _generate(model.to("cuda:0"), ids.cuda(), 24, cache_implementation="static").sequences.cpu()
     model.to("cpu")
-    automap.dispatch(model, max_memory={0: "200KiB", "cpu": "1GiB"}, offload_dir=tmp_path, batch=2, max_length=24,
-                     example_inputs={"input_ids": ids})
+    automap.dispatch(
+        model,
+        max_memory={0: "200KiB", "cpu": "1GiB"},
+        offload_dir=tmp_path,
+        batch=2,
+        max_length=24,
+        example_inputs={"input_ids": ids},
+    )
     pointers = []
     handle = model.register_forward_hook(
-        lambda m, a, k, out: pointers.append([(t.data_ptr(), t.device) for t in held_tensors(_cache_of(out))
-                                              if t.numel()]), with_kwargs=True)
+        lambda m, a, k, out: pointers.append(
+            [(t.data_ptr(), t.device) for t in held_tensors(_cache_of(out)) if t.numel()]
+        ),
+        with_kwargs=True,
+    )
     try:
         got = _generate(model, ids.cuda(), 24, cache_implementation="static").sequences.cpu()
     finally:
@@ -345,11 +456,21 @@ def test_load_plans_for_generation_and_generates_the_same_tokens(tmp_path):
     # 1000 KiB for weights and cache beside the CPU's run (activations, overhead: planning/memory.py)
     budget = {"cpu": beside_the_run(real, 1000 * 1024, example_inputs=prompt)}
     with_kv = automap.plan(real, max_memory=budget, example_inputs=prompt, max_length=64)
-    assert with_kv.offloaded_units != automap.plan(real, max_memory=budget, example_inputs=prompt).offloaded_units
+    assert (
+        with_kv.offloaded_units
+        != automap.plan(real, max_memory=budget, example_inputs=prompt).offloaded_units
+    )
     with automap.empty_model():
         skeleton = LlamaForCausalLM(real.config).eval()
-    model = automap.load(skeleton, tmp_path / "llama.safetensors", max_memory=budget, offload_dir=tmp_path / "offload",
-                         max_length=64, example_inputs=prompt, quiet=True)
+    model = automap.load(
+        skeleton,
+        tmp_path / "llama.safetensors",
+        max_memory=budget,
+        offload_dir=tmp_path / "offload",
+        max_length=64,
+        example_inputs=prompt,
+        quiet=True,
+    )
     assert automap.placement(model).offloaded_units == with_kv.offloaded_units
     assert torch.equal(_generate(model, ids, 64).sequences, expected)
 
@@ -360,8 +481,9 @@ def test_a_split_layer_keeps_its_cache_on_the_piece_that_makes_it():
 
     model = tiny_llama(layers=2)
     prompt = {"input_ids": torch.zeros(8, 8, dtype=torch.long)}
-    prof = profile_generation(model, automap.profile(model, prompt, backward=False), prompt, batch=None,
-                              max_length=64)
+    prof = profile_generation(
+        model, automap.profile(model, prompt, backward=False), prompt, batch=None, max_length=64
+    )
     whole = {u.name: u.kv_bytes for u in prof.units}
     finer = Splitter(model, example_inputs=prompt, no_split=[])(prof, ["model.layers.0"]).profile
     kv = {u.name: u.kv_bytes for u in finer.units}

@@ -3,6 +3,7 @@ transformers' Mixtral and Qwen2-MoE layers trace on meta in every experts implem
 dtype, with the FLOPs of the routed computation (``top_k`` of the experts per token, counted by
 hand from the config), measured activations, and the user's experts implementation back
 afterwards. The grouped matmul's meta rule matches the real CPU kernel in all four layouts."""
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,15 @@ def hand_count(config, experts_per_token: int | None = None, batch: int = BATCH,
 def split_layer(kind: str) -> list[str]:
     """Units of a one-layer model whose MoE block is split: the experts are a unit of their own."""
     shared = ["model.layers.0.mlp.shared_expert"] if kind == "qwen2_moe" else []  # runs before the router
-    return ["model.embed_tokens", "model.layers.0.self_attn", *shared, "model.layers.0.mlp.gate",
-            "model.layers.0.mlp.experts", "model.norm", "lm_head"]
+    return [
+        "model.embed_tokens",
+        "model.layers.0.self_attn",
+        *shared,
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.experts",
+        "model.norm",
+        "lm_head",
+    ]
 
 
 def layer_unit(prof: automap.Profile, index: int = 0):
@@ -222,8 +230,12 @@ def layouts() -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None
 def by_hand(layout: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> int:
     """FLOPs group by group, from the real group sizes."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist() if offs is not None else [1] * a.shape[0]
-    per_group = {"2d-3d": lambda s: s * a.shape[1] * b.shape[2], "3d-2d": lambda s: a.shape[1] * a.shape[2] * s,
-                 "2d-2d": lambda s: a.shape[0] * s * b.shape[1], "3d-3d": lambda s: a[0].numel() * b.shape[2]}
+    per_group = {
+        "2d-3d": lambda s: s * a.shape[1] * b.shape[2],
+        "3d-2d": lambda s: a.shape[1] * a.shape[2] * s,
+        "2d-2d": lambda s: a.shape[0] * s * b.shape[1],
+        "3d-3d": lambda s: a[0].numel() * b.shape[2],
+    }
     return sum(2 * per_group[layout](s) for s in sizes)
 
 

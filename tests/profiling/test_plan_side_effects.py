@@ -3,6 +3,7 @@ that changes its module's Python state — a rotary cache regrown for a longer i
 counter, a tensor cached as a plain attribute, a buffer registered on first call, noise drawn
 from the global generator — must find the model as it was once planning ends, so the plain
 model, and the dispatched one, give the outputs they gave before."""
+
 from __future__ import annotations
 
 import copy
@@ -21,7 +22,9 @@ class GrownRotary(nn.Module):
 
     def __init__(self, dim: int = 16, length: int = 16):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False
+        )
         self._grow(length)
 
     def _grow(self, length: int) -> None:
@@ -71,13 +74,20 @@ def test_planning_leaves_the_models_python_state_as_it_was(call, tmp_path):
     before = _state(model)
     reference = copy.deepcopy(model)
     if call == "plan":
-        automap.plan(model, max_memory={"cpu": "1GB"}, example_inputs=(torch.zeros(1, 128, dtype=torch.long),))
+        automap.plan(
+            model, max_memory={"cpu": "1GB"}, example_inputs=(torch.zeros(1, 128, dtype=torch.long),)
+        )
     elif call == "infer_auto_device_map":
         automap.infer_auto_device_map(model, max_memory={"cpu": "1GB"})
     else:
         inputs = (torch.zeros(1, 128, dtype=torch.long),)
-        automap.dispatch(model, device_map="auto", max_memory=part_on_disk(model, example_inputs=inputs),
-                         offload_dir=tmp_path, example_inputs=inputs)
+        automap.dispatch(
+            model,
+            device_map="auto",
+            max_memory=part_on_disk(model, example_inputs=inputs),
+            offload_dir=tmp_path,
+            example_inputs=inputs,
+        )
         assert "disk" in automap.placement(model).placement
     assert _state(model) == before
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """The profiler on real architectures (random weights, built from configs): units own every
 tensor once, run in execution order, sum to FlopCounterMode's totals, see attention FLOPs,
 and cut sizes include every tensor that crosses a cut; the caller's model is left as it was."""
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,9 @@ def reference_flops(model: nn.Module, args: tuple = (), kwargs: dict | None = No
     with FlopCounterMode(display=False) as counter:
         out = torch.func.functional_call(model, state, args, kwargs or {}, tie_weights=True)
         forward = counter.get_total_flops()
-        roots = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        roots = [
+            t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     return forward, counter.get_total_flops()
 
@@ -40,18 +43,25 @@ def assert_every_tensor_owned_once(model: nn.Module, prof: automap.Profile) -> N
     owned = [name for u in prof.units for name in u.tensors]
     assert len(owned) == len(set(owned))
     by_tensor = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
         by_tensor.setdefault(id(t), set()).add(name)
     # every distinct tensor is owned by exactly one unit, under exactly one of its names
     assert sorted(len(names & set(owned)) for names in by_tensor.values()) == [1] * len(by_tensor)
-    assert prof.total_bytes == sum(t.numel() * t.element_size() for t in
-                                   {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
+    assert prof.total_bytes == sum(
+        t.numel() * t.element_size()
+        for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+    )
 
 
 def snapshot(model: nn.Module) -> dict:
     return {
         "tensors": {n: (t, t.device, t.requires_grad) for n, t in model.state_dict(keep_vars=True).items()},
-        "hooks": [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "hooks": [
+            (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+            for m in model.modules()
+        ],
         "training": [m.training for m in model.modules()],
     }
 
@@ -60,8 +70,11 @@ def assert_cuts_add_up_over_edges(prof: automap.Profile) -> None:
     """Summing edge bytes over the edges a cut crosses (as a planner does) gives cut_bytes."""
     position = {u.name: i for i, u in enumerate(prof.units)}
     for cut in range(len(prof.units)):
-        crossing = sum(data["bytes"] for a, b, data in prof.graph.edges(data=True)
-                       if position.get(a, -1) < cut <= position.get(b, -1))
+        crossing = sum(
+            data["bytes"]
+            for a, b, data in prof.graph.edges(data=True)
+            if position.get(a, -1) < cut <= position.get(b, -1)
+        )
         assert crossing == prof.cut_bytes(cut), (cut, prof.units[cut].name)
 
 
@@ -89,8 +102,10 @@ def test_resnet50_units_order_flops_and_shares(resnet50):
     assert prof.units[0].train_flops == 2 * prof.units[0].flops
     assert prof.units[2].train_flops == 3 * prof.units[2].flops
     # The planner's reason to exist: layer4 holds most weights but not most FLOPs.
-    stage = {s: sum(u.train_flops for u in prof.units if u.name.startswith(s)) / prof.total_train_flops
-             for s in ("layer2", "layer3", "layer4")}
+    stage = {
+        s: sum(u.train_flops for u in prof.units if u.name.startswith(s)) / prof.total_train_flops
+        for s in ("layer2", "layer3", "layer4")
+    }
     params4 = sum(u.param_bytes for u in prof.units if u.name.startswith("layer4")) / 4
     assert round(params4 / 1e6, 1) == 15.0
     assert stage["layer2"] == pytest.approx(0.25, abs=0.02)
@@ -143,14 +158,18 @@ def test_gpt2_tied_head_counted_once_and_reported():
     model = tiny_gpt2()
     prof = automap.profile(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
     assert_every_tensor_owned_once(model, prof)
-    assert ("transformer.wte.weight", "lm_head.weight") in [tuple(sorted(g, reverse=True)) for g in prof.tie_groups]
+    assert ("transformer.wte.weight", "lm_head.weight") in [
+        tuple(sorted(g, reverse=True)) for g in prof.tie_groups
+    ]
     unit = {u.name: u for u in prof.units}
     assert "transformer.wte.weight" in unit["transformer.wte"].tensors
     assert unit["lm_head"].param_bytes == 0 and unit["lm_head"].flops == 2 * 2 * 16 * 64 * 256
     # token embeddings (batch 2) and position embeddings (batch 1, broadcast) meet in h.0
     assert prof.cut_bytes(prof.index("transformer.h.0")) == 2 * 16 * 64 * 4 + 16 * 64 * 4
     assert_cuts_add_up_over_edges(prof)
-    forward, train = reference_flops(model, kwargs={"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")})
+    forward, train = reference_flops(
+        model, kwargs={"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
+    )
     assert flops_close(prof.total_flops, forward) and flops_close(prof.total_train_flops, train)
 
 
@@ -162,8 +181,15 @@ def test_llama_attention_flops_and_residual_cut():
     batch, seq, hidden, heads, head_dim = 2, 32, 64, 4, 16
     ids = torch.zeros(batch, seq, dtype=torch.long)
     prof = automap.profile(model, {"input_ids": ids}, dtype=torch.bfloat16)
-    assert [u.name for u in prof.units] == ["model.embed_tokens", "model.rotary_emb", "model.layers.0",
-                                            "model.layers.1", "model.layers.2", "model.norm", "lm_head"]
+    assert [u.name for u in prof.units] == [
+        "model.embed_tokens",
+        "model.rotary_emb",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+        "lm_head",
+    ]
     layer = prof.units[2]
     linear_params = sum(p.numel() for n, p in model.model.layers[0].named_parameters() if p.dim() == 2)
     attention = 4 * batch * heads * seq * seq * head_dim
@@ -184,7 +210,9 @@ def test_llama_with_attention_mask_profiles_on_meta():
     model = tiny_llama(layers=1)
     ids = torch.zeros(2, 16, dtype=torch.long)
     plain = automap.profile(model, {"input_ids": ids}, backward=False)
-    masked = automap.profile(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, backward=False)
+    masked = automap.profile(
+        model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, backward=False
+    )
     assert masked.total_flops == plain.total_flops > 0  # `if mask.all():` is answered yes on meta
     assert masked.total_train_flops == 0  # not measured without a backward, never guessed
 
@@ -192,8 +220,11 @@ def test_llama_with_attention_mask_profiles_on_meta():
 def test_llama_residual_skips_sublayer_units():
     model = tiny_llama(layers=2)
     batch, seq, hidden = 1, 24, 64
-    prof = automap.profile(model, {"input_ids": torch.zeros(batch, seq, dtype=torch.long)},
-                           no_split=["LlamaAttention", "LlamaMLP"])
+    prof = automap.profile(
+        model,
+        {"input_ids": torch.zeros(batch, seq, dtype=torch.long)},
+        no_split=["LlamaAttention", "LlamaMLP"],
+    )
     stream = hidden * seq * batch * 4
     rotary = 2 * seq * 16 * 4
     # before layer 1's attention: its normalised input, the residual it skips, cos/sin
@@ -220,8 +251,9 @@ def test_t5_encoder_states_reach_every_decoder_block():
     assert_cuts_add_up_over_edges(prof)
     # between decoder blocks: decoder hidden, self-attention bias, cross bias... and encoder states
     assert prof.cut_bytes(names.index("decoder.block.1")) >= encoded + 10 * 64 * 4
-    forward, train = reference_flops(model, kwargs={"input_ids": ids.to("meta"),
-                                                    "decoder_input_ids": ids[:, :10].to("meta")})
+    forward, train = reference_flops(
+        model, kwargs={"input_ids": ids.to("meta"), "decoder_input_ids": ids[:, :10].to("meta")}
+    )
     assert flops_close(prof.total_flops, forward) and flops_close(prof.total_train_flops, train)
 
 
@@ -245,7 +277,9 @@ def test_memoised_meta_ops_change_nothing(build, monkeypatch):
     monkeypatch.setattr(MemoTable, "_pure", lambda self, func: False)  # run every op for real
     slow = automap.profile(model, inputs)
     assert fast.units == slow.units
-    assert [fast.cut_bytes(i) for i in range(len(fast.units))] == [slow.cut_bytes(i) for i in range(len(slow.units))]
+    assert [fast.cut_bytes(i) for i in range(len(fast.units))] == [
+        slow.cut_bytes(i) for i in range(len(slow.units))
+    ]
 
 
 # ------------------------------------------------------------------ calls and inputs
@@ -352,8 +386,9 @@ def test_profiling_leaves_the_model_as_it_was():
 def test_measured_timing_and_calibration_on_cpu():
     with torch.device("meta"):
         model = tiny_llama(layers=2)  # weights on meta: each unit is materialised alone
-    prof = automap.profile(model, {"input_ids": torch.zeros(1, 16, dtype=torch.long)},
-                           measure=True, device="cpu", repeats=2)
+    prof = automap.profile(
+        model, {"input_ids": torch.zeros(1, 16, dtype=torch.long)}, measure=True, device="cpu", repeats=2
+    )
     assert prof.measured_device == "cpu"
     assert all(u.seconds is not None and u.seconds > 0 for u in prof.units)
     rate = prof.achieved_flops_per_second
@@ -368,8 +403,14 @@ def test_measured_timing_and_calibration_on_cpu():
 @pytest.mark.cuda
 def test_measured_timing_on_a_gpu():
     model = tiny_llama(layers=2)
-    prof = automap.profile(model, {"input_ids": torch.zeros(4, 64, dtype=torch.long)},
-                           measure=True, device="cuda:0", repeats=3, dtype=torch.float16)
+    prof = automap.profile(
+        model,
+        {"input_ids": torch.zeros(4, 64, dtype=torch.long)},
+        measure=True,
+        device="cuda:0",
+        repeats=3,
+        dtype=torch.float16,
+    )
     assert prof.measured_device == "cuda:0" and all(u.seconds and u.seconds > 0 for u in prof.units)
     assert prof.achieved_flops_per_second and prof.achieved_flops_per_second > 0
     assert all(p.device.type == "cpu" for p in model.parameters())  # only copies went to the GPU

@@ -13,6 +13,7 @@ the import changed:
   CPU budget that sends part of the model to disk, gives the plain model's outputs (a container
   without a forward: every weight placed, its state_dict the checkpoint's).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -155,8 +156,13 @@ class ReturnsDict(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.stages = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
-                                    nn.Conv2d(16, 16, 3), nn.BatchNorm2d(16))
+        self.stages = nn.Sequential(
+            nn.Conv2d(8, 16, 3, stride=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3),
+            nn.BatchNorm2d(16),
+        )
         self.classifier = nn.Linear(16, 5)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -165,8 +171,13 @@ class ReturnsDict(nn.Module):
 
 
 def module_dict_root() -> nn.Module:
-    return nn.ModuleDict({"encoder": nn.Sequential(Block(16), Block(16)), "proj": nn.Linear(16, 8),
-                          "heads": nn.ModuleDict({"a": Block(8), "b": nn.Linear(8, 2)})})
+    return nn.ModuleDict(
+        {
+            "encoder": nn.Sequential(Block(16), Block(16)),
+            "proj": nn.Linear(16, 8),
+            "heads": nn.ModuleDict({"a": Block(8), "b": nn.Linear(8, 2)}),
+        }
+    )
 
 
 def module_list_root() -> nn.Module:
@@ -179,21 +190,39 @@ def module_list_root() -> nn.Module:
 def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertModel
 
-    return BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                vocab_size=120, max_position_embeddings=32)).eval()
+    return BertModel(
+        BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=120,
+            max_position_embeddings=32,
+        )
+    ).eval()
 
 
 def tiny_qwen2() -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=64, tie_word_embeddings=True)).eval()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    ).eval()
 
 
 def tiny_vit() -> nn.Module:
-    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                                                hidden_dim=32, mlp_dim=64, num_classes=10)
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+    )
 
 
 # ---------------------------------------------------------------------------- the sweep
@@ -220,8 +249,9 @@ def _x(*shape: int) -> Callable[[], tuple[tuple, dict]]:
 CASES = {
     "head-declared-first": Case(HeadFirst, _x(3, 32)),
     "mask-argument": Case(Masked, lambda: ((torch.randn(3, 32), torch.rand(3, 64) > 0.5), {}), on_meta=False),
-    "dict-input": Case(DictInput, lambda: (({"image": torch.randn(2, 3, 12, 12),
-                                             "ids": torch.randint(0, 50, (2, 5))},), {})),
+    "dict-input": Case(
+        DictInput, lambda: (({"image": torch.randn(2, 3, 12, 12), "ids": torch.randint(0, 50, (2, 5))},), {})
+    ),
     "keyword-only": Case(KeywordOnly, lambda: ((), {"features": torch.randn(2, 24), "scale": 0.5})),
     "module-dict-root": Case(module_dict_root, None),
     "module-list-root": Case(module_list_root, None, on_meta=False),
@@ -230,18 +260,25 @@ CASES = {
     "loose-tensors": Case(LooseAndBuffers, _ids(40, (2, 12)), on_meta=False),
     "attention-lstm-train-mode": Case(lambda: Attention().train(), _x(3, 5, 12), on_meta=False),
     "returns-dict": Case(ReturnsDict, _x(2, 3, 16, 16), output=lambda out: out["logits"]),
-    "sequential-mlp": Case(lambda: nn.Sequential(nn.Linear(20, 40), nn.GELU(), nn.Linear(40, 40), nn.Linear(40, 6)),
-                           _x(4, 20)),
+    "sequential-mlp": Case(
+        lambda: nn.Sequential(nn.Linear(20, 40), nn.GELU(), nn.Linear(40, 40), nn.Linear(40, 6)), _x(4, 20)
+    ),
     "resnet18": Case(lambda: torchvision.models.resnet18(num_classes=10), _x(2, 3, 64, 64)),
-    "mobilenet_v2": Case(lambda: torchvision.models.mobilenet_v2(width_mult=0.25, num_classes=10), _x(2, 3, 64, 64)),
+    "mobilenet_v2": Case(
+        lambda: torchvision.models.mobilenet_v2(width_mult=0.25, num_classes=10), _x(2, 3, 64, 64)
+    ),
     "vit": Case(tiny_vit, _x(2, 3, 32, 32), on_meta=False),
     "gpt2-tied": Case(lambda: tiny_gpt2(layers=2), _ids(256), output=lambda out: out.logits),
     "llama": Case(lambda: tiny_llama(layers=2), _ids(256), output=lambda out: out.logits, on_meta=False),
     "qwen2-tied": Case(tiny_qwen2, _ids(128), output=lambda out: out.logits),
-    "t5": Case(lambda: tiny_t5(layers=2),
-               lambda: ((), {"input_ids": torch.randint(0, 256, (2, 8)),
-                             "decoder_input_ids": torch.randint(0, 256, (2, 4))}),
-               output=lambda out: out.logits),
+    "t5": Case(
+        lambda: tiny_t5(layers=2),
+        lambda: (
+            (),
+            {"input_ids": torch.randint(0, 256, (2, 8)), "decoder_input_ids": torch.randint(0, 256, (2, 4))},
+        ),
+        output=lambda out: out.logits,
+    ),
     "bert": Case(tiny_bert, _ids(120), output=lambda out: out.last_hidden_state),
     "mixtral": Case(lambda: tiny_moe("mixtral"), _ids(128), output=lambda out: out.logits),
 }
@@ -258,8 +295,9 @@ def build(case: Case, meta: bool = False) -> nn.Module:
 def distinct_tensors(model: nn.Module) -> dict[int, tuple[list[str], int]]:
     """Each distinct parameter or buffer: its names and bytes."""
     found: dict[int, tuple[list[str], int]] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + \
-        [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None]
+    named = list(model.named_parameters(remove_duplicate=False)) + [
+        (n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None
+    ]
     for name, tensor in named:
         found.setdefault(id(tensor), ([], tensor.numel() * tensor.element_size()))[0].append(name)
     return found
@@ -302,8 +340,9 @@ def test_load_checkpoint_and_dispatch_on_cpu_and_disk_matches_the_plain_model(na
     save_model(plain, str(checkpoint))
     model = build(case, meta=case.on_meta)
     budget = beside_the_run(plain, int(0.4 * weight_total(plain)))
-    loaded = load_checkpoint_and_dispatch(model, checkpoint, device_map="auto", max_memory={"cpu": budget},
-                                          offload_folder=tmp_path / "offload")
+    loaded = load_checkpoint_and_dispatch(
+        model, checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path / "offload"
+    )
     placed = bytes_per_device(plain, loaded.hf_device_map)  # every tensor has a device
     assert placed.get("disk", 0) > 0 and set(placed) <= {"cpu", "disk"}, loaded.hf_device_map
     if case.inputs is None:
@@ -323,5 +362,11 @@ def test_load_checkpoint_and_dispatch_on_cpu_and_disk_matches_the_plain_model(na
 
 def test_the_sweep_has_the_models_the_issue_names():
     assert len(CASES) >= 20
-    assert {"head-declared-first", "mask-argument", "dict-input", "module-dict-root", "item-unit",
-            "tied-across-layers"} <= set(CASES)
+    assert {
+        "head-declared-first",
+        "mask-argument",
+        "dict-input",
+        "module-dict-root",
+        "item-unit",
+        "tied-across-layers",
+    } <= set(CASES)

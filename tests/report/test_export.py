@@ -3,6 +3,7 @@ plan in the form each engine documents, checked against that form: accelerate's 
 torch pipelining's split_spec, torchtitan's module_fqns_per_model_part, vLLM's
 VLLM_PP_LAYER_PARTITION, llama.cpp's -ngl/-ot flags over the GGUF tensor names of the same
 architecture (applied as llama.cpp applies them: the first pattern found in a name wins)."""
+
 from __future__ import annotations
 
 import re
@@ -120,27 +121,39 @@ def test_llama_cpp_routed_experts_apart_per_tensor(moe):
     assert args[:2] == ["-ngl", "999"]
     assert args[2:] == ["-ot", r"blk\.(1|2|3)\.ffn_.*_exps\.=CPU"]
     wanted = expected(plan, moe.config.model_type)
-    assert "blk.1.ffn_gate_exps.weight" in wanted and "blk.1.ffn_up_exps.weight" in wanted  # fused gate_up: two
+    assert (
+        "blk.1.ffn_gate_exps.weight" in wanted and "blk.1.ffn_up_exps.weight" in wanted
+    )  # fused gate_up: two
     placed = apply_overrides(args, list(wanted))
-    assert {n: d for n, d in placed.items() if not n.startswith("token_embd")} == \
-        {n: d for n, d in wanted.items() if not n.startswith("token_embd")}
+    assert {n: d for n, d in placed.items() if not n.startswith("token_embd")} == {
+        n: d for n, d in wanted.items() if not n.startswith("token_embd")
+    }
 
 
-@pytest.mark.parametrize("where", [
-    {"": 0, "model.layers.2": "cpu", "model.layers.3": "disk", "lm_head": "cpu"},
-    {"": 1, "model.layers.0": 0, "model.layers.1": 0, "model.norm": "cpu"},
-    {"": "cpu"}], ids=["layers-off", "two-gpus", "cpu-only"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"": 0, "model.layers.2": "cpu", "model.layers.3": "disk", "lm_head": "cpu"},
+        {"": 1, "model.layers.0": 0, "model.layers.1": 0, "model.norm": "cpu"},
+        {"": "cpu"},
+    ],
+    ids=["layers-off", "two-gpus", "cpu-only"],
+)
 def test_llama_cpp_places_every_gguf_tensor_where_the_plan_does(llama, where):
-    plan = automap.plan(llama, where, max_memory={0: "1GB", 1: "1GB", "cpu": "1GB", "disk": "1GB"},
-                        offload_dir="unused")
+    plan = automap.plan(
+        llama, where, max_memory={0: "1GB", 1: "1GB", "cpu": "1GB", "disk": "1GB"}, offload_dir="unused"
+    )
     args = plan.export("llama.cpp", arch="llama")
     wanted = expected(plan, "llama")
-    assert {"blk.0.attn_q.weight", "blk.5.ffn_down.weight", "output_norm.weight", "output.weight"} <= set(wanted)
+    assert {"blk.0.attn_q.weight", "blk.5.ffn_down.weight", "output_norm.weight", "output.weight"} <= set(
+        wanted
+    )
     placed = apply_overrides(args, list(wanted))
     if not any(d != "CPU" for d in wanted.values()):
         assert args == ["-ngl", "0"]
-    assert {n: d for n, d in placed.items() if not n.startswith("token_embd")} == \
-        {n: d for n, d in wanted.items() if not n.startswith("token_embd")}
+    assert {n: d for n, d in placed.items() if not n.startswith("token_embd")} == {
+        n: d for n, d in wanted.items() if not n.startswith("token_embd")
+    }
 
 
 def test_llama_cpp_refuses_an_architecture_it_does_not_name(llama):
@@ -151,8 +164,14 @@ def test_llama_cpp_refuses_an_architecture_it_does_not_name(llama):
 
 # ------------------------------------------------------------------ the command
 
-LLAMA_SET = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256)
+LLAMA_SET = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 LLAMA = ["plan", "hf:llama", "--set", ",".join(f"{k}={v}" for k, v in LLAMA_SET.items()), "--quiet"]
 
 

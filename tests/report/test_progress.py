@@ -1,6 +1,7 @@
 """Progress on long work (automap/progress.py): drawn on a terminal only, after a second, never
 under quiet. Real terminals: the commands run in a subprocess whose stderr is a pseudo-terminal
 (or a pipe, for the log case), and planning a real model is the long step."""
+
 from __future__ import annotations
 
 import fcntl
@@ -36,15 +37,17 @@ def _stderr_of(mode: str, *, terminal: bool) -> str:
     """Run SCRIPT; return what it wrote to stderr (a pseudo-terminal when ``terminal``)."""
     env = dict(os.environ)
     if not terminal:
-        done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300,
-                              env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300, env=env
+        )
         assert done.returncode == 0, done.stderr
         return done.stderr
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
     try:
-        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stderr=follower, stdout=subprocess.DEVNULL,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, mode], stderr=follower, stdout=subprocess.DEVNULL, env=env
+        )
         os.close(follower)
         chunks = []
         while True:

@@ -1,6 +1,7 @@
 """Reports: the text names every device and unit range in 80 columns, the JSON round-trips and
 matches docs/plan-schema.md, figures are valid files whose bars carry the plan's numbers, and
 automap.placement sees where a dispatched model's tensors really are."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,18 @@ import torch
 
 import automap
 from automap.planning.predict import compute_seconds, cuts, forward_seconds, summary
-from automap.report import (ReportError, draw, figure, placement, plan_dict, read_json, render_text, to_json,
-                            unit_ranges, write_json)
+from automap.report import (
+    ReportError,
+    draw,
+    figure,
+    placement,
+    plan_dict,
+    read_json,
+    render_text,
+    to_json,
+    unit_ranges,
+    write_json,
+)
 from automap.sizes import format_flops, format_number, format_rate, format_seconds
 from conftest import tiny_llama, weight_bytes
 from tiny_configs import beside_the_run
@@ -37,11 +48,23 @@ def _flat(text: str) -> str:
 
 
 def test_unit_ranges_collapse_runs_only():
-    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm",
-             "model.layers.3", "model.layers.5", "lm_head"]
-    assert unit_ranges(names) == "model.embed_tokens, model.layers.0-2, model.norm, model.layers.3, " \
-                                 "model.layers.5, lm_head"
-    assert unit_ranges(["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]) == "layer1.0-1, layer2.0-2"
+    names = [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+        "model.layers.3",
+        "model.layers.5",
+        "lm_head",
+    ]
+    assert (
+        unit_ranges(names) == "model.embed_tokens, model.layers.0-2, model.norm, model.layers.3, "
+        "model.layers.5, lm_head"
+    )
+    assert (
+        unit_ranges(["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]) == "layer1.0-1, layer2.0-2"
+    )
 
 
 def test_text_names_every_device_and_unit_range_in_80_columns(spread_plan):
@@ -79,8 +102,14 @@ def test_bytes_only_plan_says_so(spread_plan):
 
 def test_tied_weights_split_by_a_user_map_are_warned_once():
     model = tiny_llama(layers=2, tie=True)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
-                  "model.norm": 1, "lm_head": 1}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.norm": 1,
+        "lm_head": 1,
+    }
     plan = automap.plan(model, device_map=device_map, max_memory={0: "1GB", 1: "1GB", "cpu": "1GB"})
     assert _flat(render_text(plan)).count("tied weights split") == 1
     splits = plan_dict(plan)["totals"]["tied_splits"]
@@ -114,8 +143,13 @@ def _documented_keys(section: str) -> set[str]:
 
 def test_json_has_every_documented_key(spread_plan):
     data = plan_dict(spread_plan)
-    for section, obj in (("Top level", data), ("devices[]", data["devices"][0]), ("totals", data["totals"]),
-                         ("cuts[]", data["cuts"][0]), ("units[]", data["units"][0])):
+    for section, obj in (
+        ("Top level", data),
+        ("devices[]", data["devices"][0]),
+        ("totals", data["totals"]),
+        ("cuts[]", data["cuts"][0]),
+        ("units[]", data["units"][0]),
+    ):
         keys = _documented_keys(section)
         assert keys, f"docs/plan-schema.md has no table for {section}"
         assert keys <= set(obj), f"{section}: documented but missing {sorted(keys - set(obj))}"
@@ -169,8 +203,11 @@ def test_figure_bars_carry_the_plans_numbers(spread_plan):
         assert weights.get(row_index, 0.0) == pytest.approx(expected, abs=1e-6), row.device.name
         # FLOPs count on the device that computes them: a tier that only stores draws none.
         computes = row.device.name == spread_plan.placements.by_home[row.device.name].compute
-        computed = sum(u.flops for u, d in zip(spread_plan.units, spread_plan.placement)
-                       if spread_plan.placements.by_home[d].compute == row.device.name)
+        computed = sum(
+            u.flops
+            for u, d in zip(spread_plan.units, spread_plan.placement)
+            if spread_plan.placements.by_home[d].compute == row.device.name
+        )
         share = _bar_widths(flops, colours[row.device.name]).get(row_index, 0.0)
         assert share == pytest.approx(100 * computed / sum(u.flops for u in spread_plan.units), abs=1e-6)
         assert computes or share == 0.0, row.device.name
@@ -181,8 +218,12 @@ def test_figure_bars_carry_the_plans_numbers(spread_plan):
 
 def test_placement_of_dispatched_model_matches_its_plan(tmp_path):
     model = tiny_llama(layers=4)
-    chosen = automap.plan(model, max_memory={"cpu": int(weight_bytes(model) * 0.5)}, offload_dir=tmp_path,
-                          example_inputs=(torch.randint(0, 256, (1, 8)),))
+    chosen = automap.plan(
+        model,
+        max_memory={"cpu": int(weight_bytes(model) * 0.5)},
+        offload_dir=tmp_path,
+        example_inputs=(torch.randint(0, 256, (1, 8)),),
+    )
     automap.dispatch(model, chosen, offload_dir=tmp_path)
     try:
         actual = automap.placement(model)
@@ -224,8 +265,18 @@ def test_placement_follows_hf_device_map_for_meta_tensors():
 EXPONENT = re.compile(r"\d[eE][+-]?\d")
 
 
-@pytest.mark.parametrize("seconds, text", [(3.316, "3.32 s"), (0.0878, "87.8 ms"), (4.92e-05, "49.2 µs"),
-                                           (2.4e-07, "240 ns"), (754.0, "12.6 min"), (1e-13, "<1 ns"), (0, "0 s")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (3.316, "3.32 s"),
+        (0.0878, "87.8 ms"),
+        (4.92e-05, "49.2 µs"),
+        (2.4e-07, "240 ns"),
+        (754.0, "12.6 min"),
+        (1e-13, "<1 ns"),
+        (0, "0 s"),
+    ],
+)
 def test_times_read_in_the_unit_that_fits(seconds, text):
     assert format_seconds(seconds) == text
 
@@ -259,9 +310,13 @@ def extreme_plans(spread_plan):
     budget = {0: int(size * 0.3), 1: int(size * 0.3), "cpu": int(size * 0.25), "disk": "1TB"}
     inputs = (torch.randint(0, 256, (1, 16)),)
     slow = {"cuda:0": 1e3, "cuda:1": 1e3, "cpu": 1e2}
-    return [spread_plan,
-            automap.plan(model, max_memory=budget, example_inputs=inputs, speeds=slow, batch=1, max_length=64),
-            automap.plan(model, max_memory={0: "1GB", "cpu": "1GB"}, example_inputs=inputs, batch=1, max_length=64)]
+    return [
+        spread_plan,
+        automap.plan(model, max_memory=budget, example_inputs=inputs, speeds=slow, batch=1, max_length=64),
+        automap.plan(
+            model, max_memory={0: "1GB", "cpu": "1GB"}, example_inputs=inputs, batch=1, max_length=64
+        ),
+    ]
 
 
 def test_report_and_json_text_carry_no_exponents(extreme_plans):
@@ -289,7 +344,9 @@ def test_the_root_unit_is_named():
     assert "units: the whole model" in text and "1 unit," in text and "1 units" not in text
     disk = next(d for d in plan_dict(plan)["devices"] if d["name"] == "disk")
     assert disk["unit_ranges"] == "the whole model"
-    with pytest.raises(automap.AutomapError, match=r"offloads 1 unit \(the whole model\) to disk but no offload_dir"):
+    with pytest.raises(
+        automap.AutomapError, match=r"offloads 1 unit \(the whole model\) to disk but no offload_dir"
+    ):
         automap.dispatch(model, plan)
 
 
@@ -330,25 +387,40 @@ def test_a_slower_choice_says_why():
     the CPU to be faster.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
     with automap.empty_model():
         model = LlamaForCausalLM(config).eval()
     size, ids = weight_bytes(model), (torch.randint(0, 256, (1, 16)),)
     cpu = beside_the_run(model, int(size * 0.25), example_inputs=ids)
-    plan = automap.plan(model, max_memory={0: int(size * 0.3), 1: int(size * 0.3), "cpu": cpu, "disk": "1TB"},
-                        example_inputs=ids)
+    plan = automap.plan(
+        model,
+        max_memory={0: int(size * 0.3), 1: int(size * 0.3), "cpu": cpu, "disk": "1TB"},
+        example_inputs=ids,
+    )
     choices = " ".join(plan.choices)
     faster = re.search(r"alternatives: the CPU computes .*?\(([\d.]+) ms\)", choices)
     assert faster and float(faster.group(1)) < forward_seconds(plan) * 1e3, choices
     line = next(c for c in plan.choices if c.startswith("chosen over a faster alternative"))
-    assert "because the accelerators compute every unit in it, while in the faster one the CPU computes some" in line
+    assert (
+        "because the accelerators compute every unit in it, while in the faster one the CPU computes some"
+        in line
+    )
     assert "then the fastest" in line and "chosen over a faster alternative" in _flat(plan.report())
 
 
 def test_the_fastest_choice_needs_no_excuse():
     model = tiny_llama(layers=2)
-    plan = automap.plan(model, max_memory={0: "1GB", 1: "1GB"}, example_inputs=(torch.randint(0, 256, (1, 16)),))
+    plan = automap.plan(
+        model, max_memory={0: "1GB", 1: "1GB"}, example_inputs=(torch.randint(0, 256, (1, 16)),)
+    )
     assert not any("chosen over" in c for c in plan.choices)
 
 
@@ -360,7 +432,9 @@ def full_disk(tmp_path):
 
     point = tmp_path / "disk"
     point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(point)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(point)], capture_output=True, text=True
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
     try:
@@ -383,8 +457,9 @@ def test_a_report_that_cannot_be_written_leaves_the_users_file_as_it_was(spread_
         write_json(spread_plan, full_disk / "plan.json")
     with pytest.raises(ReportError, match="No space left on device"):
         figure(spread_plan, full_disk / "plan.svg")
-    assert {p.name: p.read_bytes() for p in full_disk.iterdir() if p.name != "filler"} == before, \
+    assert {p.name: p.read_bytes() for p in full_disk.iterdir() if p.name != "filler"} == before, (
         "the old files are whole and no temporary is left"
+    )
 
 
 def test_a_report_written_over_a_file_keeps_its_permissions_and_writes_through_a_link(spread_plan, tmp_path):

@@ -6,6 +6,7 @@ forward); where weights are swapped in for a unit (the accelerator path, run on 
 most once per hooked unit boundary. Compiled outputs equal the eager model's.
 
 Compiling is slow on a 2-core CPU: tiny models, few tests."""
+
 from __future__ import annotations
 
 import os
@@ -49,7 +50,9 @@ def test_resident_units_with_hooks_compile_without_a_graph_break():
     expected = logits_of(model, _ids())
     plan = automap.plan(model, max_memory={"cpu": "1GB"})
     dispatch_plan(model, plan, always_hook=True)  # an input-moving hook on every unit, as across devices
-    assert hooked_units(model) == len(plan.units) + 1  # and the model itself (forwards in flight, for undispatch)
+    assert (
+        hooked_units(model) == len(plan.units) + 1
+    )  # and the model itself (forwards in flight, for undispatch)
     explained = explain(model, _ids())
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert torch.equal(logits_of(torch.compile(model, backend="aot_eager"), _ids()), expected)
@@ -79,10 +82,19 @@ def test_swapped_in_weights_compile_and_go_back_home(tmp_path):
     model = tiny_gpt2(layers=2)
     ids = _ids()
     expected = logits_of(model, ids)
-    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                  "transformer.h.0": "disk", "transformer.h.1": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
+    device_map = {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.drop": "cpu",
+        "transformer.h.0": "disk",
+        "transformer.h.1": "cpu",
+        "transformer.ln_f": "cpu",
+        "lm_head": "disk",
+    }
     plan = automap.plan(model, device_map)
-    dispatch_plan(model, plan, offload_dir=tmp_path, transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
+    dispatch_plan(
+        model, plan, offload_dir=tmp_path, transfer=lambda source, *_: StagedTransfer(source, HostCopyOps())
+    )
     explained = explain(model, ids)
     assert 0 < explained.graph_break_count <= hooked_units(model)
     for reason in explained.break_reasons:  # every break is at the call of a streamed unit's hook body

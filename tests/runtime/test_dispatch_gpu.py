@@ -1,6 +1,7 @@
 """GPU dispatch: a cuda:0 + cpu + disk plan (CPU units streamed from pinned RAM on a side
 stream, disk units staged through a pinned buffer) gives the GPU-resident model's results.
 Skipped without CUDA (see conftest)."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,16 @@ from conftest import ToyModel, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.cuda
 
-_LLAMA_MAP = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
-              "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": 0, "lm_head": "cpu"}
+_LLAMA_MAP = {
+    "model.embed_tokens": 0,
+    "model.rotary_emb": 0,
+    "model.layers.0": 0,
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "disk",
+    "model.norm": 0,
+    "lm_head": "cpu",
+}
 
 
 def _plain_on_gpu(model: nn.Module) -> nn.Module:
@@ -31,18 +40,24 @@ def test_cuda_cpu_disk_plan_matches_the_gpu_model(tmp_path):
     with torch.no_grad():
         expected = plain(ids.cuda()).logits
     plan = automap.plan(model, _LLAMA_MAP)
-    assert plan.execution_device == "cuda:0" and set(plan.offloaded_units) >= {"model.layers.1", "model.layers.2"}
+    assert plan.execution_device == "cuda:0" and set(plan.offloaded_units) >= {
+        "model.layers.1",
+        "model.layers.2",
+    }
     automap.dispatch(model, plan, offload_dir=tmp_path)
     weight = model.model.layers[1].mlp.up_proj.weight
-    assert weight.device.type == "cpu" and weight.is_pinned() and weight.shape == (128, 64), \
+    assert weight.device.type == "cpu" and weight.is_pinned() and weight.shape == (128, 64), (
         "between forwards an offloaded weight is its real (pinned) host copy"
+    )
     with torch.no_grad():
         got = model(ids).logits  # inputs on CPU: the hooks move them
     torch.cuda.synchronize()
     assert got.device == torch.device("cuda:0")
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    assert all(i.tensor.device.type == "cpu" and i.tensor.data_ptr() == i.home.data_ptr()
-               for i in state_of(model).streamed.values()), "the GPU copies left with their units"
+    assert all(
+        i.tensor.device.type == "cpu" and i.tensor.data_ptr() == i.home.data_ptr()
+        for i in state_of(model).streamed.values()
+    ), "the GPU copies left with their units"
     automap.undispatch(model)
     assert model.model.layers[2].mlp.up_proj.weight.device.type == "cpu"
 
@@ -68,7 +83,9 @@ def test_generate_on_cuda_cpu_disk_gives_the_same_tokens(build, tmp_path):
     options = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     expected = plain.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), **options)
     units = [u.name for u in automap.plan(model, max_memory={0: "64GB"}).units]
-    device_map = {u: (0 if i < 2 or i >= len(units) - 2 else ("cpu" if i % 2 else "disk")) for i, u in enumerate(units)}
+    device_map = {
+        u: (0 if i < 2 or i >= len(units) - 2 else ("cpu" if i % 2 else "disk")) for i, u in enumerate(units)
+    }
     automap.dispatch(model, device_map, offload_dir=tmp_path)
     got = model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), **options)
     assert torch.equal(got.cpu(), expected.cpu())

@@ -2,6 +2,7 @@
 (:class:`automap.runtime.experts.ExpertsCache`): the plain model's outputs with the cache on,
 its hits and misses those of its policy run on the same routing, its bytes within the room
 the plan leaves in RAM, and a kept expert read from nothing after a cold start."""
+
 from __future__ import annotations
 
 import torch
@@ -37,9 +38,14 @@ def _trace(model, steps) -> tuple[list[list[tuple[str, int]]], list[torch.Tensor
     trace, logits, handles = [], [], []
     for index, layer in enumerate(model.model.layers):
         name = f"model.layers.{index}.mlp.experts"
-        handles.append(layer.mlp.experts.register_forward_pre_hook(
-            lambda m, a, k, name=name: trace.append([(name, r) for r in routed_rows(a, k, m.num_experts)]),
-            with_kwargs=True))
+        handles.append(
+            layer.mlp.experts.register_forward_pre_hook(
+                lambda m, a, k, name=name: trace.append(
+                    [(name, r) for r in routed_rows(a, k, m.num_experts)]
+                ),
+                with_kwargs=True,
+            )
+        )
     with torch.no_grad():
         logits = [model(ids, use_cache=False).logits for ids in steps]
     for handle in handles:

@@ -4,6 +4,7 @@ writing, the hooks — in a fresh process. Wherever it lands, the interrupt reac
 the model gives its plain outputs with no hook of automap's left on it, torch's global mode
 stacks are empty, no store the call began is left in ``offload_dir`` (the user's file there
 is kept), and the next dispatch into the same folder works."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from tiny_configs import beside_the_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, shutil, signal, sys, time
     import torch
     from torch import nn
@@ -92,7 +93,7 @@ SCRIPT = textwrap.dedent('''
             problems.append(f"{where}: the next dispatch raised {type(exc).__name__}: {exc}")
         shutil.rmtree(folder)
     print(json.dumps({"problems": problems, "interrupted": landed, "count": count}))
-''')
+""")
 
 
 def _budget() -> str:
@@ -104,8 +105,13 @@ def _budget() -> str:
 
 
 def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch_as_they_were(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "64", _budget()], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), "64", _budget()],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] >= result["count"] // 2, f"the alarms fell after the calls: {result}"
@@ -232,8 +238,13 @@ def test_an_interrupt_at_any_statement_of_load_leaves_the_skeleton_and_the_folde
     """64 moments chosen among the statements automap runs in a load (planning, the checkpoint's
     reading, the store's writing, the install, the dispatch), each a real signal: half spread
     over the whole call, half over the steps from the tensors' install to the dispatch."""
-    done = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64", _budget()],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, str(tmp_path), "64", _budget()],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] >= result["count"] // 2, f"the signals fell after the calls: {result}"

@@ -3,6 +3,7 @@ dispatched model (``backbone = model.backbone; del model``, peft's ``merge_and_u
 before, is converted under the same rules as the model (a refusal, never an AssertionError), is
 undispatched by itself, and is dispatched again as a model of its own without a second set of
 hooks; a dispatched model dropped without undispatch frees its store for the next dispatch."""
+
 from __future__ import annotations
 
 import gc
@@ -28,8 +29,15 @@ class Tower(nn.Module):
         return self.head(self.backbone(x))
 
 
-DISK = {"backbone.0": "cpu", "backbone.1": "cpu", "backbone.2": "disk", "backbone.3": "disk",
-        "backbone.4": "disk", "backbone.5": "disk", "head": "cpu"}
+DISK = {
+    "backbone.0": "cpu",
+    "backbone.1": "cpu",
+    "backbone.2": "disk",
+    "backbone.3": "disk",
+    "backbone.4": "disk",
+    "backbone.5": "disk",
+    "head": "cpu",
+}
 
 
 def x() -> torch.Tensor:
@@ -82,10 +90,16 @@ def test_a_kept_part_is_undispatched_by_itself(tmp_path):
 
 def test_a_kept_part_is_dispatched_again_as_its_own_model_without_stacked_hooks(tmp_path):
     backbone, expected = kept_backbone(tmp_path)
-    fresh = automap.dispatch(Tower().eval().backbone, {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk",
-                                                       "4": "disk", "5": "disk"}, offload_dir=tmp_path / "off2")
-    automap.dispatch(backbone, {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk", "4": "disk", "5": "disk"},
-                     offload_dir=tmp_path / "off")
+    fresh = automap.dispatch(
+        Tower().eval().backbone,
+        {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk", "4": "disk", "5": "disk"},
+        offload_dir=tmp_path / "off2",
+    )
+    automap.dispatch(
+        backbone,
+        {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk", "4": "disk", "5": "disk"},
+        offload_dir=tmp_path / "off",
+    )
     assert hooks(backbone) == hooks(fresh)
     assert state_of(backbone).model is backbone
     with torch.no_grad():
@@ -143,9 +157,11 @@ def test_peft_merge_and_unload_of_a_dispatched_model_keeps_a_model_that_runs_and
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = lora_llama().merge_and_unload()(ids).logits
-    model = automap.dispatch(lora_llama(), {"": "cpu", "base_model.model.model.layers.2": "disk",
-                                            "base_model.model.model.layers.3": "disk"},
-                             offload_dir=tmp_path / "off")
+    model = automap.dispatch(
+        lora_llama(),
+        {"": "cpu", "base_model.model.model.layers.2": "disk", "base_model.model.model.layers.3": "disk"},
+        offload_dir=tmp_path / "off",
+    )
     model = model.merge_and_unload()  # the PeftModel, the dispatched root, is dropped
     gc.collect()
     with torch.no_grad():

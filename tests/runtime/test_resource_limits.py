@@ -2,6 +2,7 @@
 handles as they go (hundreds of shards under a low ``RLIMIT_NOFILE``); an ``undispatch`` that
 cannot allocate the weights it brings back (low ``RLIMIT_AS``) leaves the model dispatched and
 working, with an AutomapError that says so, and succeeds once memory is there."""
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
 
 
 def test_hundreds_of_shards_read_into_ram_under_a_low_open_files_limit(tmp_path):
-    result = run("""
+    result = run(
+        """
         import resource, sys, torch, automap
         from pathlib import Path
         from safetensors.torch import save_file
@@ -41,12 +48,15 @@ def test_hundreds_of_shards_read_into_ram_under_a_low_open_files_limit(tmp_path)
         with torch.no_grad():
             assert torch.equal(loaded(x), want)
         print("OK")
-    """, str(tmp_path))
+    """,
+        str(tmp_path),
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 def test_undispatch_that_cannot_allocate_leaves_the_model_dispatched(tmp_path):
-    result = run("""
+    result = run(
+        """
         import resource, sys, torch, automap
         from automap.errors import AutomapError
         from torch import nn
@@ -81,5 +91,7 @@ def test_undispatch_that_cannot_allocate_leaves_the_model_dispatched(tmp_path):
         with torch.no_grad():
             assert torch.equal(model(x), want)
         print("OK")
-    """, str(tmp_path / "off"))
+    """,
+        str(tmp_path / "off"),
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-1000:] + result.stderr[-3000:]

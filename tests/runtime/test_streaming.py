@@ -3,6 +3,7 @@ back and swapped out after it, re-read by name for backward — run on the CPU t
 :class:`~automap.offload.StagedTransfer` with :class:`~automap.offload.HostCopyOps` (real copies
 into tensors of their own). The same code runs on a GPU with CUDA streams; here it proves the
 swap, write-back, saved-tensor and locking logic without one."""
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,16 @@ def _staged(source, device, buffers=None):
     return StagedTransfer(source, HostCopyOps())
 
 
-_LLAMA_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-              "model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "disk",
-              "lm_head": "cpu"}
+_LLAMA_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "disk",
+    "model.layers.3": "cpu",
+    "model.norm": "disk",
+    "lm_head": "cpu",
+}
 
 
 def _dispatch(model, device_map, tmp_path):
@@ -33,7 +41,9 @@ def _dispatch(model, device_map, tmp_path):
 
 
 def _at_home(model) -> bool:
-    return all(i.tensor.data_ptr() == i.home.data_ptr() and i.users == 0 for i in state_of(model).streamed.values())
+    return all(
+        i.tensor.data_ptr() == i.home.data_ptr() and i.users == 0 for i in state_of(model).streamed.values()
+    )
 
 
 def test_swapped_copies_give_the_same_outputs_and_leave_after_each_unit(tmp_path):
@@ -53,12 +63,25 @@ def test_swapped_copies_give_the_same_outputs_and_leave_after_each_unit(tmp_path
 def test_generate_gives_the_same_tokens(tmp_path):
     model = tiny_gpt2(layers=4)
     ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(3))
-    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                   attention_mask=torch.ones_like(ids))
+    options = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     expected = model.generate(ids, **options)
-    device_map = {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.drop": "cpu",
-                  "transformer.h.0": "disk", "transformer.h.1": "cpu", "transformer.h.2": "disk",
-                  "transformer.h.3": "cpu", "transformer.ln_f": "cpu", "lm_head": "disk"}
+    device_map = {
+        "transformer.wte": "disk",
+        "transformer.wpe": "cpu",
+        "transformer.drop": "cpu",
+        "transformer.h.0": "disk",
+        "transformer.h.1": "cpu",
+        "transformer.h.2": "disk",
+        "transformer.h.3": "cpu",
+        "transformer.ln_f": "cpu",
+        "lm_head": "disk",
+    }
     _dispatch(model, device_map, tmp_path)
     assert torch.equal(model.generate(ids, **options), expected)
 
@@ -89,7 +112,9 @@ def test_a_gradient_reaching_a_streamed_weight_is_refused_at_backward(tmp_path):
     _dispatch(model, _LLAMA_MAP, tmp_path)
     ids = torch.randint(0, 256, (1, 6))
     loss = model(ids, labels=ids).loss  # the forward runs in train mode
-    with pytest.raises(DispatchError, match=r"gradient reached offloaded parameter '(model\.layers\.[12]|model\.norm)"):
+    with pytest.raises(
+        DispatchError, match=r"gradient reached offloaded parameter '(model\.layers\.[12]|model\.norm)"
+    ):
         loss.backward()
     assert _at_home(model)
 
@@ -128,6 +153,7 @@ def test_an_in_place_write_inside_the_unit_takes_effect(tmp_path):
     def scale(module, args):
         with torch.no_grad():
             module.weight.mul_(1.5)  # runs on the unit's copy
+
     handle = norm.register_forward_pre_hook(scale)
     logits_of(model, ids)
     handle.remove()
@@ -148,6 +174,7 @@ def test_forwards_from_several_threads_take_turns_and_are_right(tmp_path):
                     wrong.append(i)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()

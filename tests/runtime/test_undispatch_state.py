@@ -7,6 +7,7 @@ or raises DispatchError.
 
 The model throughout: six ``Linear(64, 64)``, the last three on disk (a store, or the
 checkpoint read in place)."""
+
 from __future__ import annotations
 
 import copy
@@ -58,8 +59,12 @@ def dispatched(tmp_path: Path, swap: bool = False, seed: int = 0) -> nn.Sequenti
     model = six(seed)
     if swap:
         plan = automap.plan(model, DISK)
-        return dispatch_plan(model, plan, offload_dir=tmp_path / "off",
-                             transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()))
+        return dispatch_plan(
+            model,
+            plan,
+            offload_dir=tmp_path / "off",
+            transfer=lambda source, *_: StagedTransfer(source, HostCopyOps()),
+        )
     return automap.dispatch(model, DISK, offload_dir=tmp_path / "off")
 
 
@@ -77,7 +82,9 @@ def loaded(tmp_path: Path, seed: int = 0) -> tuple[nn.Sequential, Path]:
 
 def plain(model: nn.Module) -> bool:
     """No automap hook, override or state, and no tensor viewing a file."""
-    hooked = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks or "_apply" in m.__dict__]
+    hooked = [
+        m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks or "_apply" in m.__dict__
+    ]
     in_files = [n for n, t in model.state_dict().items() if file_backing(t) is not None]
     return not hooked and not in_files and state_of(model) is None
 
@@ -85,10 +92,20 @@ def plain(model: nn.Module) -> bool:
 # ------------------------------------------------------------------ 1. torch's API on a dispatched model
 
 
-@pytest.mark.parametrize("convert", [
-    lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m[4].bfloat16(),
-    lambda m: m.type(torch.float16)], ids=["half", "to-float64", "double", "unit-bfloat16", "type"])
-def test_a_dtype_conversion_of_offloaded_weights_is_refused_at_the_call_and_changes_nothing(tmp_path, convert):
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.half(),
+        lambda m: m.to(torch.float64),
+        lambda m: m.double(),
+        lambda m: m[4].bfloat16(),
+        lambda m: m.type(torch.float16),
+    ],
+    ids=["half", "to-float64", "double", "unit-bfloat16", "type"],
+)
+def test_a_dtype_conversion_of_offloaded_weights_is_refused_at_the_call_and_changes_nothing(
+    tmp_path, convert
+):
     expected, before = out(six()), weights(six())
     model = dispatched(tmp_path)
     with pytest.raises(DispatchError, match=r"offloaded tensor '\d\.weight'.*automap.undispatch"):
@@ -119,7 +136,9 @@ def test_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plain_
     there, as the plain model keeps them; the same call from outside a forward is refused."""
     plain = CastsItsHead().eval()
     expected = out(plain)
-    model = automap.dispatch(CastsItsHead().eval(), {"body": "cpu", "head": "disk"}, offload_dir=tmp_path / "off")
+    model = automap.dispatch(
+        CastsItsHead().eval(), {"body": "cpu", "head": "disk"}, offload_dir=tmp_path / "off"
+    )
     with pytest.raises(DispatchError, match="offloaded tensor 'head.weight'"):
         model.head.half()
     assert torch.equal(out(model), expected) and torch.equal(out(model), expected)
@@ -128,9 +147,17 @@ def test_a_conversion_the_models_own_forward_makes_goes_through_as_in_the_plain_
     assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.state_dict().items())
 
 
-@pytest.mark.parametrize("move", [lambda m: m.to("meta"), lambda m: m.to("cuda"), lambda m: m.cuda(),
-                                  lambda m: m[4].to("meta"), lambda m: m[1].to_empty(device="meta")],
-                         ids=["to-meta", "to-gpu", "gpu", "unit-to-meta", "resident-to-empty"])
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda m: m.to("meta"),
+        lambda m: m.to("cuda"),
+        lambda m: m.cuda(),
+        lambda m: m[4].to("meta"),
+        lambda m: m[1].to_empty(device="meta"),
+    ],
+    ids=["to-meta", "to-gpu", "gpu", "unit-to-meta", "resident-to-empty"],
+)
 def test_moving_a_dispatched_model_by_hand_is_refused_at_the_call(tmp_path, move):
     expected = out(six())
     model = dispatched(tmp_path)
@@ -153,9 +180,12 @@ def _rebind(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
 def _apply_init(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
     names = {id(m): n for n, m in model.named_modules()}
 
-    def init(module: nn.Module) -> None:  # an init function that rebinds (as many do) rather than fill in place
+    def init(
+        module: nn.Module,
+    ) -> None:  # an init function that rebinds (as many do) rather than fill in place
         if isinstance(module, nn.Linear):
             module.weight.data = new[f"{names[id(module)]}.weight"].clone()
+
     model.apply(init)
 
 
@@ -170,8 +200,11 @@ def _assign_own_views(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["cpu", "swapped"])
-@pytest.mark.parametrize("change", [_rebind, _apply_init, _assign, _assign_own_views],
-                         ids=["data=", "apply", "load_state_dict-assign", "assign-own-views"])
+@pytest.mark.parametrize(
+    "change",
+    [_rebind, _apply_init, _assign, _assign_own_views],
+    ids=["data=", "apply", "load_state_dict-assign", "assign-own-views"],
+)
 def test_what_torchs_api_put_into_a_dispatched_model_is_used_and_kept_by_undispatch(tmp_path, swap, change):
     new = weights(six(seed=5))
     model = dispatched(tmp_path, swap=swap)
@@ -233,9 +266,15 @@ def _replace_smaller(ck: Path) -> None:
     os.replace(tmp, ck)
 
 
-@pytest.mark.parametrize("damage", [lambda ck: os.remove(ck), _replace_smaller,
-                                    lambda ck: os.rename(ck.parent, ck.parent.with_name("renamed"))],
-                         ids=["deleted", "replaced-by-a-smaller-file", "folder-moved"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda ck: os.remove(ck),
+        _replace_smaller,
+        lambda ck: os.rename(ck.parent, ck.parent.with_name("renamed")),
+    ],
+    ids=["deleted", "replaced-by-a-smaller-file", "folder-moved"],
+)
 def test_the_checkpoint_deleted_replaced_or_moved_while_loaded(tmp_path, damage):
     expected, before = out(six()), weights(six())
     model, ck = loaded(tmp_path)
@@ -278,8 +317,12 @@ def _torch_save(model):
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["cpu", "swapped"])
-@pytest.mark.parametrize("copier", [_deepcopy, _pickle, _torch_save], ids=["deepcopy", "pickle", "torch.save"])
-def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_current_weights(tmp_path, copier, swap):
+@pytest.mark.parametrize(
+    "copier", [_deepcopy, _pickle, _torch_save], ids=["deepcopy", "pickle", "torch.save"]
+)
+def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_current_weights(
+    tmp_path, copier, swap
+):
     model = dispatched(tmp_path, swap=swap)
     with torch.no_grad():
         model[4].bias.add_(1.0)  # a write into an offloaded weight (copy-on-write) is part of what is copied
@@ -292,7 +335,9 @@ def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_curr
     assert torch.equal(out(twin), out(reference))
     unit = copier(model[4])  # a unit alone too
     assert plain(unit) and torch.equal(unit.bias, reference[4].bias)
-    assert state_of(model) is not None and torch.equal(out(model), out(reference))  # the original is untouched
+    assert state_of(model) is not None and torch.equal(
+        out(model), out(reference)
+    )  # the original is untouched
     automap.undispatch(model)
     assert torch.equal(out(model), out(reference))
 
@@ -301,14 +346,28 @@ def test_copies_and_pickles_of_a_dispatched_model_are_plain_models_with_the_curr
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(TESTS.parent)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(TESTS.parent)]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
-@pytest.mark.parametrize("read", [
-    "m.state_dict()", "torch.save(m.state_dict(), io.BytesIO())", "m[4].state_dict()", "pickle.dumps(m)",
-    "copy.deepcopy(m)", "torch.save(m, io.BytesIO())", "m(torch.randn(2, 64))", "automap.undispatch(m)"])
+@pytest.mark.parametrize(
+    "read",
+    [
+        "m.state_dict()",
+        "torch.save(m.state_dict(), io.BytesIO())",
+        "m[4].state_dict()",
+        "pickle.dumps(m)",
+        "copy.deepcopy(m)",
+        "torch.save(m, io.BytesIO())",
+        "m(torch.randn(2, 64))",
+        "automap.undispatch(m)",
+    ],
+)
 def test_a_checkpoint_truncated_in_place_is_an_error_naming_the_tensors_never_a_sigbus(tmp_path, read):
     result = run_python(f"""
         import copy, io, os, pickle, sys
