@@ -27,8 +27,10 @@ MiB = 2**20
 # skeleton's objects, hooks): measured 12 MiB above the post-import baseline with every weight
 # on disk (benchmarks/fit.py, Llama and Mixtral cases); also part of the CPU kind's runtime base.
 LOAD_BASE_BYTES = 12 * MiB
-# A merge holds its sources, the stacked pieces and the merged tensor at once (see above).
-MERGE_COPIES = 4
+# A merge holds its sources, the stacked pieces and the merged tensor at once (see above), and
+# glibc keeps some of what it frees: 4.3-4.4 copies measured at the peak (Mixtral-shaped
+# checkpoints, benchmarks/fit.py); 5 is the bound a budget is planned against.
+MERGE_COPIES = 5
 
 
 def load_peak_bytes(tasks: Iterable[Task]) -> int:
