@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from automap.devices import DeviceSpec
-from automap.errors import MapFormatError, PlanError
+from automap.errors import MapFormatError, PlanError, RuntimeBudgetError
 from automap.kinds import is_host_name, kind_of
 from automap.planning.layout_plans import Candidate, level_plans
 from automap.planning.experts_choice import with_experts_apart
@@ -358,10 +358,10 @@ def _ms(plan: Plan) -> str:
 
 def _explained(error: PlanError, refused: Mapping[str, str], sizes: Mapping[str, int]) -> PlanError:
     """``error`` with the units that stayed whole (why, and their size) when that kept it from fitting."""
-    if not refused:
-        return error
+    if not refused or isinstance(error, RuntimeBudgetError):
+        return error  # the run itself does not fit: no split of a unit would help
     whole = "; ".join(
         f"{name!r} ({why}, {format_bytes(sizes[name])})" if name in sizes else f"{name!r} ({why})"
         for name, why in list(refused.items())[:_LISTED]
     )
-    return PlanError(f"{error}. Units that could not be split: {whole}")
+    return type(error)(f"{error}. Units that could not be split: {whole}")

@@ -149,3 +149,34 @@ def test_accelerators_count_their_own_activations_not_the_cpu_runtime():
     rows = {m.device: m for m in memory(plan)}
     assert rows["cuda:0"].activations == max(u.peak_activation_bytes for u in prof.units)
     assert rows["cpu"].activations == rows["cpu"].overhead == 0  # it computes nothing
+
+
+def test_a_budget_below_the_run_is_a_runtime_budget_error_also_where_units_stay_whole(tmp_path):
+    # A load with given inputs, whose decoder layers (no_split) and head outweigh the budget: the
+    # planner's note on the units it kept whole must not turn the run's refusal into a plain
+    # PlanError (callers catch the subclass), nor list units no split would help.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4000,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    with automap.empty_model():
+        skeleton = LlamaForCausalLM(config)
+    one_unit = max(u.peak_activation_bytes for u in automap.profile(skeleton).units)
+    with pytest.raises(automap.RuntimeBudgetError) as caught:
+        automap.load(
+            skeleton,
+            tmp_path / "llama",
+            max_memory={"cpu": one_unit - 1, "disk": "1GiB"},
+            offload_dir=tmp_path / "store",
+            quiet=True,
+            example_inputs=(torch.ones(2, 128, dtype=torch.long),),
+        )
+    assert "Units that could not be split" not in str(caught.value)
