@@ -40,7 +40,7 @@ def test_a_timm_model_with_part_on_disk_and_loaded_from_its_checkpoint_gives_the
     model, x = _timm(name), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         expected = model(x)
-    budget = part_on_disk(model)
+    budget = part_on_disk(model, example_inputs=(x,))
     automap.dispatch(model, "auto", max_memory=budget, offload_dir=tmp_path / "store", example_inputs=(x,))
     assert _on_disk(model)
     with torch.no_grad():
