@@ -424,14 +424,15 @@ def host_transfer(source: WeightSource, buffers: int | None = None) -> Transfer:
         OffloadError: ``AUTOMAP_COLD_READS`` holds no setting.
     """
     fits = buffers is None or buffers > SLOTS  # the ring, and one buffer of its own when every slot is held
-    if not fits and reads_direct(file_bytes(source), page_cache_bytes()):
+    wanted = reads_direct(file_bytes(source), page_cache_bytes())
+    if wanted and not fits:
         log.info(
             "reads past the page cache need %d buffers of the largest offloaded unit beside the run; "
             "the budget has room for %d: offloaded units are read through the page cache",
             SLOTS + 1,
             buffers,
         )
-    reads = direct_reads(source) if fits and reads_direct(file_bytes(source), page_cache_bytes()) else None
+    reads = direct_reads(source) if wanted and fits else None
     return PageTransfer(source) if reads is None else DirectTransfer(source, reads)
 
 
