@@ -5,8 +5,9 @@ file), so that no read of a map ever faults past the file's end (SIGBUS). A trun
 file's pages from every map, copy-on-write copies included: only memory not the file's survives.
 
 The break signal goes to automap's own thread (``F_SETOWN_EX``), which waits for it with the
-signal blocked: neither the main thread nor a Python handler is needed. Limits (the kernel breaks
-a lease by force after 45 s; forks; files that cannot be leased): docs/offload-safety.md.
+signal blocked: neither the main thread nor a Python handler is needed. The files leased are one
+dict changed by single (atomic) operations, no lock: a file closed by the garbage collector
+inside any step cannot wait on a lock that step holds. Limits: docs/offload-safety.md.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class _Watcher:
     def __init__(self) -> None:
         self.signal = self._own_signal()
         self.holders: dict[int, weakref.ref[Leaseholder]] = {}
-        self.lock = threading.Lock()
         self.tid = 0
         if self.signal:
             started = threading.Event()
@@ -99,9 +99,8 @@ class _Watcher:
 
     def serve(self) -> None:
         """Detach every leased file whose lease a writer is breaking, then let the writer go."""
-        with self.lock:
-            pending = [(key, ref()) for key, ref in self.holders.items()]
-        for key, holder in pending:
+        for key, ref in self.holders.copy().items():  # copied at once: no collection can run inside
+            holder = ref()
             if holder is None:
                 self.claim(key)
             elif breaking(holder.fd) and self.claim(key):
@@ -109,8 +108,7 @@ class _Watcher:
 
     def claim(self, key: int) -> bool:
         """Take ``key`` off the files leased; False if another thread did first (it serves it)."""
-        with self.lock:
-            return self.holders.pop(key, None) is not None
+        return self.holders.pop(key, None) is not None
 
 
 def breaking(fd: int) -> bool:
@@ -166,8 +164,7 @@ def take(holder: Leaseholder) -> str | None:
         fcntl.fcntl(holder.fd, F_SETLEASE, fcntl.F_RDLCK)
     except OSError as exc:
         return f"no read lease ({exc.strerror or exc})"
-    with lease.lock:
-        lease.holders[id(holder)] = weakref.ref(holder)
+    lease.holders[id(holder)] = weakref.ref(holder)
     try:  # taking a lease made the process the signal's owner: the lease thread is to be
         fcntl.fcntl(holder.fd, F_SETOWN_EX, struct.pack("ii", F_OWNER_TID, lease.tid))
     except OSError as exc:
@@ -182,8 +179,7 @@ def take(holder: Leaseholder) -> str | None:
 def drop(holder: Leaseholder) -> None:
     """Forget ``holder`` (before its descriptor is closed, which ends the lease)."""
     if _watcher is not None:
-        with _watcher.lock:
-            _watcher.holders.pop(id(holder), None)
+        _watcher.holders.pop(id(holder), None)
 
 
 def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
