@@ -205,12 +205,34 @@ def _trace(
     guessed: bool,
 ) -> TraceResult:
     # Meta copies made under a caller's inference_mode could not take part in a backward.
-    with torch.inference_mode(False), eval_mode(model):
+    with torch.inference_mode(False):
         args, kwargs = split_inputs(to_meta(example_inputs, dtype))
         state = {name: _meta_tensor(t, dtype) for name, t in all_named_tensors(model)}
-        return run_trace(
-            model, state, args, kwargs, unit_names, backward=backward, record_inputs=measure, guessed=guessed
-        )
+
+        def run() -> TraceResult:
+            return run_trace(
+                model,
+                state,
+                args,
+                kwargs,
+                unit_names,
+                backward=backward,
+                record_inputs=measure,
+                guessed=guessed,
+            )
+
+        if backward and model.training and not guessed:
+            # The training forward the model will run: what dropout and BatchNorm's batch
+            # statistics keep for the backward counts. Where it cannot run on these inputs (a
+            # batch of 1 for BatchNorm), the eval forward below is traced instead.
+            try:
+                trace = run()
+            except ProfileError:
+                trace = None
+            if trace is not None and not trace.stopped and not trace.failed:
+                return trace
+        with eval_mode(model):
+            return run()
 
 
 def _meta_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -28,16 +28,23 @@ from automap.profiling.units import call_with, has_user_hooks
 log = logging.getLogger(__name__)
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MATH = 0  # torch's SDPBackend.MATH: the score matrix is built, and kept for a backward
+
+
 class FusedAttention(TorchFunctionMode):
-    """Counts ``scaled_dot_product_attention`` as the fused kernel CUDA and CPU run: its
-    output stays, the score matrix the meta (math) path builds is never alive at once."""
+    """Counts ``scaled_dot_product_attention`` as the CPU runs it: where torch picks a fused
+    kernel for these inputs, its output stays and the score matrix the meta (math) path builds is
+    never alive at once; where it picks the math path (attention dropout in training), every
+    intermediate counts, and those autograd saves stay until the backward. CUDA fuses in more
+    cases (dropout included): on a GPU this can over-count a training forward."""
 
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention or not self._fused_on_cpu(args, kwargs or {}):
             return func(*args, **(kwargs or {}))
         self.tracer.fused += 1
         try:
@@ -45,7 +52,48 @@ class FusedAttention(TorchFunctionMode):
         finally:
             self.tracer.fused -= 1
         self.tracer.fused_output(out)
+        given = [
+            t
+            for t in {**dict(zip(_SDPA_ARGS, args)), **(kwargs or {})}.values()
+            if isinstance(t, torch.Tensor)
+        ]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in given):
+            # The fused kernel saves its inputs, its output and one float per query row
+            # (logsumexp) for the backward, in place of the score matrix.
+            for t in [*given[:3], out]:
+                self.tracer.pack_saved(t)
+            self.tracer.keep(out.shape[:-1].numel() * 4)
         return out
+
+    def _fused_on_cpu(self, args: tuple, kwargs: dict) -> bool:
+        """Whether torch's CPU kernel choice for these (meta) arguments is a fused kernel: asked
+        with CPU tensors of the same shapes, strides and dtypes (allocated, never written)."""
+        given = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+
+        def on_cpu(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            return host.requires_grad_(t.requires_grad) if host.is_floating_point() else host
+
+        self.tracer._probing = True  # the probe's tensors are not the model's activations
+        try:
+            q, k, v, mask = (on_cpu(given.get(n)) for n in _SDPA_ARGS[:4])
+            choice = torch._fused_sdp_choice(
+                q,
+                k,
+                v,
+                mask,
+                float(given.get("dropout_p", 0.0)),
+                bool(given.get("is_causal", False)),
+                scale=given.get("scale"),
+                enable_gqa=bool(given.get("enable_gqa", False)),
+            )
+        except (RuntimeError, TypeError, ValueError):  # arguments torch would refuse: the call says so itself
+            return True
+        finally:
+            self.tracer._probing = False
+        return choice != _MATH
 
 
 def run_trace(

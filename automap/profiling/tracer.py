@@ -223,6 +223,12 @@ class Tracer(TorchDispatchMode):
             if rec.saved and not self.in_backward:
                 self.kept += rec.nbytes
 
+    def keep(self, nbytes: int) -> None:
+        """Count ``nbytes`` kept until the backward that no traced op made (a fused kernel's own
+        saved state)."""
+        self.kept += nbytes
+        self.train_peak = max(self.train_peak, self.live + self.kept)
+
     def pack_saved(self, t: torch.Tensor) -> tuple:
         """:func:`~automap.profiling.metaops.pack_saved`, noting that a forward with grad keeps
         ``t``'s storage until the backward (``train_peak``)."""

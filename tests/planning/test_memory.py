@@ -46,13 +46,15 @@ def test_a_model_in_training_mode_is_planned_with_its_training_peak(gpt2):
     gpt2.train()
     try:
         plan = automap.plan(gpt2, max_memory={"cpu": "1GiB"}, example_inputs=IDS)
+        prof = automap.profile(gpt2, IDS)
     finally:
         gpt2.eval()
-    prof = automap.profile(gpt2, IDS)
     assert plan.activation_peak_bytes == prof.train_peak_bytes > prof.forward_peak_bytes
     assert cpu_row(plan).activations == prof.train_peak_bytes
     # The allocator's slack grows with what a forward frees and reuses: the inference forward's peak.
     assert cpu_row(plan).overhead == runtime_overhead("cpu", prof.train_peak_bytes, prof.forward_peak_bytes)
+    # Traced as it trains: dropout's masks and the attention scores its dropout needs are kept.
+    assert prof.train_peak_bytes > automap.profile(gpt2, IDS).train_peak_bytes
 
 
 def test_cpu_row_is_weights_cache_activations_and_overhead(gpt2_profile):
