@@ -62,6 +62,8 @@ class DeviceKind:
             beyond weights, cache and activations: ``runtime_base_bytes + runtime_share x`` the
             activation peak (the allocator's slack and the kernels' scratch space; measured by
             ``benchmarks/fit.py``, see :mod:`automap.planning.memory`).
+        read_ahead: offloaded units whose weights are read while earlier units compute on this
+            kind (its transfer's ``lookahead``): the forward's predicted time overlaps them.
     """
 
     name: str
@@ -89,6 +91,7 @@ class DeviceKind:
     transfer: Factory = None  # a kind computing on host memory: its transfer from a weight source
     runtime_base_bytes: int = 0
     runtime_share: float = 0.0
+    read_ahead: int = 1
 
     @property
     def is_accelerator(self) -> bool:
@@ -393,6 +396,7 @@ register_kind(
         flops_per_second=2e11,
         link_bytes_per_second=25e9,
         memory_bytes_per_second=2e10,
+        read_ahead=2,
         **_CPU_RUNTIME,
     )
 )

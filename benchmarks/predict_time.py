@@ -29,7 +29,7 @@ from torch import nn
 
 import automap
 from automap.planning.decode import predict_decode
-from automap.planning.predict import forward_seconds
+from automap.planning.predict import forward_seconds, memory
 from automap.runtime.state import state_of
 
 
@@ -40,7 +40,8 @@ class Case:
     inputs: Callable[[], dict[str, torch.Tensor]]
     decode: bool = False
     max_length: int | None = None
-    budget: dict[str, str] | None = None  # max_memory; None: this machine's
+    budget: dict[str, Any] | None = None  # max_memory; None: this machine's
+    in_ram: float | None = None  # the share of the weights kept in RAM beside the run (the CPU budget)
 
 
 def _llama(dtype: torch.dtype = torch.float32, hidden: int = 512, layers: int = 4) -> nn.Module:
@@ -81,7 +82,7 @@ CASES = (
     Case(
         "llama-1024 fp32 decode 1 token", lambda: _llama(hidden=1024), _ids(1, 32), decode=True, max_length=64
     ),
-    Case("llama-512 fp32 forward 1x128, half on disk", _llama, _ids(1, 128), budget={"cpu": "45MB"}),
+    Case("llama-512 fp32 forward 1x128, half on disk", _llama, _ids(1, 128), in_ram=0.5),
 )
 
 
@@ -119,11 +120,22 @@ def forward_of(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[]
     return forward
 
 
+def _budget(case: Case, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The case's max_memory: its own, or a CPU budget holding ``in_ram`` of the weights beside
+    what the run itself needs (activations and the runtime's overhead, as the plan predicts)."""
+    if case.in_ram is None:
+        return case.budget
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    probe = automap.plan(model, max_memory={"cpu": 4 * weights}, example_inputs=inputs)
+    cpu = next(m for m in memory(probe) if m.device == "cpu")
+    return {"cpu": int(case.in_ram * weights) + cpu.peak_bytes - cpu.weights}
+
+
 def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
     model, inputs = case.build(), case.inputs()
     plan = automap.plan(
         model,
-        max_memory=case.budget,
+        max_memory=_budget(case, model, inputs),
         example_inputs=inputs,
         max_length=case.max_length,
         offload_dir=offload_dir,

@@ -6,6 +6,8 @@ Invariant: every time automap predicts is built from these formulas, and each ex
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
 
@@ -40,6 +42,25 @@ def stage_seconds(compute: float, streamed: float, incoming: float) -> float:
     """A stage of one forward: its compute, then its offloaded weights streamed in, then the
     activations it receives; one after another (a unit waits for its weights and inputs)."""
     return compute + streamed + incoming
+
+
+def overlapped_seconds(computes: Sequence[float], reads: Sequence[float], ahead: int) -> float:
+    """One unpipelined forward over units in order: unit ``i`` computes for ``computes[i]``
+    seconds once its weights are in (``reads[i]`` seconds to read; 0 when they are resident). The
+    runtime reads the weights of up to ``ahead`` offloaded units ahead while earlier units
+    compute, one read at a time (a disk or a link is one queue): a read begins when the read
+    before it has ended and the offloaded unit ``ahead`` places before it has begun computing."""
+    read_end = done = 0.0
+    began: list[float] = []  # when each offloaded unit so far began computing
+    for compute, read in zip(computes, reads):
+        start = done
+        if read > 0:
+            gate = began[-ahead] if ahead > 0 and len(began) >= ahead else (done if ahead <= 0 else 0.0)
+            read_end = max(read_end, gate) + read
+            start = max(done, read_end)
+            began.append(start)
+        done = start + compute
+    return done
 
 
 def hook_calls(calls: int, streamed: bool) -> int:

@@ -10,7 +10,15 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, TypeVar
 
-from automap.planning.cost import flop_seconds, hook_calls, hooks_seconds, stage_seconds, transfer_seconds
+from automap.kinds import kind_of
+from automap.planning.cost import (
+    flop_seconds,
+    hook_calls,
+    hooks_seconds,
+    overlapped_seconds,
+    stage_seconds,
+    transfer_seconds,
+)
 from automap.planning.memory import DeviceMemory, device_memory
 from automap.planning.model import Cut, DeviceSummary, Plan
 from automap.profiling.units import longest_prefix
@@ -145,9 +153,25 @@ def hook_seconds(plan: Plan) -> float:
 
 
 def forward_seconds(plan: Plan) -> float:
-    """Predicted time of one unpipelined forward: every stage in turn, plus the hooks'
-    overhead (:func:`hook_seconds`)."""
-    return _once(plan, "forward", lambda p: sum(s.stage_seconds for s in summary(p)) + hook_seconds(p))
+    """Predicted time of one unpipelined forward: every unit in turn, each after the
+    activations it receives, with offloaded weights read ahead while earlier units compute
+    (:func:`~automap.planning.cost.overlapped_seconds`), plus the hooks' overhead
+    (:func:`hook_seconds`). At most the sum of the stages (:func:`summary`)."""
+    return _once(plan, "forward", lambda p: _unit_timeline(p) + hook_seconds(p))
+
+
+def _unit_timeline(plan: Plan) -> float:
+    incoming = [0.0] * len(plan.units)
+    names = {u.name: i for i, u in enumerate(plan.units)}
+    for cut in cuts(plan):
+        incoming[names[cut.after]] += cut.seconds
+    computes, reads = [], []
+    for i, (unit, row) in enumerate(zip(plan.units, plan.placements.rows)):
+        device = plan.device(row.compute)
+        computes.append(flop_seconds(unit.flops, device.flops_per_second) + incoming[i])
+        reads.append(link_seconds(plan, unit.weight_bytes, row.home, row.compute) if row.offloaded else 0.0)
+    ahead = kind_of(plan.execution_device).read_ahead
+    return overlapped_seconds(computes, reads, ahead)
 
 
 # ------------------------------------------------------------------ notes on a plan (one home each)
