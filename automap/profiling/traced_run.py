@@ -1,7 +1,7 @@
 """The traced run (:func:`run_trace`): one forward (and backward) of a model on the meta device
 under a :class:`~automap.profiling.tracer.Tracer`, with each unit hooked, units whose forward meta
 cannot run standing in (``fallback.py``), eager experts run as grouped ones (``experts.py``), and
-fused attention counted as the fused kernel runs it."""
+attention counted as torch's CPU kernel choice runs it (fused, or the math path's scores)."""
 
 from __future__ import annotations
 
