@@ -140,8 +140,9 @@ def _kind_name(text: str) -> str | None:
     return base if not sep or kind.index_alias else None
 
 
-def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
-    """Normalise a ``max_memory`` mapping to ``{canonical name: bytes}``.
+def parse_max_memory(max_memory: MaxMemory, field: str = "max_memory") -> dict[str, int]:
+    """Normalise a ``max_memory`` mapping (or another per-device size mapping, named ``field``
+    in errors: ``reserve``) to ``{canonical name: bytes}``.
 
     Raises:
         DeviceError: not a mapping, or a key names no device.
@@ -154,7 +155,7 @@ def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
     """
     if not isinstance(max_memory, Mapping):
         raise DeviceError(
-            f"max_memory must be a dict such as {{0: '20GiB', 'cpu': '64GiB'}}, got {type(max_memory).__name__}"
+            f"{field} must be a dict such as {{0: '20GiB', 'cpu': '64GiB'}}, got {type(max_memory).__name__}"
         )
     result: dict[str, int] = {}
     given: dict[str, Any] = {}
@@ -162,10 +163,10 @@ def parse_max_memory(max_memory: MaxMemory) -> dict[str, int]:
         name = canonical_name(key)
         if name in result:
             raise SizeError(
-                f"max_memory gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
+                f"{field} gives {name!r} two budgets ({given[name]!r}: {max_memory[given[name]]!r} "
                 f"and {key!r}: {value!r}); keep one"
             )
-        result[name], given[name] = parse_size(value, f"max_memory[{key!r}]"), key
+        result[name], given[name] = parse_size(value, f"{field}[{key!r}]"), key
     return result
 
 
@@ -408,9 +409,7 @@ def parse_reserve(reserve: Reserve, devices: Sequence[DeviceSpec]) -> dict[str, 
     if reserve is None:
         return {}
     if isinstance(reserve, Mapping):
-        return {
-            name: parse_size(value, f"reserve[{name!r}]") for name, value in parse_max_memory(reserve).items()
-        }
+        return parse_max_memory(reserve, "reserve")
     size = parse_size(reserve, "reserve")
     runners = [d for d in devices if d.is_accelerator] or [d for d in devices if kind_of(d).is_host]
     return {d.name: size for d in runners}

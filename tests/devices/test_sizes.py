@@ -70,3 +70,21 @@ def test_max_memory_text_refuses_a_device_named_twice():
 
 def test_units_still_take_fractions():
     assert parse_size("1.5GB") == 1_500_000_000 and parse_size(1e9) == 10**9 and parse_size("1.3KiB") == 1331
+
+
+@pytest.mark.parametrize(
+    "reserve, needle",
+    [
+        ({"cpu": 10**400}, "reserve['cpu']"),
+        ({"cpu": float("inf")}, "reserve['cpu']"),
+        ({"cpu": "-1GB"}, "reserve['cpu']"),
+        ({0: "1GB", "cuda:0": "2GB"}, "reserve gives 'cuda:0' two budgets"),
+        ([("cpu", 1)], "reserve=[('cpu', 1)] is a list"),
+    ],
+)
+def test_a_bad_reserve_is_named_reserve_not_max_memory(reserve, needle):
+    from automap.devices import DeviceSpec, parse_reserve
+
+    with pytest.raises(AutomapError) as info:
+        parse_reserve(reserve, [DeviceSpec("cpu", "cpu", 10**9, 1e11, 2.5e10)])
+    assert needle in str(info.value) and "max_memory" not in str(info.value)

@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 import textwrap
+
+import pytest
 from pathlib import Path
 
 from tiny_configs import beside_the_run
@@ -119,7 +121,7 @@ def test_an_interrupt_anywhere_in_dispatch_leaves_the_model_the_folder_and_torch
     assert result["problems"] == [], result["problems"]
 
 
-LOAD_SCRIPT = textwrap.dedent('''
+LOAD_SCRIPT_TEMPLATE = textwrap.dedent("""
     import dis, faulthandler, json, os, shutil, signal, sys
     import torch
     from torch import nn
@@ -139,41 +141,7 @@ LOAD_SCRIPT = textwrap.dedent('''
         with automap.empty_model():
             return build()
 
-    EXITS = {}
-
-    def with_exit(frame):
-        """Whether the line event is a ``with`` block's end, about to call ``__exit__`` (the
-        three None arguments, then the call): an exception raised there by a trace function
-        skips ``__exit__``, which no real signal can do (the interpreter runs handlers at
-        calls and jumps, not between a block's last statement and its ``__exit__``)."""
-        code = frame.f_code
-        if code not in EXITS:
-            ops = list(dis.get_instructions(code))
-            EXITS[code] = {
-                a.offset for a, b, c, d in zip(ops, ops[1:], ops[2:], ops[3:])
-                if all(i.opname == "LOAD_CONST" and i.argval is None for i in (a, b, c))
-                and d.opname in ("PRECALL", "CALL") and d.arg == 2
-            }
-        return frame.f_lasti in EXITS[code]
-
-    class AtStatement:
-        """Sends this process a real SIGALRM as automap's statement number ``target`` is about
-        to run (statements of automap's own code, counted in this thread): every moment of the
-        call can be chosen, the short steps between two calls included."""
-
-        def __init__(self, target):
-            self.target, self.seen, self.first = target, 0, {}
-
-        def __call__(self, frame, event, arg):
-            if not frame.f_code.co_filename.startswith(PACKAGE):
-                return None
-            if event == "call":  # where the steps that end a load begin
-                self.first.setdefault(frame.f_code.co_name, self.seen)
-            if event == "line" and not with_exit(frame):
-                self.seen += 1
-                if self.seen == self.target:
-                    os.kill(os.getpid(), signal.SIGALRM)
-            return self
+    TRACER
 
     signal.signal(signal.SIGALRM, interrupt)
     faulthandler.dump_traceback_later(780, exit=True)  # a hang shows where each thread waits
@@ -250,7 +218,50 @@ LOAD_SCRIPT = textwrap.dedent('''
             problems.append(f"{where}: the next load raised {type(exc).__name__}: {exc}")
         shutil.rmtree(folder)
     print(json.dumps({"problems": problems, "interrupted": landed, "count": count, "statements": total}))
+""")
+
+
+# A real SIGALRM as automap's statement number N is about to run (sys.settrace), shared by the
+# scripts that sample every statement of a call.
+TRACER = textwrap.dedent('''
+EXITS = {}
+
+def with_exit(frame):
+    """Whether the line event is a ``with`` block's end, about to call ``__exit__`` (the
+    three None arguments, then the call): an exception raised there by a trace function
+    skips ``__exit__``, which no real signal can do (the interpreter runs handlers at
+    calls and jumps, not between a block's last statement and its ``__exit__``)."""
+    code = frame.f_code
+    if code not in EXITS:
+        ops = list(dis.get_instructions(code))
+        EXITS[code] = {
+            a.offset for a, b, c, d in zip(ops, ops[1:], ops[2:], ops[3:])
+            if all(i.opname == "LOAD_CONST" and i.argval is None for i in (a, b, c))
+            and d.opname in ("PRECALL", "CALL") and d.arg == 2
+        }
+    return frame.f_lasti in EXITS[code]
+
+class AtStatement:
+    """Sends this process a real SIGALRM as automap's statement number ``target`` is about
+    to run (statements of automap's own code, counted in this thread): every moment of the
+    call can be chosen, the short steps between two calls included."""
+
+    def __init__(self, target):
+        self.target, self.seen, self.first = target, 0, {}
+
+    def __call__(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "call":  # where the steps that end a load begin
+            self.first.setdefault(frame.f_code.co_name, self.seen)
+        if event == "line" and not with_exit(frame):
+            self.seen += 1
+            if self.seen == self.target:
+                os.kill(os.getpid(), signal.SIGALRM)
+        return self
+
 ''')
+LOAD_SCRIPT = LOAD_SCRIPT_TEMPLATE.replace("TRACER\n", TRACER)
 
 
 def test_an_interrupt_at_any_statement_of_load_leaves_the_skeleton_and_the_folder_as_they_were(tmp_path):
@@ -263,6 +274,128 @@ def test_an_interrupt_at_any_statement_of_load_leaves_the_skeleton_and_the_folde
         text=True,
         cwd=ROOT,
         timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["interrupted"] >= result["count"] // 2, f"the signals fell after the calls: {result}"
+    assert result["problems"] == [], result["problems"]
+
+
+UNDO_SCRIPT = textwrap.dedent("""
+    import dis, faulthandler, json, os, shutil, signal, sys
+    import torch
+    from torch import nn
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    import automap
+    from automap.runtime import state_of
+
+    root, count, cpu, call = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    PACKAGE = os.path.dirname(automap.__file__)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("alarm")
+
+    TRACER
+
+    signal.signal(signal.SIGALRM, interrupt)
+    faulthandler.dump_traceback_later(500, exit=True)  # a hang shows where each thread waits
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)]).eval()
+
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        expected = build()(x)
+    budget = {"cpu": cpu}  # most layers on disk: a store is written and mapped
+
+    def traced(work, tracer):
+        sys.settrace(tracer)
+        try:
+            return work()
+        finally:
+            sys.settrace(None)
+
+    def ready(folder):
+        model = build()
+        if call == "undispatch":
+            automap.dispatch(model, max_memory=budget, offload_dir=folder)
+        return model
+
+    def the_call(model):
+        if call == "undispatch":
+            return automap.undispatch(model)
+        return automap.plan(model, max_memory=budget, example_inputs=(x,))
+
+    counter = AtStatement(0)
+    for k in range(2):  # the first call pays for imports: the second's statements are counted
+        model = ready(os.path.join(root, f"warm{k}"))
+        counter.seen = 0
+        traced(lambda: the_call(model), counter)
+    total = counter.seen
+    moments = [1 + (total - 1) * i // (count - 1) for i in range(count)]
+    problems, landed = [], 0
+    for i in range(count):
+        folder = os.path.join(root, str(i))
+        os.makedirs(folder)
+        with open(os.path.join(folder, "mine.txt"), "w") as f:
+            f.write("the user's")
+        model = ready(folder)
+        before = state_of(model) is not None
+        interrupted = False
+        try:
+            traced(lambda: the_call(model), AtStatement(moments[i]))
+        except KeyboardInterrupt:
+            interrupted = True
+        dispatched = state_of(model) is not None
+        landed += interrupted and dispatched == before
+        where = f"#{i} ({'interrupted' if interrupted else 'completed'}, {'dispatched' if dispatched else 'plain'})"
+        if _get_current_dispatch_mode_stack() or _get_current_function_mode_stack():
+            problems.append(f"{where}: a torch mode stays on the global stack")
+        if call == "plan" and dispatched:
+            problems.append(f"{where}: plan dispatched the model")
+        try:
+            with torch.no_grad():
+                if not torch.equal(model(x), expected):
+                    problems.append(f"{where}: other outputs")
+            if dispatched:
+                automap.undispatch(model)
+        except BaseException as exc:
+            problems.append(f"{where}: the model raised {type(exc).__name__}: {exc}")
+        hooks = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__]
+        if hooks:
+            problems.append(f"{where}: hooks left once undone: {hooks[:3]}")
+        unreal = [n for n, p in model.named_parameters() if p.device.type != "cpu" or p.is_meta]
+        if unreal:
+            problems.append(f"{where}: parameters not back in RAM: {unreal[:3]}")
+        if open(os.path.join(folder, "mine.txt")).read() != "the user's":
+            problems.append(f"{where}: the user's file changed")
+        try:
+            again = build()
+            automap.dispatch(again, max_memory=budget, offload_dir=folder)
+            with torch.no_grad():
+                if not torch.equal(again(x), expected):
+                    problems.append(f"{where}: the next dispatch gives other outputs")
+            automap.undispatch(again)
+        except BaseException as exc:
+            problems.append(f"{where}: the next dispatch raised {type(exc).__name__}: {exc}")
+        shutil.rmtree(folder)
+    print(json.dumps({"problems": problems, "interrupted": landed, "count": count, "statements": total}))
+""").replace("TRACER\n", TRACER)
+
+
+@pytest.mark.parametrize("call", ["undispatch", "plan"])
+def test_an_interrupt_at_any_statement_of_undispatch_or_plan_leaves_the_state_before_or_after(tmp_path, call):
+    """40 moments spread over every statement automap runs in the call, each a real signal:
+    the model is dispatched and works (the state before ``undispatch``) or is plain and works
+    (after it); a plan leaves the model as it was; the next dispatch into the folder works."""
+    done = subprocess.run(
+        [sys.executable, "-c", UNDO_SCRIPT, str(tmp_path), "40", _budget(), call],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
