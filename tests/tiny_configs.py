@@ -48,10 +48,26 @@ SMALL = dict(
     encoder_ffn_dim=96,
     decoder_ffn_dim=96,
     rotary_dim=8,
-    attention_hidden_size=64,
     vocab_size_per_layer_input=128,
+    unpadded_vocab_size=128,
+    embedding_dim=64,  # xLSTM's width
+    # sparse attention's indexer (DeepSeek V3.2's DSA and its kin)
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=8,
+    # state-space layers: heads x head size = expand x hidden (64 x 2)
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    n_mamba_heads=8,
+    mamba_headdim=16,
+    mamba_d_state=16,
+    mamba_d_ssm=128,
+    state_size=16,
+    num_kv_shared_layers=0,  # layers reusing an earlier layer's cache need more layers than 2
 )
 
+# Attributes that give one entry per layer, cut to the small number of layers.
+PER_LAYER = ("layer_type", "block_type", "sparsity_pattern", "_per_layer", "swiglu_limit", "source_layers")
 MAX_PARAMETERS = 40_000_000
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -59,9 +75,13 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 def shrink(config, depth: int = 0) -> None:
     """Set :data:`SMALL` on ``config`` and its sub-configs, in place."""
     config.allow_global_per_layer_attribute_access = True  # configs whose layers may differ (Gemma 4)
+    layers = getattr(config, "num_hidden_layers", None)
+    wide = {k: getattr(config, k, None) for k in ("hidden_size", "attention_hidden_size")}
     for key, value in SMALL.items():
         try:
             if hasattr(config, key):
+                if isinstance(getattr(config, key), list) and not isinstance(value, list):
+                    value = [value] * SMALL["num_hidden_layers"]  # given per layer (Gemma 3n's sizes)
                 setattr(config, key, value)
         except Exception:  # noqa: BLE001 - derived from the others here, or validated otherwise: keep its own
             pass
@@ -71,14 +91,55 @@ def shrink(config, depth: int = 0) -> None:
             setattr(config, key, 0)
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "qk_rope_head_dim"):
         config.head_dim = SMALL["qk_rope_head_dim"]  # multi-latent attention: head_dim is the rotary part
+    if isinstance(wide["attention_hidden_size"], int) and isinstance(wide["hidden_size"], int):
+        # Zamba's attention reads the hidden state and the embeddings side by side: same ratio
+        config.attention_hidden_size = (
+            wide["attention_hidden_size"] * config.hidden_size // wide["hidden_size"]
+        )
+        if hasattr(config, "attention_head_dim"):
+            config.attention_head_dim = config.attention_hidden_size // config.num_attention_heads
+    for key, value in list(vars(config).items()):  # one entry per layer: mlp_layer_types, sparsity, ...
+        per_layer = any(part in key for part in PER_LAYER) and key != "layer_types"
+        if per_layer and isinstance(value, (list, tuple)) and layers and len(value) == layers > 2:
+            setattr(config, key, type(value)(_per_layer(value, config.num_hidden_layers)))
     if getattr(config, "layer_types", None) and len(config.layer_types) != config.num_hidden_layers:
         kinds = list(dict.fromkeys(config.layer_types))  # a hybrid: one layer of each kind
         config.layer_types = (kinds * 2)[:2]
+    _keep_an_attention_layer(config)
+    if all(hasattr(config, n) for n in ("expand", "num_heads", "head_dim", "state_size")):
+        config.num_heads = config.expand * config.hidden_size // config.head_dim  # Mamba-2's heads
+    if getattr(config, "index_n_heads", None) and hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = config.num_attention_heads  # the indexer's mask is per query head
+    if getattr(config, "languages", None) and getattr(config, "default_language", "") is None:
+        config.default_language = config.languages[0]  # X-MOD's adapters need one
     if depth < 2:
         for name in list(vars(config)):
             sub = getattr(config, name, None)
             if name.endswith("_config") and hasattr(sub, "to_dict") and sub is not config:
                 shrink(sub, depth + 1)
+
+
+def _per_layer(values, layers: int) -> list:
+    """A per-layer list cut to ``layers``: the first values, or where the list names kinds of
+    layer (strings), one layer of each kind in the order they come."""
+    if all(isinstance(v, str) for v in values):
+        kinds = list(dict.fromkeys(values))
+        return (kinds * layers)[:layers]
+    return list(values[:layers])
+
+
+def _keep_an_attention_layer(config) -> None:
+    """A hybrid of state-space (linear) and attention layers keeps one attention layer in its
+    two: transformers' cache for it needs one (Bamba's indices, Recurrent Gemma's block cycle,
+    a default of linear layers only)."""
+    if hasattr(config, "attn_layer_indices") and not config.attn_layer_indices:
+        config.attn_layer_indices = [1]
+    blocks = getattr(config, "block_types", None)
+    if blocks and "attention" in blocks and "attention" not in blocks[: config.num_hidden_layers]:
+        config.num_hidden_layers = blocks.index("attention") + 1
+    types = getattr(config, "layer_types", None)
+    if types and set(types) == {"linear_attention"} and hasattr(config, "mamba_n_heads"):
+        config.layer_types = ["linear_attention", "full_attention"][: config.num_hidden_layers]
 
 
 def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
@@ -92,6 +153,8 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     config = transformers.AutoConfig.for_model(family)
     shrink(config)
+    if auto == "AutoModelForCausalLM" and hasattr(config, "is_decoder"):
+        config.is_decoder = True  # an encoder family's causal LM head (BERT's, RoBERTa's) decodes
     if family == "jamba":
         config.attn_layer_period, config.attn_layer_offset = 2, 1
         config.expert_layer_period, config.expert_layer_offset = 1, 0

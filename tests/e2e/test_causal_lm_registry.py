@@ -11,9 +11,9 @@ automap's drop-ins, whose map passes accelerate's own ``check_device_map``. (Aga
 weight read from a file offset less aligned than torch's allocator's may round differently in
 some kernels, ~1e-7; ``from_pretrained`` shows the same.)
 
-A family whose own plain model cannot build or run from the small config (sizes that must
-agree with others the shrinking does not know, required inputs beyond ``input_ids``) is skipped
-with what it said: only automap's part can fail here."""
+The families that do not build or run small are listed in :data:`UNTESTED`, each with what
+transformers said (transformers 5.25.0): a family listed builds again, or one not listed stops
+building, and ``test_the_untested_families_are_those_that_do_not_build_small`` says so."""
 
 from __future__ import annotations
 
@@ -27,6 +27,32 @@ from test_moe_families import FAMILIES as MOE_FAMILIES
 from tiny_configs import part_on_disk, run_dispatched, tiny
 
 
+# What transformers raises for each family this file cannot test, with the small sizes of
+# tiny_configs.py: its own default config is incomplete (the first seven), or the small sizes
+# break a constraint of the family's that the shared shrinking does not know.
+UNTESTED = {
+    "cohere_compass_text": "KeyError: 'full_attention' (its default config has no rope parameters per layer type)",
+    "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
+    "dots1": "TypeError: unsupported operand type(s) for *: 'int' and 'NoneType' (n_shared_experts is None)",
+    "dots3_note": "TypeError: ones(): argument 'size' (position 1) must be tuple of ints, not NoneType",
+    "dots3_note_text": "TypeError: ones(): argument 'size' (position 1) must be tuple of ints, not NoneType",
+    "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable (layer_types is None)",
+    "qwen4_exp": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType' (indexer sizes None)",
+    "qwen4_exp_text": "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType' (indexer sizes None)",
+    "musicgen": "AttributeError: 'MusicgenConfig' object has no attribute 'dropout' (no decoder config)",
+    "musicgen_melody": "AttributeError: 'MusicgenMelodyConfig' object has no attribute 'dropout' (no decoder config)",
+    "gemma4_assistant": "ValueError: hidden_size_per_layer_input must be 0, got 256",
+    "gemma4_unified_assistant": "ValueError: inputs_embeds and shared_kv_states cannot be None (run by its main model)",
+    "blt": "193M parameters left: its patcher and byte encoder sizes are under other names",
+    "gemma3n": "296M parameters left: its audio and vision towers' sizes are under other names",
+    "hrm_text": "IndexError: list index out of range (its stacks need num_layers_per_stack layers)",
+    "reformer": "ValueError: config.axial_pos_embds factors: (64, 192) must sum to config.hidden_size: 64",
+    "xlstm": "ValueError: matC_old has wrong shape, got torch.Size([2, 8, 8, 8])",
+    "zamba": "ValueError: tie_weights_keys for ^layers.1.shared_transf matches no layer of two",
+    "zamba2": "KeyError: 1 (its hybrid layers and their shared blocks need more layers than two)",
+}
+
+
 def _families() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -34,12 +60,13 @@ def _families() -> list[str]:
 
 
 def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tensor, torch.Tensor]:
-    try:
-        model = tiny(family)
-    except pytest.skip.Exception:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the family's own config or model refused the small sizes
-        pytest.skip(f"{family} does not build from a small config: {type(exc).__name__}: {str(exc)[:200]}")
+    if family in UNTESTED:
+        pytest.skip(f"{family} does not build or run small: {UNTESTED[family]}")
+    return _built(family)
+
+
+def _built(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+    model = tiny(family)
     vocab = min(getattr(model.config, "vocab_size", 128) or 128, 128)
     ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
     generate = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
@@ -48,9 +75,29 @@ def _plain(family: str) -> tuple[torch.nn.Module, torch.Tensor, dict, torch.Tens
             warnings.simplefilter("ignore")
             return model, ids, generate, model(input_ids=ids).logits, model.generate(ids, **generate)
     except Exception as exc:  # noqa: BLE001 - the plain model itself does not run so
-        pytest.skip(
-            f"{family}'s plain model does not run from a small config: {type(exc).__name__}: {str(exc)[:200]}"
-        )
+        raise RuntimeError(f"{family}'s plain model does not run small: {type(exc).__name__}: {exc}") from exc
+
+
+def test_the_untested_families_are_those_that_do_not_build_small():
+    """Each family of :data:`UNTESTED` still fails without automap (else test it), and the
+    registry still has it; every other family builds and runs (its tests below say so)."""
+    import transformers
+
+    families = set(_families())
+    building = []
+    for family in sorted(UNTESTED):
+        if family not in families:
+            continue  # transformers dropped it (or it moved to the MoE sweep)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _built(family)
+        except (Exception, pytest.skip.Exception):  # noqa: BLE001 - any failure keeps it listed
+            continue
+        building.append(family)
+    assert not building, (
+        f"these build and run small with transformers {transformers.__version__}: test them: {building}"
+    )
 
 
 def _saved(family: str, tmp_path):
