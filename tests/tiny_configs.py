@@ -64,6 +64,13 @@ SMALL = dict(
     mamba_d_ssm=128,
     state_size=16,
     num_kv_shared_layers=0,  # layers reusing an earlier layer's cache need more layers than 2
+    # Reformer: axial positions (shape multiplying to max_position_embeddings), chunked attention,
+    # hashing with a fixed seed (its random rotations are then the same in every forward)
+    axial_pos_shape=(8, 8),
+    local_attn_chunk_length=8,
+    lsh_attn_chunk_length=8,
+    num_buckets=4,
+    hash_seed=0,
 )
 
 # Attributes that give one entry per layer, cut to the small number of layers.
@@ -106,6 +113,9 @@ def shrink(config, depth: int = 0) -> None:
         kinds = list(dict.fromkeys(config.layer_types))  # a hybrid: one layer of each kind
         config.layer_types = (kinds * 2)[:2]
     _keep_an_attention_layer(config)
+    if hasattr(config, "axial_pos_embds_dim"):
+        half = config.hidden_size // 2  # the axial embeddings' parts add up to the hidden size
+        config.axial_pos_embds_dim = (half, config.hidden_size - half)
     if all(hasattr(config, n) for n in ("expand", "num_heads", "head_dim", "state_size")):
         config.num_heads = config.expand * config.hidden_size // config.head_dim  # Mamba-2's heads
     if getattr(config, "index_n_heads", None) and hasattr(config, "num_key_value_heads"):

@@ -46,7 +46,6 @@ UNTESTED = {
     "blt": "193M parameters left: its patcher and byte encoder sizes are under other names",
     "gemma3n": "296M parameters left: its audio and vision towers' sizes are under other names",
     "hrm_text": "IndexError: list index out of range (its stacks need num_layers_per_stack layers)",
-    "reformer": "ValueError: config.axial_pos_embds factors: (64, 192) must sum to config.hidden_size: 64",
     "xlstm": "ValueError: matC_old has wrong shape, got torch.Size([2, 8, 8, 8])",
     "zamba": "ValueError: tie_weights_keys for ^layers.1.shared_transf matches no layer of two",
     "zamba2": "KeyError: 1 (its hybrid layers and their shared blocks need more layers than two)",
@@ -149,13 +148,16 @@ def test_each_family_loads_in_bfloat16_as_from_pretrained_builds_it(family, tmp_
     import transformers
 
     model, ids, _, folder, _, _ = _saved(family, tmp_path)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = (
-            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-            .eval()(input_ids=ids)
-            .logits
-        )
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = (
+                transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+                .eval()(input_ids=ids)
+                .logits
+            )
+    except RuntimeError as exc:  # transformers' own bfloat16 model does not run on the CPU (Reformer's norms)
+        pytest.skip(f"{family} in bfloat16 does not run in transformers itself: {exc}")
     loaded = automap.load(
         folder,
         dtype=torch.bfloat16,
