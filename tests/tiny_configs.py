@@ -113,6 +113,9 @@ def shrink(config, depth: int = 0) -> None:
         kinds = list(dict.fromkeys(config.layer_types))  # a hybrid: one layer of each kind
         config.layer_types = (kinds * 2)[:2]
     _keep_an_attention_layer(config)
+    kinds = getattr(config, "layers_block_type", None)
+    if isinstance(getattr(config, "hybrid_layer_ids", None), list) and isinstance(kinds, list):
+        config.hybrid_layer_ids = [i for i, kind in enumerate(kinds) if kind == "hybrid"]  # Zamba2's
     if hasattr(config, "axial_pos_embds_dim"):
         half = config.hidden_size // 2  # the axial embeddings' parts add up to the hidden size
         config.axial_pos_embds_dim = (half, config.hidden_size - half)

@@ -48,7 +48,6 @@ UNTESTED = {
     "hrm_text": "IndexError: list index out of range (its stacks need num_layers_per_stack layers)",
     "xlstm": "ValueError: matC_old has wrong shape, got torch.Size([2, 8, 8, 8])",
     "zamba": "ValueError: tie_weights_keys for ^layers.1.shared_transf matches no layer of two",
-    "zamba2": "KeyError: 1 (its hybrid layers and their shared blocks need more layers than two)",
 }
 
 
