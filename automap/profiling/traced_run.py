@@ -44,7 +44,10 @@ class FusedAttention(TorchFunctionMode):
         self.tracer = tracer
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is not F.scaled_dot_product_attention or not self._fused_on_cpu(args, kwargs or {}):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        given = {**dict(zip(_SDPA_ARGS, args)), **(kwargs or {})}
+        if not self._fused_on_cpu(given):
             return func(*args, **(kwargs or {}))
         self.tracer.fused += 1
         try:
@@ -52,23 +55,20 @@ class FusedAttention(TorchFunctionMode):
         finally:
             self.tracer.fused -= 1
         self.tracer.fused_output(out)
-        given = [
-            t
-            for t in {**dict(zip(_SDPA_ARGS, args)), **(kwargs or {})}.values()
-            if isinstance(t, torch.Tensor)
-        ]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in given):
+        inputs = [given.get(n) for n in _SDPA_ARGS[:3]]
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             # The fused kernel saves its inputs, its output and one float per query row
             # (logsumexp) for the backward, in place of the score matrix.
-            for t in [*given[:3], out]:
-                self.tracer.pack_saved(t)
+            for t in [*inputs, out]:
+                if isinstance(t, torch.Tensor):
+                    self.tracer.pack_saved(t)
             self.tracer.keep(out.shape[:-1].numel() * 4)
         return out
 
-    def _fused_on_cpu(self, args: tuple, kwargs: dict) -> bool:
-        """Whether torch's CPU kernel choice for these (meta) arguments is a fused kernel: asked
-        with CPU tensors of the same shapes, strides and dtypes (allocated, never written)."""
-        given = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+    def _fused_on_cpu(self, given: dict[str, Any]) -> bool:
+        """Whether torch's CPU kernel choice for these (meta) arguments, by name, is a fused
+        kernel: asked with CPU tensors of the same shapes, strides and dtypes (allocated, never
+        written)."""
 
         def on_cpu(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -76,23 +76,21 @@ class FusedAttention(TorchFunctionMode):
             host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
             return host.requires_grad_(t.requires_grad) if host.is_floating_point() else host
 
-        self.tracer._probing = True  # the probe's tensors are not the model's activations
         try:
-            q, k, v, mask = (on_cpu(given.get(n)) for n in _SDPA_ARGS[:4])
-            choice = torch._fused_sdp_choice(
-                q,
-                k,
-                v,
-                mask,
-                float(given.get("dropout_p", 0.0)),
-                bool(given.get("is_causal", False)),
-                scale=given.get("scale"),
-                enable_gqa=bool(given.get("enable_gqa", False)),
-            )
+            with self.tracer.probing():
+                q, k, v, mask = (on_cpu(given.get(n)) for n in _SDPA_ARGS[:4])
+                choice = torch._fused_sdp_choice(
+                    q,
+                    k,
+                    v,
+                    mask,
+                    float(given.get("dropout_p", 0.0)),
+                    bool(given.get("is_causal", False)),
+                    scale=given.get("scale"),
+                    enable_gqa=bool(given.get("enable_gqa", False)),
+                )
         except (RuntimeError, TypeError, ValueError):  # arguments torch would refuse: the call says so itself
             return True
-        finally:
-            self.tracer._probing = False
         return choice != _MATH
 
 

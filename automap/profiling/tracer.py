@@ -9,8 +9,9 @@ import bisect
 import logging
 import weakref
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -253,16 +254,22 @@ class Tracer(TorchDispatchMode):
         self.seg_flops.append(0)
         self.marks.append(self._sequence_number() if self.probe_backward else 0)
 
-    def _sequence_number(self) -> int:
-        """The autograd sequence number now: nodes created later have larger ones."""
+    @contextmanager
+    def probing(self) -> Iterator[None]:
+        """Inside, ops run untraced: tensors made to ask torch something are not the model's."""
         self._probing = True
         try:
+            yield
+        finally:
+            self._probing = False
+
+    def _sequence_number(self) -> int:
+        """The autograd sequence number now: nodes created later have larger ones."""
+        with self.probing():
             with torch.enable_grad():
                 if self._leaf is None:
                     self._leaf = torch.zeros((), device="meta", requires_grad=True)
                 return int(self._leaf.view_as(self._leaf).grad_fn._sequence_nr())  # type: ignore[union-attr]
-        finally:
-            self._probing = False
 
     def pre_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
