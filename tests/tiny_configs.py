@@ -116,6 +116,10 @@ def shrink(config, depth: int = 0) -> None:
     kinds = getattr(config, "layers_block_type", None)
     if isinstance(getattr(config, "hybrid_layer_ids", None), list) and isinstance(kinds, list):
         config.hybrid_layer_ids = [i for i, kind in enumerate(kinds) if kind == "hybrid"]  # Zamba2's
+    if hasattr(config, "qk_dim_factor") and hasattr(config, "num_blocks"):
+        # xLSTM: its query/key width is rounded up to a multiple of 64 (the cache's is not), and its
+        # blocks are counted apart from its layers
+        config.qk_dim_factor, config.num_blocks = 1.0, config.num_hidden_layers
     if hasattr(config, "axial_pos_embds_dim"):
         half = config.hidden_size // 2  # the axial embeddings' parts add up to the hidden size
         config.axial_pos_embds_dim = (half, config.hidden_size - half)

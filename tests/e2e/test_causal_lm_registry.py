@@ -47,7 +47,6 @@ UNTESTED = {
     "blt": "193M parameters left: its patcher and byte encoder sizes are under other names",
     "gemma3n": "296M parameters left: its audio and vision towers' sizes are under other names",
     "hrm_text": "IndexError: list index out of range (its stacks need num_layers_per_stack layers)",
-    "xlstm": "ValueError: matC_old has wrong shape, got torch.Size([2, 8, 8, 8])",
     "zamba": "ValueError: tie_weights_keys for ^layers.1.shared_transf matches no layer of two",
 }
 
