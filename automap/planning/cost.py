@@ -55,7 +55,10 @@ def overlapped_seconds(computes: Sequence[float], reads: Sequence[float], ahead:
     for compute, read in zip(computes, reads):
         start = done
         if read > 0:
-            gate = began[-ahead] if ahead > 0 and len(began) >= ahead else (done if ahead <= 0 else 0.0)
+            if ahead <= 0:
+                gate = done  # nothing read ahead: the read waits for the compute before it
+            else:
+                gate = began[-ahead] if len(began) >= ahead else 0.0
             read_end = max(read_end, gate) + read
             start = max(done, read_end)
             began.append(start)
