@@ -340,6 +340,7 @@ def _unit(
         param_bytes=sum(tensor_bytes(tensors[n], dtype) for n in names if n in params),
         buffer_bytes=sum(tensor_bytes(tensors[n], dtype) for n in names if n not in params),
         flops=trace.flops.get(name, 0),
+        ops=trace.ops.get(name, 0),
         train_flops=trace.train_flops.get(name, 0),
         output_bytes=trace.output_bytes.get(name, 0),
         peak_activation_bytes=trace.peak_bytes.get(name, 0),

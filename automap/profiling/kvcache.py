@@ -35,6 +35,8 @@ class _Step:
     held: dict[str, int] = field(default_factory=dict)  # storage bytes of the cache after the step
     read: dict[str, int] = field(default_factory=dict)  # bytes of the cache tensors (views) after it
     flops: dict[str, int] = field(default_factory=dict)  # FLOPs of the step
+    ops: dict[str, int] = field(default_factory=dict)  # aten ops of the step
+    weights: dict[str, int] = field(default_factory=dict)  # bytes of each weight (by name) the step read
     unattributed: int = 0
 
 
@@ -211,7 +213,15 @@ def _prefill_and_step(
     step = _run(model, state, units, _step_kwargs(prompt, batch, prefill, cache), params)
     after = find_cache(step.output, params) or cache
     held, read, unattributed = cache_bytes(after[1], [step.producers, prefill.producers])
-    return _Step(type(after[1]).__name__, held, read, dict(step.flops), unattributed)
+    return _Step(
+        type(after[1]).__name__,
+        held,
+        read,
+        dict(step.flops),
+        dict(step.ops),
+        dict(step.weight_reads),
+        unattributed,
+    )
 
 
 def check_batch(batch: int) -> None:
@@ -325,7 +335,30 @@ def profile_generation(
             "each decode step recomputes the whole sequence"
         )
         return replace(prof, generation=Generation(batch, max_length, start, encoder_length, notes=(note,)))
-    return _with_cache(prof, first, last, Generation(batch, max_length, start, encoder_length, last.cache))
+    return _with_cache(
+        prof, state, first, last, Generation(batch, max_length, start, encoder_length, last.cache)
+    )
+
+
+def _weights_read(
+    tensors: Sequence[str],
+    reads: Mapping[str, int],
+    tie_groups: Sequence[Sequence[str]],
+    state: Mapping[str, torch.Tensor],
+) -> tuple[int, int]:
+    """Bytes and rows of ``tensors`` one decode step read: of each, the most any op read of
+    it under any of its tied names (GPT-2's embedding is read whole by its ``lm_head``); a
+    row is a tensor's last dimension (a vector is one row)."""
+    names = {n: group for group in tie_groups for n in group}
+    nbytes = rows = 0
+    for t in tensors:
+        group = names.get(t, (t,))
+        read = max(reads.get(n, 0) for n in group)
+        tensor = next((state[n] for n in group if n in state), None)
+        if read and tensor is not None:
+            nbytes += read
+            rows += read // (max(tensor.shape[-1] if tensor.dim() else 1, 1) * tensor.element_size())
+    return nbytes, rows
 
 
 def _generates(model: nn.Module) -> bool:
@@ -335,16 +368,23 @@ def _generates(model: nn.Module) -> bool:
     return not callable(can_generate) or bool(can_generate())
 
 
-def _with_cache(prof: Profile, first: _Step, last: _Step, generation: Generation) -> Profile:
-    units = tuple(
-        replace(
-            u,
-            kv_bytes=last.held.get(u.name, 0),
-            kv_read_bytes=_mean(first.read, last.read, u.name),
-            decode_flops=_mean(first.flops, last.flops, u.name),
+def _with_cache(
+    prof: Profile, state: Mapping[str, torch.Tensor], first: _Step, last: _Step, generation: Generation
+) -> Profile:
+    units = []
+    for u in prof.units:
+        weight_bytes, weight_rows = _weights_read(u.tensors, last.weights, prof.tie_groups, state)
+        units.append(
+            replace(
+                u,
+                kv_bytes=last.held.get(u.name, 0),
+                kv_read_bytes=_mean(first.read, last.read, u.name),
+                decode_flops=_mean(first.flops, last.flops, u.name),
+                decode_weight_bytes=weight_bytes,
+                decode_weight_rows=weight_rows,
+                decode_ops=_mean(first.ops, last.ops, u.name),
+            )
         )
-        for u in prof.units
-    )
     notes = []
     if last.unattributed:
         notes.append(
@@ -361,7 +401,7 @@ def _with_cache(prof: Profile, first: _Step, last: _Step, generation: Generation
         format_bytes(sum(u.kv_bytes for u in units)),
         last.cache,
     )
-    return replace(prof, units=units, generation=replace(generation, notes=tuple(notes)))
+    return replace(prof, units=tuple(units), generation=replace(generation, notes=tuple(notes)))
 
 
 def _mean(first: Mapping[str, int], last: Mapping[str, int], name: str) -> int:

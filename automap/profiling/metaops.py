@@ -8,6 +8,7 @@ on meta nothing else can change them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -177,3 +178,12 @@ def unpack_saved(packed: tuple) -> torch.Tensor:
     """A fresh meta tensor of the saved shape, for the backward."""
     shape, stride, dtype = packed
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+@functools.cache
+def decomposes(func: Any) -> bool:
+    """Whether the op ``func`` has a CompositeImplicitAutograd kernel (it decomposes into
+    others, which the tracer then sees one by one)."""
+    return func is not torch.ops.prim.device.default and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+    )

@@ -38,6 +38,8 @@ class Unit:
         param_bytes, buffer_bytes: bytes of those tensors (at the profile's dtype when given).
         flops: forward FLOPs at the example inputs, including the code between units that
             runs just before this one (a parent's ``x + pos_embedding``).
+        ops: aten ops its forward ran (all its calls, with the code between units counted as
+            ``flops`` is): each costs the time to dispatch it beside its FLOPs.
         train_flops: forward + backward FLOPs, measured with a backward pass on meta (every
             floating parameter trainable, inputs not); 0 when profiled with ``backward=False``.
         output_bytes: bytes of the tensors the unit returns (largest call).
@@ -54,6 +56,12 @@ class Unit:
         kv_read_bytes: cache bytes the unit reads in one decode step, averaged over the decode.
         decode_flops: forward FLOPs of the unit in one decode step (one token per sequence),
             averaged over the decode.
+        decode_weight_bytes: bytes of the unit's weights one decode step reads: all of a
+            matrix a matmul uses, only the rows a lookup gathers (an embedding), none of a unit
+            the step does not run (an encoder); None: not measured (read as all of them).
+        decode_weight_rows: the rows of those bytes (a matrix's last dimension is a row): a
+            matrix-vector product pays for each row beside its bytes.
+        decode_ops: aten ops of the unit in one decode step.
         untraced: why the trace did not measure this unit ("" = it did): no trace ran, its
             forward cannot run on meta, or the forward stopped before it or while it ran (a
             meta limit, or any error on guessed example inputs; see ``profiling/fallback.py``);
@@ -77,6 +85,7 @@ class Unit:
     param_bytes: int = 0
     buffer_bytes: int = 0
     flops: int = 0
+    ops: int = 0
     train_flops: int = 0
     output_bytes: int = 0
     peak_activation_bytes: int = 0
@@ -88,6 +97,9 @@ class Unit:
     kv_bytes: int = 0
     kv_read_bytes: int = 0
     decode_flops: int = 0
+    decode_weight_bytes: int | None = None
+    decode_weight_rows: int = 0
+    decode_ops: int = 0
     untraced: str = ""
     flops_estimated: bool = False
     split_from: str = ""
@@ -342,6 +354,7 @@ class TraceResult:
     order: list[str] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     flops: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)  # aten ops of the forward
     train_flops: dict[str, int] = field(default_factory=dict)
     input_bytes: dict[str, int] = field(default_factory=dict)
     output_bytes: dict[str, int] = field(default_factory=dict)
@@ -359,3 +372,4 @@ class TraceResult:
     interrupted: tuple[str, ...] = ()  # units running when it ended, outermost first
     forward_peak: int = 0  # most bytes of activations (inputs included) alive at once in the forward
     train_peak: int = 0  # the same with what a forward with grad keeps for its backward (0: not traced)
+    weight_reads: dict[str, int] = field(default_factory=dict)  # weight name -> most bytes of it one op read

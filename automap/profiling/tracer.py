@@ -22,6 +22,7 @@ from automap.profiling.metarules import flop_formulas
 from automap.profiling.metaops import (
     MemoTable,
     arg_specs,
+    decomposes,
     op_tensors,
     pack_saved,
     storage_of,
@@ -29,6 +30,7 @@ from automap.profiling.metaops import (
     unique_bytes,
 )
 from automap.profiling.result import INPUT, OUTPUT, Flow, TraceResult
+from automap.profiling.weight_reads import WeightReads
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,16 @@ class _Call:
     input_bytes: int
 
 
+def _state_storages(state: Mapping[str, torch.Tensor]) -> dict[int, str]:
+    """The first name of each storage of the model's weights, by ``id``."""
+    names: dict[int, str] = {}
+    for name, t in state.items():
+        st = storage_of(t)
+        if st is not None:
+            names.setdefault(id(st), name)
+    return names
+
+
 class Tracer(TorchDispatchMode):
     """Attributes ops, FLOPs, tensor flows and live bytes to units (see the module docstring)."""
 
@@ -67,13 +79,10 @@ class Tracer(TorchDispatchMode):
         self.record_inputs = record_inputs
         self.probe_backward = probe_backward
         self.in_backward = False
-        self.state_storage: dict[int, str] = {}
-        for name, t in state.items():
-            st = storage_of(t)
-            if st is not None:
-                self.state_storage.setdefault(id(st), name)
+        self.state_storage = _state_storages(state)
         self.segments: list[_Segment] = []
         self.seg_flops: list[int] = []
+        self.seg_ops: list[int] = []
         self.marks: list[int] = []
         self.bwd_flops: dict[int, int] = defaultdict(int)
         self.result = TraceResult()
@@ -92,7 +101,7 @@ class Tracer(TorchDispatchMode):
         self._probing = False
         self._leaf: torch.Tensor | None = None
         self._writes: dict[Any, bool] = {}
-        self._has_decomposition: dict[Any, bool] = {}
+        self.weight_reads = WeightReads()
         self.memo = MemoTable()
         self.flop_formulas = flop_formulas()  # FlopCounterMode's, and grouped matmuls' (metarules.py)
         self.fused = 0
@@ -107,7 +116,7 @@ class Tracer(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return self._truth(args[0])
         formula = self.flop_formulas.get(func._overloadpacket)
-        if formula is None and self._decomposes(func):
+        if formula is None and decomposes(func):
             # As FlopCounterMode does: an op without a formula is counted through its decomposition.
             with self:
                 decomposed = func.decompose(*args, **kwargs)
@@ -144,22 +153,13 @@ class Tracer(TorchDispatchMode):
             self._assumed = True
         return True
 
-    def _decomposes(self, func: Any) -> bool:
-        found = self._has_decomposition.get(func)
-        if found is None:
-            found = self._has_decomposition[func] = (
-                func is not torch.ops.prim.device.default
-                and torch._C._dispatch_has_kernel_for_dispatch_key(
-                    func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
-                )
-            )
-        return found
-
     def _forward_op(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> None:
         seg = len(self.segments) - 1
         self.seg_flops[seg] += flops
+        self.seg_ops[seg] += 1
+        weight_read = self.weight_reads.of_op(func, out)
         for t in op_tensors(args, kwargs):
-            self._read(t, seg)
+            self._read(t, seg, weight_read)
         writes = self._writes.get(func)
         if writes is None:
             writes = self._writes[func] = any(
@@ -168,12 +168,13 @@ class Tracer(TorchDispatchMode):
         for t in op_tensors((out,), {}):
             self._wrote(t, seg, writes)
 
-    def _read(self, t: torch.Tensor, seg: int) -> None:
+    def _read(self, t: torch.Tensor, seg: int, weight_read: int = 0) -> None:
         st = storage_of(t)
         if st is None:
             return
         name = self.state_storage.get(id(st))
         if name is not None:
+            self.weight_reads.note(name, t, weight_read)
             self.seg_use.setdefault(name, seg)
             self.readers[name].add(self.segments[seg].unit)
             return
@@ -252,6 +253,7 @@ class Tracer(TorchDispatchMode):
         """Start a segment: a unit call begins or ends."""
         self.segments.append(_Segment(unit, len(self.result.order)))
         self.seg_flops.append(0)
+        self.seg_ops.append(0)
         self.marks.append(self._sequence_number() if self.probe_backward else 0)
 
     @contextmanager
@@ -325,6 +327,7 @@ class Tracer(TorchDispatchMode):
         for seg, unit in enumerate(owner):
             if unit is not None:
                 r.flops[unit] = r.flops.get(unit, 0) + self.seg_flops[seg]
+                r.ops[unit] = r.ops.get(unit, 0) + self.seg_ops[seg]
                 if self.probe_backward and not r.stopped:  # else not measured: 0, never a guess
                     r.train_flops[unit] = (
                         r.train_flops.get(unit, 0) + self.seg_flops[seg] + self.bwd_flops.get(seg, 0)
@@ -334,6 +337,7 @@ class Tracer(TorchDispatchMode):
         r.flows = self._flows(owner, tpos)
         r.total_flops = total_flops
         r.forward_peak = self.peak
+        r.weight_reads = dict(self.weight_reads.most)
         r.train_peak = self.train_peak if self.probe_backward else 0
         return r
 

@@ -505,3 +505,34 @@ def test_an_encoder_decoder_plans_its_cache_from_its_own_guessed_inputs():
     cross = 2 * (frames // 2) * model.config.d_model * 4  # keys and values of the encoder's output, fp32
     self_attention = 2 * 15 * model.config.d_model * 4  # max_length - 1 tokens
     assert all(u.kv_bytes == cross + self_attention for u in layers), [u.kv_bytes for u in layers]
+
+
+def test_a_decode_step_reads_the_rows_an_embedding_gathers_and_every_matrix_whole():
+    """What one decode step reads of each unit's weights, as the decode-time prediction counts
+    it: an embedding's rows for the batch's tokens (one position row for all), a layer's every matrix, a tied embedding
+    whole (the head multiplies by it), an encoder nothing (it ran in the prefill), nor the
+    cross-attention's key and value projections (their output is cached)."""
+    llama = {
+        u.name: u
+        for u in automap.plan(tiny_llama(layers=2), max_memory={"cpu": "1GiB"}, batch=2, max_length=16).units
+    }
+    row = 64 * 4  # hidden 64, fp32
+    assert llama["model.embed_tokens"].decode_weight_bytes == 2 * row
+    assert llama["model.embed_tokens"].decode_weight_rows == 2
+    layer = llama["model.layers.0"]
+    assert layer.decode_weight_bytes == layer.param_bytes and layer.decode_ops > 0
+    assert layer.decode_weight_rows == sum(  # q, k, v, o; gate, up, down; two norms
+        (64, 32, 32, 64, 128, 128, 64, 1, 1)
+    )
+    gpt2 = {
+        u.name: u
+        for u in automap.plan(tiny_gpt2(layers=2), max_memory={"cpu": "1GiB"}, batch=2, max_length=16).units
+    }
+    assert gpt2["transformer.wte"].decode_weight_bytes == gpt2["transformer.wte"].param_bytes
+    assert gpt2["transformer.wpe"].decode_weight_bytes == row  # one position, shared by the batch
+    t5 = automap.plan(tiny_t5(layers=2), max_memory={"cpu": "1GiB"}, batch=2, max_length=16).units
+    encoder = [u for u in t5 if u.name.startswith("encoder.block")]
+    decoder = [u for u in t5 if u.name.startswith("decoder.block")]
+    assert encoder and all(u.decode_weight_bytes == 0 for u in encoder)
+    # The cross-attention's keys and values come from the cache: its k and v are not read.
+    assert decoder[1].decode_weight_bytes == decoder[1].param_bytes - 2 * 64 * 64 * 4
