@@ -48,8 +48,12 @@ class DeviceSpec:
             GPU, host-to-device for CPU RAM, read bandwidth for disk).
         memory_bytes_per_second: bandwidth of its own memory, read by the computations on it
             (HBM, DDR); for disk, its read bandwidth.
-        measured: the fields above measured on this machine (:mod:`automap.machine`); the
+        measured: the figures here measured on this machine (:mod:`automap.machine`); the
             others are the kind's defaults, or given (``max_memory``, ``speeds``, ...).
+        row_seconds: what a matrix-vector product pays per row of a weight beside its bytes
+            (a dot product's start and its sum); 0: not measured.
+        op_seconds: what each op costs beside its work (dispatching it, the code around it);
+            0: not measured.
     """
 
     name: str
@@ -59,6 +63,8 @@ class DeviceSpec:
     link_bytes_per_second: float
     memory_bytes_per_second: float = 0.0
     measured: tuple[str, ...] = ()
+    row_seconds: float = 0.0
+    op_seconds: float = 0.0
 
     @property
     def is_accelerator(self) -> bool:
@@ -348,10 +354,17 @@ def _measured(
     lacks: a hypothetical one keeps its kind's defaults), each named in ``measured``."""
     figures = measured_figures(dict(record), device.name, dtype, folder) if record else {}
     names = (("capacity_bytes",) if capacity else ()) + tuple(figures)
-    return replace(device, **figures, measured=tuple(f for f in _SPEED_FIELDS if f in names))
+    return replace(device, **figures, measured=tuple(f for f in SPEED_FIELDS if f in names))
 
 
-_SPEED_FIELDS = ("capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second")
+SPEED_FIELDS = (
+    "capacity_bytes",
+    "flops_per_second",
+    "link_bytes_per_second",
+    "memory_bytes_per_second",
+    "row_seconds",
+    "op_seconds",
+)
 
 
 def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, float] | None) -> DeviceSpec:

@@ -25,7 +25,7 @@ from automap.userfiles import read_json_file
 log = logging.getLogger(__name__)
 
 ENV = "AUTOMAP_CALIBRATION"
-FORMAT = 1
+FORMAT = 2  # 2: the CPU's reads per dtype, its row and op costs
 # A recorded capacity is kept while free space has grown by less than this factor.
 GROWTH = 1.5
 
@@ -196,8 +196,13 @@ def describe(record: dict[str, Any]) -> str:
             ("link_bytes_per_second", "copy in"),
             ("read_bytes_per_second", "read"),
         ):
-            if entry.get(key):
-                parts.append(f"{label} {entry[key] / 1e9:,.2f} GB/s")
+            value = entry.get(key)
+            if isinstance(value, dict):
+                parts.extend(f"{label} {rate / 1e9:,.2f} GB/s {dtype}" for dtype, rate in value.items())
+            elif value:
+                parts.append(f"{label} {value / 1e9:,.2f} GB/s")
+        if entry.get("op_seconds"):
+            parts.append(f"{entry['op_seconds'] * 1e6:,.2f} us per op")
         lines.append(f"{name}: {', '.join(parts) or 'not measured (defaults)'}")
     return "\n".join(lines)
 
@@ -206,19 +211,30 @@ def measured_figures(
     record: dict[str, Any], name: str, dtype: str | None, folder: str | None
 ) -> dict[str, float]:
     """The measured figures of the device ``name`` as :class:`~automap.devices.DeviceSpec`
-    fields: ``{"flops_per_second": ..., "memory_bytes_per_second": ...}``; {} for a device this
-    machine lacks or one not measured."""
+    fields: ``{"flops_per_second": ..., "memory_bytes_per_second": ...}``, those measured per
+    dtype at ``dtype`` (float32 when None or not measured); {} for a device this machine lacks
+    or one not measured."""
     devices = record.get("devices", {})
     if kind_of(name).stores_only:
         rate = devices.get(disk_key(folder), {}).get("read_bytes_per_second")
         return {"link_bytes_per_second": rate, "memory_bytes_per_second": rate} if rate else {}
-    entry = devices.get(name, {})
-    figures = {k: v for k, v in entry.items() if k in ("link_bytes_per_second", "memory_bytes_per_second")}
-    rates = entry.get("flops_per_second", {})
-    rate = rates.get(dtype or "float32") or rates.get("float32")
-    if rate:
-        figures["flops_per_second"] = rate
+    figures = {}
+    for key, value in devices.get(name, {}).items():
+        if key in _PER_DEVICE and isinstance(value, dict):
+            value = value.get(dtype or "float32", value.get("float32"))
+        if key in _PER_DEVICE and value:
+            figures[key] = value
     return figures
+
+
+# A device's measured figures, each a number or a number per dtype.
+_PER_DEVICE = (
+    "flops_per_second",
+    "link_bytes_per_second",
+    "memory_bytes_per_second",
+    "row_seconds",
+    "op_seconds",
+)
 
 
 # ---------------------------------------------------------------------- capacities

@@ -21,6 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _DISK_BYTES = 64 * 2**20
 _DISK_CHUNK = 4 * 2**20
 _DISK_IN_FLIGHT = 4
+_RANDOM_PIECE = 64 * 2**10
 
 
 def _median_seconds(
@@ -119,7 +120,7 @@ def layer_rates(
             rates[name] = 2 * 128 * 256 * 256 / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
             continue
         layer = _Layer(hidden, device, dtype)
-        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)  # 256 KiB: a heap chunk
         rates[name] = layer.flops(tokens) / _median_seconds(lambda layer=layer, x=x: layer(x), sync)
     return rates
 
@@ -128,10 +129,11 @@ class _Layer:
     """A Llama-like layer of plain tensors: RMS norms, attention, a SiLU-gated MLP."""
 
     def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8) -> None:
-        import torch
+        arena = _Arena(2 * 12.25 * hidden * hidden * 4, device)
 
         def weight(rows: int, cols: int) -> Any:
-            return (torch.randn(rows, cols, device=device) / cols**0.5).to(dtype)
+            wide = arena.take((rows, cols), _float32()).normal_(std=cols**-0.5)
+            return wide if wide.dtype == dtype else arena.take((rows, cols), dtype).copy_(wide)
 
         self.heads, self.hidden = heads, hidden
         self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
@@ -169,17 +171,132 @@ class _Layer:
 
 
 def measure_cpu() -> dict[str, Any]:
-    """The CPU's compute rate per dtype (:func:`layer_rates`) and its memory bandwidth (a
-    vector through a 64 MiB linear layer, as a decode step reads each weight once)."""
+    """The CPU's compute rate per dtype (:func:`layer_rates`), how fast it reads weights per
+    dtype (:func:`matvec_rates`: its memory bandwidth and the cost of each row) and the time
+    one op costs beside its work (:func:`op_seconds`)."""
     import torch
-    from torch.nn import functional as F
 
     with torch.no_grad():
         rates = layer_rates(torch.device("cpu"), lambda: None)
-        weights = torch.ones(4096, 4096)
-        vector = torch.ones(1, 4096)
-        seconds = _median_seconds(lambda: F.linear(vector, weights), lambda: None)
-    return {"flops_per_second": rates, "memory_bytes_per_second": weights.nbytes / seconds}
+        reads = {name: matvec_rates(getattr(torch, name)) for name in DTYPES}
+        per_op = op_seconds()
+    return {
+        "flops_per_second": rates,
+        "memory_bytes_per_second": {name: bandwidth for name, (bandwidth, _) in reads.items()},
+        "row_seconds": {name: row for name, (_, row) in reads.items()},
+        "op_seconds": per_op,
+    }
+
+
+def matvec_rates(dtype: Any, nbytes: int = 64 * 2**20, rounds: int = 15) -> tuple[float, float]:
+    """``(bytes/s, seconds per row)`` of a decode step's reads on the CPU: a vector through
+    distinct matrices (``nbytes`` in all, twice a large L3 cache, read once each per run,
+    as a decode step reads each weight) rows :data:`_NARROW` and :data:`_WIDE` elements long.
+    A matrix-vector product pays for each row (a dot product's start and its sum) beside its
+    bytes; the two widths part the two: ``seconds = bytes / bandwidth + rows * row_seconds``.
+    The widths take turns, ``rounds`` times, and the row's cost is the median of the rounds'
+    differences: a shared machine's load of the moment weighs on both alike."""
+    import torch
+    from torch.nn import functional as F
+
+    runs = {}
+    arena = _Arena(2 * nbytes)
+    for width in (_NARROW, _WIDE):
+        rows = max(nbytes // (width * dtype.itemsize * _MATRICES), 1)
+        matrices = [arena.take((rows, width), dtype).fill_(1) for _ in range(_MATRICES)]
+        vector = torch.ones(1, width, dtype=dtype)
+
+        def run(matrices: list[Any] = matrices, vector: Any = vector) -> float:
+            started = time.perf_counter()
+            for matrix in matrices:
+                F.linear(vector, matrix)
+            return time.perf_counter() - started
+
+        run()  # warm-up
+        runs[width] = (run, rows * _MATRICES)
+    (narrow, narrow_rows), (wide, wide_rows) = runs[_NARROW], runs[_WIDE]
+    pairs = [(narrow(), wide()) for _ in range(rounds)]
+    runs.clear()
+    row = max(statistics.median(n - w for n, w in pairs) / (narrow_rows - wide_rows), 0.0)
+    seconds = statistics.median(w for _, w in pairs)
+    size = wide_rows * _WIDE * dtype.itemsize
+    return size / max(seconds - wide_rows * row, seconds / 2), row
+
+
+def op_seconds() -> float:
+    """Seconds an op costs beside its work, as a decode step runs its ops: a decoder layer
+    written as transformers writes its layers, 64 wide on one token (:class:`~automap.
+    probe_block.Block`; its ops' work is nothing), each run timed right after a
+    matrix-vector product has streamed a weight through the caches, over the
+    :data:`BLOCK_OPS` aten ops it runs."""
+    import torch
+    from torch.nn import functional as F
+
+    from automap.probe_block import Block
+
+    block = Block()
+    x = torch.ones(1, 1, block.hidden)
+    arena = _Arena(64 * 2**20)
+    matrices = [arena.take((1024, 1024), torch.float32).fill_(1) for _ in range(16)]  # 2x a large L3
+    vector = torch.ones(1, 1024)
+    with torch.no_grad():
+        block(x)
+        times = []
+        for _ in range(3):
+            for matrix in matrices:
+                F.linear(vector, matrix)
+                started = time.perf_counter()
+                block(x)
+                times.append(time.perf_counter() - started)
+    return statistics.median(times) / BLOCK_OPS
+
+
+# The aten ops one call of probe_block.Block dispatches, as the profiler's tracer counts a
+# model's (counted here, not at run time: a dispatch mode's first use imports torch._dynamo,
+# a second, and tests/devices/test_machine.py checks the count).
+BLOCK_OPS = 81
+
+
+# The two row lengths (elements) matrix-vector reads are measured at, and the matrices read.
+_NARROW, _WIDE, _MATRICES = 1024, 4096, 8
+
+
+class _Arena:
+    """The probes' large tensors, carved from one allocation of at least :data:`_ARENA_BYTES`.
+
+    glibc serves an allocation over its mmap threshold (128 KiB at start) with a mapping of its
+    own, and freeing one raises the threshold to its size, up to 32 MiB: a probe freeing 16 MiB
+    matrices would leave the user's process serving its later weights from the heap, which a
+    decode step then reads 7-15 % slower (measured here). A single allocation over 32 MiB is
+    mapped and unmapped without moving the threshold, so calibration leaves the allocator as it
+    found it."""
+
+    def __init__(self, nbytes: float, device: Any = "cpu") -> None:
+        import torch
+
+        self.buffer = torch.empty(max(int(nbytes), _ARENA_BYTES), dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An uninitialised tensor of ``shape`` and ``dtype`` in the arena, 64-byte aligned."""
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * dtype.itemsize
+        if self.used + nbytes > self.buffer.numel():
+            raise ValueError(f"probe arena of {self.buffer.numel()} bytes cannot hold {nbytes} more")
+        view = self.buffer[self.used : self.used + nbytes].view(dtype).view(shape)
+        self.used += -(-nbytes // 64) * 64
+        return view
+
+
+_ARENA_BYTES = 33 * 2**20  # over glibc's largest dynamic mmap threshold (32 MiB on 64-bit)
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32
 
 
 def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 2**20) -> dict[str, Any]:
@@ -231,28 +348,31 @@ def measure_disk(folder: str) -> float:
         with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
             path = os.path.join(own, "read-rate")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            buffer = bytearray(_DISK_BYTES)  # one mapping over 32 MiB (see _Arena), reused
             try:
-                block = os.urandom(_DISK_CHUNK)
-                for _ in range(_DISK_BYTES // _DISK_CHUNK):
-                    os.write(fd, block)
+                for at in range(0, _DISK_BYTES, _RANDOM_PIECE):  # pieces a heap chunk holds
+                    buffer[at : at + _RANDOM_PIECE] = os.urandom(_RANDOM_PIECE)
+                os.write(fd, buffer)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            return max(_read_rate(path) for _ in range(2))
+            return max(_read_rate(path, buffer) for _ in range(2))
     except OSError as exc:
         log.info("disk read rate not measured in %s: %s", folder, exc)
         return 0.0
 
 
-def _read_rate(path: str) -> float:
+def _read_rate(path: str, buffer: bytearray) -> float:
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        into = memoryview(buffer)
         offsets = range(0, _DISK_BYTES, _DISK_CHUNK)
         started = time.perf_counter()
         with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
-            done = sum(len(b) for b in pool.map(lambda at: os.pread(fd, _DISK_CHUNK, at), offsets))
+            reads = pool.map(lambda at: os.preadv(fd, [into[at : at + _DISK_CHUNK]], at), offsets)
+            done = sum(reads)
         return done / (time.perf_counter() - started)
     finally:
         os.close(fd)

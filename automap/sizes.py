@@ -22,6 +22,8 @@ from automap.errors import AutomapError, SizeError
 MAX_BYTES = 2**60
 # 10**18 per second (an exa-FLOP/s, an exabyte/s): above any one device's compute or bandwidth.
 MAX_RATE = 1e18
+# A second per row or per op: a million times what any machine pays.
+MAX_OP_SECONDS = 1.0
 # Sequences, tokens, batch sizes, shape sizes and device indices: what an int32 index can count.
 MAX_COUNT = 2**31
 

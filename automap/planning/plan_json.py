@@ -12,14 +12,14 @@ import typing
 from dataclasses import replace
 from typing import Any, Mapping
 
-from automap.devices import DeviceSpec, canonical_name
+from automap.devices import SPEED_FIELDS, DeviceSpec, canonical_name
 from automap.errors import AutomapError, PlanError
 from automap.kinds import default_memory_bandwidth, kind_of
 from automap.planning.experts import ExpertsPlan
 from automap.planning.model import JSON_VERSION, Origin, Plan, PlanInputs, Provenance, register_renderer
 from automap.profiling import Unit
 from automap.profiling.result import Generation
-from automap.sizes import MAX_BYTES, MAX_RATE, parse_number
+from automap.sizes import MAX_BYTES, MAX_OP_SECONDS, MAX_RATE, parse_number
 from automap.userfiles import load_json
 
 
@@ -139,12 +139,15 @@ def _device_of(d: Any, i: int) -> DeviceSpec:
         _number(d["link_bytes_per_second"], f"{where}.link_bytes_per_second", MAX_RATE),
         _number(memory, f"{where}.memory_bytes_per_second", MAX_RATE),
         _measured_of(d.get("measured", [])),
+        # 0 (not measured) in JSON written before they were recorded
+        _number(d.get("row_seconds", 0.0), f"{where}.row_seconds", MAX_OP_SECONDS),
+        _number(d.get("op_seconds", 0.0), f"{where}.op_seconds", MAX_OP_SECONDS),
     )
 
 
 def _measured_of(names: Any) -> tuple[str, ...]:
     """A device's ``measured``: names of its own figures (absent in JSON written before)."""
-    fields = {"capacity_bytes", "flops_per_second", "link_bytes_per_second", "memory_bytes_per_second"}
+    fields = set(SPEED_FIELDS)
     if not isinstance(names, list) or not all(isinstance(n, str) and n in fields for n in names):
         raise PlanError(
             f"plan JSON's device 'measured' is {names!r}, not a list of the figures {sorted(fields)}"

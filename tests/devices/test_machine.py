@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -119,7 +120,11 @@ def test_first_use_measures_and_calibrate_refreshes(tmp_path):
     data = json.loads((tmp_path / "m.json").read_text())
     (record,) = data["machines"].values()
     assert record["devices"]["cpu"]["flops_per_second"]["float32"] > 0
-    assert record["devices"]["cpu"]["memory_bytes_per_second"] > 0
+    cpu = record["devices"]["cpu"]
+    for figure in ("memory_bytes_per_second", "row_seconds"):  # per dtype, as the compute rate
+        assert set(cpu[figure]) == {"float32", "bfloat16", "float16"}
+    assert cpu["memory_bytes_per_second"]["float32"] > 0 and cpu["row_seconds"]["float32"] >= 0
+    assert cpu["op_seconds"] > 0
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob("automap-calibration-*"))
     off = subprocess.run(
         [sys.executable, "-m", "automap", "calibrate"],
@@ -192,3 +197,56 @@ def test_the_cpu_probe_counts_its_flops_as_the_profiler_counts_a_models():
     with FlopCounterMode(display=False) as counter:
         layer(torch.empty(1, 16, 64, device="meta"))
     assert layer.flops(16) == counter.get_total_flops()
+
+
+def test_the_op_probe_knows_how_many_ops_its_block_runs():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from automap.machine_probes import BLOCK_OPS
+    from automap.probe_block import Block
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    block, x = Block(), torch.ones(1, 1, Block.hidden)
+    with torch.no_grad(), Count():
+        block(x)
+    assert Count.ops == BLOCK_OPS
+
+
+_THRESHOLD_SCRIPT = """
+import sys, torch
+from automap import machine_probes
+with torch.no_grad():
+    machine_probes.measure_cpu()
+machine_probes.measure_disk(sys.argv[1])
+weight = torch.empty(8 * 2**20 + 4096, dtype=torch.uint8)  # a layer's weight loaded after
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        low, high = (int(a, 16) for a in line.split()[0].split("-"))
+        print("heap" if low <= weight.data_ptr() < high else "mapped")
+        break
+else:
+    print("mapped")
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's dynamic mmap threshold")
+def test_calibration_leaves_the_allocator_as_it_found_it(tmp_path):
+    """glibc raises its mmap threshold to the size of a mapped chunk freed (up to 32 MiB): probes
+    freeing 16 MiB matrices made every later weight under 16 MiB come from the heap, where a
+    decode step read it 7-15 % slower. The probes' large buffers are one mapping over 32 MiB,
+    so an 8 MiB weight allocated after calibration is still a mapping of its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", _THRESHOLD_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mapped"]

@@ -29,6 +29,7 @@ LAYERS = {
     "kinds": 1,
     "machine": 1,
     "machine_probes": 1,
+    "probe_block": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,
