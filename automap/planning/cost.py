@@ -23,6 +23,12 @@ def flop_seconds(flops: float, flops_per_second: float) -> float:
     return flops / max(flops_per_second, MIN_RATE)
 
 
+def work_seconds(flops: float, ops: int, device: DeviceSpec) -> float:
+    """Seconds ``device`` computes ``flops`` in ``ops`` ops: the FLOPs at its rate, and each
+    op's cost beside its work (dispatch, the code around it; ``DeviceSpec.op_seconds``)."""
+    return flop_seconds(flops, device.flops_per_second) + ops * device.op_seconds
+
+
 def transfer_seconds(nbytes: float, src: DeviceSpec, dst: DeviceSpec) -> float:
     """Seconds to move ``nbytes`` from ``src`` to ``dst``: the slower link bounds it."""
     return nbytes / max(min(src.link_bytes_per_second, dst.link_bytes_per_second), MIN_RATE)
@@ -78,7 +84,8 @@ def hooks_seconds(calls: int) -> float:
 
 
 def device_seconds(compute: float, reads: float, streams: float, overlaps: bool) -> float:
-    """A computing device's time for work made of compute, memory reads and streamed bytes:
-    the largest when its kind ``overlaps`` them (copy engines, thousands of threads), else
-    their sum."""
-    return max(compute, reads, streams) if overlaps else compute + reads + streams
+    """A computing device's time for work made of compute, reads of its own memory and
+    streamed bytes. Compute and reads overlap on every device (a core's prefetchers stream a
+    matrix in while it multiplies); streams hide behind them when its kind ``overlaps`` them
+    (copy engines), else add."""
+    return max(compute, reads, streams) if overlaps else max(compute, reads) + streams

@@ -23,6 +23,7 @@ _WHAT = {
     "weights": "of weights read from",
     "cache": "of KV cache read from",
     "stream": "streamed from",
+    "ops": "dispatched on",
 }
 
 
@@ -32,9 +33,10 @@ class Term:
 
     Attributes:
         kind: ``"compute"`` (FLOPs), ``"weights"`` or ``"cache"`` (bytes read from the device's
-            memory) or ``"stream"`` (offloaded weights moved from a tier to the execution device).
+            memory), ``"stream"`` (offloaded weights moved from a tier to the execution device)
+            or ``"ops"`` (ops dispatched, each costing time beside its work).
         device: the computing device, or for a stream the tier it comes from.
-        amount: FLOPs or bytes per step.
+        amount: FLOPs, bytes or ops per step.
         seconds: predicted seconds per step.
         binds: whether it adds to its computing device's time (on a CPU every part does; on
             an accelerator only the largest of compute, reads and streams).
@@ -48,30 +50,36 @@ class Term:
 
     def describe(self) -> str:
         """``'16.11 GiB streamed from disk'``, ``'1.25 TFLOP of compute on cuda:0'``."""
+        if self.kind == "ops":
+            return f"{self.amount:,.0f} ops {_WHAT[self.kind]} {self.device}"
         amount = format_flops(self.amount) if self.kind == "compute" else format_bytes(self.amount)
         return f"{amount} {_WHAT[self.kind]} {self.device}"
 
 
 @dataclass(frozen=True)
 class DeviceStep:
-    """One computing device's share of a decode step: its compute, its memory reads and the
-    weights streamed to it; ``overlapped`` when they run side by side (an accelerator), not
-    one after another (a CPU)."""
+    """One computing device's share of a decode step: its compute, its memory reads, the
+    weights streamed to it and its ops' dispatch; ``overlapped`` when streams run beside the
+    compute (an accelerator's copy engines), not after it (a CPU). Compute and reads of the
+    device's own memory overlap on every device; ops add."""
 
     device: str
     compute: Term
     reads: tuple[Term, ...]
     streams: tuple[Term, ...]
     overlapped: bool
+    ops: Term | None = None
 
     @property
     def seconds(self) -> float:
         compute, reads, streams = _parts(self.compute, self.reads, self.streams)
-        return device_seconds(compute, reads, streams, self.overlapped)
+        return device_seconds(compute, reads, streams, self.overlapped) + (
+            self.ops.seconds if self.ops else 0.0
+        )
 
     @property
     def terms(self) -> tuple[Term, ...]:
-        return (self.compute, *self.reads, *self.streams)
+        return (self.compute, *self.reads, *self.streams, *((self.ops,) if self.ops else ()))
 
 
 def _parts(compute: Term, reads: Iterable[Term], streams: Iterable[Term]) -> tuple[float, float, float]:
@@ -174,18 +182,26 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
     touches more)."""
     flops: dict[str, float] = {}
     reads: dict[tuple[str, str], float] = {}
+    rows: dict[str, float] = {}
+    ops: dict[str, float] = {}
     streams: dict[str, dict[str, float]] = {}
     tokens = plan.generation.batch * scale if plan.generation is not None else scale
     for unit, where in zip(plan.units, plan.placement):
         compute = plan.placements.by_home[where].compute
         flops[compute] = flops.get(compute, 0.0) + unit.decode_flops * scale
+        ops[compute] = ops.get(compute, 0.0) + unit.decode_ops
         reads[(compute, "cache")] = reads.get((compute, "cache"), 0.0) + unit.kv_read_bytes * scale
         nbytes = touched_bytes(unit, tokens)  # routed experts: only those the step's tokens use
-        if plan.placements.by_home[where].offloaded:
+        if plan.placements.by_home[where].offloaded:  # moved whole, whatever the step reads of it
             tier = streams.setdefault(compute, {})
             tier[where] = tier.get(where, 0.0) + nbytes
         else:
-            reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + nbytes
+            read = nbytes if unit.experts or unit.decode_weight_bytes is None else unit.decode_weight_bytes
+            reads[(compute, "weights")] = reads.get((compute, "weights"), 0.0) + read
+            if unit.decode_weight_bytes:  # rows in proportion to the bytes (routed experts: those used)
+                rows[compute] = (
+                    rows.get(compute, 0.0) + unit.decode_weight_rows * read / unit.decode_weight_bytes
+                )
     return tuple(
         _device_step(
             plan,
@@ -193,19 +209,34 @@ def decode_steps(plan: Plan, scale: float) -> tuple[DeviceStep, ...]:
             flops.get(name, 0.0),
             {k: reads.get((name, k), 0.0) for k in ("weights", "cache")},
             streams.get(name, {}),
+            (rows.get(name, 0.0), ops.get(name, 0.0)),
         )
         for name in dict.fromkeys(plan.placements.by_home[d].compute for d in plan.placement)
     )
 
 
 def _device_step(
-    plan: Plan, device: DeviceSpec, flops: float, reads: dict[str, float], streams: dict[str, float]
+    plan: Plan,
+    device: DeviceSpec,
+    flops: float,
+    reads: dict[str, float],
+    streams: dict[str, float],
+    rows_and_ops: tuple[float, float],
 ) -> DeviceStep:
+    """One device's step: ``reads`` (bytes by kind), ``streams`` (bytes by tier) and the rows
+    of the weights read and the ops run, each row and op costing the device's own time."""
+    rows, ops = rows_and_ops
     read = [
-        Term(kind, device.name, nbytes, read_seconds(nbytes, device))
+        Term(
+            kind,
+            device.name,
+            nbytes,
+            read_seconds(nbytes, device) + (rows * device.row_seconds if kind == "weights" else 0.0),
+        )
         for kind, nbytes in reads.items()
         if nbytes
     ]
+    dispatch = Term("ops", device.name, ops, ops * device.op_seconds) if ops and device.op_seconds else None
     stream = [
         Term("stream", tier, nbytes, link_seconds(plan, int(nbytes), tier, device.name))
         for tier, nbytes in streams.items()
@@ -213,9 +244,16 @@ def _device_step(
     ]
     compute = Term("compute", device.name, flops, flop_seconds(flops, device.flops_per_second))
     overlapped = kind_of(device).overlaps
-    if not overlapped:  # every part adds to the step
-        return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped)
     c, r, s = _parts(compute, read, stream)
+    if not overlapped:  # compute and reads overlap, streams add
+        return DeviceStep(
+            device.name,
+            replace(compute, binds=c >= r),
+            tuple(replace(t, binds=r > c) for t in read),
+            tuple(stream),
+            overlapped,
+            dispatch,
+        )
     top = max(c, r, s)  # the part that sets the device's time; the others hide behind it
     return DeviceStep(
         device.name,
@@ -223,6 +261,7 @@ def _device_step(
         tuple(replace(t, binds=r == top and c < top) for t in read),
         tuple(replace(t, binds=s == top and c < top and r < top) for t in stream),
         overlapped,
+        dispatch,
     )
 
 

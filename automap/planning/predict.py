@@ -12,12 +12,12 @@ from typing import Any, Callable, TypeVar
 
 from automap.kinds import kind_of
 from automap.planning.cost import (
-    flop_seconds,
     hook_calls,
     hooks_seconds,
     overlapped_seconds,
     stage_seconds,
     transfer_seconds,
+    work_seconds,
 )
 from automap.planning.memory import DeviceMemory, device_memory
 from automap.planning.model import Cut, DeviceSummary, Plan
@@ -102,7 +102,7 @@ def _summary(plan: Plan) -> tuple[DeviceSummary, ...]:
         compute = plan.device(placed.compute)
         streamed = link_seconds(plan, weights, device.name, compute.name) if placed.offloaded else 0.0
         seconds = stage_seconds(
-            flop_seconds(flops, compute.flops_per_second),
+            work_seconds(flops, sum(u.ops for u in units), compute),
             streamed,
             incoming.get(device.name, 0.0) if units else 0.0,
         )
@@ -168,7 +168,7 @@ def _unit_timeline(plan: Plan) -> float:
     computes, reads = [], []
     for i, (unit, row) in enumerate(zip(plan.units, plan.placements.rows)):
         device = plan.device(row.compute)
-        computes.append(flop_seconds(unit.flops, device.flops_per_second) + incoming[i])
+        computes.append(work_seconds(unit.flops, unit.ops, device) + incoming[i])
         reads.append(link_seconds(plan, unit.weight_bytes, row.home, row.compute) if row.offloaded else 0.0)
     ahead = kind_of(plan.execution_device).read_ahead
     return overlapped_seconds(computes, reads, ahead)
