@@ -4,8 +4,9 @@ Each case plans a real architecture (random weights, built from a config) with `
 on this machine as automap measured it (the record in ``$XDG_CACHE_HOME/automap/machine.json``,
 made on first use; ``--refresh`` measures again first), dispatches it as planned, and times
 it warm: a forward (the planned batch and prompt) or one decode step (one token per sequence
-fed the cache), the median of ``--runs`` runs. Printed: predicted, measured, their ratio, and
-the whole as JSON (``--json``).
+fed the cache), the median of ``--runs`` runs. Each case runs in a fresh process (with
+``--refresh`` measuring the machine first, right before it). Printed: predicted, measured, their
+ratio, and the whole as JSON (``--json``).
 
     .venv/bin/python -m benchmarks.predict_time --runs 7 --json benchmarks/notes/predict-time.json
 """
@@ -13,10 +14,10 @@ the whole as JSON (``--json``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -87,7 +88,10 @@ CASES = (
 
 
 def median_seconds(run: Callable[[], Any], runs: int, before: Callable[[], None] = lambda: None) -> float:
-    run()  # warm: first-call allocations, page cache, oneDNN kernels
+    """The median of ``runs`` timed calls of ``run`` after a warm one (first-call allocations,
+    page cache, oneDNN kernels), each after an untimed ``before``."""
+    before()
+    run()
     times = []
     for _ in range(runs):
         before()
@@ -97,19 +101,26 @@ def median_seconds(run: Callable[[], Any], runs: int, before: Callable[[], None]
     return statistics.median(times)
 
 
-def decode_step(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], Any]:
-    """One decode step: one token per sequence fed a copy of the prompt's cache."""
+def decode_step(
+    model: nn.Module, inputs: dict[str, torch.Tensor]
+) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """One decode step: one token per sequence fed a copy of the prompt's cache; and what
+    makes that copy before each step, untimed."""
     import copy
 
     with torch.no_grad():
         cache = model(**inputs, use_cache=True).past_key_values
     token = inputs["input_ids"][:, -1:]
+    fresh: list[Any] = []
+
+    def prepare() -> None:
+        fresh[:] = [copy.deepcopy(cache)]
 
     def step() -> Any:
         with torch.no_grad():
-            return model(input_ids=token, past_key_values=copy.deepcopy(cache), use_cache=True)
+            return model(input_ids=token, past_key_values=fresh.pop(), use_cache=True)
 
-    return step
+    return step, prepare
 
 
 def forward_of(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[], Any]:
@@ -143,8 +154,10 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
     if case.decode:
         prediction = predict_decode(plan)
         predicted = prediction.step_seconds if prediction is not None else float("nan")
+        terms = {t.kind: t.seconds for t in prediction.terms} if prediction is not None else {}
     else:
         predicted = forward_seconds(plan)
+        terms = {}
     automap.dispatch(model, plan, offload_dir=offload_dir)
     # Weights the plan puts on disk are read from it: their pages are dropped from the page
     # cache before each timed run (what a machine without the RAM to cache them sees). The
@@ -153,16 +166,24 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
     evict = state_of(model).source.evict if "disk" in plan.placement else (lambda: None)
     warm = None
     try:
-        run = decode_step(model, inputs) if case.decode else forward_of(model, inputs)
-        measured = median_seconds(run, runs, before=evict)
+        run, prepare = (
+            decode_step(model, inputs) if case.decode else (forward_of(model, inputs), lambda: None)
+        )
+
+        def before() -> None:
+            prepare()
+            evict()
+
+        measured = median_seconds(run, runs, before=before)
         if "disk" in plan.placement:
-            warm = median_seconds(run, runs)
+            warm = median_seconds(run, runs, before=prepare)
     finally:
         automap.undispatch(model)
     cpu = next(d for d in plan.devices if d.name == "cpu")
     return {
         "case": case.name,
         "predicted_seconds": predicted,
+        "predicted_terms": terms,
         "measured_seconds": measured,
         "warm_page_cache_seconds": warm,
         "ratio": measured / predicted,
@@ -176,25 +197,30 @@ def run_case(case: Case, runs: int, offload_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="timed runs per case (median)")
-    parser.add_argument("--refresh", action="store_true", help="measure the machine again first")
+    parser.add_argument("--refresh", action="store_true", help="measure the machine again before each case")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--offload-dir", type=Path, default=Path("/tmp/automap-predict-time"))
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # run this one case here, print its row
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # before the record is read: it is kept per thread count
-    from automap.machine import describe, machine_record
-
-    record = machine_record(str(args.offload_dir.parent), refresh=args.refresh)
-    print(describe(record) or "measuring is off (AUTOMAP_CALIBRATION=off): default speeds")
+    if args.case is not None:
+        return _one_case(args)
     rows = []
     for case in CASES:
         if args.only not in case.name:
             continue
-        rows.append(run_case(case, args.runs, args.offload_dir))
-        gc.collect()
-        row = rows[-1]
+        # Each case in a fresh process, as a user's run: nothing of an earlier case's memory
+        # (the allocator's state, the page cache it filled) weighs on it.
+        command = [sys.executable, "-m", "benchmarks.predict_time", "--case", case.name, *_passed(args)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr)
+            return done.returncode
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
         print(
             f"{row['case']:<44} predicted {row['predicted_seconds'] * 1e3:8.2f} ms  measured "
             f"{row['measured_seconds'] * 1e3:8.2f} ms  measured/predicted {row['ratio']:.2f}",
@@ -203,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     within = sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.15)
     print(f"within 15 %: {within} of {len(rows)}")
     result = {
-        "threads": torch.get_num_threads(),
+        "threads": args.threads or torch.get_num_threads(),
         "runs": args.runs,
         "rows": rows,
         "within_15_percent": within,
@@ -211,6 +237,28 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    """The options a case's process is given: the parent's own."""
+    passed = ["--runs", str(args.runs), "--offload-dir", str(args.offload_dir)]
+    if args.threads:
+        passed += ["--threads", str(args.threads)]
+    return passed + (["--refresh"] if args.refresh else [])
+
+
+def _one_case(args: argparse.Namespace) -> int:
+    """Measure the machine (``--refresh``: again, right before the case), run the case named
+    ``args.case``, print its row as JSON on the last line."""
+    from automap.machine import describe, machine_record
+
+    record = machine_record(str(args.offload_dir.parent), refresh=args.refresh)
+    print(describe(record) or "measuring is off (AUTOMAP_CALIBRATION=off): default speeds", file=sys.stderr)
+    case = next(c for c in CASES if c.name == args.case)
+    row = run_case(case, args.runs, args.offload_dir)
+    row["machine"] = describe(record)
+    print(json.dumps(row))
     return 0
 
 
