@@ -85,7 +85,9 @@ def hooks_seconds(calls: int) -> float:
 
 def device_seconds(compute: float, reads: float, streams: float, overlaps: bool) -> float:
     """A computing device's time for work made of compute, reads of its own memory and
-    streamed bytes. Compute and reads overlap on every device (a core's prefetchers stream a
-    matrix in while it multiplies); streams hide behind them when its kind ``overlaps`` them
-    (copy engines), else add."""
-    return max(compute, reads, streams) if overlaps else max(compute, reads) + streams
+    streamed bytes: the largest when its kind ``overlaps`` them (copy engines, thousands of
+    threads), else their sum. On a CPU the sum is what a decode step measures: its cores
+    multiply a matrix-vector product's FLOPs and wait for its bytes in turn, not side by side
+    (``benchmarks/notes/predict-time.md``: the sum 0.98-1.04 of the measured step, the larger
+    of the two 1.10-1.15)."""
+    return max(compute, reads, streams) if overlaps else compute + reads + streams

@@ -59,9 +59,8 @@ class Term:
 @dataclass(frozen=True)
 class DeviceStep:
     """One computing device's share of a decode step: its compute, its memory reads, the
-    weights streamed to it and its ops' dispatch; ``overlapped`` when streams run beside the
-    compute (an accelerator's copy engines), not after it (a CPU). Compute and reads of the
-    device's own memory overlap on every device; ops add."""
+    weights streamed to it and its ops' dispatch; ``overlapped`` when the first three run side
+    by side (an accelerator), not one after another (a CPU). Ops add on every device."""
 
     device: str
     compute: Term
@@ -244,16 +243,9 @@ def _device_step(
     ]
     compute = Term("compute", device.name, flops, flop_seconds(flops, device.flops_per_second))
     overlapped = kind_of(device).overlaps
+    if not overlapped:  # every part adds to the step
+        return DeviceStep(device.name, compute, tuple(read), tuple(stream), overlapped, dispatch)
     c, r, s = _parts(compute, read, stream)
-    if not overlapped:  # compute and reads overlap, streams add
-        return DeviceStep(
-            device.name,
-            replace(compute, binds=c >= r),
-            tuple(replace(t, binds=r > c) for t in read),
-            tuple(stream),
-            overlapped,
-            dispatch,
-        )
     top = max(c, r, s)  # the part that sets the device's time; the others hide behind it
     return DeviceStep(
         device.name,

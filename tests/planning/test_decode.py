@@ -66,16 +66,15 @@ def test_a_stream_to_a_gpu_overlaps_its_work_and_is_named_with_a_fix():
     assert "more memory on cuda:0 (max_memory) would keep every weight resident" in decode.hint
 
 
-def test_on_a_cpu_compute_hides_its_reads_and_streams_and_ops_add():
+def test_on_a_cpu_compute_reads_and_stream_add_up():
     cpu = make_device("cpu", 10 * GB, flops_per_second=1e10, memory_bytes_per_second=2e10)
     disk = make_device("disk", 10**13, link_bytes_per_second=1e10)
     units = [_unit("a", GB, flops=10**10), _unit("b", 2 * GB, flops=10**10)]
     decode = predict_decode(_plan(units, ["cpu", "disk"], [cpu, disk], batch=8))
-    # 2e10 FLOP / 1e10 beside 1 GB / 2e10 (the prefetchers read while the cores multiply), then
-    # 2 GB / 1e10 mapped in: the stream waits for nothing but adds.
-    assert decode.step_seconds == pytest.approx(2.0 + 0.2)
-    assert [t.kind for t in decode.terms if t.binds] == ["compute", "stream"]
-    assert decode.limit.kind == "compute" and decode.tokens_per_second == pytest.approx(8 / 2.2)
+    # 2e10 FLOP / 1e10 + 1 GB / 2e10 + 2 GB / 1e10: the cores compute, read and map in turn.
+    assert decode.step_seconds == pytest.approx(2.0 + 0.05 + 0.2)
+    assert all(t.binds for t in decode.terms)
+    assert decode.limit.kind == "compute" and decode.tokens_per_second == pytest.approx(8 / 2.25)
 
 
 def test_a_cpu_step_pays_for_each_row_read_and_each_op():
@@ -90,7 +89,8 @@ def test_a_cpu_step_pays_for_each_row_read_and_each_op():
     # What a step reads of the weights (half: an embedding's one row, say), not all of them.
     assert weights.amount == GB // 2 and weights.seconds == pytest.approx(0.5 / 20 + 10**6 * 1e-8)
     assert ops.amount == 500 and ops.seconds == pytest.approx(1e-3)
-    assert decode.step_seconds == pytest.approx(weights.seconds + ops.seconds)
+    compute = next(t for t in decode.terms if t.kind == "compute")
+    assert decode.step_seconds == pytest.approx(compute.seconds + weights.seconds + ops.seconds)
     assert "500 ops dispatched on cpu" in [t.describe() for t in decode.terms]
 
 
