@@ -108,11 +108,13 @@ def _read_file(path: Path) -> dict[str, Any]:
         return {}
     if (
         not isinstance(data, dict)
-        or data.get("format") != FORMAT
+        or not isinstance(data.get("format"), int)
         or not isinstance(data.get("machines"), dict)
     ):
         return {}
-    return data
+    if data["format"] < FORMAT:  # an earlier automap's record: measured again and written over
+        return {"format": FORMAT, "machines": {}}
+    return data if data["format"] == FORMAT else {}
 
 
 def read_record() -> dict[str, Any]:

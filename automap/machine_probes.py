@@ -200,9 +200,10 @@ def matvec_rates(dtype: Any, nbytes: int = 64 * 2**20, rounds: int = 15) -> tupl
     from torch.nn import functional as F
 
     runs = {}
-    arena = _Arena(2 * nbytes)
+    arena = _Arena(nbytes)
     for width in (_NARROW, _WIDE):
         rows = max(nbytes // (width * dtype.itemsize * _MATRICES), 1)
+        arena.used = 0  # both widths view the same bytes: twice the L3 apart, read from memory
         matrices = [arena.take((rows, width), dtype).fill_(1) for _ in range(_MATRICES)]
         vector = torch.ones(1, width, dtype=dtype)
 

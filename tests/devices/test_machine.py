@@ -75,6 +75,26 @@ def test_a_record_for_another_fingerprint_is_not_read(tmp_path, monkeypatch):
     assert machine.read_record() == {}
 
 
+def test_an_earlier_automaps_record_is_measured_again_and_replaced(tmp_path, monkeypatch):
+    """A record of an earlier format lacks figures this automap reads: it is not read, and the
+    next measurement replaces it (a plan measured the machine in every process while an old
+    record sat there, never overwritten). One of a later format is left to the automap that
+    wrote it."""
+    path = tmp_path / "machine.json"
+    monkeypatch.setenv("AUTOMAP_CALIBRATION", str(path))
+    record = {"fingerprint": machine.fingerprint(), "devices": {}, "capacities": {}}
+    key = machine.fingerprint_key(record["fingerprint"])
+    path.write_text(json.dumps({"format": machine.FORMAT - 1, "machines": {key: record}}))
+    assert machine.read_record() == {}
+    machine.write_record(record)
+    assert json.loads(path.read_text())["format"] == machine.FORMAT and machine.read_record() == record
+    later = json.dumps({"format": machine.FORMAT + 1, "machines": {key: record}})
+    path.write_text(later)
+    assert machine.read_record() == {}
+    machine.write_record(record)
+    assert path.read_text() == later
+
+
 def test_a_file_that_is_not_a_record_is_never_overwritten(tmp_path, monkeypatch):
     mine = tmp_path / "notes.json"
     mine.write_text("my own notes")
