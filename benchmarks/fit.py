@@ -443,6 +443,10 @@ def main() -> None:
         return row
 
     try:
+        # The machine measured once before the cases (its first use here), not inside one's load.
+        from automap.machine import machine_record
+
+        machine_record(str(root))
         for model in dict.fromkeys(c.model for c in cases):
             write_model(model, root)
         with ThreadPoolExecutor(args.jobs) as pool:  # each case is a process of its own: its memory apart
