@@ -2,8 +2,9 @@
 
 Units become *items* (a unit plus the units tied to it, which must share its device); the
 items split out of one unit (``Unit.split_from``) form a *group*, which computes on one device,
-because the split module's own code (a residual add) runs between its pieces. Groups form a
-chain in execution order, which :mod:`automap.planning.layout_kinds` lays out over the tiers.
+because the split module's own code (a residual add) runs between its pieces. A piece tied to
+units outside its split unit is the exception (:func:`_computes_with`). Groups form a chain in
+execution order, which :mod:`automap.planning.layout_kinds` lays out over the tiers.
 """
 
 from __future__ import annotations
@@ -103,9 +104,20 @@ def make_items(profile: Profile, cut_bytes: Sequence[int]) -> Items:
             activation=[max(units[i].peak_activation_bytes for i in m) for m in members],
             cut=[float(cut_bytes[m[0]]) if by_flops else 0.0 for m in members],
         ),
-        _split_groups(["" if routed[k] else units[m[0]].split_from for k, m in enumerate(members)]),
+        _split_groups(["" if routed[k] else _computes_with(m, profile) for k, m in enumerate(members)]),
         routed,
     )
+
+
+def _computes_with(members: Sequence[int], profile: Profile) -> str:
+    """The split unit whose pieces item ``members`` must compute beside: their one
+    ``split_from``, or ``""`` (it joins no group) when they are not all pieces of one unit: a
+    piece tied to units outside it computes where they are, and the runtime sends its outputs
+    back to its split unit's device (:func:`automap.runtime.pieces.hook_split_units`).
+    Pulling the tied units into the split unit's group instead would put all of them on one
+    device, which may hold none of them though the devices together hold them all."""
+    origins = {profile.units[i].split_from for i in members}
+    return origins.pop() if len(origins) == 1 else ""
 
 
 def _split_groups(origins: Sequence[str]) -> tuple[tuple[int, ...], ...]:

@@ -1,6 +1,7 @@
 """Hooks for a model whose units compute in pieces: a split unit's own code runs where its
-pieces compute, a module holding loose tensors computes where they are, and a unit of routed
-experts that computes apart from the code around it sends its outputs back there."""
+pieces compute, a module holding loose tensors computes where they are, and a unit that
+computes apart from the code around it (routed experts, a piece tied to units elsewhere) sends
+its outputs back there."""
 
 from __future__ import annotations
 
@@ -42,14 +43,17 @@ def hook_loose_owners(
         state.hooks.append(MoveInputs(device).attach(modules[owner]))
 
 
-def split_devices(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, set[str]]:
-    """For each unit the planner split (``Unit.split_from``), where its pieces compute; routed
-    experts left out (:func:`hook_split_units`)."""
-    found: dict[str, set[str]] = {}
+def split_devices(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """For each unit the planner split (``Unit.split_from``), the device its own code runs on:
+    where most of its pieces compute, routed experts left out (the first such device in plan
+    order on a tie). The planner keeps the pieces on one device but for a piece tied to units
+    outside its split unit, which computes with them (:mod:`automap.planning.items`);
+    :func:`hook_split_units` sends that piece's outputs back."""
+    found: dict[str, list[str]] = {}
     for unit, placement in zip(plan.units, plan.placements):
         if unit.split_from and not is_experts(unit, modules.get(unit.name)):
-            found.setdefault(unit.split_from, set()).add(placement.compute)
-    return found
+            found.setdefault(unit.split_from, []).append(placement.compute)
+    return {name: max(dict.fromkeys(computes), key=computes.count) for name, computes in found.items()}
 
 
 def is_experts(unit: Unit, module: nn.Module | None) -> bool:
@@ -62,24 +66,20 @@ def is_experts(unit: Unit, module: nn.Module | None) -> bool:
 
 def hook_split_units(plan: Plan, modules: dict[str, nn.Module], state: DispatchState) -> None:
     """A split unit's own forward code (a residual add) runs between its pieces, on what it
-    was given: its inputs go where its pieces compute (one device, :func:`check_plan_matches`).
-    A piece of routed experts computing elsewhere sends its outputs back there."""
-    devices = {name: torch_device(next(iter(found))) for name, found in split_devices(plan, modules).items()}
+    was given: its inputs go where its pieces compute (:func:`split_devices`). A piece that
+    computes elsewhere (routed experts, a piece tied to units outside it) sends its outputs
+    back there, as does a unit of routed experts computing apart from the unit around it."""
+    devices = {name: torch_device(device) for name, device in split_devices(plan, modules).items()}
     for name, device in devices.items():
         state.hooks.append(MoveInputs(device).attach(modules[name]))
-    hook_expert_outputs(plan, modules, state, devices)
-
-
-def hook_expert_outputs(
-    plan: Plan, modules: dict[str, nn.Module], state: DispatchState, parents: dict[str, torch.device]
-) -> None:
-    """A unit of routed experts that computes apart from the code around it — its split
-    parent's pieces (``parents``) or the unit that encloses it — sends its outputs back there."""
     computes = {u.name: torch_device(p.compute) for u, p in zip(plan.units, plan.placements)}
     for unit, placement in zip(plan.units, plan.placements):
-        if not is_experts(unit, modules[unit.name]):
+        if unit.split_from:
+            around = devices.get(unit.split_from)
+        elif is_experts(unit, modules[unit.name]):
+            around = enclosing(unit.name, computes)
+        else:
             continue
-        around = parents.get(unit.split_from) if unit.split_from else enclosing(unit.name, computes)
         if around is not None and around != torch_device(placement.compute):
             state.hooks.extend(MoveOutputs(around).attach(m) for m in called(modules[unit.name]))
 

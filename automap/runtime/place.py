@@ -172,13 +172,12 @@ def check_plan_matches(model: nn.Module, tensors: dict[str, torch.Tensor], plan:
             raise DispatchError(
                 f"the plan names tensors {bad[:3]} that the model lacks; plan this model again"
             )
-    for name, devices in split_devices(plan, modules).items():
-        if name not in modules or len(devices) > 1:
-            raise DispatchError(
-                f"the plan splits unit {name!r} into pieces that compute on {sorted(devices)}; its "
-                "own forward code runs between them, so they must compute on one device; plan the "
-                "model again with automap.plan"
-            )
+    missing = next((name for name in split_devices(plan, modules) if name not in modules), None)
+    if missing is not None:
+        raise DispatchError(
+            f"the plan splits unit {missing!r} but the model has no such module; "
+            "was the plan made for another model?"
+        )
 
 
 def streamed_names(plan: Plan, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[Unit, Placement]]:

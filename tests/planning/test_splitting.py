@@ -12,7 +12,7 @@ import torch
 
 import automap
 from automap.devices import make_device
-from automap.errors import DispatchError, PlanError
+from automap.errors import PlanError
 from automap.planning import Plan, build_plan, make_plan
 from automap.planning.predict import forward_seconds, hook_seconds, summary
 from automap.profiling.refine import Splitter
@@ -297,18 +297,55 @@ def test_split_units_run_as_units(name, tmp_path):
     assert torch.equal(got, expected)
 
 
-def test_pieces_of_one_unit_on_two_computing_devices_are_refused(resnet50_meta):
+def _layer4_split_over_two_gpus():
+    """resnet18 with ``layer4.0`` split and its ``conv2`` alone on GPU 1 (as a piece tied to
+    units elsewhere computes with them), and the plan."""
     import torchvision
 
     model = torchvision.models.resnet18().eval()
     prof = Splitter(model)(automap.profile(model), ["layer4.0"]).profile
     devices = (make_device("cuda:0", 10**10), make_device("cuda:1", 10**10))
     placement = ["cuda:1" if u.name == "layer4.0.conv2" else "cuda:0" for u in prof.units]
-    plan = build_plan(prof, devices, placement, "manual", {})
-    with pytest.raises(
-        DispatchError, match=r"splits unit 'layer4.0' into pieces that compute on \['cuda:0', 'cuda:1'\]"
-    ):
-        automap.dispatch(model, plan)
+    return model, build_plan(prof, devices, placement, "manual", {})
+
+
+def test_a_piece_computing_apart_from_its_split_unit_sends_its_outputs_back():
+    """The split unit's own code (the residual add) runs where most of its pieces compute; the
+    piece on the other GPU sends its outputs back there."""
+    from automap.runtime.pieces import hook_split_units, split_devices
+    from automap.runtime.state import DispatchState
+
+    model, plan = _layer4_split_over_two_gpus()
+    modules = dict(model.named_modules())
+    assert split_devices(plan, modules) == {"layer4.0": "cuda:0"}
+    state = DispatchState(plan)
+    hook_split_units(plan, modules, state)
+    try:
+        assert sorted((type(h).__name__, str(h.device)) for h in state.hooks) == [
+            ("MoveInputs", "cuda:0"),
+            ("MoveOutputs", "cuda:0"),
+        ]
+        hooked = {n for n, m in modules.items() if m._forward_pre_hooks or m._forward_hooks}
+        assert hooked == {"layer4.0", "layer4.0.conv2"}
+        assert modules["layer4.0.conv2"]._forward_hooks  # its outputs go back to cuda:0
+    finally:
+        for hook in state.hooks:
+            hook.detach()
+
+
+@pytest.mark.multi_gpu
+def test_a_piece_computing_apart_from_its_split_unit_gives_the_same_outputs():
+    model, plan = _layer4_split_over_two_gpus()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(x)
+    automap.dispatch(model, plan)
+    try:
+        with torch.no_grad():
+            got = model(x).cpu()
+    finally:
+        automap.undispatch(model)
+    torch.testing.assert_close(got, expected)
 
 
 # --------------------------------------------------------------------------- on a real GPU
