@@ -1,7 +1,8 @@
 """Small configs for the families of transformers' registry: each family's default config with
-the sizes below set wherever it (or a sub-config of it: ``text_config``, a decoder's) has the
-attribute, and what the sizes imply for attributes tied to them. Used by the registry sweeps
-(test_moe_families.py, test_causal_lm_registry.py)."""
+the sizes below set wherever it (or a sub-config of it: ``text_config``, an encoder's, a decoder's)
+has the attribute, and what the sizes imply for attributes tied to them; a vision backbone in
+stages keeps its widths and gets one block per stage. Used by the registry sweeps
+(test_moe_families.py, test_causal_lm_registry.py, test_registry_tasks.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ SMALL = dict(
     d_model=64,
     encoder_layers=2,
     decoder_layers=2,
+    num_decoder_layers=2,  # T5's (its cache has num_hidden_layers' layers)
+    entity_vocab_size=128,  # LUKE's entities
+    cross_attention_hidden_size=64,  # T5Gemma's decoder reads its encoder's width
     encoder_attention_heads=4,
     decoder_attention_heads=4,
     encoder_ffn_dim=96,
@@ -73,6 +77,23 @@ SMALL = dict(
     hash_seed=0,
 )
 
+# What a family needs beyond SMALL, set after it: a constraint between its sizes that the shared
+# shrinking does not know, or sizes under names of its own.
+FAMILY_SIZES = {
+    # one attention layer and experts in every layer, in two
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
+    # its embeddings feed its first layer as they are
+    "squeezebert": dict(embedding_size=64),
+    # its LM head adds hidden_size - embedding_size features to the embeddings'
+    "mobilebert": dict(embedding_size=32, intra_bottleneck_size=32, true_hidden_size=32),
+    # its keys' norm spans every head: no grouped keys
+    "esmc": dict(num_key_value_heads=4),
+    # B0's width, depth and image, not B7's
+    "efficientnet": dict(width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280, image_size=224),
+    # its latents
+    "perceiver": dict(d_latents=64, num_latents=32, num_self_attends_per_block=2),
+}
+
 # Attributes that give one entry per layer, cut to the small number of layers.
 PER_LAYER = ("layer_type", "block_type", "sparsity_pattern", "_per_layer", "swiglu_limit", "source_layers")
 MAX_PARAMETERS = 40_000_000
@@ -80,7 +101,11 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 
 
 def shrink(config, depth: int = 0) -> None:
-    """Set :data:`SMALL` on ``config`` and its sub-configs, in place."""
+    """Set :data:`SMALL` on ``config`` and its sub-configs, in place (a backbone in stages gets
+    :func:`_shrink_stages` instead)."""
+    if isinstance(getattr(config, "depths", None), (list, tuple)):
+        _shrink_stages(config)
+        return
     config.allow_global_per_layer_attribute_access = True  # configs whose layers may differ (Gemma 4)
     layers = getattr(config, "num_hidden_layers", None)
     wide = {k: getattr(config, k, None) for k in ("hidden_size", "attention_hidden_size")}
@@ -132,8 +157,15 @@ def shrink(config, depth: int = 0) -> None:
     if depth < 2:
         for name in list(vars(config)):
             sub = getattr(config, name, None)
-            if name.endswith("_config") and hasattr(sub, "to_dict") and sub is not config:
+            if hasattr(sub, "to_dict") and sub is not config:  # text_config, an encoder's, a decoder's
                 shrink(sub, depth + 1)
+
+
+def _shrink_stages(config) -> None:
+    """A vision backbone in stages (ResNet, ConvNeXt, Swin): one block per stage. Its widths and
+    heads are given per stage and must agree with the number of stages (its "layers"), which
+    :data:`SMALL` would cut to two."""
+    config.depths = [1] * len(config.depths)
 
 
 def _per_layer(values, layers: int) -> list:
@@ -169,12 +201,14 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
     if family not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     config = transformers.AutoConfig.for_model(family)
+    # an auto class with several models for a family (DeiT's, with and without a teacher) picks by
+    # the config's architectures; the default config has none: the first
+    config.architectures = config.architectures or []
     shrink(config)
     if auto == "AutoModelForCausalLM" and hasattr(config, "is_decoder"):
         config.is_decoder = True  # an encoder family's causal LM head (BERT's, RoBERTa's) decodes
-    if family == "jamba":
-        config.attn_layer_period, config.attn_layer_offset = 2, 1
-        config.expert_layer_period, config.expert_layer_offset = 1, 0
+    for key, value in FAMILY_SIZES.get(family, {}).items():
+        setattr(config, key, value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
