@@ -78,7 +78,8 @@ SMALL = dict(
 )
 
 # What a family needs beyond SMALL, set after it: a constraint between its sizes that the shared
-# shrinking does not know, or sizes under names of its own.
+# shrinking does not know, or sizes under names of its own (a dict under a sub-config's name is
+# set on that sub-config).
 FAMILY_SIZES = {
     # one attention layer and experts in every layer, in two
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
@@ -92,6 +93,21 @@ FAMILY_SIZES = {
     "efficientnet": dict(width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280, image_size=224),
     # its latents
     "perceiver": dict(d_latents=64, num_latents=32, num_self_attends_per_block=2),
+    # its cache has a slot per stack layer and cycle: num_layers_per_stack * H_cycles * (L_cycles + 1)
+    "hrm_text": dict(num_layers_per_stack=1, num_hidden_layers=8),
+    # its hybrid layers share one attention block, tied from the first to the others: two of them
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    # its vision tower is timm's MobileNetV5 (300M parameters), which the small sizes do not reach:
+    # the same network with a hundredth of its channels
+    "gemma3n": dict(vision_config=dict(model_args=dict(channel_multiplier=0.01))),
+    # its byte n-gram hash tables (500,002 rows each); its local layers read the global width, and
+    # the global one projects the encoder's cross_attn_k patches (what its __post_init__ derives)
+    "blt": dict(
+        encoder_hash_byte_group_vocab=128,
+        encoder_config=dict(hidden_size_global=64),
+        decoder_config=dict(hidden_size_global=64),
+        global_config=dict(encoder_cross_output_size=128),
+    ),
 }
 
 # Attributes that give one entry per layer, cut to the small number of layers.
@@ -208,7 +224,11 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
     if auto == "AutoModelForCausalLM" and hasattr(config, "is_decoder"):
         config.is_decoder = True  # an encoder family's causal LM head (BERT's, RoBERTa's) decodes
     for key, value in FAMILY_SIZES.get(family, {}).items():
-        setattr(config, key, value)
+        if isinstance(value, dict):  # a sub-config's sizes
+            for name, size in value.items():
+                setattr(getattr(config, key), name, size)
+        else:
+            setattr(config, key, value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):

@@ -71,13 +71,34 @@ TINY: dict[str, Any] = dict(
 DERIVED = ("out_features", "out_indices")
 # Families whose tiny config needs more than TINY (given wherever the field is, lists too):
 # hrm_text's cache has num_hidden_layers slots, which must be num_layers_per_stack * H_cycles *
-# (L_cycles + 1); with 2 layers, every layer of qwen3_5_text, olmo_hybrid and granitemoehybrid is
-# linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
+# (L_cycles + 1); gemma3n_text's last layers reuse the cache of earlier ones of their kind, which 2
+# layers lack (no sharing then), and its per-layer inputs and widths have names of their own; esm's
+# default has no vocabulary size and hunyuan_vl's no head_dim; transformers' validators tie a size
+# to the full-size model (molmo2's vision feature layers, gradium_phonon_tts' flow head width,
+# lw_detr's windows, which must tile the tiny image, and cosmos3_edge's rotary sections, which add
+# up to head_dim / 2); with 2 layers, every layer of qwen3_5_text, olmo_hybrid and granitemoehybrid
+# is linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
 # vision RoPE of LLaVA-OneVision-1.5 needs hidden_size divisible by 4 * num_heads.
 _ONEVISION15 = {"num_heads": 4, "out_hidden_size": 32}
 _TIMM_TINY = {"backbone": "test_resnet", "architecture": "test_resnet"}
 CHANGES: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size_per_layer_input": 16,
+        "intermediate_size": [64, 64],
+    },
+    "esm": {"vocab_size": 128},
+    "hunyuan_vl": {"head_dim": 8},
+    "molmo2": {"vision_feature_layer": [-1, -2]},
+    "gradium_phonon_tts": {"condition_dim": 32},
+    "lw_detr": {"num_windows": 4},
+    "cosmos3_edge": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e8, "mrope_section": [2, 1, 1]}
+    },
+    # counted in blocks, two per layer (attention, MLP): one input, one looped and one output layer
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2},
     "qwen3_5_text": {"num_hidden_layers": 4},
     "olmo_hybrid": {"num_hidden_layers": 4},
     "granitemoehybrid": {
@@ -97,12 +118,20 @@ CHANGES: dict[str, dict[str, Any]] = {
 # left out (see NOT_BUILT) to keep the file fast.
 MAX_TINY_BYTES = 16_000_000
 
-# Entries of the registry that do not build as a tiny model on a CPU here, and why (found by building
-# each with this transformers; worth trying again when it changes).
-_NO_CLASS = "the registry names a class or model type transformers has no model class for"
-_TOO_BIG = "the tiny sizes do not reach a part of it (over MAX_TINY_BYTES: its own field names)"
-_VALIDATOR = "its config validator rejects the generic tiny sizes (needs a per-family CHANGES entry)"
-_CONSTRUCTOR = "its constructor fails on the generic tiny config"
+# Entries of the registry that do not build as a tiny model on a CPU here, each with what
+# transformers 5.25.0 raises for it (shortened), or the weight bytes it keeps with the tiny sizes
+# (found by building each; worth trying again when transformers changes).
+_NO_CLASS = "AttributeError: module transformers has no attribute of this name (no such class)"
+_NO_MODEL = (
+    "no causal-LM, image-text-to-text or base model class for this model type in transformers' auto maps"
+)
+
+
+def _too_big(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB of weights with the tiny sizes, over MAX_TINY_BYTES (16 MB)"
+
+
+_PER_LAYER_CONFIG = "ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 2)"
 NOT_BUILT: dict[str, str] = {
     **dict.fromkeys(
         [
@@ -114,77 +143,67 @@ NOT_BUILT: dict[str, str] = {
             "xCLIPTextModel",
             "xCLIPVisionModel",
             "mlcd_vision",
-            "colqwen2",
-            "dots3_note_audio_encoder",
-            "jev",
-            "pp_doclayout_v2",
-            "step3p5_vision",
-            "tipsv2_dpt",
         ],
         _NO_CLASS,
     ),
     **dict.fromkeys(
-        [
-            "MimiEncoderModel",
-            "NemotronH_Omni_Reasoning_V3",
-            "Qwen3OmniMoeThinkerForConditionalGeneration",
-            "Qwen3OmniMoeThinkerModel",
-            "Tipsv2DptForDepthEstimation",
-            "Tipsv2DptForNormalEstimation",
-            "Tipsv2DptForSemanticSegmentation",
-            "VibeVoiceAsrModel",
-            "dinov3_convnext",
-            "hy_v4",
-            "hy_v4_vl",
-            "hy_v4_vl_text",
-            "inkling2",
-            "inkling2_loop",
-            "inkling2_loop_text",
-            "inkling2_text",
-            "maskformer",
-            "pp_doclayout_v3",
-            "pp_doclayout_v4",
-            "rt_detr",
-            "rt_detr_v2",
-            "sam3_tracker_video",
-            "unlimited_ocr",
-            "vibevoice_asr",
-        ],
-        _TOO_BIG,
+        ["colqwen2", "dots3_note_audio_encoder", "jev", "pp_doclayout_v2", "step3p5_vision", "tipsv2_dpt"],
+        _NO_MODEL,
     ),
-    **dict.fromkeys(
-        ["cosmos3_edge", "dory", "gradium_phonon_tts", "lw_detr", "molmo2", "nemo_speechlm"], _VALIDATOR
-    ),
+    "MimiEncoderModel": _too_big(44_696_320),
+    "NemotronH_Omni_Reasoning_V3": _too_big(98_727_584),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": _too_big(26_383_872),
+    "Qwen3OmniMoeThinkerModel": _too_big(26_367_488),
+    "Tipsv2DptForDepthEstimation": _too_big(72_747_904),
+    "Tipsv2DptForNormalEstimation": _too_big(72_487_820),
+    "Tipsv2DptForSemanticSegmentation": _too_big(72_486_792),
+    "VibeVoiceAsrModel": _too_big(2_746_014_848),
+    "dinov3_convnext": _too_big(111_280_512),
+    "hy_v4": _too_big(46_347_620),
+    "hy_v4_vl": _too_big(104_367_076),
+    "hy_v4_vl_text": _too_big(92_607_844),
+    "inkling2": _too_big(34_276_640),
+    "inkling2_loop": _too_big(31_791_392),
+    "inkling2_loop_text": _too_big(28_944_928),
+    "inkling2_text": _too_big(31_430_176),
+    "maskformer": _too_big(38_788_064),
+    "pp_doclayout_v3": _too_big(100_633_888),
+    "pp_doclayout_v4": _too_big(100_238_292),
+    "rt_detr": _too_big(140_091_096),
+    "rt_detr_v2": _too_big(140_091_192),
+    "sam3_tracker_video": _too_big(41_462_216),
+    "unlimited_ocr": _too_big(28_023_296),
+    "vibevoice_asr": _too_big(2_746_014_848),
+    "nemo_speechlm": "ValueError: `head_config.audio_hidden_size` (512) must match `audio_config.hidden_size` (32)",
+    "BeitForSemanticSegmentation": "ValueError: BeitForSemanticSegmentation requires config.out_indices to be "
+    "a list of 4 integers (the tiny config drops them as derived)",
+    "Emu3Model": "AttributeError: 'NoneType' object has no attribute 'get'",
+    # with upsample_groups at the tiny width, these two keep 45 MB and 157 MB of weights
+    "MimiDecoderModel": "ValueError: in_channels must be divisible by groups (upsample_groups is 512)",
+    "MimiModel": "ValueError: in_channels must be divisible by groups (upsample_groups is 512)",
     **dict.fromkeys(
         [
-            "BeitForSemanticSegmentation",
-            "Emu3Model",
-            "MimiDecoderModel",
-            "MimiModel",
             "Sapiens2ForImageMatting",
             "Sapiens2ForNormalEstimation",
             "Sapiens2ForPointmapEstimation",
             "Sapiens2ForPoseEstimation",
             "Sapiens2ForSemanticSegmentation",
-            "d_fine",
-            "ernie4_5_vl_moe",
-            "esm",
-            "hunyuan_vl",
-            "t5gemma2_encoder",
         ],
-        _CONSTRUCTOR,
+        "TypeError: 'NoneType' object is not subscriptable",
     ),
-    **dict.fromkeys(
-        ["Dots3NoteForConditionalGeneration", "Dots3NoteModel", "gemma4_unified"],
-        "its config keeps settings per layer index of the full-size model (per_layer_config)",
-    ),
+    "d_fine": "IndexError: list index out of range",
+    "ernie4_5_vl_moe": "RuntimeError: The expanded size of the tensor (4) must match the existing size (0) "
+    "at non-singleton dimension 0",
+    "t5gemma2_encoder": "AttributeError: 'T5Gemma2TextConfig' object has no attribute 'dropout_rate'",
+    "Dots3NoteForConditionalGeneration": f"{_PER_LAYER_CONFIG}; got [2, 3, 4, 6, ..., 44]",
+    "Dots3NoteModel": f"{_PER_LAYER_CONFIG}; got [2, 3, 4, 6, ..., 44]",
+    "gemma4_unified": f"{_PER_LAYER_CONFIG}; got [5, 11, 17, 23, 29]",
     **dict.fromkeys(
         ["ConditionalDetrForSegmentation", "DetrForSegmentation"],
-        "its mask head's pyramid takes the backbone's feature levels (out_indices), which the generic "
-        "tiny config drops as derived from the full-size backbone",
+        "ValueError: input_channels must be divisible by 8, got 36 (its mask head reads the backbone's "
+        "feature levels, out_indices, which the tiny config drops as derived)",
     ),
-    "gemma3n_text": "its layer types cut to 2 layers leave a cache-sharing layer without its source",
-    "inkling_mm_model": "building it from the tiny config takes over a minute",
+    "inkling_mm_model": f"{_too_big(9_714_581_640)}, built in about a minute",
 }
 
 # Families whose save_pretrained writes the model's own names: transformers' conversion for them
