@@ -54,10 +54,6 @@ class DeviceSpec:
             (a dot product's start and its sum); 0: not measured.
         op_seconds: what each op costs beside its work (dispatching it, the code around it);
             0: not measured.
-        read_cpu_seconds_per_byte: for a tier read from (disk), the CPU time a byte read costs
-            the process (the kernel's page-cache work, the copy); 0: not measured.
-        spare_cores: for the CPU, the cores torch's threads leave free: 0 when they fill them,
-            and then the offloaded reads' CPU time is taken from the compute (1 by default).
     """
 
     name: str
@@ -69,8 +65,6 @@ class DeviceSpec:
     measured: tuple[str, ...] = ()
     row_seconds: float = 0.0
     op_seconds: float = 0.0
-    read_cpu_seconds_per_byte: float = 0.0
-    spare_cores: int = 1
 
     @property
     def is_accelerator(self) -> bool:
@@ -313,19 +307,10 @@ def detect_devices(
         _measured(make_device(name, cap), name in fresh, record, dtype, offload_dir)
         for name, cap in budget.items()
     ]
-    devices = [replace(d, spare_cores=_spare_cores()) if d.kind == "cpu" else d for d in devices]
     devices = [_override(d, "flops_per_second", speeds) for d in devices]
     devices = [_override(d, "link_bytes_per_second", links) for d in devices]
     devices = [_override(d, "memory_bytes_per_second", bandwidths) for d in devices]
     return tuple(sorted(devices, key=DeviceSpec.sort_key))
-
-
-def _spare_cores() -> int:
-    """The cores this process may run on that torch's threads leave free."""
-    import torch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(cores - torch.get_num_threads(), 0)
 
 
 # The argument each DeviceSpec field is given by, for messages.
@@ -379,7 +364,6 @@ SPEED_FIELDS = (
     "memory_bytes_per_second",
     "row_seconds",
     "op_seconds",
-    "read_cpu_seconds_per_byte",
 )
 
 

@@ -178,10 +178,8 @@ def machine_record(folder: str | None = None, *, refresh: bool = False) -> dict[
     disk = disk_key(folder)
     if disk not in data["devices"]:
         with step("automap: measuring the disk's read rate (once per file system)"):
-            rate, cpu = measure_disk(existing_folder(folder))
-        data["devices"][disk] = (
-            {"read_bytes_per_second": rate, "read_cpu_seconds_per_byte": cpu} if rate else {}
-        )
+            rate = measure_disk(existing_folder(folder))
+        data["devices"][disk] = {"read_bytes_per_second": rate} if rate else {}
         changed = True
     if changed:
         write_record(data)
@@ -220,10 +218,8 @@ def measured_figures(
     or one not measured."""
     devices = record.get("devices", {})
     if kind_of(name).stores_only:
-        entry = devices.get(disk_key(folder), {})
-        rate, cpu = entry.get("read_bytes_per_second"), entry.get("read_cpu_seconds_per_byte")
-        figures = {"link_bytes_per_second": rate, "memory_bytes_per_second": rate} if rate else {}
-        return {**figures, "read_cpu_seconds_per_byte": cpu} if figures and cpu else figures
+        rate = devices.get(disk_key(folder), {}).get("read_bytes_per_second")
+        return {"link_bytes_per_second": rate, "memory_bytes_per_second": rate} if rate else {}
     figures = {}
     for key, value in devices.get(name, {}).items():
         if key in _PER_DEVICE and isinstance(value, dict):

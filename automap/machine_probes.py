@@ -342,11 +342,9 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
     return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
 
 
-def measure_disk(folder: str) -> tuple[float, float]:
+def measure_disk(folder: str) -> float:
     """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache,
-    4 MiB reads 4 in flight, and the CPU seconds the process spent per byte read (the
-    kernel's page-cache work, the copy: time a CPU that computes meanwhile loses); ``(0.0,
-    0.0)`` when the folder cannot be written (the defaults are kept)."""
+    4 MiB reads 4 in flight; 0.0 when the folder cannot be written (the default is kept)."""
     try:
         with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
             path = os.path.join(own, "read-rate")
@@ -362,26 +360,20 @@ def measure_disk(folder: str) -> tuple[float, float]:
             return max(_read_rate(path, buffer) for _ in range(2))
     except OSError as exc:
         log.info("disk read rate not measured in %s: %s", folder, exc)
-        return 0.0, 0.0
+        return 0.0
 
 
-def _read_rate(path: str, buffer: bytearray) -> tuple[float, float]:
-    """``(bytes/s, CPU seconds per byte)`` of one read of the file at ``path``."""
+def _read_rate(path: str, buffer: bytearray) -> float:
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         into = memoryview(buffer)
         offsets = range(0, _DISK_BYTES, _DISK_CHUNK)
-        started, cpu = time.perf_counter(), _cpu_seconds()
+        started = time.perf_counter()
         with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
             reads = pool.map(lambda at: os.preadv(fd, [into[at : at + _DISK_CHUNK]], at), offsets)
             done = sum(reads)
-        return done / (time.perf_counter() - started), (_cpu_seconds() - cpu) / max(done, 1)
+        return done / (time.perf_counter() - started)
     finally:
         os.close(fd)
-
-
-def _cpu_seconds() -> float:
-    """CPU seconds the process has run, every thread, user and kernel time."""
-    return time.process_time()

@@ -145,8 +145,6 @@ def test_first_use_measures_and_calibrate_refreshes(tmp_path):
         assert set(cpu[figure]) == {"float32", "bfloat16", "float16"}
     assert cpu["memory_bytes_per_second"]["float32"] > 0 and cpu["row_seconds"]["float32"] >= 0
     assert cpu["op_seconds"] > 0
-    (disk,) = (entry for name, entry in record["devices"].items() if name.startswith("disk"))
-    assert disk["read_bytes_per_second"] > 0 and disk["read_cpu_seconds_per_byte"] > 0
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob("automap-calibration-*"))
     off = subprocess.run(
         [sys.executable, "-m", "automap", "calibrate"],

@@ -61,38 +61,3 @@ def test_the_cpu_is_predicted_to_read_ahead_as_far_as_its_transfers_do():
     from automap.offload.transfer import PageTransfer
 
     assert kind_of("cpu").read_ahead == PageTransfer.lookahead == DirectTransfer.lookahead
-
-
-def test_where_torchs_threads_fill_the_cores_an_offloaded_read_takes_its_cpu_time_from_the_compute():
-    """With a core to spare the read-ahead hides a read behind the compute; with none, the
-    read's CPU time (the kernel's page-cache work, measured by calibration per byte) is taken
-    from the compute of the unit it reads."""
-    from dataclasses import replace
-
-    model = tiny_llama(layers=8)
-    ids = {"input_ids": torch.zeros(1, 64, dtype=torch.long)}
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    probe = automap.plan(model, max_memory={"cpu": "1GiB"}, example_inputs=ids)
-    cpu = next(m for m in memory(probe) if m.device == "cpu")
-    plan = automap.plan(
-        model, max_memory={"cpu": weights // 2 + cpu.peak_bytes - cpu.weights}, example_inputs=ids
-    )
-    cost = 1e-9  # CPU seconds a byte read costs
-    devices = tuple(
-        replace(d, spare_cores=s, read_cpu_seconds_per_byte=cost if d.kind == "disk" else 0.0)
-        for d in plan.devices
-        for s in [0 if d.kind == "cpu" else 1]
-    )
-    busy, free = (
-        replace(plan, devices=devices),
-        replace(plan, devices=tuple(replace(d, spare_cores=1) for d in devices)),
-    )
-    offloaded = sum(u.weight_bytes for u, where in zip(plan.units, plan.placement) if where == "disk")
-    assert offloaded > 0
-    assert forward_seconds(free) == forward_seconds(plan)
-    # The reads' CPU time lengthens the compute (which may then hide reads it did not before).
-    assert forward_seconds(busy) > forward_seconds(free) and forward_seconds(busy) >= offloaded * cost
-    again = automap.Plan.from_json(busy.to_json())
-    assert [(d.spare_cores, d.read_cpu_seconds_per_byte) for d in again.devices] == [
-        (d.spare_cores, d.read_cpu_seconds_per_byte) for d in devices
-    ]
