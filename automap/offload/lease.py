@@ -145,11 +145,16 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def watcher() -> _Watcher:
+    """The process's lease thread, started on first use. Once started it is read without the
+    lock, so an interrupt that ever left the lock taken cannot stall every later lease."""
     global _watcher
-    with _watcher_lock:
-        if _watcher is None:
-            _watcher = _Watcher()
-        return _watcher
+    found = _watcher
+    if found is None:
+        with _watcher_lock:
+            if _watcher is None:
+                _watcher = _Watcher()
+        found = _watcher
+    return found
 
 
 def take(holder: Leaseholder) -> str | None:

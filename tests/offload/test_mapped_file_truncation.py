@@ -226,6 +226,27 @@ def test_a_forked_child_leases_the_files_it_maps_itself(tmp_path):
     assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
 
 
+LOCK_LEFT_TAKEN = """
+    import os, sys, torch
+    from safetensors.torch import save_file
+    from automap.offload import MappedFile, lease
+
+    folder = sys.argv[1]
+    first, second = os.path.join(folder, "a.safetensors"), os.path.join(folder, "b.safetensors")
+    for path in (first, second):
+        save_file({"w": torch.arange(1000, dtype=torch.float32)}, path)
+    MappedFile(first)  # the lease thread starts
+    lease._watcher_lock.acquire()  # as an interrupt between taking and giving back could leave it
+    print("OK" if MappedFile(second).unleased is None else "no lease")
+"""
+
+
+def test_a_lease_is_taken_even_with_the_lease_threads_lock_left_taken(tmp_path):
+    """Once the lease thread runs, taking a lease does not wait on the lock that guards its start."""
+    result = _run(LOCK_LEFT_TAKEN, str(tmp_path))
+    assert result.returncode == 0 and "OK" in result.stdout, (result.returncode, result.stderr[-3000:])
+
+
 def test_an_empty_mapped_file_needs_no_lease(tmp_path):
     save_file({"e": torch.empty(0)}, tmp_path / "e.safetensors")
     mapped = MappedFile(tmp_path / "e.safetensors")
