@@ -26,6 +26,10 @@ compute thread (every aten op's tensor arguments are checked), or by :meth:`Fake
 that drive a transfer by hand. Violations are collected (the worker thread's included) and
 raised together by :meth:`FakeOps.assert_clean`.
 
+Every host synchronisation the ops are asked for is counted (:attr:`FakeOps.syncs`), and
+:class:`HostSyncs` counts the aten ops that make a GPU's host wait (``.item()``, ``bool(t)``,
+``nonzero``): a resident path issues none of its own.
+
 ``FakeOps(forget={"wait"})`` (or ``"synchronize"``, ``"keep_alive"``) turns that primitive into
 a no-op: the same as deleting its one call in ``StagedTransfer``, so a test can show that the
 fake catches each missing call.
@@ -107,6 +111,7 @@ class FakeOps:
         self.violations: list[str] = []
         self.waits: list[tuple[str, str, int]] = []  # (waiting stream, event's stream, event's seq)
         self.pageable_copies = 0
+        self.syncs = 0  # host synchronisations asked for (synchronize), forgotten ones included
         self.reused = 0  # freed device blocks handed out again
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -212,6 +217,8 @@ class FakeOps:
             self.waits.append((stream.name, event.stream.name, event.seq))
 
     def synchronize(self, event: FakeEvent) -> None:
+        with self._lock:
+            self.syncs += 1
         if "synchronize" in self.forget:
             return
         with self._lock:
@@ -361,3 +368,23 @@ class ComputeReads(TorchDispatchMode):
         if not self.ops.internal:
             self.ops.read(*[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         return func(*args, **kwargs)
+
+
+# Ops whose result the host needs before it can go on (a scalar read, an output sized by the
+# data): on a GPU each waits for every kernel queued before it.
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim"})
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the aten ops run on this thread that synchronise a GPU's host (:data:`SYNCING_OPS`),
+    by name, so that a dispatched model's count can be compared with the plain model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS:
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -344,9 +344,11 @@ class StagedTransfer(Transfer):
                         part, offset = self._stage(part, offset, staged), offset + aligned(part.nbytes)
                     self.ops.copy(target, part)
             event = self.ops.record(self._stream)
-            # The staging buffer is reused by the next unit: it must be drained first. This
-            # thread waits, the compute stream does not.
-            self.ops.synchronize(event)
+            if staged:
+                # The staging buffer is reused by the next unit: it must be drained first. This
+                # thread waits, the compute stream does not. Copies from pinned sources staged
+                # nothing: the compute stream's wait on the event orders them, the host need not.
+                self.ops.synchronize(event)
         return out, event
 
     def _like(self, src: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,14 @@ from automap.planning.placement import Placement
 from automap.profiling import Unit
 from automap.profiling.units import all_named_tensors
 from automap.runtime.hooks import MoveInputs, MoveOutputs
-from automap.runtime.pieces import called, hook_loose_owners, hook_split_units, never_called, split_devices
+from automap.runtime.pieces import (
+    called,
+    hook_loose_owners,
+    hook_split_units,
+    is_experts,
+    never_called,
+    split_devices,
+)
 from automap.runtime.experts import hook_experts, hook_experts_by_call
 from automap.runtime.guard import Guard
 from automap.runtime.state import DispatchState, Group, Streamed, claimed, forget, remember
@@ -343,6 +350,7 @@ def place_units(
     ``own_inputs`` have a hook that moves their inputs already (:class:`ExpertsByCall`)."""
     streamed = streamed_names(plan, tensors)
     owned = {u.name: [] for u, p in zip(plan.units, plan.placements) if p.offloaded}
+    fed = fed_in_place(plan, modules)
     for name, (unit, _) in streamed.items():
         owned[unit.name].append(offload(state, name, tensors[name], modules))
     for unit, placement in zip(plan.units, plan.placements):
@@ -356,8 +364,44 @@ def place_units(
         items = own + aliases(modules[unit.name], unit.name, inner_units(plan, unit.name), state, own)
         if items:
             state.groups.append(Group(unit.name, placement.home, items))
-        if needs_hooks and unit.name not in own_inputs:
+        if needs_hooks and unit.name not in own_inputs and not (unit.name in fed and not items):
             state.hooks.extend(MoveInputs(device).attach(m) for m in called(modules[unit.name]))
+
+
+def fed_in_place(plan: Plan, modules: dict[str, nn.Module]) -> set[str]:
+    """Units whose one input is the output of the unit before them in an ``nn.Sequential``
+    (through children between them that hold no tensors: an activation, a dropout) computing on
+    the same device, both resident and whole (no piece of a split unit, no routed experts), and
+    not called a second time by other code (as a trace counts it; a plan without one trusts the
+    ``Sequential`` to be the caller): what they are given is where they compute already, so no
+    hook runs between them. Elsewhere a unit's inputs may come from any unit (each layer of a
+    decoder reads the rotary embedding's cos/sin beside the previous layer's output), and its
+    hook stays."""
+    rows = {u.name: (u, p) for u, p in zip(plan.units, plan.placements)}
+    whole = {
+        name: p.compute
+        for name, (u, p) in rows.items()
+        if not p.offloaded and not u.split_from and u.calls <= 1 and not is_experts(u, modules.get(name))
+    }
+    found = set()
+    for name, module in modules.items():
+        if type(module).forward is not nn.Sequential.forward:
+            continue
+        before = None  # where the last unit of the run so far computes
+        for key, inner in module.named_children():
+            child = f"{name}.{key}" if name else key
+            if child in rows:
+                if before is not None and whole.get(child) == before:
+                    found.add(child)
+                before = whole.get(child)
+            elif not passes_through(inner) or any(u.startswith(f"{child}.") for u in rows):
+                before = None
+    return found
+
+
+def passes_through(module: nn.Module) -> bool:
+    """Whether ``module`` holds no tensors: it computes where its inputs are."""
+    return next(iter([*module.parameters(), *module.buffers()]), None) is None
 
 
 def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> Streamed:

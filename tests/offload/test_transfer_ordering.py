@@ -129,6 +129,7 @@ def test_the_compute_stream_waits_on_the_side_streams_events():
     compute_reads_a_copied_unit(ops)
     assert ops.waits and all(w[0] == "compute" and w[1].startswith("side-") for w in ops.waits)
     assert [seq for *_, seq in ops.waits] == [3, 5], "one event per unit, after its last copy"
+    assert ops.syncs == 2, "the host drains the staging buffer once per unit staged"
 
 
 def test_a_copy_lands_only_when_ordered():
@@ -164,6 +165,7 @@ def test_pinned_sources_are_copied_without_staging():
         ops.read(*got.values())
         _assert_values(ops, got, tensors)
     assert transfer.pinned_bytes == 0, "nothing was staged"
+    assert ops.syncs == 0, "no staging buffer to drain: the host never waits, the compute stream does"
     ops.assert_clean()
     transfer.close()
 
