@@ -55,6 +55,7 @@ SMALL = dict(
     vocab_size_per_layer_input=128,
     unpadded_vocab_size=128,
     embedding_dim=64,  # xLSTM's width
+    audio_hidden_size=64,  # a head reading an audio encoder of hidden_size (nemo_speechlm's diarization)
     # sparse attention's indexer (DeepSeek V3.2's DSA and its kin)
     index_n_heads=4,
     index_head_dim=16,
@@ -89,6 +90,8 @@ FAMILY_SIZES = {
     "mobilebert": dict(embedding_size=32, intra_bottleneck_size=32, true_hidden_size=32),
     # its keys' norm spans every head: no grouped keys
     "esmc": dict(num_key_value_heads=4),
+    # its default config leaves the vocabulary to its checkpoints: no padding token either
+    "esm": dict(pad_token_id=1, mask_token_id=2),
     # B0's width, depth and image, not B7's
     "efficientnet": dict(width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280, image_size=224),
     # its latents
@@ -108,12 +111,30 @@ FAMILY_SIZES = {
         decoder_config=dict(hidden_size_global=64),
         global_config=dict(encoder_cross_output_size=128),
     ),
+    # sizes its config checks when it is saved (save_pretrained validates them; __init__ does not):
+    # one head's width is d_model / n_head
+    "xlnet": dict(d_head=16),
+    # one expert per token
+    "zaya": dict(num_experts_per_tok=1),
+    # its per-layer attention kinds expand from (kinds, repeats): one of each
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], attention_layers=["global", "local"]),
+    # its input, looped and output layers add up to its layers: one of each
+    "dory": dict(
+        num_hidden_layers=3,
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    # its indexer sits in an indexed-attention layer (the second) and has at most the query heads
+    # of one key head
+    "kolibri1_1": dict(index_layers=[1], index_num_heads=2),
 }
 
 # Attributes that give one entry per layer, cut to the small number of layers.
 PER_LAYER = ("layer_type", "block_type", "sparsity_pattern", "_per_layer", "swiglu_limit", "source_layers")
 MAX_PARAMETERS = 40_000_000
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "blank_token_id")
 
 
 def shrink(config, depth: int = 0) -> None:
@@ -149,10 +170,12 @@ def shrink(config, depth: int = 0) -> None:
     for key, value in list(vars(config).items()):  # one entry per layer: mlp_layer_types, sparsity, ...
         per_layer = any(part in key for part in PER_LAYER) and key != "layer_types"
         if per_layer and isinstance(value, (list, tuple)) and layers and len(value) == layers > 2:
-            setattr(config, key, type(value)(_per_layer(value, config.num_hidden_layers)))
-    if getattr(config, "layer_types", None) and len(config.layer_types) != config.num_hidden_layers:
-        kinds = list(dict.fromkeys(config.layer_types))  # a hybrid: one layer of each kind
+            setattr(config, key, type(value)(_per_layer(value, _layers_left(config, layers, value))))
+    kinds_before = list(getattr(config, "layer_types", None) or ())
+    if kinds_before and len(kinds_before) != config.num_hidden_layers:
+        kinds = list(dict.fromkeys(kinds_before))  # a hybrid: one layer of each kind
         config.layer_types = (kinds * 2)[:2]
+    _keep_per_layer_overrides(config, kinds_before)
     _keep_an_attention_layer(config)
     kinds = getattr(config, "layers_block_type", None)
     if isinstance(getattr(config, "hybrid_layer_ids", None), list) and isinstance(kinds, list):
@@ -170,7 +193,7 @@ def shrink(config, depth: int = 0) -> None:
         config.num_key_value_heads = config.num_attention_heads  # the indexer's mask is per query head
     if getattr(config, "languages", None) and getattr(config, "default_language", "") is None:
         config.default_language = config.languages[0]  # X-MOD's adapters need one
-    if depth < 2:
+    if depth < 3:  # a speech LM's diarization model's own audio encoder (nemo_speechlm)
         for name in list(vars(config)):
             sub = getattr(config, name, None)
             if hasattr(sub, "to_dict") and sub is not config:  # text_config, an encoder's, a decoder's
@@ -184,6 +207,16 @@ def _shrink_stages(config) -> None:
     config.depths = [1] * len(config.depths)
 
 
+def _layers_left(config, layers: int, values) -> int:
+    """How many layers a per-layer list keeps: the small number, or where the config counts its
+    layers by that list (Nemotron-H's ``layers_block_type``), one of each kind it names."""
+    if config.num_hidden_layers != layers:
+        return config.num_hidden_layers
+    if all(isinstance(v, str) for v in values):
+        return len(set(values))
+    return SMALL["num_hidden_layers"]
+
+
 def _per_layer(values, layers: int) -> list:
     """A per-layer list cut to ``layers``: the first values, or where the list names kinds of
     layer (strings), one layer of each kind in the order they come."""
@@ -191,6 +224,24 @@ def _per_layer(values, layers: int) -> list:
         kinds = list(dict.fromkeys(values))
         return (kinds * layers)[:layers]
     return list(values[:layers])
+
+
+def _keep_per_layer_overrides(config, kinds_before: list[str]) -> None:
+    """A config whose layers differ (Gemma 4's ``per_layer_config``, keyed by layer index): each
+    layer left takes the overrides of the first layer of its kind before the cut (save_pretrained
+    checks the keys against the number of layers)."""
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is None:
+        return
+    overrides = spec.per_layer_overrides
+    if kinds_before and getattr(config, "layer_types", None):
+        first: dict[str, dict] = {}
+        for index, kind in enumerate(kinds_before):
+            first.setdefault(kind, overrides.get(index, {}))
+        kept = {i: first.get(kind) for i, kind in enumerate(config.layer_types)}
+    else:
+        kept = {i: overrides.get(i) for i in range(config.num_hidden_layers)}
+    config.per_layer_config = {i: values for i, values in kept.items() if values}
 
 
 def _keep_an_attention_layer(config) -> None:

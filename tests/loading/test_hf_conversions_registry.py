@@ -66,9 +66,11 @@ TINY: dict[str, Any] = dict(
     linear_num_value_heads=2,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
+    upsample_groups=32,  # Mimi's upsampling is depthwise, one group per channel of hidden_size
 )
-# Fields dropped so that the config derives them from the tiny sizes (the backbone stages to output).
-DERIVED = ("out_features", "out_indices")
+# Fields dropped so that the config derives them from the tiny sizes: the names of the backbone
+# stages to output, from their indices (out_indices, which fit_out_indices keeps).
+DERIVED = ("out_features",)
 # Families whose tiny config needs more than TINY (given wherever the field is, lists too):
 # hrm_text's cache has num_hidden_layers slots, which must be num_layers_per_stack * H_cycles *
 # (L_cycles + 1); gemma3n_text's last layers reuse the cache of earlier ones of their kind, which 2
@@ -80,6 +82,14 @@ DERIVED = ("out_features", "out_indices")
 # is linear attention (whose forward fails); the mamba heads must divide the tiny width; the 2-D
 # vision RoPE of LLaVA-OneVision-1.5 needs hidden_size divisible by 4 * num_heads.
 _ONEVISION15 = {"num_heads": 4, "out_hidden_size": 32}
+# Mimi's convolutions widen num_filters to 16 times as many channels, and it has 32 codebooks of
+# 2048 entries: 4 filters and codebooks of 64
+_MIMI = {
+    "num_filters": 4,
+    "codebook_size": 64,
+    "codebook_dim": 16,
+    "vector_quantization_hidden_dimension": 16,
+}
 _TIMM_TINY = {"backbone": "test_resnet", "architecture": "test_resnet"}
 CHANGES: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
@@ -107,6 +117,55 @@ CHANGES: dict[str, dict[str, Any]] = {
         "mamba_d_head": 16,
         "mamba_n_groups": 1,
     },
+    **dict.fromkeys(["MimiDecoderModel", "MimiEncoderModel", "MimiModel"], _MIMI),
+    # its segmentation head reads 4 stages (transformers' example for the base size)
+    "BeitForSemanticSegmentation": {"out_indices": [3, 5, 7, 11]},
+    # the mask head's group norms (8 groups) read the hidden size and the attention heads side by side
+    **dict.fromkeys(
+        ["ConditionalDetrForSegmentation", "DetrForSegmentation"],
+        {**_TIMM_TINY, "encoder_attention_heads": 8},
+    ),
+    # adapters between the towers and the language model, at the widths on both sides
+    **dict.fromkeys(
+        ["Dots3NoteForConditionalGeneration", "Dots3NoteModel"],
+        {
+            "adapter_in_dim": 32,
+            "adapter_out_dim": 32,
+            "adapter_input_size": 32,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "index_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "downsample_hidden_size": 8,
+            "conv_output_size": 128,
+        },
+    ),
+    # the diarization head reads its audio encoder's width; the word timestamps' blank is a class of
+    # the tiny vocabulary; the language model (Nemotron-H) counts its layers in layers_block_type,
+    # one of each kind, and its Mamba heads under names of their own
+    "nemo_speechlm": {
+        "audio_hidden_size": 32,
+        "blank_token_id": 127,
+        "text_config": {
+            "layers_block_type": ["linear_attention", "moe", "full_attention"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "moe_shared_expert_intermediate_size": 32,
+        },
+    },
+    # the language model's 3-D rotary sections (height, width, time) add up to head_dim / 2, and
+    # its experts (text and vision) have sizes under names of their own
+    "ernie4_5_vl_moe": {
+        "text_config": {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]},
+            "moe_intermediate_size": [32, 32],
+            "moe_num_experts": 4,
+            "moe_k": 2,
+        }
+    },
     # a timm backbone: timm's own tiny test architecture instead of a ResNet-50
     **dict.fromkeys(["ConditionalDetrModel", "DetrModel", "deformable_detr", "timm_wrapper"], _TIMM_TINY),
     **dict.fromkeys(
@@ -131,7 +190,6 @@ def _too_big(nbytes: int) -> str:
     return f"{nbytes / 1e6:,.1f} MB of weights with the tiny sizes, over MAX_TINY_BYTES (16 MB)"
 
 
-_PER_LAYER_CONFIG = "ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 2)"
 NOT_BUILT: dict[str, str] = {
     **dict.fromkeys(
         [
@@ -150,7 +208,6 @@ NOT_BUILT: dict[str, str] = {
         ["colqwen2", "dots3_note_audio_encoder", "jev", "pp_doclayout_v2", "step3p5_vision", "tipsv2_dpt"],
         _NO_MODEL,
     ),
-    "MimiEncoderModel": _too_big(44_696_320),
     "NemotronH_Omni_Reasoning_V3": _too_big(98_727_584),
     "Qwen3OmniMoeThinkerForConditionalGeneration": _too_big(26_383_872),
     "Qwen3OmniMoeThinkerModel": _too_big(26_367_488),
@@ -174,13 +231,7 @@ NOT_BUILT: dict[str, str] = {
     "sam3_tracker_video": _too_big(41_462_216),
     "unlimited_ocr": _too_big(28_023_296),
     "vibevoice_asr": _too_big(2_746_014_848),
-    "nemo_speechlm": "ValueError: `head_config.audio_hidden_size` (512) must match `audio_config.hidden_size` (32)",
-    "BeitForSemanticSegmentation": "ValueError: BeitForSemanticSegmentation requires config.out_indices to be "
-    "a list of 4 integers (the tiny config drops them as derived)",
     "Emu3Model": "AttributeError: 'NoneType' object has no attribute 'get'",
-    # with upsample_groups at the tiny width, these two keep 45 MB and 157 MB of weights
-    "MimiDecoderModel": "ValueError: in_channels must be divisible by groups (upsample_groups is 512)",
-    "MimiModel": "ValueError: in_channels must be divisible by groups (upsample_groups is 512)",
     **dict.fromkeys(
         [
             "Sapiens2ForImageMatting",
@@ -191,18 +242,8 @@ NOT_BUILT: dict[str, str] = {
         ],
         "TypeError: 'NoneType' object is not subscriptable",
     ),
-    "d_fine": "IndexError: list index out of range",
-    "ernie4_5_vl_moe": "RuntimeError: The expanded size of the tensor (4) must match the existing size (0) "
-    "at non-singleton dimension 0",
+    "d_fine": _too_big(91_389_944),
     "t5gemma2_encoder": "AttributeError: 'T5Gemma2TextConfig' object has no attribute 'dropout_rate'",
-    "Dots3NoteForConditionalGeneration": f"{_PER_LAYER_CONFIG}; got [2, 3, 4, 6, ..., 44]",
-    "Dots3NoteModel": f"{_PER_LAYER_CONFIG}; got [2, 3, 4, 6, ..., 44]",
-    "gemma4_unified": f"{_PER_LAYER_CONFIG}; got [5, 11, 17, 23, 29]",
-    **dict.fromkeys(
-        ["ConditionalDetrForSegmentation", "DetrForSegmentation"],
-        "ValueError: input_channels must be divisible by 8, got 36 (its mask head reads the backbone's "
-        "feature levels, out_indices, which the tiny config drops as derived)",
-    ),
     "inkling_mm_model": f"{_too_big(9_714_581_640)}, built in about a minute",
 }
 
@@ -279,19 +320,51 @@ def model_class(family: str) -> type:
 
 def shrink(fields: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """A config's fields with TINY sizes, and then ``changes``, applied here and in every nested
-    sub-config that has the field."""
+    sub-config that has the field (a dict of changes under a sub-config's name, in that one)."""
     out = {k: v for k, v in fields.items() if k not in DERIVED}
-    layers = out.get("num_hidden_layers")
+    layers, kinds = out.get("num_hidden_layers"), out.get("layer_types")
     for key, size in TINY.items():
         if out.get(key) is not None and not isinstance(out[key], (list, dict)):
             out[key] = size
-    out.update({key: value for key, value in changes.items() if key in out})
+    within = {k: v for k, v in changes.items() if isinstance(out.get(k), dict) and "model_type" in out[k]}
+    out.update({key: value for key, value in changes.items() if key in out and key not in within})
+    fit_out_indices(out, layers)
     for key, value in list(out.items()):
         if isinstance(value, dict) and ("model_type" in value or TINY.keys() & value.keys()):
-            out[key] = shrink(value, changes)
+            out[key] = shrink(value, {**changes, **within.get(key, {})})
         elif isinstance(value, list) and layers and len(value) == layers and key != "architectures":
             out[key] = value[: out["num_hidden_layers"]]
+    keep_per_layer_config(out, kinds)
     return out
+
+
+def fit_out_indices(out: dict[str, Any], layers: int | None) -> None:
+    """The backbone stages a head reads (``out_indices``) of a config whose stages are its layers
+    (ViT's, BEiT's): as many as before, the last ones of the tiny stack, which grows to hold them.
+    A backbone in stages of blocks (ResNet's, timm's) keeps its stages, and so its indices."""
+    indices, now = out.get("out_indices"), out.get("num_hidden_layers")
+    if not indices or not layers or not now or max(indices) <= now:
+        return
+    out["num_hidden_layers"] = max(now, len(indices))
+    out["out_indices"] = list(
+        range(out["num_hidden_layers"] - len(indices) + 1, out["num_hidden_layers"] + 1)
+    )
+
+
+def keep_per_layer_config(out: dict[str, Any], kinds: list[str] | None) -> None:
+    """Overrides keyed by layer index (Gemma 4's ``per_layer_config``), which must name layers
+    of the tiny stack: each layer left takes those of the first layer of its kind before the
+    cut (without kinds, of the same index)."""
+    overrides = {int(i): values for i, values in (out.get("per_layer_config") or {}).items()}
+    if not overrides:
+        return
+    now = out.get("layer_types")
+    if kinds and now:
+        first: dict[str, Any] = {}
+        for index, kind in enumerate(kinds):
+            first.setdefault(kind, overrides.get(index))
+        overrides = {i: first.get(kind) for i, kind in enumerate(now)}
+    out["per_layer_config"] = {i: v for i, v in overrides.items() if v and i < out["num_hidden_layers"]}
 
 
 def tiny(family: str) -> torch.nn.Module:
