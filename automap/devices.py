@@ -43,7 +43,8 @@ class DeviceSpec:
         name: canonical name: ``"cuda:0"``, ``"xpu:0"``, ``"mps"``, ``"cpu"`` or ``"disk"``.
         kind: ``"cuda"``, ``"xpu"``, ``"mps"``, ``"cpu"`` or ``"disk"``.
         capacity_bytes: how many bytes of weights, activations and reserve may live there.
-        flops_per_second: sustained compute; 0 for disk, which never computes.
+        flops_per_second: sustained compute; 0 for disk, which never computes. Measured on the
+            CPU: the rate of a small layer's ops (``machine_probes.LAYER_SHAPES``).
         link_bytes_per_second: bandwidth of the link to the other devices (PCIe/NVLink for a
             GPU, host-to-device for CPU RAM, read bandwidth for disk).
         memory_bytes_per_second: bandwidth of its own memory, read by the computations on it
@@ -54,6 +55,13 @@ class DeviceSpec:
             (a dot product's start and its sum); 0: not measured.
         op_seconds: what each op costs beside its work (dispatching it, the code around it);
             0: not measured.
+        large_flops_per_second: the rate of a large layer's ops, measured on the CPU (larger
+            matmuls keep its vector units busier; ``planning.cost.compute_rate``); 0: not
+            measured, every op at ``flops_per_second``.
+        read_cpu_seconds_per_byte: for a tier read from (disk), the CPU time a byte read costs
+            the process (the kernel's page-cache work, the copy); 0: not measured.
+        spare_cores: for the CPU, the cores torch's threads leave free: 0 when they fill them,
+            and then the offloaded reads' CPU time is taken from the compute (1 by default).
     """
 
     name: str
@@ -65,6 +73,9 @@ class DeviceSpec:
     measured: tuple[str, ...] = ()
     row_seconds: float = 0.0
     op_seconds: float = 0.0
+    read_cpu_seconds_per_byte: float = 0.0
+    spare_cores: int = 1
+    large_flops_per_second: float = 0.0
 
     @property
     def is_accelerator(self) -> bool:
@@ -307,10 +318,19 @@ def detect_devices(
         _measured(make_device(name, cap), name in fresh, record, dtype, offload_dir)
         for name, cap in budget.items()
     ]
+    devices = [replace(d, spare_cores=_spare_cores()) if kind_of(d.name).is_host else d for d in devices]
     devices = [_override(d, "flops_per_second", speeds) for d in devices]
     devices = [_override(d, "link_bytes_per_second", links) for d in devices]
     devices = [_override(d, "memory_bytes_per_second", bandwidths) for d in devices]
     return tuple(sorted(devices, key=DeviceSpec.sort_key))
+
+
+def _spare_cores() -> int:
+    """The cores this process may run on that torch's threads leave free."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(cores - torch.get_num_threads(), 0)
 
 
 # The argument each DeviceSpec field is given by, for messages.
@@ -364,7 +384,14 @@ SPEED_FIELDS = (
     "memory_bytes_per_second",
     "row_seconds",
     "op_seconds",
+    "read_cpu_seconds_per_byte",
+    "large_flops_per_second",
 )
+
+
+# A speed given by hand stands for these measured ones too (the large layer's rate is set aside:
+# every op then runs at the given rate).
+_GIVEN_TOGETHER = {"flops_per_second": ("flops_per_second", "large_flops_per_second")}
 
 
 def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, float] | None) -> DeviceSpec:
@@ -372,8 +399,11 @@ def _override(device: DeviceSpec, field_name: str, values: Mapping[int | str, fl
     by_name = parse_rates(values, _ARGUMENTS[field_name])
     for key in (device.name, device.kind):
         if key in by_name:
-            measured = tuple(f for f in device.measured if f != field_name)
-            return replace(device, **{field_name: by_name[key]}, measured=measured)
+            measured = tuple(
+                f for f in device.measured if f not in _GIVEN_TOGETHER.get(field_name, (field_name,))
+            )
+            given = {f: 0.0 for f in _GIVEN_TOGETHER.get(field_name, ())}
+            return replace(device, **{**given, field_name: by_name[key]}, measured=measured)
     return device
 
 
@@ -405,7 +435,10 @@ def calibrate(
     if bad:
         raise DeviceError(f"calibration times must be > 0 seconds, got {bad}")
     return tuple(
-        replace(d, flops_per_second=flops / measured[d.name]) if d.name in measured else d for d in devices
+        replace(d, flops_per_second=flops / measured[d.name], large_flops_per_second=0.0)
+        if d.name in measured
+        else d
+        for d in devices
     )
 
 

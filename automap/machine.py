@@ -25,7 +25,7 @@ from automap.userfiles import read_json_file
 log = logging.getLogger(__name__)
 
 ENV = "AUTOMAP_CALIBRATION"
-FORMAT = 2  # 2: the CPU's reads per dtype, its row and op costs
+FORMAT = 3  # 2: the CPU's reads per dtype, its row and op costs; 3: its rate on a large layer
 # A recorded capacity is kept while free space has grown by less than this factor.
 GROWTH = 1.5
 
@@ -178,8 +178,10 @@ def machine_record(folder: str | None = None, *, refresh: bool = False) -> dict[
     disk = disk_key(folder)
     if disk not in data["devices"]:
         with step("automap: measuring the disk's read rate (once per file system)"):
-            rate = measure_disk(existing_folder(folder))
-        data["devices"][disk] = {"read_bytes_per_second": rate} if rate else {}
+            rate, cpu = measure_disk(existing_folder(folder))
+        data["devices"][disk] = (
+            {"read_bytes_per_second": rate, "read_cpu_seconds_per_byte": cpu} if rate else {}
+        )
         changed = True
     if changed:
         write_record(data)
@@ -193,6 +195,10 @@ def describe(record: dict[str, Any]) -> str:
         parts = [
             f"{rate / 1e9:,.1f} GFLOP/s {dtype}" for dtype, rate in entry.get("flops_per_second", {}).items()
         ]
+        parts.extend(
+            f"{rate / 1e9:,.1f} GFLOP/s {dtype} on a large layer"
+            for dtype, rate in entry.get("large_flops_per_second", {}).items()
+        )
         for key, label in (
             ("memory_bytes_per_second", "memory"),
             ("link_bytes_per_second", "copy in"),
@@ -218,8 +224,10 @@ def measured_figures(
     or one not measured."""
     devices = record.get("devices", {})
     if kind_of(name).stores_only:
-        rate = devices.get(disk_key(folder), {}).get("read_bytes_per_second")
-        return {"link_bytes_per_second": rate, "memory_bytes_per_second": rate} if rate else {}
+        entry = devices.get(disk_key(folder), {})
+        rate, cpu = entry.get("read_bytes_per_second"), entry.get("read_cpu_seconds_per_byte")
+        figures = {"link_bytes_per_second": rate, "memory_bytes_per_second": rate} if rate else {}
+        return {**figures, "read_cpu_seconds_per_byte": cpu} if figures and cpu else figures
     figures = {}
     for key, value in devices.get(name, {}).items():
         if key in _PER_DEVICE and isinstance(value, dict):
@@ -232,6 +240,7 @@ def measured_figures(
 # A device's measured figures, each a number or a number per dtype.
 _PER_DEVICE = (
     "flops_per_second",
+    "large_flops_per_second",
     "link_bytes_per_second",
     "memory_bytes_per_second",
     "row_seconds",

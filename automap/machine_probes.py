@@ -96,8 +96,36 @@ def _slow(device: Any, dtype: Any, sync: Callable[[], None]) -> bool:
 _CAP = 4
 # Timed runs a probe takes at least: on a shared machine one in a few runs gets its cores.
 _MIN_SAMPLES = 5
+# The layer probes run longer than the others: with torch's threads on every core, a layer's
+# rate moves by a quarter from one tenth of a second to the next (the other cores' load of the
+# moment); over a fifth of a second, by about a tenth.
+_LAYER_WITHIN = 0.2
+_LAYER_REPEATS = 200
 # A dtype whose 128 x 256 by 256 x 256 product takes this long is not measured larger.
 _SLOW_SECONDS = 0.005
+
+
+# The layers the CPU's compute rate is measured on, (hidden, tokens): small and large. A
+# model's ops whose FLOPs fall between theirs run at a rate between the two (larger matmuls
+# keep the vector units busier); ``planning.cost.compute_rate`` interpolates.
+LAYER_SHAPES = ((512, 128), (768, 256))
+# The aten ops one call of the layer runs (``tests/devices/test_machine.py`` counts them).
+LAYER_OPS = 40
+
+
+def layer_flops(hidden: int, tokens: int) -> int:
+    """The FLOPs of one call of the layer (``hidden`` wide, on ``tokens`` tokens) as
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts them on meta, as the profiler
+    counts a model's: the linear layers and the attention, whole (``tests/devices/
+    test_machine.py`` checks the two agree)."""
+    linear = 4 * hidden * hidden + 3 * (hidden * 11 // 4) * hidden
+    return 2 * tokens * linear + 4 * tokens * tokens * hidden
+
+
+def layer_op_flops() -> tuple[float, float]:
+    """The FLOPs per op of the small and the large layer: where their rates apply."""
+    small, large = (layer_flops(*shape) / LAYER_OPS for shape in LAYER_SHAPES)
+    return small, large
 
 
 def layer_rates(
@@ -121,7 +149,10 @@ def layer_rates(
             continue
         layer = _Layer(hidden, device, dtype)
         x = torch.randn(1, tokens, hidden, device=device).to(dtype)  # 256 KiB: a heap chunk
-        rates[name] = layer.flops(tokens) / _median_seconds(lambda layer=layer, x=x: layer(x), sync)
+        seconds = _median_seconds(
+            lambda layer=layer, x=x: layer(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN
+        )
+        rates[name] = layer_flops(hidden, tokens) / seconds
     return rates
 
 
@@ -142,13 +173,6 @@ class _Layer:
             weight(hidden * 11 // 4, hidden),
             weight(hidden, hidden * 11 // 4),
         )
-
-    def flops(self, tokens: int) -> int:
-        """The FLOPs of one call on ``tokens`` tokens as :class:`~torch.utils.flop_counter.
-        FlopCounterMode` counts them on meta, as the profiler counts a model's: the linear layers
-        and the attention, whole (``tests/devices/test_machine.py`` checks the two agree)."""
-        linear = sum(w.shape[0] * w.shape[1] for w in (self.qkv, self.out, self.gate, self.up, self.down))
-        return 2 * tokens * linear + 4 * tokens * tokens * self.hidden
 
     @staticmethod
     def norm(x: Any) -> Any:
@@ -171,17 +195,21 @@ class _Layer:
 
 
 def measure_cpu() -> dict[str, Any]:
-    """The CPU's compute rate per dtype (:func:`layer_rates`), how fast it reads weights per
-    dtype (:func:`matvec_rates`: its memory bandwidth and the cost of each row) and the time
-    one op costs beside its work (:func:`op_seconds`)."""
+    """The CPU's compute rate per dtype on a small and a large layer (:func:`layer_rates`,
+    :data:`LAYER_SHAPES`), how fast it reads weights per dtype (:func:`matvec_rates`: its memory
+    bandwidth and the cost of each row) and the time one op costs beside its work
+    (:func:`op_seconds`)."""
     import torch
 
+    (small, tokens), (large, large_tokens) = LAYER_SHAPES
     with torch.no_grad():
-        rates = layer_rates(torch.device("cpu"), lambda: None)
+        rates = layer_rates(torch.device("cpu"), lambda: None, small, tokens)
+        large_rates = layer_rates(torch.device("cpu"), lambda: None, large, large_tokens)
         reads = {name: matvec_rates(getattr(torch, name)) for name in DTYPES}
         per_op = op_seconds()
     return {
         "flops_per_second": rates,
+        "large_flops_per_second": large_rates,
         "memory_bytes_per_second": {name: bandwidth for name, (bandwidth, _) in reads.items()},
         "row_seconds": {name: row for name, (_, row) in reads.items()},
         "op_seconds": per_op,
@@ -342,9 +370,11 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
     return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
 
 
-def measure_disk(folder: str) -> float:
+def measure_disk(folder: str) -> tuple[float, float]:
     """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache,
-    4 MiB reads 4 in flight; 0.0 when the folder cannot be written (the default is kept)."""
+    4 MiB reads 4 in flight, and the CPU seconds the process spent per byte read (the
+    kernel's page-cache work, the copy: time a CPU that computes meanwhile loses); ``(0.0,
+    0.0)`` when the folder cannot be written (the defaults are kept)."""
     try:
         with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
             path = os.path.join(own, "read-rate")
@@ -360,20 +390,26 @@ def measure_disk(folder: str) -> float:
             return max(_read_rate(path, buffer) for _ in range(2))
     except OSError as exc:
         log.info("disk read rate not measured in %s: %s", folder, exc)
-        return 0.0
+        return 0.0, 0.0
 
 
-def _read_rate(path: str, buffer: bytearray) -> float:
+def _read_rate(path: str, buffer: bytearray) -> tuple[float, float]:
+    """``(bytes/s, CPU seconds per byte)`` of one read of the file at ``path``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         into = memoryview(buffer)
         offsets = range(0, _DISK_BYTES, _DISK_CHUNK)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_seconds()
         with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
             reads = pool.map(lambda at: os.preadv(fd, [into[at : at + _DISK_CHUNK]], at), offsets)
             done = sum(reads)
-        return done / (time.perf_counter() - started)
+        return done / (time.perf_counter() - started), (_cpu_seconds() - cpu) / max(done, 1)
     finally:
         os.close(fd)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds the process has run, every thread, user and kernel time."""
+    return time.process_time()

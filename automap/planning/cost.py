@@ -6,10 +6,12 @@ Invariant: every time automap predicts is built from these formulas, and each ex
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
+from automap.machine_probes import layer_op_flops
 
 MIN_RATE = 1.0  # FLOP/s or bytes/s an unknown (0) rate counts as
 # What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
@@ -24,9 +26,23 @@ def flop_seconds(flops: float, flops_per_second: float) -> float:
 
 
 def work_seconds(flops: float, ops: int, device: DeviceSpec) -> float:
-    """Seconds ``device`` computes ``flops`` in ``ops`` ops: the FLOPs at its rate, and each
-    op's cost beside its work (dispatch, the code around it; ``DeviceSpec.op_seconds``)."""
-    return flop_seconds(flops, device.flops_per_second) + ops * device.op_seconds
+    """Seconds ``device`` computes ``flops`` in ``ops`` ops: the FLOPs at its rate for ops of
+    their size (:func:`compute_rate`), and each op's cost beside its work (dispatch, the code
+    around it; ``DeviceSpec.op_seconds``)."""
+    rate = compute_rate(device, flops / ops) if ops else device.flops_per_second
+    return flop_seconds(flops, rate) + ops * device.op_seconds
+
+
+def compute_rate(device: DeviceSpec, op_flops: float) -> float:
+    """``device``'s FLOP/s for ops of ``op_flops`` FLOPs each: where both probe layers' rates
+    were measured, between them, by where ``op_flops`` falls between their FLOPs per op (on a
+    log scale; below the small layer's, its rate; above the large one's, that rate)."""
+    small, large = device.flops_per_second, device.large_flops_per_second
+    if not large or not small:
+        return small
+    low, high = layer_op_flops()
+    at = (math.log(max(op_flops, 1.0)) - math.log(low)) / (math.log(high) - math.log(low))
+    return small * (large / small) ** min(max(at, 0.0), 1.0)
 
 
 def transfer_seconds(nbytes: float, src: DeviceSpec, dst: DeviceSpec) -> float:

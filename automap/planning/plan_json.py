@@ -19,7 +19,7 @@ from automap.planning.experts import ExpertsPlan
 from automap.planning.model import JSON_VERSION, Origin, Plan, PlanInputs, Provenance, register_renderer
 from automap.profiling import Unit
 from automap.profiling.result import Generation
-from automap.sizes import MAX_BYTES, MAX_OP_SECONDS, MAX_RATE, parse_number
+from automap.sizes import MAX_BYTES, MAX_COUNT, MAX_OP_SECONDS, MAX_RATE, parse_number
 from automap.userfiles import load_json
 
 
@@ -142,6 +142,11 @@ def _device_of(d: Any, i: int) -> DeviceSpec:
         # 0 (not measured) in JSON written before they were recorded
         _number(d.get("row_seconds", 0.0), f"{where}.row_seconds", MAX_OP_SECONDS),
         _number(d.get("op_seconds", 0.0), f"{where}.op_seconds", MAX_OP_SECONDS),
+        _number(
+            d.get("read_cpu_seconds_per_byte", 0.0), f"{where}.read_cpu_seconds_per_byte", MAX_OP_SECONDS
+        ),
+        int(_number(d.get("spare_cores", 1), f"{where}.spare_cores", MAX_COUNT, integral=True)),
+        _number(d.get("large_flops_per_second", 0.0), f"{where}.large_flops_per_second", MAX_RATE),
     )
 
 

@@ -145,6 +145,8 @@ def test_first_use_measures_and_calibrate_refreshes(tmp_path):
         assert set(cpu[figure]) == {"float32", "bfloat16", "float16"}
     assert cpu["memory_bytes_per_second"]["float32"] > 0 and cpu["row_seconds"]["float32"] >= 0
     assert cpu["op_seconds"] > 0
+    (disk,) = (entry for name, entry in record["devices"].items() if name.startswith("disk"))
+    assert disk["read_bytes_per_second"] > 0 and disk["read_cpu_seconds_per_byte"] > 0
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob("automap-calibration-*"))
     off = subprocess.run(
         [sys.executable, "-m", "automap", "calibrate"],
@@ -211,12 +213,34 @@ def test_the_cpu_probe_counts_its_flops_as_the_profiler_counts_a_models():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from automap.machine_probes import _Layer
+    from automap.machine_probes import _Layer, layer_flops
 
     layer = _Layer(64, torch.device("meta"), torch.float32, heads=4)
     with FlopCounterMode(display=False) as counter:
         layer(torch.empty(1, 16, 64, device="meta"))
-    assert layer.flops(16) == counter.get_total_flops()
+    assert layer_flops(64, 16) == counter.get_total_flops()
+
+
+def test_the_cpu_probe_knows_how_many_ops_its_layer_runs():
+    """The FLOPs per op a probe layer's rate applies at are its FLOPs over these ops."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from automap.machine_probes import LAYER_OPS, LAYER_SHAPES, _Layer
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    for hidden, tokens in LAYER_SHAPES:
+        layer, x = _Layer(hidden, torch.device("cpu"), torch.float32), torch.ones(1, tokens, hidden)
+        Count.ops = 0
+        with torch.no_grad(), Count():
+            layer(x)
+        assert Count.ops == LAYER_OPS, (hidden, tokens, Count.ops)
 
 
 def test_the_op_probe_knows_how_many_ops_its_block_runs():
