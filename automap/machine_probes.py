@@ -107,8 +107,11 @@ _SLOW_SECONDS = 0.005
 
 # The layers the CPU's compute rate is measured on, (hidden, tokens): small and large. A
 # model's ops whose FLOPs fall between theirs run at a rate between the two (larger matmuls
-# keep the vector units busier); ``planning.cost.compute_rate`` interpolates.
-LAYER_SHAPES = ((512, 128), (768, 256))
+# keep the vector units busier); ``planning.cost.compute_rate`` interpolates. Both at 128
+# tokens: the large layer's activations stay under 2 MiB, and what the probe frees leaves no
+# heap chunk a weight allocated later would be carved from (at 256 tokens one in three
+# calibrations left one: ``tests/devices/test_machine.py``).
+LAYER_SHAPES = ((512, 128), (1024, 128))
 # The aten ops one call of the layer runs (``tests/devices/test_machine.py`` counts them).
 LAYER_OPS = 40
 
@@ -148,11 +151,12 @@ def layer_rates(
             rates[name] = 2 * 128 * 256 * 256 / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
             continue
         layer = _Layer(hidden, device, dtype)
-        x = torch.randn(1, tokens, hidden, device=device).to(dtype)  # 256 KiB: a heap chunk
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
         seconds = _median_seconds(
             lambda layer=layer, x=x: layer(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN
         )
         rates[name] = layer_flops(hidden, tokens) / seconds
+        del layer, x  # one layer's arena held at a time
     return rates
 
 
@@ -160,11 +164,10 @@ class _Layer:
     """A Llama-like layer of plain tensors: RMS norms, attention, a SiLU-gated MLP."""
 
     def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8) -> None:
-        arena = _Arena(2 * 12.25 * hidden * hidden * 4, device)
+        arena = _Arena(12.25 * hidden * hidden * dtype.itemsize + 5 * 64, device)
 
         def weight(rows: int, cols: int) -> Any:
-            wide = arena.take((rows, cols), _float32()).normal_(std=cols**-0.5)
-            return wide if wide.dtype == dtype else arena.take((rows, cols), dtype).copy_(wide)
+            return arena.take((rows, cols), dtype).normal_(std=cols**-0.5)
 
         self.heads, self.hidden = heads, hidden
         self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
@@ -320,12 +323,6 @@ class _Arena:
 
 
 _ARENA_BYTES = 33 * 2**20  # over glibc's largest dynamic mmap threshold (32 MiB on 64-bit)
-
-
-def _float32() -> Any:
-    import torch
-
-    return torch.float32
 
 
 def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 2**20) -> dict[str, Any]:
