@@ -1,8 +1,9 @@
 """Small configs for the families of transformers' registry: each family's default config with
 the sizes below set wherever it (or a sub-config of it: ``text_config``, an encoder's, a decoder's)
-has the attribute, and what the sizes imply for attributes tied to them; a vision backbone in
-stages keeps its widths and gets one block per stage. Used by the registry sweeps
-(test_moe_families.py, test_causal_lm_registry.py, test_registry_tasks.py)."""
+has the attribute, and what the sizes imply for attributes tied to them; a backbone in stages
+keeps its widths (but for a width doubled per stage from ``num_filters``) and gets one block per
+stage. Used by the registry sweeps (test_moe_families.py, test_causal_lm_registry.py,
+test_registry_tasks.py)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ FAMILY_SIZES = {
 # Attributes that give one entry per layer, cut to the small number of layers.
 PER_LAYER = ("layer_type", "block_type", "sparsity_pattern", "_per_layer", "swiglu_limit", "source_layers")
 MAX_PARAMETERS = 40_000_000
+STAGE_FILTERS = 4
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "blank_token_id")
 
 
@@ -201,10 +203,13 @@ def shrink(config, depth: int = 0) -> None:
 
 
 def _shrink_stages(config) -> None:
-    """A vision backbone in stages (ResNet, ConvNeXt, Swin): one block per stage. Its widths and
-    heads are given per stage and must agree with the number of stages (its "layers"), which
-    :data:`SMALL` would cut to two."""
+    """A backbone in stages (ResNet, ConvNeXt, Swin, an audio tokenizer's convolutions): one block
+    per stage. Its widths and heads are given per stage and must agree with the number of stages
+    (its "layers"), which :data:`SMALL` would cut to two; a width that doubles at each stage from
+    ``num_filters`` (32 · 2⁶ at VibeVoice's last stage) starts from :data:`STAGE_FILTERS`."""
     config.depths = [1] * len(config.depths)
+    if isinstance(getattr(config, "num_filters", None), int):
+        config.num_filters = STAGE_FILTERS
 
 
 def _layers_left(config, layers: int, values) -> int:
