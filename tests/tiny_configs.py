@@ -79,6 +79,13 @@ SMALL = dict(
     hash_seed=0,
 )
 
+# Dots 3 Note's attention always has a query LoRA (SMALL's None is DeepSeek's "none"); a head
+# is its rotary and plain parts, the rotary a quarter of it (the default's rope parameters, 64 of
+# 256); its sliding layers' overrides (64 heads, a key rank of 1024) are full size: the global ones
+DOTS3_NOTE_TEXT = dict(
+    q_lora_rank=16, head_dim=16, qk_rope_head_dim=4, qk_nope_head_dim=12, per_layer_config={}
+)
+
 # What a family needs beyond SMALL, set after it: a constraint between its sizes that the shared
 # shrinking does not know, or sizes under names of its own (a dict under a sub-config's name is
 # set on that sub-config).
@@ -130,6 +137,11 @@ FAMILY_SIZES = {
     # its indexer sits in an indexed-attention layer (the second) and has at most the query heads
     # of one key head
     "kolibri1_1": dict(index_layers=[1], index_num_heads=2),
+    "dots3_note_text": DOTS3_NOTE_TEXT,
+    "dots3_note": dict(text_config=DOTS3_NOTE_TEXT),
+    # its image's tokens pool the vision tower's 14 x 14 patches to a square: 2 x 2; its answer
+    # reads the "Yes" and "No" tokens' logits, ids of the full vocabulary
+    "shieldgemma2": dict(mm_tokens_per_image=4, yes_token_index=1, no_token_index=2),
 }
 
 # Attributes that give one entry per layer, cut to the small number of layers.
@@ -280,7 +292,7 @@ def tiny(family: str, auto: str = "AutoModelForCausalLM") -> torch.nn.Module:
     if auto == "AutoModelForCausalLM" and hasattr(config, "is_decoder"):
         config.is_decoder = True  # an encoder family's causal LM head (BERT's, RoBERTa's) decodes
     for key, value in FAMILY_SIZES.get(family, {}).items():
-        if isinstance(value, dict):  # a sub-config's sizes
+        if isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict"):  # a sub-config's
             for name, size in value.items():
                 setattr(getattr(config, key), name, size)
         else:
