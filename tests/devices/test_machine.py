@@ -224,31 +224,28 @@ def test_the_cpu_probe_counts_its_flops_as_the_profiler_counts_a_models():
 def test_the_cpu_probe_knows_how_many_ops_its_layer_runs():
     """The FLOPs per op a probe layer's rate applies at are its FLOPs over these ops."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from automap.machine_probes import LAYER_OPS, LAYER_SHAPES, _Layer
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
     for hidden, tokens in LAYER_SHAPES:
         layer, x = _Layer(hidden, torch.device("cpu"), torch.float32), torch.ones(1, tokens, hidden)
-        Count.ops = 0
-        with torch.no_grad(), Count():
-            layer(x)
-        assert Count.ops == LAYER_OPS, (hidden, tokens, Count.ops)
+        assert _aten_ops(lambda: layer(x)) == LAYER_OPS, (hidden, tokens)
 
 
 def test_the_op_probe_knows_how_many_ops_its_block_runs():
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from automap.machine_probes import BLOCK_OPS
     from automap.probe_block import Block
+
+    block, x = Block(), torch.ones(1, 1, Block.hidden)
+    assert _aten_ops(lambda: block(x)) == BLOCK_OPS
+
+
+def _aten_ops(call) -> int:
+    """The aten ops ``call()`` dispatches, without gradients."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -257,10 +254,9 @@ def test_the_op_probe_knows_how_many_ops_its_block_runs():
             Count.ops += 1
             return func(*args, **(kwargs or {}))
 
-    block, x = Block(), torch.ones(1, 1, Block.hidden)
     with torch.no_grad(), Count():
-        block(x)
-    assert Count.ops == BLOCK_OPS
+        call()
+    return Count.ops
 
 
 _THRESHOLD_SCRIPT = """

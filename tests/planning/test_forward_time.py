@@ -39,7 +39,8 @@ def test_equal_units_cost_the_first_read_then_the_slower_of_read_and_compute():
     assert overlapped_seconds(computes, [0.0] * 6, 2) == 48.0
 
 
-def test_a_forward_with_half_its_weights_on_disk_is_predicted_below_its_stages_summed():
+def _all_in_ram_and_half_on_disk() -> tuple[automap.Plan, automap.Plan]:
+    """An 8-layer Llama planned with room for everything, then with half its weights on disk."""
     model = tiny_llama(layers=8)
     ids = {"input_ids": torch.zeros(1, 64, dtype=torch.long)}
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -48,6 +49,11 @@ def test_a_forward_with_half_its_weights_on_disk_is_predicted_below_its_stages_s
     plan = automap.plan(
         model, max_memory={"cpu": weights // 2 + cpu.peak_bytes - cpu.weights}, example_inputs=ids
     )
+    return probe, plan
+
+
+def test_a_forward_with_half_its_weights_on_disk_is_predicted_below_its_stages_summed():
+    probe, plan = _all_in_ram_and_half_on_disk()
     assert "disk" in plan.placement and "cpu" in plan.placement
     stages = sum(s.stage_seconds for s in summary(plan))
     assert forward_seconds(plan) < stages
@@ -69,14 +75,7 @@ def test_where_torchs_threads_fill_the_cores_an_offloaded_read_takes_its_cpu_tim
     from the compute of the unit it reads."""
     from dataclasses import replace
 
-    model = tiny_llama(layers=8)
-    ids = {"input_ids": torch.zeros(1, 64, dtype=torch.long)}
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    probe = automap.plan(model, max_memory={"cpu": "1GiB"}, example_inputs=ids)
-    cpu = next(m for m in memory(probe) if m.device == "cpu")
-    plan = automap.plan(
-        model, max_memory={"cpu": weights // 2 + cpu.peak_bytes - cpu.weights}, example_inputs=ids
-    )
+    probe, plan = _all_in_ram_and_half_on_disk()
     cost = 1e-9  # CPU seconds a byte read costs
     devices = tuple(
         replace(d, spare_cores=s, read_cpu_seconds_per_byte=cost if d.kind == "disk" else 0.0)
