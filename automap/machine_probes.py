@@ -125,10 +125,8 @@ def layer_flops(hidden: int, tokens: int) -> int:
     return 2 * tokens * linear + 4 * tokens * tokens * hidden
 
 
-def layer_op_flops() -> tuple[float, float]:
-    """The FLOPs per op of the small and the large layer: where their rates apply."""
-    small, large = (layer_flops(*shape) / LAYER_OPS for shape in LAYER_SHAPES)
-    return small, large
+# The FLOPs per op of the small and the large layer: where their rates apply.
+LAYER_OP_FLOPS = tuple(layer_flops(*shape) / LAYER_OPS for shape in LAYER_SHAPES)
 
 
 def layer_rates(
@@ -398,15 +396,10 @@ def _read_rate(path: str, buffer: bytearray) -> tuple[float, float]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         into = memoryview(buffer)
         offsets = range(0, _DISK_BYTES, _DISK_CHUNK)
-        started, cpu = time.perf_counter(), _cpu_seconds()
+        started, cpu = time.perf_counter(), time.process_time()  # every thread's, user and kernel
         with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
             reads = pool.map(lambda at: os.preadv(fd, [into[at : at + _DISK_CHUNK]], at), offsets)
             done = sum(reads)
-        return done / (time.perf_counter() - started), (_cpu_seconds() - cpu) / max(done, 1)
+        return done / (time.perf_counter() - started), (time.process_time() - cpu) / max(done, 1)
     finally:
         os.close(fd)
-
-
-def _cpu_seconds() -> float:
-    """CPU seconds the process has run, every thread, user and kernel time."""
-    return time.process_time()

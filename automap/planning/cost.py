@@ -11,7 +11,7 @@ from typing import Sequence
 
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
-from automap.machine_probes import layer_op_flops
+from automap.machine_probes import LAYER_OP_FLOPS
 
 MIN_RATE = 1.0  # FLOP/s or bytes/s an unknown (0) rate counts as
 # What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
@@ -40,7 +40,7 @@ def compute_rate(device: DeviceSpec, op_flops: float) -> float:
     small, large = device.flops_per_second, device.large_flops_per_second
     if not large or not small:
         return small
-    low, high = layer_op_flops()
+    low, high = LAYER_OP_FLOPS
     at = (math.log(max(op_flops, 1.0)) - math.log(low)) / (math.log(high) - math.log(low))
     return small * (large / small) ** min(max(at, 0.0), 1.0)
 

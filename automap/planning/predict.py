@@ -170,7 +170,7 @@ def _unit_timeline(plan: Plan) -> float:
         device = plan.device(row.compute)
         computes.append(work_seconds(unit.flops, unit.ops, device) + incoming[i])
         reads.append(link_seconds(plan, unit.weight_bytes, row.home, row.compute) if row.offloaded else 0.0)
-        if row.offloaded and kind_of(device.name).is_host and not device.spare_cores:
+        if row.offloaded and kind_of(device).is_host and not device.spare_cores:
             # torch's threads fill the cores: the read's CPU time is taken from the compute
             computes[-1] += unit.weight_bytes * plan.device(row.home).read_cpu_seconds_per_byte
     ahead = kind_of(plan.execution_device).read_ahead

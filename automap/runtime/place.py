@@ -3,6 +3,7 @@ failed dispatch)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 from typing import Callable
@@ -401,7 +402,7 @@ def fed_in_place(plan: Plan, modules: dict[str, nn.Module]) -> set[str]:
 
 def passes_through(module: nn.Module) -> bool:
     """Whether ``module`` holds no tensors: it computes where its inputs are."""
-    return next(iter([*module.parameters(), *module.buffers()]), None) is None
+    return next(itertools.chain(module.parameters(), module.buffers()), None) is None
 
 
 def offload(state: DispatchState, name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> Streamed:
