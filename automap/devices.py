@@ -59,7 +59,8 @@ class DeviceSpec:
             matmuls keep its vector units busier; ``planning.cost.compute_rate``); 0: not
             measured, every op at ``flops_per_second``.
         read_cpu_seconds_per_byte: for a tier read from (disk), the CPU time a byte read costs
-            the process (the kernel's page-cache work, the copy); 0: not measured.
+            the process (the kernel's page-cache and page-table work, read as the offload
+            reader reads); 0: not measured.
         spare_cores: for the CPU, the cores torch's threads leave free: 0 when they fill them,
             and then the offloaded reads' CPU time is taken from the compute (1 by default).
     """
