@@ -48,7 +48,7 @@ from benchmarks.memwatch import MemWatch, evict, read_io, run_fresh
 
 log = logging.getLogger("benchmarks.offload")
 CHECKPOINT = "model.safetensors"
-TOKENS = 64
+TOKENS = 64  # the forward's tokens; --tokens sets it (few: a forward bound by its reads, as a decode step is)
 
 
 # ------------------------------------------------------------------ the model and its checkpoint
@@ -388,8 +388,9 @@ def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: in
     }
     models = {kind: setup(root, layers, hidden, device) for kind, setup in setups.items()}
     os.sync()
-    for model, _ in models.values():
+    for model, unmap in models.values():
         time_forwards(model, device, 1)
+        unmap()  # the first round starts cold too
     ranges = offloaded_ranges(root, root / f"plan-{device}.json")
     samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
     bounds: list[float] = []
@@ -402,10 +403,12 @@ def interleaved_cold(root: Path, layers: int, hidden: int, device: str, runs: in
                 bounds.append(disk_bound(root / CHECKPOINT, ranges)["bound_seconds"])
             else:
                 samples[kind] += time_forwards(models[kind][0], device, 1, before=models[kind][1])
-            if kind == "automap":  # then warm, its pages just read: the compute's own floor
-                warm += time_forwards(models[kind][0], device, 1)
+                if kind == "automap":  # then warm, its pages just read: the compute's own floor
+                    warm += time_forwards(models[kind][0], device, 1)
                 # Pages mapped into this process are not dropped by the bound's eviction (nor by
-                # the others'): unmapped here, the bound and the other contenders read cold.
+                # the others'): each contender's are unmapped after its step, so the bound and
+                # the others read cold (automap_direct maps them too where its budget has no
+                # room for the ring of buffers and it reads through the page cache).
                 models[kind][1]()
     cold = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     bound, floor = (
@@ -536,6 +539,7 @@ def summarise(results: dict[str, dict], plan_path: Path, bandwidth: float, devic
 
 
 def main(argv: list[str] | None = None) -> None:
+    global TOKENS  # --tokens: every function here reads it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "role", nargs="?", default="main", choices=["main", "timing", "cold", *SETUPS, *COLD_SETUPS]
@@ -551,8 +555,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cold-runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--tokens", type=int, default=TOKENS, help="tokens per forward (the plan's and the timed ones)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    TOKENS = args.tokens
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if args.role != "main":
         if args.threads:
@@ -585,6 +593,8 @@ def main(argv: list[str] | None = None) -> None:
         str(args.cold_runs),
         "--threads",
         str(args.threads),
+        "--tokens",
+        str(args.tokens),
     ]
     results = {}
     for kind in (
@@ -613,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         summary["automap_direct_warm_forward_seconds"] = results["automap_direct"]["forward_median_seconds"]
         summary["interleaved_cold"] = {k: v for k, v in results["cold"].items() if k != "kind"}
-    report = {"summary": {**summary, "threads": args.threads}, "runs": results}
+    report = {"summary": {**summary, "threads": args.threads, "tokens": args.tokens}, "runs": results}
     text = json.dumps(report, indent=1)
     (args.out or args.root / f"offload-{args.device}.json").write_text(text)
     print(text)
