@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DISK_BYTES = 64 * 2**20
-_DISK_CHUNK = 64 * 2**20  # the offload reader's request (automap.offload.readahead.CHUNK_BYTES)
+_DISK_CHUNK = 16 * 2**20  # 4 in flight: a read ahead has several requests in flight at once
 _DISK_READS = 3
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
 _DISK_IN_FLIGHT = 4
@@ -371,8 +371,9 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
 
 def measure_disk(folder: str) -> tuple[float, float]:
     """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache, the
-    way a CPU's offloaded unit is read (``automap.offload.readahead``: 64 MiB requests, each
-    sent into the page cache and its pages mapped in), and the CPU seconds the
+    way a CPU's offloaded units are read (``automap.offload.readahead``: each request sent
+    into the page cache and its pages mapped in; here 16 MiB requests 4 in flight, as reads
+    ahead of several units are), and the CPU seconds the
     process spent per byte read (the kernel's page-cache and page-table work: time a CPU that
     computes meanwhile loses). The best rate and the median CPU cost of three reads: the cost
     moves with what the other cores do. ``(0.0, 0.0)`` when the folder cannot be written (the
