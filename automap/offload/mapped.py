@@ -278,10 +278,14 @@ class MappedFile:
 
     def read_spans(self, spans: list[tuple[int, int]], reader: SpanReader) -> None:
         """Read ``spans`` (of :meth:`row_spans` or :meth:`spans`) in without the kernel's
-        readahead and map them, but those whose every page is in memory already (``mincore``)."""
+        readahead and map them, but the pages :meth:`hold` keeps and the spans whose every page
+        is in memory already (``mincore``). A held row's span still has the pages it shares
+        with its neighbours, which a cold start drops: without taking the held pages out, the
+        whole row was read from the disk again."""
         if spans and not resident_spans(spans):
-            # Spans in memory are left out: rows kept in memory (:meth:`hold`) or read before.
-            reader.read([s for s in spans if not resident_spans([s])], self.rows_fd, self.address)
+            missing = [s for s in self._without_held(spans) if not resident_spans([s])]
+            if missing:
+                reader.read(missing, self.rows_fd, self.address)
 
     def advise(self, keys: Iterable[str], populate: bool = True, reader: SpanReader | None = None) -> None:
         """Ask the kernel to read the pages of ``keys`` now: readahead of every range is
