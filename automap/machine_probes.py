@@ -371,13 +371,12 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
 
 def measure_disk(folder: str) -> tuple[float, float]:
     """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache, the
-    way a CPU's offloaded units are read (``automap.offload.readahead``: each request sent
-    into the page cache and its pages mapped in; here 16 MiB requests 4 in flight, as reads
-    ahead of several units are), and the CPU seconds the
-    process spent per byte read (the kernel's page-cache and page-table work: time a CPU that
-    computes meanwhile loses). The best rate and the median CPU cost of three reads: the cost
-    moves with what the other cores do. ``(0.0, 0.0)`` when the folder cannot be written (the
-    defaults are kept)."""
+    way a CPU's offloaded units are read (``automap.offload.readahead``: each request sent into
+    the page cache and its pages mapped in; here 16 MiB requests 4 in flight, as reads ahead of
+    several units are), and the CPU seconds the process spent per byte read (the kernel's
+    page-cache and page-table work: time a CPU that computes meanwhile loses). The best rate
+    and the median CPU cost of three reads: the cost moves with what the other cores do.
+    ``(0.0, 0.0)`` when the folder cannot be written (the defaults are kept)."""
     try:
         with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
             path = os.path.join(own, "read-rate")
@@ -407,12 +406,13 @@ def _read_rate(path: str) -> tuple[float, float]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         with open(os.devnull, "wb") as sink, mmap.mmap(fd, _DISK_BYTES, prot=mmap.PROT_READ) as mapped:
 
-            def one(at: int) -> None:
-                end = at + _DISK_CHUNK
-                while at < end and (sent := os.sendfile(sink.fileno(), fd, at, end - at)) > 0:
-                    at += sent
+            def one(start: int) -> None:
+                at, end = start, start + _DISK_CHUNK
+                with contextlib.suppress(OSError):  # a file system sendfile cannot read: populate reads
+                    while at < end and (sent := os.sendfile(sink.fileno(), fd, at, end - at)) > 0:
+                        at += sent
                 with contextlib.suppress(OSError):  # kernels before 5.14 lack it: pages are cached
-                    mapped.madvise(_POPULATE_READ, end - _DISK_CHUNK, _DISK_CHUNK)
+                    mapped.madvise(_POPULATE_READ, start, _DISK_CHUNK)
 
             started, cpu = time.perf_counter(), time.process_time()  # every thread's, user and kernel
             with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
