@@ -381,15 +381,12 @@ def measure_disk(folder: str) -> tuple[float, float]:
         with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
             path = os.path.join(own, "read-rate")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            buffer = bytearray(_DISK_BYTES)  # one mapping over 32 MiB (see _Arena)
             try:
-                for at in range(0, _DISK_BYTES, _RANDOM_PIECE):  # pieces a heap chunk holds
-                    buffer[at : at + _RANDOM_PIECE] = os.urandom(_RANDOM_PIECE)
-                os.write(fd, buffer)
+                for _ in range(_DISK_BYTES // _RANDOM_PIECE):  # pieces a heap chunk holds
+                    os.write(fd, os.urandom(_RANDOM_PIECE))
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            del buffer
             rates, costs = zip(*(_read_rate(path) for _ in range(_DISK_READS)))
             return max(rates), statistics.median(costs)
     except OSError as exc:
