@@ -44,7 +44,7 @@ class DeviceSpec:
         kind: ``"cuda"``, ``"xpu"``, ``"mps"``, ``"cpu"`` or ``"disk"``.
         capacity_bytes: how many bytes of weights, activations and reserve may live there.
         flops_per_second: sustained compute; 0 for disk, which never computes. Measured on the
-            CPU: the rate of a small layer's ops (``machine_probes.LAYER_SHAPES``).
+            CPU: the rate of a transformer layer's ops (``machine_probes.LAYER_SHAPE``).
         link_bytes_per_second: bandwidth of the link to the other devices (PCIe/NVLink for a
             GPU, host-to-device for CPU RAM, read bandwidth for disk).
         memory_bytes_per_second: bandwidth of its own memory, read by the computations on it
@@ -55,12 +55,13 @@ class DeviceSpec:
             (a dot product's start and its sum); 0: not measured.
         op_seconds: what each op costs beside its work (dispatching it, the code around it);
             0: not measured.
-        large_flops_per_second: the rate of a large layer's ops, measured on the CPU (larger
-            matmuls keep its vector units busier; ``planning.cost.compute_rate``); 0: not
+        large_flops_per_second: the rate of a large linear layer's matmul, measured on the
+            CPU (a unit of large matmuls runs near it; ``planning.cost.compute_rate``); 0: not
             measured, every op at ``flops_per_second``.
-        read_cpu_seconds_per_byte: for a tier read from (disk), the CPU time a byte read costs
-            the process (the kernel's page-cache and page-table work, read as the offload
-            reader reads); 0: not measured.
+        read_cpu_seconds_per_byte: for a tier read from (disk), the compute time a byte read
+            costs a CPU computation on torch's threads beside it (the kernel's page-cache and
+            page-table work, read as the offload reader reads, and the threads it holds back:
+            ``disk_probe.compute_loss``); 0: not measured.
         spare_cores: for the CPU, the cores torch's threads leave free: 0 when they fill them,
             and then the offloaded reads' CPU time is taken from the compute (1 by default).
     """

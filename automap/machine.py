@@ -18,14 +18,15 @@ from typing import Any
 
 from automap.errors import AutomapError
 from automap.kinds import kind_of, registered_kinds
-from automap.machine_probes import measure_computing, measure_disk
+from automap.disk_probe import measure_disk
+from automap.machine_probes import measure_computing
 from automap.progress import step
 from automap.userfiles import read_json_file
 
 log = logging.getLogger(__name__)
 
 ENV = "AUTOMAP_CALIBRATION"
-FORMAT = 3  # 2: the CPU's reads per dtype, its row and op costs; 3: its rate on a large layer
+FORMAT = 4  # 2: the CPU's reads per dtype, its row and op costs; 3: its rate on a large layer; 4: on a large matmul
 # A recorded capacity is kept while free space has grown by less than this factor.
 GROWTH = 1.5
 
@@ -196,7 +197,7 @@ def describe(record: dict[str, Any]) -> str:
             f"{rate / 1e9:,.1f} GFLOP/s {dtype}" for dtype, rate in entry.get("flops_per_second", {}).items()
         ]
         parts.extend(
-            f"{rate / 1e9:,.1f} GFLOP/s {dtype} on a large layer"
+            f"{rate / 1e9:,.1f} GFLOP/s {dtype} on a large matmul"
             for dtype, rate in entry.get("large_flops_per_second", {}).items()
         )
         for key, label in (

@@ -4,15 +4,10 @@ run would see it). Nothing here records anything; :mod:`automap.machine` keeps t
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from automap.kinds import kind_of, registered_kinds, torch_device
@@ -20,15 +15,9 @@ from automap.kinds import kind_of, registered_kinds, torch_device
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
-_DISK_BYTES = 64 * 2**20
-_DISK_CHUNK = 16 * 2**20  # 4 in flight: a read ahead has several requests in flight at once
-_DISK_READS = 3
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
-_DISK_IN_FLIGHT = 4
-_RANDOM_PIECE = 64 * 2**10
 
 
-def _median_seconds(
+def median_seconds(
     run: Callable[[], None], sync: Callable[[], None], repeats: int = 30, within: float = 0.1
 ) -> float:
     """The median of up to ``repeats`` timed runs (after one warm-up), at least
@@ -77,7 +66,7 @@ def matmul_rates(device: Any, size: int, sync: Callable[[], None]) -> dict[str, 
         n = size if not _slow(device, dtype, sync) else 256
         a = torch.ones(n // 2, n, device=device, dtype=dtype)
         b = torch.ones(n, n, device=device, dtype=dtype)
-        rates[name] = 2 * (n // 2) * n * n / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
+        rates[name] = 2 * (n // 2) * n * n / median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
     return rates
 
 
@@ -91,9 +80,19 @@ def _slow(device: Any, dtype: Any, sync: Callable[[], None]) -> bool:
     try:
         a = torch.ones(128, 256, device=device, dtype=dtype)
         b = torch.ones(256, 256, device=device, dtype=dtype)
-        return _median_seconds(lambda: torch.mm(a, b), sync, within=0.02) > _SLOW_SECONDS
+        return median_seconds(lambda: torch.mm(a, b), sync, within=0.02) > _SLOW_SECONDS
     finally:
         torch.set_num_threads(threads)
+
+
+def _small_product_rate(device: Any, dtype: Any, sync: Callable[[], None]) -> float:
+    """FLOP/s of a 128 x 256 by 256 x 256 product: how a dtype the device computes slowly is
+    measured (a larger probe would take long)."""
+    import torch
+
+    a = torch.ones(128, 256, device=device, dtype=dtype)
+    b = torch.ones(256, 256, device=device, dtype=dtype)
+    return 2 * 128 * 256 * 256 / median_seconds(lambda: torch.mm(a, b), sync)
 
 
 # A probe stops once its runs took this many times its time budget.
@@ -105,19 +104,26 @@ _MIN_SAMPLES = 5
 # moment); over a fifth of a second, by about a tenth.
 _LAYER_WITHIN = 0.2
 _LAYER_REPEATS = 200
+# The large matmul's rate moves little from one window to the next (no small ops whose threads
+# wait for one another): half the layer's time is enough.
+_MATMUL_WITHIN = 0.1
 # A dtype whose 128 x 256 by 256 x 256 product takes this long is not measured larger.
 _SLOW_SECONDS = 0.005
 
 
-# The layers the CPU's compute rate is measured on, (hidden, tokens): small and large. A
-# model's ops whose FLOPs fall between theirs run at a rate between the two (larger matmuls
-# keep the vector units busier); ``planning.cost.compute_rate`` interpolates. Both at 128
-# tokens: the large layer's activations stay under 2 MiB, and what the probe frees leaves no
-# heap chunk a weight allocated later would be carved from (at 256 tokens one in three
-# calibrations left one: ``tests/devices/test_machine.py``).
-LAYER_SHAPES = ((512, 128), (1024, 128))
+# The layer the CPU's compute rate is measured on, (hidden, tokens), and the large matmul
+# beside it, (tokens, in, out): a linear layer of 1024 x 2816 over 512 tokens. A model's ops
+# whose FLOPs fall between theirs run at a rate between the two: a unit of large matmuls and
+# few small ops between them (GPT-2's blocks over 512 tokens, a wide ``lm_head``) runs near
+# the matmul's rate, one whose norms, rotary embeddings and gating weigh as much as in the
+# layer at the layer's; ``planning.cost.compute_rate`` interpolates. The layer at 128 tokens:
+# its activations stay under 2 MiB, and what the probe frees leaves no heap chunk a weight
+# allocated later would be carved from (``tests/devices/test_machine.py``); the matmul writes
+# into its arena and allocates nothing.
+LAYER_SHAPE = (512, 128)
+MATMUL_SHAPE = (512, 1024, 2816)
 # The aten ops one call of the layer runs (``tests/devices/test_machine.py`` counts them).
-LAYER_OPS = 40
+LAYER_OPS = 54
 
 
 def layer_flops(hidden: int, tokens: int) -> int:
@@ -129,8 +135,13 @@ def layer_flops(hidden: int, tokens: int) -> int:
     return 2 * tokens * linear + 4 * tokens * tokens * hidden
 
 
-# The FLOPs per op of the small and the large layer: where their rates apply.
-LAYER_OP_FLOPS = tuple(layer_flops(*shape) / LAYER_OPS for shape in LAYER_SHAPES)
+def _matmul_flops() -> int:
+    tokens, inputs, outputs = MATMUL_SHAPE
+    return 2 * tokens * inputs * outputs
+
+
+# The FLOPs per op of the layer and of the matmul: where their rates apply.
+PROBE_OP_FLOPS = (layer_flops(*LAYER_SHAPE) / LAYER_OPS, float(_matmul_flops()))
 
 
 def layer_rates(
@@ -148,13 +159,11 @@ def layer_rates(
     for name in DTYPES:
         dtype = getattr(torch, name)
         if _slow(device, dtype, sync):
-            a = torch.ones(128, 256, device=device, dtype=dtype)
-            b = torch.ones(256, 256, device=device, dtype=dtype)
-            rates[name] = 2 * 128 * 256 * 256 / _median_seconds(lambda a=a, b=b: torch.mm(a, b), sync)
+            rates[name] = _small_product_rate(device, dtype, sync)
             continue
-        layer = _Layer(hidden, device, dtype)
+        layer = ProbeLayer(hidden, device, dtype, tokens=tokens)
         x = torch.randn(1, tokens, hidden, device=device).to(dtype)
-        seconds = _median_seconds(
+        seconds = median_seconds(
             lambda layer=layer, x=x: layer(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN
         )
         rates[name] = layer_flops(hidden, tokens) / seconds
@@ -162,22 +171,34 @@ def layer_rates(
     return rates
 
 
-class _Layer:
-    """A Llama-like layer of plain tensors: RMS norms, attention, a SiLU-gated MLP."""
+class ProbeLayer:
+    """A Llama-like layer of plain tensors: RMS norms, attention with rotary embeddings, a
+    SiLU-gated MLP. ``tokens`` is the length it is called on (its rotary tables')."""
 
-    def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8) -> None:
-        arena = _Arena(12.25 * hidden * hidden * dtype.itemsize + 5 * 64, device)
+    def __init__(self, hidden: int, device: Any, dtype: Any, heads: int = 8, tokens: int = 128) -> None:
+        arena = _Arena(
+            (12.25 * hidden * hidden + 2 * tokens * (hidden // heads)) * dtype.itemsize + 7 * 64, device
+        )
 
         def weight(rows: int, cols: int) -> Any:
             return arena.take((rows, cols), dtype).normal_(std=cols**-0.5)
 
         self.heads, self.hidden = heads, hidden
+        # Rotary tables of ``tokens`` positions, in the layer's dtype as transformers casts them.
+        self.cos, self.sin = (arena.take((tokens, hidden // heads), dtype).uniform_(-1, 1) for _ in range(2))
         self.qkv, self.out = weight(3 * hidden, hidden), weight(hidden, hidden)
         self.gate, self.up, self.down = (
             weight(hidden * 11 // 4, hidden),
             weight(hidden * 11 // 4, hidden),
             weight(hidden, hidden * 11 // 4),
         )
+
+    def rotate(self, x: Any) -> Any:
+        """Rotary position embedding as transformers applies it to queries and keys."""
+        import torch
+
+        half = x.shape[-1] // 2
+        return x * self.cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * self.sin
 
     @staticmethod
     def norm(x: Any) -> Any:
@@ -193,23 +214,54 @@ class _Layer:
         batch, tokens, _ = x.shape
         h = self.norm(x)
         q, k, v = F.linear(h, self.qkv).view(batch, tokens, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        q, k = self.rotate(q), self.rotate(k)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
         x = x + F.linear(attention, self.out)
         h = self.norm(x)
         return x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
 
 
-def measure_cpu() -> dict[str, Any]:
-    """The CPU's compute rate per dtype on a small and a large layer (:func:`layer_rates`,
-    :data:`LAYER_SHAPES`), how fast it reads weights per dtype (:func:`matvec_rates`: its memory
-    bandwidth and the cost of each row) and the time one op costs beside its work
-    (:func:`op_seconds`)."""
+def large_matmul_rates(device: Any, sync: Callable[[], None]) -> dict[str, float]:
+    """FLOP/s per dtype of a large linear layer's matmul (:data:`MATMUL_SHAPE`) on ``device``,
+    written into its own arena (nothing allocated per call). A dtype whose 256-wide product is
+    slow (:func:`_slow`) is measured on that product instead, as in :func:`layer_rates`."""
     import torch
 
-    (small, tokens), (large, large_tokens) = LAYER_SHAPES
+    tokens, inputs, outputs = MATMUL_SHAPE
+    rates = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        if _slow(device, dtype, sync):
+            rates[name] = _small_product_rate(device, dtype, sync)
+            continue
+        arena = _Arena(
+            (tokens * inputs + outputs * inputs + tokens * outputs) * dtype.itemsize + 3 * 64, device
+        )
+        x = arena.take((tokens, inputs), dtype).normal_()
+        weight = arena.take((outputs, inputs), dtype).normal_(std=inputs**-0.5)
+        out = arena.take((tokens, outputs), dtype)
+        seconds = median_seconds(
+            lambda x=x, w=weight, out=out: torch.mm(x, w.t(), out=out),
+            sync,
+            repeats=_LAYER_REPEATS,
+            within=_MATMUL_WITHIN,
+        )
+        rates[name] = _matmul_flops() / seconds
+        del arena, x, weight, out  # one arena held at a time
+    return rates
+
+
+def measure_cpu() -> dict[str, Any]:
+    """The CPU's compute rate per dtype on a transformer layer and on a large matmul
+    (:func:`layer_rates`, :func:`large_matmul_rates`), how fast it reads weights per dtype
+    (:func:`matvec_rates`: its memory bandwidth and the cost of each row) and the time one op
+    costs beside its work (:func:`op_seconds`)."""
+    import torch
+
+    hidden, tokens = LAYER_SHAPE
     with torch.no_grad():
-        rates = layer_rates(torch.device("cpu"), lambda: None, small, tokens)
-        large_rates = layer_rates(torch.device("cpu"), lambda: None, large, large_tokens)
+        rates = layer_rates(torch.device("cpu"), lambda: None, hidden, tokens)
+        large_rates = large_matmul_rates(torch.device("cpu"), lambda: None)
         reads = {name: matvec_rates(getattr(torch, name)) for name in DTYPES}
         per_op = op_seconds()
     return {
@@ -348,7 +400,7 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
         except RuntimeError:
             pass
         target = torch.empty_like(host, device=device)
-        link = host.nbytes / _median_seconds(
+        link = host.nbytes / median_seconds(
             lambda: target.copy_(host, non_blocking=True),
             sync,
         )
@@ -356,7 +408,7 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
         memory = (
             2
             * target.nbytes
-            / _median_seconds(
+            / median_seconds(
                 lambda: other.copy_(target),
                 sync,
             )
@@ -367,54 +419,3 @@ def measure_accelerator(name: str, *, size: int = 4096, copy_bytes: int = 256 * 
     if hasattr(api, "empty_cache"):  # the probe's blocks back to the device: free memory reads as before
         api.empty_cache()
     return {"flops_per_second": rates, "link_bytes_per_second": link, "memory_bytes_per_second": memory}
-
-
-def measure_disk(folder: str) -> tuple[float, float]:
-    """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache, the
-    way a CPU's offloaded units are read (``automap.offload.readahead``: each request sent into
-    the page cache and its pages mapped in; here 16 MiB requests 4 in flight, as reads ahead of
-    several units are), and the CPU seconds the process spent per byte read (the kernel's
-    page-cache and page-table work: time a CPU that computes meanwhile loses). The best rate
-    and the median CPU cost of three reads: the cost moves with what the other cores do.
-    ``(0.0, 0.0)`` when the folder cannot be written (the defaults are kept)."""
-    try:
-        with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
-            path = os.path.join(own, "read-rate")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                for _ in range(_DISK_BYTES // _RANDOM_PIECE):  # pieces a heap chunk holds
-                    os.write(fd, os.urandom(_RANDOM_PIECE))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            rates, costs = zip(*(_read_rate(path) for _ in range(_DISK_READS)))
-            return max(rates), statistics.median(costs)
-    except OSError as exc:
-        log.info("disk read rate not measured in %s: %s", folder, exc)
-        return 0.0, 0.0
-
-
-def _read_rate(path: str) -> tuple[float, float]:
-    """``(bytes/s, CPU seconds per byte)`` of one read of the file at ``path``, its pages
-    dropped first."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with open(os.devnull, "wb") as sink, mmap.mmap(fd, _DISK_BYTES, prot=mmap.PROT_READ) as mapped:
-
-            def one(start: int) -> None:
-                at, end = start, start + _DISK_CHUNK
-                with contextlib.suppress(OSError):  # a file system sendfile cannot read: populate reads
-                    while at < end and (sent := os.sendfile(sink.fileno(), fd, at, end - at)) > 0:
-                        at += sent
-                with contextlib.suppress(OSError):  # kernels before 5.14 lack it: pages are cached
-                    mapped.madvise(_POPULATE_READ, start, _DISK_CHUNK)
-
-            started, cpu = time.perf_counter(), time.process_time()  # every thread's, user and kernel
-            with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
-                list(pool.map(one, range(0, _DISK_BYTES, _DISK_CHUNK)))
-            seconds = time.perf_counter() - started
-            return _DISK_BYTES / seconds, (time.process_time() - cpu) / _DISK_BYTES
-    finally:
-        os.close(fd)

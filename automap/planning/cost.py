@@ -11,7 +11,7 @@ from typing import Sequence
 
 from automap.devices import DeviceSpec
 from automap.kinds import kind_of
-from automap.machine_probes import LAYER_OP_FLOPS
+from automap.machine_probes import PROBE_OP_FLOPS
 
 MIN_RATE = 1.0  # FLOP/s or bytes/s an unknown (0) rate counts as
 # What an input-moving hook costs per unit call (2.9 us measured, benchmarks/notes/offload.md);
@@ -34,13 +34,14 @@ def work_seconds(flops: float, ops: int, device: DeviceSpec) -> float:
 
 
 def compute_rate(device: DeviceSpec, op_flops: float) -> float:
-    """``device``'s FLOP/s for ops of ``op_flops`` FLOPs each: where both probe layers' rates
-    were measured, between them, by where ``op_flops`` falls between their FLOPs per op (on a
-    log scale; below the small layer's, its rate; above the large one's, that rate)."""
+    """``device``'s FLOP/s for ops of ``op_flops`` FLOPs each: where both the probe layer's and
+    the large matmul's rates were measured, between them, by where ``op_flops`` falls between
+    their FLOPs per op (on a log scale; below the layer's, its rate; above the matmul's, that
+    rate)."""
     small, large = device.flops_per_second, device.large_flops_per_second
     if not large or not small:
         return small
-    low, high = LAYER_OP_FLOPS
+    low, high = PROBE_OP_FLOPS
     at = (math.log(max(op_flops, 1.0)) - math.log(low)) / (math.log(high) - math.log(low))
     return small * (large / small) ** min(max(at, 0.0), 1.0)
 

@@ -213,9 +213,9 @@ def test_the_cpu_probe_counts_its_flops_as_the_profiler_counts_a_models():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from automap.machine_probes import _Layer, layer_flops
+    from automap.machine_probes import ProbeLayer, layer_flops
 
-    layer = _Layer(64, torch.device("meta"), torch.float32, heads=4)
+    layer = ProbeLayer(64, torch.device("meta"), torch.float32, heads=4, tokens=16)
     with FlopCounterMode(display=False) as counter:
         layer(torch.empty(1, 16, 64, device="meta"))
     assert layer_flops(64, 16) == counter.get_total_flops()
@@ -225,11 +225,14 @@ def test_the_cpu_probe_knows_how_many_ops_its_layer_runs():
     """The FLOPs per op a probe layer's rate applies at are its FLOPs over these ops."""
     import torch
 
-    from automap.machine_probes import LAYER_OPS, LAYER_SHAPES, _Layer
+    from automap.machine_probes import LAYER_OPS, LAYER_SHAPE, ProbeLayer
 
-    for hidden, tokens in LAYER_SHAPES:
-        layer, x = _Layer(hidden, torch.device("cpu"), torch.float32), torch.ones(1, tokens, hidden)
-        assert _aten_ops(lambda: layer(x)) == LAYER_OPS, (hidden, tokens)
+    hidden, tokens = LAYER_SHAPE
+    layer, x = (
+        ProbeLayer(hidden, torch.device("cpu"), torch.float32, tokens=tokens),
+        torch.ones(1, tokens, hidden),
+    )
+    assert _aten_ops(lambda: layer(x)) == LAYER_OPS
 
 
 def test_the_op_probe_knows_how_many_ops_its_block_runs():
@@ -261,10 +264,10 @@ def _aten_ops(call) -> int:
 
 _THRESHOLD_SCRIPT = """
 import sys, torch
-from automap import machine_probes
+from automap import disk_probe, machine_probes
 with torch.no_grad():
     machine_probes.measure_cpu()
-machine_probes.measure_disk(sys.argv[1])
+disk_probe.measure_disk(sys.argv[1])
 weight = torch.empty(8 * 2**20 + 4096, dtype=torch.uint8)  # a layer's weight loaded after
 for line in open("/proc/self/maps"):
     if line.rstrip().endswith("[heap]"):

@@ -30,6 +30,7 @@ LAYERS = {
     "machine": 1,
     "machine_probes": 1,
     "probe_block": 1,
+    "disk_probe": 1,
     "profiling": 2,
     "planning": 3,
     "offload": 4,

@@ -110,11 +110,11 @@ def test_a_units_rate_lies_between_the_probe_layers_and_grows_with_its_ops_size(
     from dataclasses import replace
 
     from automap.devices import make_device
-    from automap.machine_probes import LAYER_OP_FLOPS
+    from automap.machine_probes import PROBE_OP_FLOPS
     from automap.planning.cost import compute_rate
 
     cpu = replace(make_device("cpu", 2**30), flops_per_second=small, large_flops_per_second=small * factor)
-    low, high = LAYER_OP_FLOPS
+    low, high = PROBE_OP_FLOPS
     assert math.isclose(compute_rate(cpu, low), small) and math.isclose(compute_rate(cpu, low / 10), small)
     assert math.isclose(compute_rate(cpu, high), small * factor)
     assert math.isclose(compute_rate(cpu, high * 10), small * factor)

@@ -1,0 +1,109 @@
+"""How :mod:`automap.machine` measures a file system: its read rate out of the page cache, read
+as the offload reader reads, and what a read costs a computation running beside it. Nothing
+here records anything; :mod:`automap.machine` keeps the figures."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from automap.machine_probes import LAYER_SHAPE, ProbeLayer, median_seconds
+
+log = logging.getLogger(__name__)
+
+_DISK_BYTES = 64 * 2**20
+_DISK_CHUNK = 16 * 2**20  # 4 in flight: a read ahead has several requests in flight at once
+_DISK_READS = 3
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
+_DISK_IN_FLIGHT = 4
+_RANDOM_PIECE = 64 * 2**10
+
+
+def measure_disk(folder: str) -> tuple[float, float]:
+    """Bytes/s read from a 64 MiB file in ``folder``'s file system, out of the page cache, the
+    way a CPU's offloaded units are read (``automap.offload.readahead``: each request sent into
+    the page cache and its pages mapped in; here 16 MiB requests 4 in flight, as reads ahead of
+    several units are), and the compute time a byte read costs a computation on torch's threads
+    running beside it (:func:`compute_loss`). The best rate of three reads, the median cost of
+    three more. ``(0.0, 0.0)`` when the folder cannot be written (the defaults are kept)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="automap-calibration-", dir=folder) as own:
+            path = os.path.join(own, "read-rate")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                for _ in range(_DISK_BYTES // _RANDOM_PIECE):  # pieces a heap chunk holds
+                    os.write(fd, os.urandom(_RANDOM_PIECE))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            rate = max(_read_rate(path) for _ in range(_DISK_READS))
+            return rate, statistics.median(compute_loss(path) for _ in range(_DISK_READS))
+    except OSError as exc:
+        log.info("disk read rate not measured in %s: %s", folder, exc)
+        return 0.0, 0.0
+
+
+def compute_loss(path: str) -> float:
+    """Seconds per byte a computation on torch's threads loses while the file at ``path`` is
+    read beside it (as :func:`_read_rate` reads it): the probe layer's calls during the read,
+    less as many calls' time alone. Where torch's threads fill the cores, the read's own CPU
+    time (the kernel's page-cache and page-table work) is taken from them, and a thread held
+    back holds the others at the op's end; measured here about twice the read's CPU time. Where
+    a core is spare it is about 0. An error of the read raises it."""
+    import torch
+
+    hidden, tokens = LAYER_SHAPE
+    layer = ProbeLayer(hidden, torch.device("cpu"), torch.float32, tokens=tokens)
+    x = torch.randn(1, tokens, hidden)
+    failed: list[OSError] = []
+
+    def read() -> None:
+        try:
+            _read_rate(path)
+        except OSError as exc:
+            failed.append(exc)
+
+    with torch.no_grad():
+        alone = median_seconds(lambda: layer(x), lambda: None, within=0.03)
+        reader = threading.Thread(target=read, name="automap-calibration-read")
+        calls, started = 0, time.perf_counter()
+        reader.start()
+        while reader.is_alive():
+            layer(x)
+            calls += 1
+        beside = time.perf_counter() - started
+        reader.join()
+    if failed:
+        raise failed[0]
+    return max(beside - calls * alone, 0.0) / _DISK_BYTES
+
+
+def _read_rate(path: str) -> float:
+    """Bytes/s of one read of the file at ``path``, its pages dropped first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with open(os.devnull, "wb") as sink, mmap.mmap(fd, _DISK_BYTES, prot=mmap.PROT_READ) as mapped:
+
+            def one(start: int) -> None:
+                at, end = start, start + _DISK_CHUNK
+                with contextlib.suppress(OSError):  # a file system sendfile cannot read: populate reads
+                    while at < end and (sent := os.sendfile(sink.fileno(), fd, at, end - at)) > 0:
+                        at += sent
+                with contextlib.suppress(OSError):  # kernels before 5.14 lack it: pages are cached
+                    mapped.madvise(_POPULATE_READ, start, _DISK_CHUNK)
+
+            started = time.perf_counter()
+            with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:
+                list(pool.map(one, range(0, _DISK_BYTES, _DISK_CHUNK)))
+            return _DISK_BYTES / (time.perf_counter() - started)
+    finally:
+        os.close(fd)
