@@ -15,13 +15,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from automap.machine_probes import LAYER_SHAPE, ProbeLayer, median_seconds
+from automap.page_cache import MADV_POPULATE_READ, send_to_page_cache
 
 log = logging.getLogger(__name__)
 
 _DISK_BYTES = 64 * 2**20
 _DISK_CHUNK = 16 * 2**20  # 4 in flight: a read ahead has several requests in flight at once
 _DISK_READS = 3
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
 _DISK_IN_FLIGHT = 4
 _RANDOM_PIECE = 64 * 2**10
 
@@ -91,15 +91,12 @@ def _read_rate(path: str) -> float:
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with open(os.devnull, "wb") as sink, mmap.mmap(fd, _DISK_BYTES, prot=mmap.PROT_READ) as mapped:
+        with mmap.mmap(fd, _DISK_BYTES, prot=mmap.PROT_READ) as mapped:
 
             def one(start: int) -> None:
-                at, end = start, start + _DISK_CHUNK
-                with contextlib.suppress(OSError):  # a file system sendfile cannot read: populate reads
-                    while at < end and (sent := os.sendfile(sink.fileno(), fd, at, end - at)) > 0:
-                        at += sent
+                send_to_page_cache(fd, start, _DISK_CHUNK)  # where it cannot read, populate reads
                 with contextlib.suppress(OSError):  # kernels before 5.14 lack it: pages are cached
-                    mapped.madvise(_POPULATE_READ, start, _DISK_CHUNK)
+                    mapped.madvise(MADV_POPULATE_READ, start, _DISK_CHUNK)
 
             started = time.perf_counter()
             with ThreadPoolExecutor(_DISK_IN_FLIGHT) as pool:

@@ -26,7 +26,6 @@ from automap.offload import lease
 from automap.offload.format import Header, TensorInfo, header_of, permutations_of
 from automap.offload.opening import Identity, Signature, open_for_map, reopen, signature
 from automap.offload.pages import (
-    MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,
     PAGE,
     madvise,
@@ -34,6 +33,7 @@ from automap.offload.pages import (
     private_pages,
     resident_spans,
 )
+from automap.page_cache import MADV_POPULATE_READ
 
 log = logging.getLogger(__name__)
 

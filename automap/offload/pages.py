@@ -11,9 +11,6 @@ import struct
 from typing import Iterable
 
 PAGE = mmap.PAGESIZE
-# MADV_POPULATE_READ (Linux 5.14+) maps a range into the page tables in one call, so the
-# compute thread takes no page faults; Python 3.11 lacks the constant.
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # MADV_POPULATE_WRITE (Linux 5.14+) on a private file map gives each page a private copy of the
 # file's bytes in one call: pages the page cache's reclaim (or a cold start) no longer drops.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)

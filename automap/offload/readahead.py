@@ -12,7 +12,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterable, NamedTuple
 
-from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
+from automap.offload.pages import PAGE, madvise
+from automap.page_cache import MADV_POPULATE_READ, send_to_page_cache
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class ReadAhead:
         """One request: the kernel reads the chunk into the page cache (``sendfile`` to
         ``/dev/null``: its own large reads, no copy to this process), then its pages are mapped
         in. Where ``sendfile`` cannot read the file, readahead is queued instead."""
-        if not _send(chunk.fd, chunk.offset, chunk.length):
+        if not send_to_page_cache(chunk.fd, chunk.offset, chunk.length):
             madvise(chunk.address, chunk.length, mmap.MADV_WILLNEED)
         madvise(
             chunk.address, chunk.length, MADV_POPULATE_READ
@@ -129,31 +130,6 @@ class ReadAhead:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-def _send(fd: int, offset: int, length: int) -> bool:
-    """Read ``length`` bytes of ``fd`` at ``offset`` into the page cache, discarding them."""
-    end = offset + length
-    try:
-        sink = _sink()
-        while offset < end:
-            sent = os.sendfile(sink, fd, offset, end - offset)
-            if sent <= 0:
-                break  # the end of the file (a truncated one is refused before any read)
-            offset += sent
-    except OSError:
-        return False
-    return True
-
-
-_SINK: list[int] = []
-
-
-def _sink() -> int:
-    """``/dev/null``, open for writing once per process."""
-    if not _SINK:
-        _SINK.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
-    return _SINK[0]
 
 
 _READERS: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()

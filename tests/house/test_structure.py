@@ -31,6 +31,7 @@ LAYERS = {
     "machine_probes": 1,
     "probe_block": 1,
     "disk_probe": 1,
+    "page_cache": 0,
     "profiling": 2,
     "planning": 3,
     "offload": 4,

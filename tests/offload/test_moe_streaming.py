@@ -19,7 +19,8 @@ from torch import nn
 import automap
 from automap.offload import DirectTransfer, HostCopyOps, StagedTransfer
 from automap.offload.direct import direct_reads
-from automap.offload.pages import MADV_POPULATE_READ, PAGE, madvise
+from automap.offload.pages import PAGE, madvise
+from automap.page_cache import MADV_POPULATE_READ
 from automap.offload.readahead import Chunk, ReadAhead
 from automap.profiling.routed import find_experts, guess_rows, router_of, routed_rows
 from automap.runtime.experts import ExpertReads, ExpertsByCall
