@@ -332,9 +332,10 @@ _ACCELERATOR = dict(computes=True, is_storage=False, host_addressable=False, ove
 # hooks) and 10 MiB that oneDNN/MKL allocate at their first matmul; glibc keeps freed
 # activation blocks in its arenas (its mmap threshold rises to the largest block freed), about
 # 0.9 times the activation peak more at the run's peak (0.5-1.4 measured). The base is planned at
-# 26 MiB, the top of its measured spread (22 +- 4 MiB over 27 runs), not its middle: a plan that
-# fills a budget to the byte must stay under it when the run lands high.
-_CPU_RUNTIME = dict(runtime_base_bytes=26 * 2**20, runtime_share=0.9)
+# 26 MiB, the top of its measured spread (22 +- 4 MiB over 27 runs), not its middle, and the
+# share at 1.0: a plan that fills a budget to the byte must stay under it when the run lands
+# high (ResNet-50 at 50 %, its budget filled to 99 %, once needed 0.96 beside another case's run).
+_CPU_RUNTIME = dict(runtime_base_bytes=26 * 2**20, runtime_share=1.0)
 register_kind(
     DeviceKind(
         "cuda",
