@@ -159,20 +159,24 @@ def layer_rates(
     whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
     import torch
 
+    def rate(dtype: Any) -> float:
+        turns = itertools.cycle(_copies(hidden, device, dtype, tokens))  # one arena held at a time
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
+        seconds = median_seconds(lambda: next(turns)(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN)
+        return layer_flops(hidden, tokens) / seconds
+
+    return _per_dtype(device, sync, rate)
+
+
+def _per_dtype(device: Any, sync: Callable[[], None], rate: Callable[[Any], float]) -> dict[str, float]:
+    """``rate(dtype)`` for each of :data:`DTYPES`; a dtype whose 256-wide product is slow
+    (:func:`_slow`) is measured on that product instead (a larger probe would take long)."""
+    import torch
+
     rates = {}
     for name in DTYPES:
         dtype = getattr(torch, name)
-        if _slow(device, dtype, sync):
-            rates[name] = _small_product_rate(device, dtype, sync)
-            continue
-        layers = _copies(hidden, device, dtype, tokens)
-        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
-        turns = itertools.cycle(layers)
-        seconds = median_seconds(
-            lambda turns=turns, x=x: next(turns)(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN
-        )
-        rates[name] = layer_flops(hidden, tokens) / seconds
-        del layers, turns, x  # one arena held at a time
+        rates[name] = _small_product_rate(device, dtype, sync) if _slow(device, dtype, sync) else rate(dtype)
     return rates
 
 
@@ -265,27 +269,21 @@ def large_matmul_rates(device: Any, sync: Callable[[], None]) -> dict[str, float
     import torch
 
     tokens, inputs, outputs = MATMUL_SHAPE
-    rates = {}
-    for name in DTYPES:
-        dtype = getattr(torch, name)
-        if _slow(device, dtype, sync):
-            rates[name] = _small_product_rate(device, dtype, sync)
-            continue
+
+    def rate(dtype: Any) -> float:
         arena = _Arena(
             (tokens * inputs + outputs * inputs + tokens * outputs) * dtype.itemsize + 3 * 64, device
         )
         x = arena.take((tokens, inputs), dtype).normal_()
         weight = arena.take((outputs, inputs), dtype).normal_(std=inputs**-0.5)
         out = arena.take((tokens, outputs), dtype)
-        seconds = median_seconds(
-            lambda x=x, w=weight, out=out: torch.mm(x, w.t(), out=out),
-            sync,
-            repeats=_LAYER_REPEATS,
-            within=_MATMUL_WITHIN,
-        )
-        rates[name] = _matmul_flops() / seconds
-        del arena, x, weight, out  # one arena held at a time
-    return rates
+
+        def mm() -> None:
+            torch.mm(x, weight.t(), out=out)
+
+        return _matmul_flops() / median_seconds(mm, sync, repeats=_LAYER_REPEATS, within=_MATMUL_WITHIN)
+
+    return _per_dtype(device, sync, rate)
 
 
 def measure_cpu() -> dict[str, Any]:
