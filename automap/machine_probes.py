@@ -151,8 +151,9 @@ PROBE_OP_FLOPS = (layer_flops(*LAYER_SHAPE) / LAYER_OPS, float(_matmul_flops()))
 def layer_rates(
     device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128
 ) -> dict[str, float]:
-    """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention,
-    a gated MLP, residuals; ``tokens`` x ``hidden``), its FLOPs counted as the profiler counts
+    """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention
+    with rotary embeddings, a gated MLP, residuals; ``tokens`` x ``hidden``; copies of it
+    called in turns, :func:`_copies`), its FLOPs counted as the profiler counts
     a model's (:class:`~torch.utils.flop_counter.FlopCounterMode`: matmuls and attention): the
     rate a model's counted FLOPs run at, the work between the matmuls included (slow in a
     dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
