@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from automap.machine_probes import LAYER_SHAPE, ProbeLayer, median_seconds
 from automap.page_cache import MADV_POPULATE_READ, send_to_page_cache
@@ -44,24 +45,34 @@ def measure_disk(folder: str) -> tuple[float, float]:
             finally:
                 os.close(fd)
             rate = max(_read_rate(path) for _ in range(_DISK_READS))
-            return rate, statistics.median(compute_loss(path) for _ in range(_DISK_READS))
+            probe = _probe_layer()  # one layer for the three reads beside it
+            return rate, statistics.median(compute_loss(path, probe) for _ in range(_DISK_READS))
     except OSError as exc:
         log.info("disk read rate not measured in %s: %s", folder, exc)
         return 0.0, 0.0
 
 
-def compute_loss(path: str) -> float:
+def _probe_layer() -> tuple[ProbeLayer, Any]:
+    """The float32 probe layer and an input for it, at :data:`LAYER_SHAPE`."""
+    import torch
+
+    hidden, tokens = LAYER_SHAPE
+    return ProbeLayer(hidden, torch.device("cpu"), torch.float32, tokens=tokens), torch.randn(
+        1, tokens, hidden
+    )
+
+
+def compute_loss(path: str, probe: tuple[ProbeLayer, Any] | None = None) -> float:
     """Seconds per byte a computation on torch's threads loses while the file at ``path`` is
     read beside it (as :func:`_read_rate` reads it): the probe layer's calls during the read,
     less as many calls' time alone. Where torch's threads fill the cores, the read's own CPU
     time (the kernel's page-cache and page-table work) is taken from them, and a thread held
     back holds the others at the op's end; measured here about twice the read's CPU time. Where
-    a core is spare it is about 0. An error of the read raises it."""
+    a core is spare it is about 0. An error of the read raises it. ``probe``: the layer and
+    its input (:func:`_probe_layer`, made here when not given)."""
     import torch
 
-    hidden, tokens = LAYER_SHAPE
-    layer = ProbeLayer(hidden, torch.device("cpu"), torch.float32, tokens=tokens)
-    x = torch.randn(1, tokens, hidden)
+    layer, x = probe or _probe_layer()
     failed: list[OSError] = []
 
     def read() -> None:
