@@ -22,6 +22,7 @@ from automap.progress import bar as progress_bar
 from automap.loading.checkpoint import Checkpoint
 from automap.loading.convert import Recipe
 from automap.loading.keys import Match
+from automap.loading.staged import DeviceSends
 from automap.offload import CheckpointSource, OffloadStore, SourceSet, TensorSpec, WeightSource
 from automap.offload.folder import no_offload_dir
 from automap.planning import Plan
@@ -123,10 +124,16 @@ def materialise(
     with progress_bar(total, "automap.load", unit="B", quiet=quiet) as bar:
         reader = _Reader(checkpoint)
         progress = _Progress(bar, len(tasks))
-        for task in tasks:
-            if task.device is not None:
-                loaded.fresh[id(task.tensor)] = reader.fetch(task).to(task.device)
-                progress.step(task.nbytes)
+        sends = DeviceSends()
+        try:
+            for task in tasks:
+                if task.device is not None:
+                    loaded.fresh[id(task.tensor)] = sends.send(reader.fetch(task), task.device)
+                    progress.step(task.nbytes)
+        except BaseException:
+            sends.finish(failed=True)
+            raise
+        sends.finish()  # the copies in flight end before anything uses (or drops) their tensors
         offloaded = [t for t in tasks if t.device is None]
         if offloaded:
             loaded.source = _build_source(offloaded, reader, offload_dir, progress, loaded)

@@ -14,6 +14,7 @@ from torch import nn
 
 from automap.kinds import kind_of, on_host
 from automap.loading.materialise import Task, noted, plan_tasks
+from automap.loading.staged import stages_to, staging_bytes
 from automap.planning import Plan
 from automap.planning.model import Origin
 from automap.runtime import check_devices_present
@@ -42,7 +43,12 @@ def load_peak_bytes(tasks: Iterable[Task]) -> int:
         if t.built is not None:
             copies = MERGE_COPIES - 1 if _in_ram(t) else MERGE_COPIES
             transient[id(t.built[0])] = transient.get(id(t.built[0]), 0) + copies * t.nbytes
-    return LOAD_BASE_BYTES + resident + max(transient.values(), default=0)
+    to_devices: dict[str, int] = {}  # bytes sent to each accelerator, through pinned staging
+    for t in tasks:
+        if t.device is not None and stages_to(t.device):
+            to_devices[str(t.device)] = to_devices.get(str(t.device), 0) + t.nbytes
+    staging = sum(staging_bytes(n) for n in to_devices.values())
+    return LOAD_BASE_BYTES + resident + max(transient.values(), default=0) + staging
 
 
 def _in_ram(task: Task) -> bool:
