@@ -300,14 +300,37 @@ def _only_routed_rows_read(batch: int, tmp_path, reader: ReadAhead | None = None
     automap.dispatch(model, device_map=_layers_on_disk(model), offload_dir=tmp_path)
     if reader is not None:
         state_of(model).source.row_reader = reader
-    _cold(model)
-    with _kept_once_mapped(model):
-        assert torch.equal(_logits(model, ids), expected)
-        for hook in state_of(model).hooks:  # the guessed reads run in the background: let them end
-            if isinstance(hook, ExpertReads):
-                hook.settle()
-        _check_only_routed_rows_in_memory(model, routed, guessed)
-    return model
+    for attempt in range(WHOLE_FILE_TRIES):
+        _cold(model)
+        with _kept_once_mapped(model):
+            assert torch.equal(_logits(model, ids), expected)
+            for hook in state_of(model).hooks:  # the guessed reads run in the background: let them end
+                if isinstance(hook, ExpertReads):
+                    hook.settle()
+            whole = _wholly_in_memory(model, routed)
+            if whole is None or attempt == WHOLE_FILE_TRIES - 1:
+                _check_only_routed_rows_in_memory(model, routed, guessed)
+                return model
+    raise AssertionError("unreachable")
+
+
+# In 1-2 % of cold forwards on the development machine (Linux 6.18, ext4, both cores busy),
+# every page of the second layer's store file came into memory during the forward, the rows of
+# every expert with it, though every read and madvise automap made in that forward was logged and
+# none asked for more than the layer's dense part (at the file's end) and its routed and guessed
+# rows. The same calls on a file of the same size outside automap never did it in 1500 tries; the
+# cause is not found. A whole file in memory is therefore tried again, up to this many cold
+# forwards; any other row read beyond the routing fails at once.
+WHOLE_FILE_TRIES = 3
+
+
+def _wholly_in_memory(model: nn.Module, routed: dict[str, set[int]]) -> str | None:
+    """The first experts module every row of whose tensors is in memory, or None."""
+    for module in routed:
+        rows = [r for t in ("gate_up_proj", "down_proj") for r in _row_pages(model, f"{module}.{t}")]
+        if all(resident == pages for resident, pages in rows):
+            return module
+    return None
 
 
 def _check_only_routed_rows_in_memory(
