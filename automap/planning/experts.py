@@ -326,8 +326,8 @@ def belady_hits(trace: Sequence[Sequence[Key]], capacity: int, sizes: Mapping[Ke
     return hits
 
 
-# A host capacity below this share of the RAM free now is a budget the user set (detection gives
-# the RAM free at planning time, which moves a little by dispatch).
+# A host budget the user set at or above this share of the RAM free now binds nothing: the page
+# cache keeps what RAM holds, as without one.
 BUDGET_SHARE = 0.9
 
 
@@ -336,12 +336,18 @@ def cache_room(plan: Any) -> int:
     tier (the disk): the host's capacity less the weights the plan puts there, its reserve and
     the units read ahead into the page cache on the way (two of the largest offloaded); 0 when
     the host's capacity is unknown, nothing is offloaded to a storage tier, or the capacity is
-    no budget below the RAM free now (``max_memory`` not given: the page cache keeps what RAM
-    holds already, and the kernel may take it back, which it may not from experts kept here).
+    no budget: detected rather than given (``max_memory`` not given: the page cache keeps what
+    RAM holds already, and the kernel may take it back, which it may not from experts kept
+    here), or given at or above :data:`BUDGET_SHARE` of the RAM free now. Whether a budget was
+    given is the plan's device's own record (``measured``), never read from how its figure
+    compares with the RAM free now: a detected figure may come from the machine's record, made
+    when less RAM was free.
     The runtime keeps experts in it only where it finds routed experts in those units."""
     hosts = [d for d in plan.devices if kind_of(d.name).is_host and 0 < d.capacity_bytes]
     stored = [u for u, p in zip(plan.units, plan.placements) if p.offloaded and p.in_store]
-    if not hosts or not stored or hosts[0].capacity_bytes >= BUDGET_SHARE * available_ram_bytes():
+    if not hosts or not stored or "capacity_bytes" in hosts[0].measured:
+        return 0  # detected, not given: no budget (the figure may be the machine record's, older)
+    if hosts[0].capacity_bytes >= BUDGET_SHARE * available_ram_bytes():
         return 0
     return max(hosts[0].capacity_bytes - host_taken(plan, hosts[0].name), 0)
 

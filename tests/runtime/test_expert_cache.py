@@ -119,3 +119,23 @@ def test_without_a_ram_budget_the_page_cache_is_left_to_keep_what_it_keeps(tmp_p
         assert expert_cache(model) is None
     finally:
         automap.undispatch(model)
+
+
+def test_a_detected_ram_figure_below_the_ram_free_now_is_no_budget():
+    """The host's capacity a plan detected may be the machine record's, made while less RAM was
+    free than at dispatch: it must not read as a budget the user set (the cache then came and
+    went from one process to the next with the RAM free)."""
+    import dataclasses
+
+    from automap.kinds import available_ram_bytes
+    from automap.planning.experts import cache_room
+
+    model = tiny_moe("mixtral", layers=LAYERS, hidden=64, experts=8, shared=0)
+    plan = automap.plan(model, _map())
+    host = next(d for d in plan.devices if d.name == "cpu")
+    assert "capacity_bytes" in host.measured, "detected: no max_memory was given"
+    lower = dataclasses.replace(host, capacity_bytes=min(host.capacity_bytes, available_ram_bytes() // 4))
+    older = dataclasses.replace(plan, devices=tuple(lower if d is host else d for d in plan.devices))
+    assert cache_room(older) == 0
+    given = automap.plan(model, _map(), max_memory=_room_for(model, 4) | {"disk": 1 << 40})
+    assert cache_room(given) >= 4 * _expert_bytes(model), "a budget the user set leaves its room"
