@@ -19,7 +19,7 @@ from tqdm import tqdm
 from automap.errors import CheckpointError
 from automap.kinds import torch_device
 from automap.progress import bar as progress_bar
-from automap.loading.checkpoint import Checkpoint
+from automap.loading.checkpoint import Checkpoint, SafetensorsReader, Stored
 from automap.loading.convert import Recipe
 from automap.loading.keys import Match
 from automap.loading.staged import DeviceSends
@@ -128,7 +128,7 @@ def materialise(
         try:
             for task in tasks:
                 if task.device is not None:
-                    loaded.fresh[id(task.tensor)] = sends.send(reader.fetch(task), task.device)
+                    loaded.fresh[id(task.tensor)] = _send(task, reader, sends)
                     progress.step(task.nbytes)
         except BaseException:
             sends.finish(failed=True)
@@ -138,6 +138,18 @@ def materialise(
         if offloaded:
             loaded.source = _build_source(offloaded, reader, offload_dir, progress, loaded)
     return loaded
+
+
+def _send(task: Task, reader: _Reader, sends: DeviceSends) -> torch.Tensor:
+    """``task``'s tensor on its device: a stored tensor that needs no conversion read from its
+    file straight into the device's staging buffers, where it stages (:class:`DeviceSends`)."""
+    assert task.device is not None
+    raw = reader.raw(task)
+    if raw is None or not sends.stages(task.device):
+        return sends.send(reader.fetch(task), task.device)
+    file, stored = raw
+    shape, offset = torch.Size(stored.shape), stored.offset
+    return sends.send_file(task.device, shape, stored.dtype, stored.file, file.open_checked, offset)
 
 
 class _Progress:
@@ -164,6 +176,17 @@ class _Reader:
         if task.built is not None:
             return self._built(*task.built).to(task.dtype)
         return _computed(task)
+
+    def raw(self, task: Task) -> tuple[SafetensorsReader, Stored] | None:
+        """Where ``task``'s bytes lie as they are to be loaded (a safetensors tensor already in
+        its dtype), or None (converted, built, computed, or from a pickle)."""
+        if task.key is None or task.built is not None:
+            return None
+        stored = self.checkpoint.tensors[task.key]
+        file = self.checkpoint.readers[stored.file]
+        if not isinstance(file, SafetensorsReader) or stored.dtype != task.dtype:
+            return None
+        return file, stored
 
     def _built(self, recipe: Recipe, target: str) -> torch.Tensor:
         if id(recipe) not in self.waiting:

@@ -8,24 +8,32 @@ the host waiting for each).
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from automap.errors import CheckpointError
 from automap.kinds import kind_of, on_host, torch_device
 
 log = logging.getLogger(__name__)
 
-# Four buffers of 32 MiB: the host fills one while the device copies from the others; a
-# buffer of this size runs the host-to-device copy at its full rate on PCIe and NVLink-C2C hosts.
-SLOTS = 4
+# Buffers of 32 MiB, a size that runs the host-to-device copy at its full rate on PCIe and
+# NVLink-C2C hosts: two for tensors the host copies in (converted, built, small ones packed
+# together), four for tensors read from their file straight into them, as many reads in flight.
+SLOTS = 2
+READ_SLOTS = 4
 SLOT_BYTES = 32 << 20
+OPEN_FILES = 16  # checkpoint files held open at once by a load's reads (a folder may have thousands)
 ALIGN = 512  # each piece starts on this boundary of its buffer (the device's copy engines like it)
 
 
 def staging_bytes(nbytes: int) -> int:
-    """Page-locked host memory a staged load of ``nbytes`` to an accelerator holds at most."""
-    return min(SLOTS * SLOT_BYTES, -(-nbytes // SLOT_BYTES) * SLOT_BYTES) if nbytes > 0 else 0
+    """Page-locked host memory a staged load of ``nbytes`` to an accelerator holds at most
+    (both rings, each no larger than the load)."""
+    pieces = -(-nbytes // SLOT_BYTES)
+    return (min(SLOTS, pieces) + min(READ_SLOTS, pieces)) * SLOT_BYTES
 
 
 def stages_to(device: torch.device | str) -> bool:
@@ -62,11 +70,22 @@ class StagedCopies:
         self._buffers: list[torch.Tensor | None] = [None] * max(1, slots)
         self._events: list[Any] = [None] * len(self._buffers)
         self._slot, self._used = 0, 0
-        self.copies = 0  # host-to-device copies issued (tests, benchmarks)
+        self.copies = 0  # host-to-device copies issued from the buffers the host copies into
+        self.reads = FileReads(ops, self.stream, slot_bytes=slot_bytes)
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers if b is not None)
+        return sum(b.numel() for b in self._buffers if b is not None) + self.reads.pinned_bytes
+
+    def send_file(self, shape: torch.Size, dtype: torch.dtype, fd: int, offset: int) -> torch.Tensor:
+        """A tensor of the device holding the raw bytes of ``fd`` at ``offset`` (a tensor of
+        ``shape`` and ``dtype`` stored as is), read straight into the buffers, its copies in
+        flight."""
+        out = self.ops.empty(shape, dtype)
+        target = _bytes_of(out)
+        if target is not None and target.numel():
+            self.reads.put(target, fd, offset)
+        return out
 
     def send(self, value: torch.Tensor) -> torch.Tensor:
         """A tensor of the device equal to ``value`` (a host tensor), its copy issued."""
@@ -85,9 +104,11 @@ class StagedCopies:
     def finish(self) -> None:
         """Every copy issued so far done before the device's current stream goes on (it waits,
         the host does not), and the buffers free for the host once this returns."""
+        self.reads.finish()
         last = self.ops.record(self.stream)  # after every copy issued, the current buffer's too
         self.ops.wait(self.ops.current_stream(), last)
         self.ops.synchronize(last)  # the buffers are dropped after this: their copies must have run
+        self.reads.drop_buffers()
         self._buffers = [None] * len(self._buffers)
         self._events = [None] * len(self._events)
         self._slot, self._used = 0, 0
@@ -122,6 +143,113 @@ class StagedCopies:
         return buffer
 
 
+class FileReads:
+    """Tensors read from their file straight into :data:`READ_SLOTS` page-locked buffers, a
+    piece per buffer, every buffer's read in flight at once on threads of its own (``preadv``
+    releases the GIL), each piece's host-to-device copy issued on the side stream as soon as its
+    read ended. A buffer is read into again once the copy out of it ended (its event).
+
+    Args:
+        ops: the device's stream, event and copy primitives.
+        stream: the side stream the copies run on.
+        slots: buffers (and reads in flight).
+        slot_bytes: the size of each.
+    """
+
+    def __init__(self, ops: Any, stream: Any, slots: int = READ_SLOTS, slot_bytes: int = SLOT_BYTES):
+        self.ops, self.stream, self.slot_bytes = ops, stream, max(ALIGN, slot_bytes // ALIGN * ALIGN)
+        self._buffers: list[torch.Tensor | None] = [None] * max(1, slots)
+        self._state: list[Any] = [None] * len(
+            self._buffers
+        )  # None, ("read", future, target, piece), ("copy", event)
+        self._next = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self.copies = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def put(self, target: torch.Tensor, fd: int, offset: int) -> None:
+        """Read ``target.numel()`` bytes of ``fd`` at ``offset`` into ``target`` (bytes of a
+        device tensor), in pieces of a buffer each."""
+        for start in range(0, target.numel(), self.slot_bytes):
+            piece = target[start : start + self.slot_bytes]
+            slot = self._next
+            self._next = (slot + 1) % len(self._buffers)
+            self._settle(slot)
+            buffer = self._buffer(slot)[: piece.numel()]
+            future = self._executor().submit(_pread_all, fd, buffer, offset + start)
+            self._state[slot] = ("read", future, piece, buffer)
+            for other in range(len(self._state)):  # copies whose reads ended go now, in any order
+                state = self._state[other]
+                if state is not None and state[0] == "read" and state[1].done():
+                    self._issue(other)
+
+    def finish(self) -> Any:
+        """Issue every copy still waiting for its read; the event after the last (None if none)."""
+        try:
+            for slot in range(len(self._state)):
+                if self._state[slot] is not None and self._state[slot][0] == "read":
+                    self._issue(slot)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+        return self.ops.record(self.stream) if self.copies else None
+
+    def drop_buffers(self) -> None:
+        """After :meth:`finish`'s event passed: the buffers go back."""
+        self._buffers = [None] * len(self._buffers)
+        self._state = [None] * len(self._state)
+
+    def _settle(self, slot: int) -> None:
+        """Buffer ``slot`` free: its read's copy issued, and that copy ended (the host waits)."""
+        if self._state[slot] is not None and self._state[slot][0] == "read":
+            self._issue(slot)
+        if self._state[slot] is not None:
+            self.ops.synchronize(self._state[slot][1])
+            self._state[slot] = None
+
+    def _issue(self, slot: int) -> None:
+        _, future, target, buffer = self._state[slot]
+        self._state[slot] = None
+        future.result()  # a read that failed raises here, its copy never issued
+        with self.ops.on_stream(self.stream):
+            self.ops.copy(target, buffer)
+        self.copies += 1
+        self._state[slot] = ("copy", self.ops.record(self.stream))
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = self._buffers[slot] = self.ops.pinned(self.slot_bytes)
+        return buffer
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self._buffers), thread_name_prefix="automap-load-read")
+        return self._pool
+
+
+def _pread_all(fd: int, buffer: torch.Tensor, offset: int) -> None:
+    """Fill ``buffer`` (bytes) from ``fd`` at ``offset``.
+
+    Raises:
+        CheckpointError: the file ended first (it was truncated during the load).
+    """
+    view = memoryview(buffer.numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise CheckpointError(
+                f"a checkpoint file ended {len(view) - done} bytes short of a tensor at byte "
+                f"{offset + done}; it was truncated during the load"
+            )
+        done += got
+
+
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """The bytes of a contiguous tensor, flat (a view); None for one laid out otherwise or
     whose elements are not whole bytes (quantized, sparse, sub-byte dtypes)."""
@@ -142,22 +270,57 @@ class DeviceSends:
     def __init__(self, ops_for: Any = None):
         self._ops_for = ops_for or staged_ops
         self._staged: dict[torch.device, StagedCopies | None] = {}
+        self._files: dict[Any, int] = {}  # descriptors of the files read straight into buffers
 
     def send(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        staged = self._copies(device)
+        return staged.send(value) if staged is not None else value.to(device)
+
+    def stages(self, device: torch.device) -> bool:
+        """Whether tensors to ``device`` go through page-locked buffers."""
+        return self._copies(device) is not None
+
+    def send_file(
+        self, device: torch.device, shape: torch.Size, dtype: torch.dtype, file: Any, opener: Any, offset: int
+    ) -> torch.Tensor:
+        """Raw bytes of ``file`` at ``offset`` (a tensor of ``shape`` and ``dtype`` stored as
+        is) to ``device``, read straight into its buffers (``device`` must stage: :meth:`stages`).
+        ``opener()`` opens ``file`` checked, once for the load."""
+        staged = self._copies(device)
+        assert staged is not None
+        if file not in self._files:
+            if len(self._files) >= OPEN_FILES:  # a folder of many shards: their reads end, they close
+                self._close_files()
+            self._files[file] = opener()
+        return staged.send_file(shape, dtype, self._files[file], offset)
+
+    def _close_files(self) -> None:
+        for copies in self._staged.values():
+            if copies is not None:
+                copies.reads.finish()  # their copies issued; the reads' threads stopped
+        files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
+
+    def _copies(self, device: torch.device) -> StagedCopies | None:
         if device not in self._staged:
             ops = self._ops_for(device)
             self._staged[device] = StagedCopies(ops, device) if ops is not None else None
-        staged = self._staged[device]
-        return staged.send(value) if staged is not None else value.to(device)
+        return self._staged[device]
 
     def finish(self, failed: bool = False) -> None:
         """Wait for the copies in flight; after a ``failed`` load (its own error on its way
         out), an error of the device's here is logged rather than raised over it."""
         staged, self._staged = [s for s in self._staged.values() if s is not None], {}
-        for copies in staged:
+        error: Exception | None = None
+        for copies in staged:  # each finishes, whatever another raised: its reads end there
             try:
                 copies.finish()
-            except Exception:
-                if not failed:
-                    raise
-                log.debug("the staged copies of a failed load did not finish", exc_info=True)
+            except Exception as exc:
+                error = error or exc
+                log.debug("staged copies to a device did not finish", exc_info=True)
+        files, self._files = self._files, {}
+        for fd in files.values():  # no read into the buffers is left running
+            os.close(fd)
+        if error is not None and not failed:
+            raise error

@@ -3,7 +3,9 @@ CPU by the fake ops (tests/fake_streams.py): every tensor arrives whole and equa
 refilled before the device's copy out of it ran, and the device's stream waits for the copies
 before anything reads them."""
 
+import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from safetensors.torch import save_file
 
 import automap
 from automap.loading import staged
-from automap.loading.staged import DeviceSends, StagedCopies, staging_bytes, stages_to
+from automap.errors import CheckpointError
+from automap.loading.staged import DeviceSends, FileReads, StagedCopies, staging_bytes, stages_to
 
 ODD = [
     torch.randn(1000, 37),  # several buffers' worth at the small size below
@@ -67,8 +70,8 @@ def test_host_waits_once_per_buffer_refilled_and_once_at_the_end():
 
 def test_staging_memory_is_bounded_and_counted():
     assert staging_bytes(0) == 0
-    assert staging_bytes(1) == staged.SLOT_BYTES
-    assert staging_bytes(10 << 30) == staged.SLOTS * staged.SLOT_BYTES
+    assert staging_bytes(1) == 2 * staged.SLOT_BYTES
+    assert staging_bytes(10 << 30) == (staged.SLOTS + staged.READ_SLOTS) * staged.SLOT_BYTES
     assert not stages_to("cpu") and not stages_to(torch.device("cpu"))
     assert stages_to("cuda:0"), "CUDA's kind has stream ops: loads to it are staged"
 
@@ -89,10 +92,11 @@ def test_a_load_through_the_staged_path_gives_the_plain_model(tmp_path, monkeypa
     made: list[StagedCopies] = []
 
     class Recording(DeviceSends):
-        def send(self, value, device):
-            out = super().send(value, device)
-            made.extend(s for s in self._staged.values() if s is not None and s not in made)
-            return out
+        def _copies(self, device):
+            found = super()._copies(device)
+            if found is not None and found not in made:
+                made.append(found)
+            return found
 
     monkeypatch.setattr(staged, "staged_ops", lambda device: ops)
     monkeypatch.setattr(sys.modules["automap.loading.materialise"], "DeviceSends", Recording)
@@ -104,10 +108,62 @@ def test_a_load_through_the_staged_path_gives_the_plain_model(tmp_path, monkeypa
             torch.nn.Linear(16 * 30 * 30, 10),
         ).eval()
     automap.load(model, str(path), {"": "cpu"}, quiet=True)
-    assert made and made[0].copies >= len(plain.state_dict()), "every tensor went through the buffers"
+    (copies,) = made
+    stored = [v for v in plain.state_dict().values() if v.numel()]
+    assert copies.reads.copies == len(stored), "each stored tensor read from its file into the buffers"
     ops.read(*model.state_dict().values())
     ops.assert_clean()
     for key, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(model(x), plain(x))
+
+
+def _file_of(tmp_path, values: list[torch.Tensor]):
+    """The tensors' bytes one after another in a file; (descriptor, offsets)."""
+    path, offsets, at = tmp_path / "raw.bin", [], 0
+    with open(path, "wb") as f:
+        for value in values:
+            offsets.append(at)
+            data = value.reshape(-1).view(torch.uint8).numpy().tobytes()
+            f.write(data)
+            at += len(data)
+    return os.open(path, os.O_RDONLY), offsets, path
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_tensors_read_from_their_file_into_a_small_ring_arrive_equal(tmp_path, slots):
+    values = [torch.randn(3000, 7), torch.randn(5).to(torch.bfloat16), torch.arange(999, dtype=torch.int64)]
+    fd, offsets, _ = _file_of(tmp_path, values)
+    ops = FakeOps()
+    copies = StagedCopies(ops, torch.device("cpu"), slot_bytes=4096)
+    copies.reads = FileReads(ops, copies.stream, slots=slots, slot_bytes=4096)
+    try:
+        sent = [copies.send_file(v.shape, v.dtype, fd, at) for v, at in zip(values, offsets)]
+        copies.finish()
+    finally:
+        os.close(fd)
+    ops.read(*sent)
+    ops.assert_clean()
+    assert all(torch.equal(a, b) for a, b in zip(sent, values))
+    assert copies.reads.copies == sum(-(-v.nbytes // 4096) for v in values) > slots
+    assert ops.pageable_copies == 0
+
+
+def test_a_file_truncated_during_the_load_fails_it_with_a_clear_error_and_nothing_hangs(tmp_path):
+    values = [torch.randn(4096), torch.randn(4096)]
+    fd, offsets, path = _file_of(tmp_path, values)
+    os.truncate(path, offsets[1] + 100)  # the second tensor is cut short
+    sends = DeviceSends(ops_for=lambda device: FakeOps())
+    try:
+        with pytest.raises(
+            CheckpointError, match="truncated during the load"
+        ):  # at the next send, or at the end
+            for value, at in zip(values, offsets):
+                sends.send_file(torch.device("cpu"), value.shape, value.dtype, path, lambda: os.dup(fd), at)
+            sends.finish()
+        sends.finish(failed=True)  # what a failed load does on its way out: nothing raised over its error
+    finally:
+        os.close(fd)
+    assert not [t for t in threading.enumerate() if t.name.startswith("automap-load-read")]
+    assert not sends._files, "the descriptors it opened are closed"
