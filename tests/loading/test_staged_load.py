@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 from fake_streams import FakeOps
-from safetensors.torch import save_file
+from conftest import tiny_gpt2
+from safetensors.torch import save_model
 
 import automap
 from automap.loading import staged
@@ -77,17 +78,13 @@ def test_staging_memory_is_bounded_and_counted():
 
 
 def test_a_load_through_the_staged_path_gives_the_plain_model(tmp_path, monkeypatch):
-    """automap.load with every tensor sent through fake staged copies (as to a GPU): the same
-    weights and outputs as the plain model, and the rules held."""
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3),
-        torch.nn.BatchNorm2d(16),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16 * 30 * 30, 10),
-    ).eval()
+    """automap.load of GPT-2 (tied embeddings) with every tensor sent through fake staged copies
+    (as to a GPU): the same weights and outputs as the plain model, and the rules held."""
+    from transformers import GPT2LMHeadModel
+
+    plain = tiny_gpt2(layers=2)
     path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(path))
+    save_model(plain, str(path))
     ops = FakeOps()
     made: list[StagedCopies] = []
 
@@ -101,22 +98,20 @@ def test_a_load_through_the_staged_path_gives_the_plain_model(tmp_path, monkeypa
     monkeypatch.setattr(staged, "staged_ops", lambda device: ops)
     monkeypatch.setattr(sys.modules["automap.loading.materialise"], "DeviceSends", Recording)
     with automap.empty_model():
-        model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3),
-            torch.nn.BatchNorm2d(16),
-            torch.nn.Flatten(),
-            torch.nn.Linear(16 * 30 * 30, 10),
-        ).eval()
+        model = GPT2LMHeadModel(plain.config).eval()
     automap.load(model, str(path), {"": "cpu"}, quiet=True)
     (copies,) = made
-    stored = [v for v in plain.state_dict().values() if v.numel()]
-    assert copies.reads.copies == len(stored), "each stored tensor read from its file into the buffers"
+    assert copies.reads.copies >= len(plain.transformer.h) * 4, (
+        "stored tensors read from the file into buffers"
+    )
     ops.read(*model.state_dict().values())
     ops.assert_clean()
+    assert model.lm_head.weight is model.transformer.wte.weight, "the tie kept"
     for key, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
-    x = torch.randn(2, 3, 32, 32)
-    assert torch.equal(model(x), plain(x))
+    ids = torch.randint(0, plain.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
 
 
 def _file_of(tmp_path, values: list[torch.Tensor]):
