@@ -1,8 +1,8 @@
-"""Loading to an accelerator through pinned staging: a checkpoint's tensors are copied by the
-host into a ring of page-locked buffers and from there to the device on a side stream, so that
-the host's copy of one buffer overlaps the device's copy of the one before (a copy from
-pageable memory, as ``tensor.to("cuda")`` makes, is staged by the driver one piece at a time,
-the host waiting for each).
+"""Loading to an accelerator through pinned staging: a checkpoint's tensors are read from their
+file (or copied by the host) into page-locked buffers and from there to the device on a side
+stream, so that the reads into some buffers overlap the device's copies out of the others (a
+copy from pageable memory, as ``tensor.to("cuda")`` makes, is staged by the driver one piece at
+a time, the host waiting for each).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ def staged_ops(device: torch.device) -> Any | None:
 
 
 class StagedCopies:
-    """Copies host tensors to one device through :data:`SLOTS` page-locked buffers.
+    """Copies tensors to one device through page-locked buffers: host tensors copied into
+    :data:`SLOTS` of them (:meth:`send`), stored ones read from their file into :attr:`reads`
+    (:meth:`send_file`).
 
-    :meth:`send` returns the device tensor at once, its copy in flight; :meth:`finish` makes
+    Each returns the device tensor at once, its copy in flight; :meth:`finish` makes
     the device's current stream wait for every copy and returns when the host may drop the
     buffers. A buffer is refilled only after the device's copy out of it ended (an event
     recorded after it, waited for by the host).
@@ -159,9 +161,8 @@ class FileReads:
     def __init__(self, ops: Any, stream: Any, slots: int = READ_SLOTS, slot_bytes: int = SLOT_BYTES):
         self.ops, self.stream, self.slot_bytes = ops, stream, max(ALIGN, slot_bytes // ALIGN * ALIGN)
         self._buffers: list[torch.Tensor | None] = [None] * max(1, slots)
-        self._state: list[Any] = [None] * len(
-            self._buffers
-        )  # None, ("read", future, target, piece), ("copy", event)
+        # Per buffer: None (free), ("read", future, target, buffer) or ("copy", event).
+        self._state: list[Any] = [None] * len(self._buffers)
         self._next = 0
         self._pool: ThreadPoolExecutor | None = None
         self.copies = 0
