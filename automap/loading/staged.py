@@ -37,10 +37,12 @@ def staging_bytes(nbytes: int) -> int:
 
 
 def stages_to(device: torch.device | str) -> bool:
-    """Whether a load to ``device`` stages its copies: an accelerator whose kind names
-    :class:`~automap.offload.DeviceOps` (elsewhere a tensor is sent with ``.to``)."""
+    """Whether a load to ``device`` stages its copies: an accelerator whose copies run on a side
+    stream from pinned memory (``async_copies``: CUDA) and whose kind names
+    :class:`~automap.offload.DeviceOps`; elsewhere a tensor is sent with ``.to``, as staging
+    would overlap nothing."""
     kind = kind_of(device)
-    return not kind.is_host and kind.factory("ops") is not None
+    return not kind.is_host and kind.async_copies and kind.factory("ops") is not None
 
 
 def staged_ops(device: torch.device) -> Any | None:

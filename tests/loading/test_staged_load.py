@@ -75,6 +75,7 @@ def test_staging_memory_is_bounded_and_counted():
     assert staging_bytes(10 << 30) == (staged.SLOTS + staged.READ_SLOTS) * staged.SLOT_BYTES
     assert not stages_to("cpu") and not stages_to(torch.device("cpu"))
     assert stages_to("cuda:0"), "CUDA's kind has stream ops: loads to it are staged"
+    assert not stages_to("mps") and not stages_to("xpu:0"), "copies that overlap nothing: sent with .to"
 
 
 def test_a_load_through_the_staged_path_gives_the_plain_model(tmp_path, monkeypatch):
