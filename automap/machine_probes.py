@@ -8,7 +8,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from automap.kinds import kind_of, registered_kinds, torch_device
@@ -149,7 +149,11 @@ PROBE_OP_FLOPS = (layer_flops(*LAYER_SHAPE) / LAYER_OPS, float(_matmul_flops()))
 
 
 def layer_rates(
-    device: Any, sync: Callable[[], None], hidden: int = 512, tokens: int = 128
+    device: Any,
+    sync: Callable[[], None],
+    hidden: int = 512,
+    tokens: int = 128,
+    slow: Collection[str] | None = None,
 ) -> dict[str, float]:
     """FLOP/s per dtype of a transformer layer in miniature on ``device`` (norms, attention
     with rotary embeddings, a gated MLP, residuals; ``tokens`` x ``hidden``; copies of it
@@ -157,7 +161,8 @@ def layer_rates(
     a model's (:class:`~torch.utils.flop_counter.FlopCounterMode`: matmuls and attention): the
     rate a model's counted FLOPs run at, the work between the matmuls included (slow in a
     dtype the CPU has no vector units for, bfloat16's norms and activations on many). A dtype
-    whose 256-wide product is slow (:func:`_slow`) is measured on that product instead."""
+    whose 256-wide product is slow (``slow``, asked of :func:`slow_dtypes` when not given) is
+    measured on that product instead."""
     import torch
 
     def rate(dtype: Any) -> float:
@@ -166,19 +171,30 @@ def layer_rates(
         seconds = median_seconds(lambda: next(turns)(x), sync, repeats=_LAYER_REPEATS, within=_LAYER_WITHIN)
         return layer_flops(hidden, tokens) / seconds
 
-    return _per_dtype(device, sync, rate)
+    return _per_dtype(device, sync, rate, slow)
 
 
-def _per_dtype(device: Any, sync: Callable[[], None], rate: Callable[[Any], float]) -> dict[str, float]:
-    """``rate(dtype)`` for each of :data:`DTYPES`; a dtype whose 256-wide product is slow
-    (:func:`_slow`) is measured on that product instead (a larger probe would take long)."""
+def slow_dtypes(device: Any, sync: Callable[[], None]) -> set[str]:
+    """The names of :data:`DTYPES` whose 256-wide product ``device`` computes slowly (:func:`_slow`)."""
     import torch
 
-    rates = {}
-    for name in DTYPES:
-        dtype = getattr(torch, name)
-        rates[name] = _small_product_rate(device, dtype, sync) if _slow(device, dtype, sync) else rate(dtype)
-    return rates
+    return {name for name in DTYPES if _slow(device, getattr(torch, name), sync)}
+
+
+def _per_dtype(
+    device: Any, sync: Callable[[], None], rate: Callable[[Any], float], slow: Collection[str] | None
+) -> dict[str, float]:
+    """``rate(dtype)`` for each of :data:`DTYPES`; a dtype in ``slow`` (:func:`slow_dtypes`
+    when None) is measured on the 256-wide product instead (a larger probe would take long)."""
+    import torch
+
+    slow = slow_dtypes(device, sync) if slow is None else slow
+    return {
+        name: _small_product_rate(device, getattr(torch, name), sync)
+        if name in slow
+        else rate(getattr(torch, name))
+        for name in DTYPES
+    }
 
 
 def _copies(hidden: int, device: Any, dtype: Any, tokens: int) -> list[ProbeLayer]:
@@ -263,10 +279,12 @@ class ProbeLayer:
         return x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
 
 
-def large_matmul_rates(device: Any, sync: Callable[[], None]) -> dict[str, float]:
+def large_matmul_rates(
+    device: Any, sync: Callable[[], None], slow: Collection[str] | None = None
+) -> dict[str, float]:
     """FLOP/s per dtype of a large linear layer's matmul (:data:`MATMUL_SHAPE`) on ``device``,
     written into its own arena (nothing allocated per call). A dtype whose 256-wide product is
-    slow (:func:`_slow`) is measured on that product instead, as in :func:`layer_rates`."""
+    slow (``slow``, as in :func:`layer_rates`) is measured on that product instead."""
     import torch
 
     tokens, inputs, outputs = MATMUL_SHAPE
@@ -284,7 +302,7 @@ def large_matmul_rates(device: Any, sync: Callable[[], None]) -> dict[str, float
 
         return _matmul_flops() / median_seconds(mm, sync, repeats=_LAYER_REPEATS, within=_MATMUL_WITHIN)
 
-    return _per_dtype(device, sync, rate)
+    return _per_dtype(device, sync, rate, slow)
 
 
 def measure_cpu() -> dict[str, Any]:
@@ -295,9 +313,11 @@ def measure_cpu() -> dict[str, Any]:
     import torch
 
     hidden, tokens = LAYER_SHAPE
+    cpu, sync = torch.device("cpu"), lambda: None
     with torch.no_grad():
-        rates = layer_rates(torch.device("cpu"), lambda: None, hidden, tokens)
-        large_rates = large_matmul_rates(torch.device("cpu"), lambda: None)
+        slow = slow_dtypes(cpu, sync)  # asked once for both probes
+        rates = layer_rates(cpu, sync, hidden, tokens, slow)
+        large_rates = large_matmul_rates(cpu, sync, slow)
         reads = {name: matvec_rates(getattr(torch, name)) for name in DTYPES}
         per_op = op_seconds()
     return {
