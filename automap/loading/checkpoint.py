@@ -21,6 +21,7 @@ import torch
 
 from automap.errors import CheckpointError, FormatError
 from automap.offload import MappedFile, load_json, open_for_map, read_regular
+from automap.offload.opening import read_into
 from automap.offload.format import header_of
 from automap.loading.pickles import load_pickle
 
@@ -123,16 +124,12 @@ class SafetensorsReader(Reader):
     def _read_into(self, stored: Stored, view: memoryview) -> None:
         if self._handle is None:
             self._handle = io.FileIO(self.open_checked(), "rb", closefd=True)
-        self._handle.seek(stored.offset)
-        done = 0
-        while done < len(view):
-            got = self._handle.readinto(view[done:])
-            if not got:
-                raise CheckpointError(
-                    f"{self.path} ended while reading {stored.key!r} ({done} of "
-                    f"{len(view)} bytes); the file was truncated during the load"
-                )
-            done += got
+        done = read_into(self._handle.fileno(), view, stored.offset)
+        if done < len(view):
+            raise CheckpointError(
+                f"{self.path} ended while reading {stored.key!r} ({done} of "
+                f"{len(view)} bytes); the file was truncated during the load"
+            )
 
     def release(self) -> None:
         if self._handle is not None:

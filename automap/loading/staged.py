@@ -16,6 +16,7 @@ import torch
 
 from automap.errors import CheckpointError
 from automap.kinds import kind_of, on_host, torch_device
+from automap.offload.opening import read_into
 
 log = logging.getLogger(__name__)
 
@@ -242,15 +243,12 @@ def _pread_all(fd: int, buffer: torch.Tensor, offset: int) -> None:
         CheckpointError: the file ended first (it was truncated during the load).
     """
     view = memoryview(buffer.numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if not got:
-            raise CheckpointError(
-                f"a checkpoint file ended {len(view) - done} bytes short of a tensor at byte "
-                f"{offset + done}; it was truncated during the load"
-            )
-        done += got
+    done = read_into(fd, view, offset)
+    if done < len(view):
+        raise CheckpointError(
+            f"a checkpoint file ended {len(view) - done} bytes short of a tensor at byte "
+            f"{offset + done}; it was truncated during the load"
+        )
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ import torch
 from automap.errors import OffloadError
 from automap.kinds import attach
 from automap.offload.mapped import MappedFile
+from automap.offload.opening import read_into
 from automap.offload.readahead import coalesce
 from automap.offload.source import MappedSource, SourceSet, WeightSource
 from automap.offload.transfer import PageTransfer, Transfer
@@ -305,12 +306,7 @@ class DirectReads:
     def _request(self, buffer: torch.Tensor, request: Request) -> None:
         fd = self.descriptors[request.path]
         target = memoryview(buffer[request.at : request.at + request.length].numpy())
-        done = 0
-        while done < request.needed:
-            got = os.preadv(fd, [target[done:]], request.offset + done)
-            if got <= 0:
-                break
-            done += got
+        done = read_into(fd, target, request.offset, least=request.needed)
         if done < request.needed:
             raise OffloadError(
                 f"offload file {request.path} ended at byte {request.offset + done} while automap read "

@@ -72,6 +72,20 @@ def reopen(fd: int) -> tuple[int, bool]:
     return other, True
 
 
+def read_into(fd: int, view: memoryview, offset: int, least: int | None = None) -> int:
+    """Fill ``view`` with the bytes of ``fd`` from ``offset`` (``preadv``: no file position, any
+    thread), until ``least`` bytes (default: all of it) are there; returns the bytes read, fewer
+    than ``least`` only where the file ended first (the caller says what that means)."""
+    least = len(view) if least is None else least
+    done = 0
+    while done < least:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
 # Mappings /proc/self/maps names by a path though no file holds their bytes: shared anonymous
 # memory (pinned host memory from the CUDA allocator shows as "/dev/zero (deleted)") and memfds.
 ANONYMOUS_FILES = ("/dev/zero", "/memfd:")
